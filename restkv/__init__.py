@@ -1,0 +1,30 @@
+"""restkv: KV-cache eviction at prefill (ReST-KV and baselines) for transformers models."""
+
+from .config import METHODS, CompressionConfig
+from .integration import (
+    configure,
+    install,
+    kept_positions,
+    replace_gemma,
+    replace_gemma2,
+    replace_gemma3,
+    replace_llama,
+    replace_mistral,
+    replace_qwen2,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "CompressionConfig",
+    "configure",
+    "install",
+    "kept_positions",
+    "replace_gemma",
+    "replace_gemma2",
+    "replace_gemma3",
+    "replace_llama",
+    "replace_mistral",
+    "replace_qwen2",
+]

@@ -1,0 +1,139 @@
+"""One validated config object for every eviction knob.
+
+The knob names follow the original ReST-KV command line so that sweep scripts carry over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm")
+POOLINGS = ("avgpool", "maxpool", "adaptive", "none")
+METRIC_MODES = ("before", "after")
+MERGES = ("none", "pivot")
+GQA_AGGS = ("mean", "max")
+
+# pooling used when the caller does not choose one
+DEFAULT_POOLING = {"restkv": "adaptive", "snapkv": "avgpool", "pyramidkv": "avgpool"}
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Every knob of one eviction run.
+
+    Parameters
+    ----------
+    method : str
+        One of ``METHODS``; ``"fullkv"`` keeps the whole cache.
+    max_capacity_prompt : int
+        Entries kept per KV head per layer after prefill (the budget B), window included.
+    window_size : int
+        The last ``window_size`` prompt tokens: always kept, and their queries observe the prefix.
+    kernel_size : int
+        Odd width of the spatial pooling (the minimum width for ``pooling="adaptive"``).
+    pooling : str or None
+        ``avgpool``, ``maxpool``, ``adaptive`` (ReST-KV's drift-following window) or ``none``;
+        ``None`` picks the method's own default.
+    use_wo : bool
+        ReST-KV: measure the output change after the head's slice of ``o_proj`` (else in value space).
+    use_norm : bool
+        ReST-KV ``metric_mode="before"``: divide by ``||O_q W_O^h||``.
+    use_ema : bool
+        ReST-KV: smooth over the window queries with an EMA (else a plain mean).
+    alpha : float
+        EMA weight of the newest query, in (0, 1].
+    metric_mode : str
+        ReST-KV: ``after`` aggregates attention over the window first, ``before`` scores each query.
+    tau : float
+        ReST-KV: exponent of the output-distance term.
+    scale : float
+        ReST-KV adaptive pooling: positions of drift per pooling step.
+    use_pyramid : bool
+        Give lower layers larger budgets (PyramidKV schedule, same total).
+    beta : float
+        PyramidKV: ratio of the largest to the smallest layer budget is about ``2 * beta``.
+    merge : str
+        ``pivot`` merges each evicted entry into its most similar kept key (keys and values alike).
+    sink_tokens : int
+        StreamingLLM: first tokens always kept.
+    gqa_agg : str
+        How per-query-head scores reduce over a GQA group: ``mean`` or ``max``.
+    """
+
+    method: str = "restkv"
+    max_capacity_prompt: int = 512
+    window_size: int = 32
+    kernel_size: int = 7
+    pooling: str | None = None
+    use_wo: bool = True
+    use_norm: bool = False
+    use_ema: bool = True
+    alpha: float = 0.3
+    metric_mode: str = "after"
+    tau: float = 1.0
+    scale: float = 2000.0
+    use_pyramid: bool = False
+    beta: float = 20.0
+    merge: str = "none"
+    sink_tokens: int = 4
+    gqa_agg: str = "mean"
+
+    def __post_init__(self):
+        _check_choice("method", self.method, METHODS)
+        if self.pooling is None:
+            object.__setattr__(self, "pooling", DEFAULT_POOLING.get(self.method, "none"))
+        _check_choice("pooling", self.pooling, POOLINGS)
+        _check_choice("metric_mode", self.metric_mode, METRIC_MODES)
+        _check_choice("merge", "none" if self.merge is None else self.merge, MERGES)
+        _check_choice("gqa_agg", self.gqa_agg, GQA_AGGS)
+        for name in ("use_wo", "use_norm", "use_ema", "use_pyramid"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("max_capacity_prompt", "window_size", "kernel_size", "sink_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if self.window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
+        if self.window_size >= self.max_capacity_prompt:
+            raise ValueError(
+                f"window_size ({self.window_size}) must be smaller than max_capacity_prompt "
+                f"({self.max_capacity_prompt})"
+            )
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd integer >= 1, got {self.kernel_size}")
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        if not self.tau > 0:
+            raise ValueError(f"tau must be > 0, got {self.tau}")
+        if not self.scale > 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+        if not self.beta >= 1:
+            raise ValueError(f"beta must be >= 1, got {self.beta}")
+        if not 0 <= self.sink_tokens <= self.max_capacity_prompt - self.window_size:
+            raise ValueError(
+                f"sink_tokens must be in [0, max_capacity_prompt - window_size], got {self.sink_tokens}"
+            )
+
+    @property
+    def evicts(self) -> bool:
+        return self.method != "fullkv"
+
+    @property
+    def pyramid(self) -> bool:
+        return self.use_pyramid or self.method == "pyramidkv"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "CompressionConfig":
+        """Build from keyword knobs; an unknown knob raises a ValueError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

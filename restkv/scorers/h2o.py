@@ -1,0 +1,26 @@
+"""H2O: keep the heavy hitters, the entries with the largest attention accumulated over the prompt.
+
+Paper: "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
+(Zhang et al., 2023), https://arxiv.org/abs/2306.14048.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import CompressionConfig
+from ..observation import Observation
+
+
+def score(obs: Observation, cfg: CompressionConfig) -> Tensor:
+    """Attention summed over every prefill query, each query only over the keys it can see -> [b, Hq, P].
+
+    Queries are processed in blocks so the extra memory stays about one key tensor.
+    """
+    b, hq, n, d = obs.queries.shape
+    block = max(1, (d * obs.keys.shape[1]) // hq)
+    total = torch.zeros(b, hq, n, device=obs.keys.device)
+    for start in range(0, n, block):
+        total += obs.attention(start, min(n, start + block)).sum(-2)
+    return total[..., : obs.prefix_len]

@@ -1,0 +1,162 @@
+"""ReST-KV: keep the entries whose removal would change the layer's attention output the most.
+
+Paper: "ReST-KV: Robust KV Cache Eviction with Layer-wise Output Reconstruction and
+Spatial-Temporal Smoothing" (ICLR 2026).
+
+For one query with attention ``A`` and output ``o``, removing entry ``n`` changes the head's
+contribution to the layer output by exactly ``A[n] / (1 - A[n]) * ||(o - v_n) W_O^h||``.
+The score of a prefix entry is that change, smoothed over time (EMA over the window queries)
+and over space (an adaptive window that follows how the important positions drift).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import CompressionConfig
+from ..observation import Observation, group_view
+from ..smoothing import aggregate_rows, pool1d, shifted_box_filter
+
+_EPS = torch.finfo(torch.float32).eps
+
+
+def wo_factor(o_proj_weight: Tensor, num_heads: int) -> Tensor:
+    """R_h [Hq, d, d] with ``||W_O^h x|| = ||R_h x||`` (R of the QR of each head's column block of o_proj).
+
+    Using R (not the [heads, L, hidden] product) keeps the W_O term at the size of the values.
+    """
+    hidden = o_proj_weight.shape[0]
+    w = o_proj_weight.float().view(hidden, num_heads, -1).transpose(0, 1)  # [Hq, hidden, d]
+    return torch.linalg.qr(w, mode="r").R
+
+
+def odds(a: Tensor) -> Tensor:
+    """``a / (1 - a)``, finite even when attention is one-hot."""
+    return a / (1.0 - a).clamp_min(_EPS)
+
+
+def _project(x: Tensor, R: Tensor | None, r: int, hkv: int) -> Tensor:
+    """x [b, Hkv, n, d] mapped by R of group member r of every KV head (identity without W_O)."""
+    if R is None:
+        return x
+    return x @ group_view(R[None], hkv)[0, :, r].transpose(-1, -2)  # [Hkv, d, d]
+
+
+def output_distance(o: Tensor, values: Tensor, R: Tensor | None) -> Tensor:
+    """``||(o_h - v_n) W_O^h||`` for every query head h and prefix entry n -> [b, Hq, P].
+
+    o [b, Hq, d] (one output per head), values [b, Hkv, P, d]. Loops over the g members of a
+    GQA group only, so the peak extra memory is one value-sized float32 tensor.
+    """
+    b, hkv = values.shape[:2]
+    o = group_view(o, hkv)  # [b, Hkv, g, d]
+    out = []
+    for r in range(o.shape[2]):
+        pv = _project(values, R, r, hkv)  # [b, Hkv, P, d]
+        po = _project(o[:, :, r, None, :], R, r, hkv)  # [b, Hkv, 1, d]
+        out.append((pv - po).norm(dim=-1))
+    return torch.stack(out, 2).flatten(1, 2)
+
+
+def output_distance_rows(O: Tensor, values: Tensor, R: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``||(O_q - v_n) W_O^h||`` for every window query q -> ([b, Hq, w, P], ||O_q W_O^h|| [b, Hq, w, 1]).
+
+    Uses ``|x - y|^2 = |x|^2 - 2 x.y + |y|^2`` so no [w, P, d] tensor is formed.
+    """
+    b, hkv = values.shape[:2]
+    O = group_view(O, hkv)  # [b, Hkv, g, w, d]
+    dist, o_norm = [], []
+    for r in range(O.shape[2]):
+        pv = _project(values, R, r, hkv)  # [b, Hkv, P, d]
+        po = _project(O[:, :, r], R, r, hkv)  # [b, Hkv, w, d]
+        sq = po.pow(2).sum(-1, keepdim=True) - 2 * po @ pv.transpose(-1, -2) + pv.pow(2).sum(-1)[:, :, None]
+        dist.append(sq.clamp_min(0).sqrt())
+        o_norm.append(po.norm(dim=-1, keepdim=True))
+    return torch.stack(dist, 2).flatten(1, 2), torch.stack(o_norm, 2).flatten(1, 2)
+
+
+def exact_dominant(scores: Tensor, weights: Tensor, values: Tensor, R: Tensor | None, tau: float,
+                   other_mass: Tensor | float = 0.0) -> Tensor:
+    """Recompute, per row, the score of the most attended entry without cancellation.
+
+    With ``o = u_n + a_n v_n`` and ``1 - a_n = rest_n`` (the mass of every other entry, summed
+    from the small weights rather than as ``1 - a_n``), the indicator is
+    ``a_n / rest_n * ||(u_n - rest_n v_n) W_O^h||^tau``. For ``a_n`` close to 1 (near one-hot
+    attention, low-precision inputs) ``1 - a_n`` and ``o - v_n`` both cancel catastrophically;
+    this form stays accurate.
+
+    scores [b, Hq, r, P] per-row scores to patch, weights [b, Hq, r, N] (N >= P, the entries
+    ``o`` sums over), values [b, Hkv, N, d] float32, ``other_mass`` attention outside the N entries.
+    """
+    b, hq, rows, _ = weights.shape
+    hkv, d = values.shape[1], values.shape[-1]
+    top = weights.argmax(-1, keepdim=True)  # [b, Hq, r, 1]
+    a = weights.gather(-1, top)
+    rest_w = weights.scatter(-1, top, 0.0)
+    rest = (rest_w.sum(-1, keepdim=True) + other_mass).clamp_min(_EPS)
+    u = (group_view(rest_w, hkv).flatten(2, 3) @ values).view(b, hq, rows, d)
+    v_top = values.gather(2, group_view(top, hkv).flatten(2, 3).expand(-1, -1, -1, d)).view(b, hq, rows, d)
+    diff = u - rest * v_top
+    if R is not None:
+        diff = torch.einsum("bhrd,hed->bhre", diff, R)
+    fixed = a / rest * diff.norm(dim=-1, keepdim=True).pow(tau)
+    in_prefix = top < scores.shape[-1]
+    return scores.scatter(-1, top.clamp(max=scores.shape[-1] - 1), torch.where(in_prefix, fixed, scores.gather(-1, top.clamp(max=scores.shape[-1] - 1))))
+
+
+def window_drift(window_attention: Tensor, top: int) -> Tensor:
+    """Drift t [b, Hq]: mean position of the top-``top`` keys seen by the window's first half of
+    queries minus that of its second half (all key positions considered)."""
+    w = window_attention.shape[-2]
+    top = max(1, min(top, window_attention.shape[-1]))
+    halves = (window_attention[..., : w // 2, :], window_attention[..., w // 2 :, :])
+    means = [h.sum(-2).topk(top, dim=-1).indices.float().mean(-1) for h in halves]
+    return means[0] - means[1]
+
+
+def adaptive_pool(scores: Tensor, drift: Tensor, kernel_size: int, scale: float, n_pad: Tensor | None = None) -> Tensor:
+    """Average pooling whose width and shift follow the drift, per sample and head.
+
+    kernel ``k = max(kernel_size, 2 floor(|t| / scale) + 1)``, shift ``s = floor(t / scale)``
+    (+1 when ``t <= 0``), replicate padding ``k // 2 - s`` on the left and ``k // 2 + s`` on the right.
+    ``n_pad`` [b] left-padding lengths: each sample is padded from its first real entry.
+    """
+    if n_pad is not None:
+        first = n_pad.clamp(max=scores.shape[-1] - 1)[:, None, None].expand(-1, scores.shape[1], 1)
+        is_pad = torch.arange(scores.shape[-1], device=scores.device) < n_pad[:, None, None]
+        scores = torch.where(is_pad, scores.gather(-1, first), scores)
+    steps = torch.floor(drift.abs() / scale).long()
+    half = torch.clamp(steps, min=kernel_size // 2)  # k // 2 with k = max(kernel_size, 2 steps + 1)
+    shift = torch.floor(drift / scale).long() + (drift <= 0).long()
+    shift = torch.maximum(torch.minimum(shift, half), -half)
+    max_pad = 2 * int(half.max())  # one host read per layer
+    left, right = (half - shift).flatten(), (half + shift).flatten()
+    out = shifted_box_filter(scores.reshape(-1, scores.shape[-1]), left, right, max_pad)
+    return out.view(scores.shape)
+
+
+def score(obs: Observation, cfg: CompressionConfig, R: Tensor | None = None) -> Tensor:
+    """ReST-KV indicator of every prefix entry, per query head -> [b, Hq, P]."""
+    P, hkv = obs.prefix_len, obs.keys.shape[1]
+    A = obs.window_attention  # [b, Hq, w, L]
+    values = obs.values[:, :, :P].float()
+    R = R if cfg.use_wo else None
+    if cfg.metric_mode == "after":
+        a = aggregate_rows(A[..., :P], cfg.use_ema, cfg.alpha)  # [b, Hq, P]
+        o = (group_view(a, hkv) @ values).flatten(1, 2)  # [b, Hq, d] output of the aggregated row
+        s = odds(a) * output_distance(o, values, R).pow(cfg.tau)
+        window_mass = aggregate_rows(A[..., P:].sum(-1, keepdim=True), cfg.use_ema, cfg.alpha)[..., None]
+        s = exact_dominant(s[:, :, None], a[:, :, None], values, R, cfg.tau, window_mass)[:, :, 0]
+    else:
+        dist, o_norm = output_distance_rows(obs.window_output, values, R)
+        rows = odds(A[..., :P]) * dist.pow(cfg.tau)
+        rows = exact_dominant(rows, A, obs.values.float(), R, cfg.tau)
+        if cfg.use_norm:
+            rows = rows / o_norm.pow(cfg.tau).clamp_min(_EPS)
+        s = aggregate_rows(rows, cfg.use_ema, cfg.alpha)
+    if cfg.pooling == "adaptive":
+        drift = window_drift(A, obs.budget - obs.window)
+        n_pad = (~obs.key_valid[:, :P]).sum(-1)
+        return adaptive_pool(s, drift, cfg.kernel_size, cfg.scale, n_pad)
+    return pool1d(s, cfg.pooling, cfg.kernel_size)
