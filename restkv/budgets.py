@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+
+import torch
 
 
 def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prompt_len: int) -> list[int]:
@@ -36,3 +40,81 @@ def layer_budgets(cfg, num_layers: int, prompt_len: int) -> list[int]:
     if cfg.pyramid:
         return pyramid_budgets(cfg.max_capacity_prompt, cfg.window_size, num_layers, cfg.beta, prompt_len)
     return [cfg.max_capacity_prompt] * num_layers
+
+
+def largest_remainder(exact, total: int):
+    """Round non-negative reals (a torch tensor) to ints that sum to ``total``."""
+    sizes = exact.floor().long()
+    leftover = int(total - sizes.sum())
+    if leftover > 0:
+        frac = (exact - sizes).flatten()
+        sizes.view(-1)[frac.topk(leftover).indices] += 1
+    return sizes
+
+
+def adakv_budgets(scores, base: int, floor: float, normalize: bool):
+    """AdaKV: share ``base * heads`` entries among the KV heads of a layer by their scores.
+
+    Each head first keeps its top ``floor * base``; the other slots go to the best remaining
+    entries over all heads (one top-k). ``scores`` [b, Hkv, P] -> budgets [b, Hkv] (window excluded).
+    With ``normalize``, each head's scores are weighted by the share of its mass inside its top-``base``.
+    """
+    b, hkv, P = scores.shape
+    base = min(base, P)
+    ranked = scores.sort(-1, descending=True).values
+    if normalize:
+        mass = ranked.clamp_min(0)
+        ranked = ranked * (mass[..., :base].sum(-1, keepdim=True) / mass.sum(-1, keepdim=True).clamp_min(1e-30))
+    guaranteed = int(base * floor)
+    pool = ranked[..., guaranteed:].reshape(b, -1)
+    chosen = pool.topk(hkv * (base - guaranteed), dim=-1).indices // (P - guaranteed)
+    extra = torch.zeros(b, hkv, dtype=torch.long, device=scores.device).scatter_add_(1, chosen, torch.ones_like(chosen))
+    return guaranteed + extra
+
+
+def headkv_budgets(importance, base: int, beta: float):
+    """HeadKV: per-head budgets [layers, Hkv] from importance [layers, Hkv] (window excluded).
+
+    Every head keeps ``base - base // beta``; the pool ``base // beta`` per head, over all layers, is
+    shared in proportion to importance. The total is exactly ``layers * Hkv * base``.
+    """
+    pool = (base // beta) * importance.numel()
+    share = importance / importance.sum()
+    return largest_remainder(share * pool, int(pool)) + int(base - base // beta)
+
+
+def load_head_importance(path: str, num_layers: int, num_heads: int, num_kv_heads: int):
+    """Read a head-importance table and return it per KV head [layers, Hkv] (float64, mean over a GQA group).
+
+    Accepts ``{"layer-head": [scores...] or score}`` (the HeadKV authors' format) or ``[[...], ...]``
+    (layers x heads). A missing file or a shape that does not fit the model raises a ValueError.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"head_importance file not found: {path}")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if isinstance(data, dict):
+        table = torch.full((num_layers, num_heads), float("nan"), dtype=torch.float64)
+        for key, value in data.items():
+            try:
+                layer, head = (int(x) for x in key.split("-"))
+                table[layer, head] = float(sum(value) / len(value)) if isinstance(value, list) else float(value)
+            except (ValueError, IndexError, TypeError, ZeroDivisionError):
+                raise ValueError(f"{path}: entry {key!r} does not fit a model of {num_layers} layers x {num_heads} heads") from None
+        if torch.isnan(table).any():
+            raise ValueError(f"{path}: {int(torch.isnan(table).sum())} of {num_layers}x{num_heads} heads have no score")
+    else:
+        table = torch.tensor(data, dtype=torch.float64)
+        if table.shape not in ((num_layers, num_heads), (num_layers, num_kv_heads)):
+            raise ValueError(
+                f"{path}: table of shape {tuple(table.shape)} does not fit a model of {num_layers} layers x "
+                f"{num_heads} heads ({num_kv_heads} KV heads)"
+            )
+    if (table < 0).any():
+        raise ValueError(f"{path}: head scores must be non-negative")
+    if table.shape[1] != num_kv_heads:
+        table = table.view(num_layers, num_kv_heads, -1).mean(-1)
+    return table

@@ -14,6 +14,11 @@ from transformers.cache_utils import DynamicLayer
 from .compress import Compressed
 
 
+def held_bytes(layer) -> int:
+    """Bytes of the keys and values a cache layer stores."""
+    return sum(t.nelement() * t.element_size() for t in (layer.keys, layer.values))
+
+
 class CompressedLayer(DynamicLayer):
     is_croppable = False
 
@@ -24,7 +29,7 @@ class CompressedLayer(DynamicLayer):
         self.is_initialized = True
         self.seen = seen
         self.positions = kept.positions  # [b, Hkv, B] kept prompt positions
-        self.valid = kept.valid  # [b, B]
+        self.valid = kept.valid  # [b, B], or [b, Hkv, B] when heads keep different numbers (masked layout)
         self.all_valid = bool(kept.valid.all())
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -47,27 +52,94 @@ class CompressedLayer(DynamicLayer):
         raise NotImplementedError("a compressed cache layer cannot be cropped")
 
     def key_valid(self) -> Tensor:
-        """[b, n] validity of every stored entry (decoded entries are always valid)."""
-        extra = self.keys.shape[-2] - self.valid.shape[1]
-        return torch.cat([self.valid, self.valid.new_ones(self.valid.shape[0], extra)], 1)
+        """[b, n] (or [b, Hkv, n]) validity of every stored entry (decoded entries are always valid)."""
+        extra = self.keys.shape[-2] - self.valid.shape[-1]
+        return torch.cat([self.valid, self.valid.new_ones(*self.valid.shape[:-1], extra)], -1)
 
-    def attention_mask(self, query_length: int, implementation: str, dtype: torch.dtype) -> Tensor | None:
+    def attention_mask(self, query_length: int, implementation: str, dtype: torch.dtype, groups: int = 1) -> Tensor | None:
         """The mask a backend needs for ``query_length`` new queries over the stored entries.
 
         Returns None when nothing is masked (one query, no kept padding), a 2D [b, n] padding mask
-        for flash-attention, a bool [b, 1, q, n] mask for sdpa, and an additive one for eager.
+        for flash-attention, a bool [b, 1 or Hq, q, n] mask for sdpa, and an additive one for eager.
         """
         if self.all_valid and query_length == 1:
             return None
         valid = self.key_valid()
+        per_head = valid.dim() == 3
         if implementation.startswith("flash"):
+            if per_head:
+                raise NotImplementedError("flash-attention needs the variable-length layout for per-head budgets")
             return None if self.all_valid else valid.long()
-        n = valid.shape[1]
+        n = valid.shape[-1]
         q = torch.arange(query_length, device=valid.device)[:, None]
         causal = torch.arange(n, device=valid.device)[None, :] <= (n - query_length) + q  # [q, n]
-        allowed = causal[None, None] & valid[:, None, None, :]
+        heads = valid.repeat_interleave(groups, 1)[:, :, None, :] if per_head else valid[:, None, None, :]
+        allowed = causal[None, None] & heads
         if implementation == "sdpa":
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(
             ~allowed, torch.finfo(dtype).min
         )
+
+
+class VarlenLayer(DynamicLayer):
+    """Per-head budgets: the kept entries of every (sample, KV head) packed back to back.
+
+    Holds ``keys`` / ``values`` [N, d] with N the sum of the per-head lengths (padding dropped), so
+    memory follows what each head keeps, not the longest head. Decoding appends one entry per head.
+    """
+
+    is_croppable = False
+
+    def __init__(self, kept: Compressed, seen: int):
+        super().__init__()
+        b, hkv, _, d = kept.keys.shape
+        self.device = kept.keys.device
+        self.shape = (b, hkv, d)
+        self.keys, self.values = kept.keys[kept.valid], kept.values[kept.valid]  # [N, d], segment order
+        self.lengths = kept.valid.sum(-1).flatten()  # [b * Hkv]
+        self.is_initialized = True
+        self.seen = seen
+        self.positions = kept.positions
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        b, hkv, q, d = key_states.shape
+        segments = self.lengths.numel()
+        new_lengths = self.lengths + q
+        ends = new_lengths.cumsum(0)
+        old_seg = torch.arange(segments, device=self.device).repeat_interleave(self.lengths)
+        old_dest = torch.arange(self.keys.shape[0], device=self.device) + old_seg * q
+        new_dest = (ends[:, None] - q + torch.arange(q, device=self.device)).flatten()
+
+        def grow(packed, new):
+            out = packed.new_empty(packed.shape[0] + segments * q, d)
+            out[old_dest] = packed
+            out[new_dest] = new.reshape(segments * q, d).to(packed.dtype)
+            return out
+
+        self.keys, self.values = grow(self.keys, key_states), grow(self.values, value_states)
+        self.lengths = new_lengths
+        self.seen += q
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported with per-head budgets")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a compressed cache layer cannot be cropped")
+
+    def attend(self, query: Tensor, scaling: float) -> Tensor:
+        """Attention of one new query per head [b, Hq, 1, d] -> [b, 1, Hq, d] (the backends' output layout)."""
+        b, hq, q, d = query.shape
+        if q != 1:
+            raise NotImplementedError("per-head budgets decode one token at a time")
+        from .varlen import varlen_attention
+
+        out = varlen_attention(query.view(self.lengths.numel(), -1, d), self.keys, self.values, self.lengths, scaling)
+        return out.view(b, 1, hq, d)

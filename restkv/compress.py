@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .budgets import adakv_budgets
 from .config import CompressionConfig
 from .merge import pivot_merge
 from .observation import Observation, group_view
@@ -15,10 +16,11 @@ from .scorers import SCORERS, cam
 
 @dataclass
 class Compressed:
-    keys: Tensor  # [b, Hkv, B, d]
+    keys: Tensor  # [b, Hkv, B, d] (B: the longest head's length when heads differ)
     values: Tensor  # [b, Hkv, B, d]
     positions: Tensor  # [b, Hkv, B] position from the sample's first real token, -1 on padding
-    valid: Tensor  # [b, B] bool, False on kept padding (same for every head)
+    valid: Tensor  # [b, B] bool, False on kept padding (same for every head); [b, Hkv, B] with per-head budgets
+    per_head: bool = False  # heads keep different numbers of entries
 
 
 def reduce_groups(scores: Tensor, hkv: int, how: str) -> Tensor:
@@ -39,17 +41,27 @@ def head_scores(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = No
     return s.masked_fill(~obs.key_valid[:, None, : obs.prefix_len], float("-inf"))
 
 
-def compress(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None) -> Compressed:
-    """Keep the top ``budget - window`` prefix entries of each KV head, plus the window, in position order."""
+def compress(
+    obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None, head_budget: Tensor | None = None
+) -> Compressed:
+    """Keep the top prefix entries of each KV head, plus the window, in position order.
+
+    Each head keeps ``budget - window`` prefix entries, or its own number with per-head budgets
+    (AdaKV from the scores, HeadKV from ``head_budget`` [Hkv]).
+    """
     b, hkv, n, d = obs.keys.shape
+    per_head = None
     if n <= obs.budget:
         idx = torch.arange(n, device=obs.keys.device).expand(b, hkv, n)
         keys, values, scores = obs.keys, obs.values, None
     else:
         scores = head_scores(obs, cfg, wo)
-        top = scores.topk(obs.budget - obs.window, dim=-1).indices.sort(-1).values
-        window = torch.arange(obs.prefix_len, n, device=top.device).expand(b, hkv, -1)
-        idx = torch.cat([top, window], -1)
+        base = obs.budget - obs.window
+        if cfg.head_budget == "adakv":
+            per_head = adakv_budgets(scores, base, cfg.floor, cfg.normalize)
+        elif cfg.head_budget == "headkv":
+            per_head = head_budget.to(scores.device).clamp(max=obs.prefix_len).expand(b, hkv)
+        idx = _top_then_window(scores, base if per_head is None else per_head, obs.window)
         keys, values = _gather(obs.keys, idx), _gather(obs.values, idx)
     if scores is not None and cfg.method == "cam":
         kept = torch.zeros(b, hkv, n, dtype=torch.bool, device=idx.device).scatter_(2, idx, True)
@@ -57,9 +69,35 @@ def compress(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None)
     if scores is not None and cfg.merge == "pivot":
         evicted = torch.ones(b, hkv, n, dtype=torch.bool, device=idx.device).scatter_(2, idx, False)
         keys, values = pivot_merge(obs.keys, obs.values, idx, evicted & obs.key_valid[:, None])
-    valid = obs.key_valid.gather(1, idx[:, 0])
-    positions = obs.positions[:, None].expand(b, hkv, n).gather(2, idx).masked_fill(~valid[:, None], -1)
-    return Compressed(keys, values, positions, valid)
+    positions = obs.positions[:, None].expand(b, hkv, n).gather(2, idx)
+    if per_head is None:
+        valid = obs.key_valid.gather(1, idx[:, 0])
+        return Compressed(keys, values, positions.masked_fill(~valid[:, None], -1), valid)
+    in_head = torch.arange(idx.shape[-1], device=idx.device) < (per_head + obs.window)[..., None]
+    valid = in_head & obs.key_valid[:, None].expand(b, hkv, n).gather(2, idx)
+    return Compressed(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True)
+
+
+def _top_then_window(scores: Tensor, keep, window: int) -> Tensor:
+    """Indices [b, Hkv, K + window]: each head's top ``keep`` prefix entries in order, then the window.
+
+    ``keep`` is an int, or [b, Hkv] per-head counts; then K is the largest count and each head's row is
+    [its entries, the window, filler] (filler repeats the last position and is marked invalid later).
+    """
+    b, hkv, P = scores.shape
+    window_idx = torch.arange(P, P + window, device=scores.device)
+    if isinstance(keep, int):
+        top = scores.topk(keep, dim=-1).indices.sort(-1).values
+        return torch.cat([top, window_idx.expand(b, hkv, -1)], -1)
+    order = scores.argsort(-1, descending=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(P, device=order.device).expand_as(order))
+    width = int(keep.max()) + window  # one host read per layer
+    pos = torch.arange(P, device=order.device).expand_as(order)
+    top = torch.where(rank < keep[..., None], pos, P + window - 1).sort(-1).values
+    top = torch.nn.functional.pad(top, (0, max(0, width - P)), value=P + window - 1)[..., :width]
+    j = torch.arange(width, device=order.device)
+    in_window = (j >= keep[..., None]) & (j < keep[..., None] + window)
+    return torch.where(in_window, P + j - keep[..., None], top)
 
 
 def _gather(x: Tensor, idx: Tensor) -> Tensor:

@@ -8,14 +8,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm")
+METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm", "adakv", "headkv")
+HEAD_BUDGETS = ("uniform", "adakv", "headkv")
 POOLINGS = ("avgpool", "maxpool", "adaptive", "none")
 METRIC_MODES = ("before", "after")
 MERGES = ("none", "pivot")
 GQA_AGGS = ("mean", "max")
 
 # pooling used when the caller does not choose one
-DEFAULT_POOLING = {"restkv": "adaptive", "snapkv": "avgpool", "pyramidkv": "avgpool"}
+DEFAULT_POOLING = {"restkv": "adaptive", "snapkv": "avgpool", "pyramidkv": "avgpool", "adakv": "maxpool", "headkv": "maxpool"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,23 @@ class CompressionConfig:
         StreamingLLM: first tokens always kept.
     gqa_agg : str
         How per-query-head scores reduce over a GQA group: ``mean`` or ``max``.
+    head_budget : str or None
+        How a layer's budget is shared by its KV heads: ``uniform``, ``adakv`` (by a top-k over all
+        heads' scores) or ``headkv`` (by a head-importance table). ``None``: ``adakv`` / ``headkv`` for
+        those methods (which score like SnapKV), ``uniform`` otherwise. Per-head budgets are held in a
+        variable-length cache.
+    floor : float
+        AdaKV: each head keeps at least ``floor`` of the per-head budget.
+    normalize : bool
+        AdaKV: weight each head's scores by the share of its mass inside its top-B.
+    head_importance : str or None
+        HeadKV: JSON file of per-layer, per-head importance (``{"layer-head": [scores...]}``, as the
+        HeadKV authors publish, or a ``[layers][heads]`` list).
+    headkv_beta : float
+        HeadKV: each head keeps ``B - B // headkv_beta`` entries, the rest is shared by importance.
+    varlen : bool
+        Per-head budgets: pack each head's entries (memory = sum of head lengths). ``False`` keeps a
+        layout padded to the longest head with the rest masked (no memory saved; for comparison).
     """
 
     method: str = "restkv"
@@ -78,6 +96,12 @@ class CompressionConfig:
     merge: str = "none"
     sink_tokens: int = 4
     gqa_agg: str = "mean"
+    head_budget: str | None = None
+    floor: float = 0.2
+    normalize: bool = False
+    head_importance: str | None = None
+    headkv_beta: float = 1.2
+    varlen: bool = True
 
     def __post_init__(self):
         _check_choice("method", self.method, METHODS)
@@ -87,7 +111,18 @@ class CompressionConfig:
         _check_choice("metric_mode", self.metric_mode, METRIC_MODES)
         _check_choice("merge", "none" if self.merge is None else self.merge, MERGES)
         _check_choice("gqa_agg", self.gqa_agg, GQA_AGGS)
-        for name in ("use_wo", "use_norm", "use_ema", "use_pyramid"):
+        if self.head_budget is None:
+            object.__setattr__(self, "head_budget", self.method if self.method in HEAD_BUDGETS else "uniform")
+        _check_choice("head_budget", self.head_budget, HEAD_BUDGETS)
+        if not 0.0 <= self.floor <= 1.0:
+            raise ValueError(f"floor must be in [0, 1], got {self.floor}")
+        if not self.headkv_beta > 1.0:
+            raise ValueError(f"headkv_beta must be > 1, got {self.headkv_beta}")
+        if self.head_budget == "headkv" and not self.head_importance:
+            raise ValueError("head_importance (a JSON file of head scores) is required for head_budget='headkv'")
+        if self.merge == "pivot" and self.head_budget != "uniform":
+            raise ValueError("merge='pivot' needs head_budget='uniform'")
+        for name in ("use_wo", "use_norm", "use_ema", "use_pyramid", "normalize", "varlen"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("max_capacity_prompt", "window_size", "kernel_size", "sink_tokens"):

@@ -21,8 +21,8 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import AttentionInterface
 
-from .budgets import layer_budgets
-from .cache import CompressedLayer
+from .budgets import headkv_budgets, layer_budgets, load_head_importance
+from .cache import CompressedLayer, VarlenLayer
 from .compress import compress
 from .config import CompressionConfig
 from .observation import Observation, relative_positions
@@ -45,6 +45,7 @@ class LayerPlan:
     rank: int  # index among the evicted layers
     num_evicted: int
     evicts: bool  # False on sliding-window layers
+    head_budget: torch.Tensor | None = None  # HeadKV: entries per KV head, window excluded
 
 
 def _attention_with_eviction(backend, implementation, module, query, key, value, attention_mask, **kwargs):
@@ -53,12 +54,15 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
     if plan is None or cache is None or not plan.evicts:
         return backend(module, query, key, value, attention_mask, **kwargs)
     layer = cache.layers[module.layer_idx]
+    if isinstance(layer, VarlenLayer):
+        return layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5), None
     if isinstance(layer, CompressedLayer):
-        mask = layer.attention_mask(query.shape[2], implementation, query.dtype)
+        mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1])
         return backend(module, query, key, value, mask, **kwargs)
     out = backend(module, query, key, value, attention_mask, **kwargs)
     if type(layer) is DynamicLayer and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
-        _evict(module, plan, cache, query, key, value, attention_mask, kwargs)
+        evict = getattr(module, "_restkv_evict", None) or _evict  # sweep mode evaluates several configs here
+        evict(module, plan, cache, query, key, value, attention_mask, kwargs)
     return out
 
 
@@ -81,10 +85,11 @@ def _evict(module, plan, cache, query, key, value, attention_mask, kwargs):
         softcap=kwargs.get("softcap"),
     )
     wo = _wo_factor(module) if cfg.method == "restkv" and cfg.use_wo else None
-    kept = compress(obs, cfg, wo)
+    kept = compress(obs, cfg, wo, plan.head_budget)
     module._restkv_kept = kept.positions
     if n > budget:
-        cache.layers[module.layer_idx] = CompressedLayer(kept, seen=n)
+        layer_cls = VarlenLayer if kept.per_head and cfg.varlen else CompressedLayer
+        cache.layers[module.layer_idx] = layer_cls(kept, seen=n)
 
 
 def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
@@ -188,10 +193,12 @@ def configure(model: nn.Module, **knobs) -> CompressionConfig:
     evicted = [m for m in modules if not _is_sliding(config, m.layer_idx)]
     if cfg.evicts and not evicted:
         raise ValueError("the model has no full-attention layer to evict from (every layer is sliding-window)")
+    head_budgets = _headkv_table(cfg, config, len(modules)) if cfg.head_budget == "headkv" else None
     install(*{sys.modules[type(m).__module__] for m in modules})
     for m in modules:
         rank = evicted.index(m) if m in evicted else -1
-        m._restkv = LayerPlan(cfg, rank, len(evicted), evicts=rank >= 0)
+        row = head_budgets[m.layer_idx] if head_budgets is not None else None
+        m._restkv = LayerPlan(cfg, rank, len(evicted), evicts=rank >= 0, head_budget=row)
         m._restkv_kept = None
         if not getattr(m, "_restkv_hooked", False):
             m.register_forward_pre_hook(_capture_cache, with_kwargs=True)
@@ -199,6 +206,13 @@ def configure(model: nn.Module, **knobs) -> CompressionConfig:
             m._restkv_hooked = True
     model._restkv_config = cfg
     return cfg
+
+
+def _headkv_table(cfg, config, num_layers):
+    """HeadKV budgets [layers, Hkv] (window excluded) from the importance file, checked against the model."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    importance = load_head_importance(cfg.head_importance, num_layers, heads, kv_heads)
+    return headkv_budgets(importance, cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
 
 
 def kept_positions(model: nn.Module) -> list[torch.Tensor | None]:

@@ -14,15 +14,17 @@ from restkv.integration import attention_modules
 
 BACKENDS = ["eager", "sdpa"]
 CASES = [(f, b) for f in FAMILIES for b in BACKENDS]
-EVICTING = [m for m in restkv.METHODS if m != "fullkv"]
+PER_HEAD = ("adakv", "headkv")  # per-head budgets: tests/test_head_budgets.py
+UNIFORM = [m for m in restkv.METHODS if m not in PER_HEAD]
+EVICTING = [m for m in UNIFORM if m != "fullkv"]
 
 
-def _prompt(n=80, batch=1, seed=1):
+def prompt(n=80, batch=1, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 97, (batch, n), generator=g)
 
 
-def _generate(model, ids, mask=None, n=6, **kw):
+def generate(model, ids, mask=None, n=6, **kw):
     out = model.generate(
         ids, attention_mask=mask if mask is not None else torch.ones_like(ids), max_new_tokens=n,
         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw
@@ -37,11 +39,11 @@ def _evicted_layers(model):
 @pytest.mark.parametrize("family,backend", CASES)
 def test_budget_above_prompt_is_identical_to_plain_model(family, backend):
     model = tiny_model(family, backend)
-    ids = _prompt(40)
-    ref_tokens, ref_logits = _generate(model, ids)
-    for method in restkv.METHODS:
+    ids = prompt(40)
+    ref_tokens, ref_logits = generate(model, ids)
+    for method in UNIFORM + ["adakv"]:
         restkv.configure(model, method=method, max_capacity_prompt=64, window_size=8)
-        tokens, logits = _generate(model, ids)
+        tokens, logits = generate(model, ids)
         assert torch.equal(tokens, ref_tokens), method
         torch.testing.assert_close(logits, ref_logits)
 
@@ -49,7 +51,7 @@ def test_budget_above_prompt_is_identical_to_plain_model(family, backend):
 @pytest.mark.parametrize("family,backend", CASES)
 def test_cache_shape_window_and_positions(family, backend):
     model = tiny_model(family, backend)
-    ids = _prompt(80)
+    ids = prompt(80)
     budget, window = 24, 8
     for method in EVICTING:
         cfg = restkv.configure(model, method=method, max_capacity_prompt=budget, window_size=window)
@@ -72,7 +74,7 @@ def test_cache_shape_window_and_positions(family, backend):
             assert layer.get_seq_length() == 82
 
 
-def _masked_reference_logits(model, ids, kept, n_new):
+def masked_reference_logits(model, ids, kept, n_new):
     """Greedy decoding on the FULL cache with, per layer and head, every prompt entry outside ``kept`` masked."""
     name = "restkv_test_masked"
 
@@ -83,9 +85,10 @@ def _masked_reference_logits(model, ids, kept, n_new):
         v = value.repeat_interleave(g, 1).float()
         logits = query.float() @ k.transpose(-1, -2) * scaling
         if q == 1:
+            n = ids.shape[1]
+            idx = kept[module.layer_idx].masked_fill(kept[module.layer_idx] < 0, n)  # -1: nothing kept there
             allowed = torch.ones(b, key.shape[1], key.shape[2], dtype=torch.bool)
-            allowed[..., : ids.shape[1]] = False
-            allowed[..., : ids.shape[1]].scatter_(2, kept[module.layer_idx], True)
+            allowed[..., :n] = torch.zeros(b, key.shape[1], n + 1, dtype=torch.bool).scatter_(2, idx, True)[..., :n]
             logits = logits.masked_fill(~allowed.repeat_interleave(g, 1)[:, :, None], float("-inf"))
         else:
             future = torch.ones(q, key.shape[2], dtype=torch.bool).triu(1 + key.shape[2] - q)
@@ -113,30 +116,30 @@ def _masked_reference_logits(model, ids, kept, n_new):
 @pytest.mark.parametrize("method", [m for m in EVICTING if m != "cam"])  # CaM rewrites the kept values
 def test_decoding_on_evicted_cache_equals_masked_full_cache(family, method):
     model = tiny_model(family, "eager")
-    ids = _prompt(70)
+    ids = prompt(70)
     restkv.configure(model, method=method, max_capacity_prompt=30, window_size=6, use_pyramid=method == "restkv")
-    _, logits = _generate(model, ids, n=5)
+    _, logits = generate(model, ids, n=5)
     kept = restkv.kept_positions(model)
-    ref = _masked_reference_logits(model, ids, kept, 5)
+    ref = masked_reference_logits(model, ids, kept, 5)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family,backend", CASES)
 def test_padded_batch_equals_single_runs(family, backend):
     model = tiny_model(family, backend)
-    long, short = _prompt(90, seed=2)[0], _prompt(57, seed=3)[0]
+    long, short = prompt(90, seed=2)[0], prompt(57, seed=3)[0]
     for method in ["restkv", "snapkv", "streamingllm", "h2o"]:
         for budget in (24, 64):  # 64 > len(short): the short sample keeps padding, which must stay masked
             restkv.configure(model, method=method, max_capacity_prompt=budget, window_size=8)
             singles = []
             for seq in (long, short):
-                tokens, _ = _generate(model, seq[None])
+                tokens, _ = generate(model, seq[None])
                 singles.append((tokens, [k.clone() if k is not None else None for k in restkv.kept_positions(model)]))
             ids = torch.zeros(2, 90, dtype=torch.long)
             mask = torch.zeros(2, 90, dtype=torch.long)
             ids[0], mask[0] = long, 1
             ids[1, -57:], mask[1, -57:] = short, 1
-            tokens, _ = _generate(model, ids, mask)
+            tokens, _ = generate(model, ids, mask)
             kept = restkv.kept_positions(model)
             for b, (single_tokens, single_kept) in enumerate(singles):
                 assert torch.equal(tokens[b], single_tokens[0]), (method, budget, b)
@@ -150,16 +153,16 @@ def test_padded_batch_equals_single_runs(family, backend):
 def test_gemma3_evicts_only_global_layers():
     model = tiny_model("gemma3", "sdpa")
     restkv.configure(model, method="restkv", max_capacity_prompt=24, window_size=8)
-    _generate(model, _prompt(80), n=2)
+    generate(model, prompt(80), n=2)
     assert _evicted_layers(model) == [1]
 
 
 def test_new_generate_starts_clean():
     model = tiny_model("llama", "sdpa")
     restkv.configure(model, method="snapkv", max_capacity_prompt=24, window_size=8)
-    first, _ = _generate(model, _prompt(80, seed=5))
-    _generate(model, _prompt(60, seed=6))
-    again, _ = _generate(model, _prompt(80, seed=5))
+    first, _ = generate(model, prompt(80, seed=5))
+    generate(model, prompt(60, seed=6))
+    again, _ = generate(model, prompt(80, seed=5))
     assert torch.equal(first, again)
 
 
@@ -173,11 +176,11 @@ def test_configure_rejects_unsupported_backend():
 def test_unconfigured_model_is_untouched_by_install():
     restkv.replace_llama()
     model = tiny_model("llama", "eager")
-    ids = _prompt(50)
-    ref_tokens, ref_logits = _generate(model, ids)
+    ids = prompt(50)
+    ref_tokens, ref_logits = generate(model, ids)
     other = tiny_model("llama", "eager")
     restkv.configure(other, method="snapkv", max_capacity_prompt=16, window_size=4)
-    _generate(other, ids)
-    tokens, logits = _generate(model, ids)
+    generate(other, ids)
+    tokens, logits = generate(model, ids)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits)

@@ -10,4 +10,6 @@ SCORERS = {
     "streamingllm": streamingllm.score,
     "cam": cam.score,
     "l2norm": l2norm.score,
+    "adakv": snapkv.score,
+    "headkv": snapkv.score,
 }
