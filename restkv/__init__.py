@@ -1,5 +1,6 @@
 """restkv: KV-cache eviction at prefill (ReST-KV and baselines) for transformers models."""
 
+from .cache import memory_report
 from .config import METHODS, CompressionConfig
 from .integration import (
     configure,
@@ -21,6 +22,7 @@ __all__ = [
     "configure",
     "install",
     "kept_positions",
+    "memory_report",
     "replace_gemma",
     "replace_gemma2",
     "replace_gemma3",

@@ -9,39 +9,77 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, HQQQuantizedLayer, QuantoQuantizedLayer
 
 from .compress import Compressed
 
 
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor inside ``obj`` (tensors, quantized tensor subclasses, tuples, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor:
+            names, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, name)) for name in names)
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
 def held_bytes(layer) -> int:
-    """Bytes of the keys and values a cache layer stores."""
-    return sum(t.nelement() * t.element_size() for t in (layer.keys, layer.values))
+    """Bytes of the keys and values a cache layer stores (quantized parts included)."""
+    parts = [layer.keys, layer.values, getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)]
+    return sum(tensor_bytes(p) for p in parts)
 
 
-class CompressedLayer(DynamicLayer):
+def memory_report(cache) -> list[dict]:
+    """Per layer of a cache after prefill/decoding: tokens seen, bytes a full cache would hold, bytes held."""
+    rows = []
+    for i, layer in enumerate(cache.layers):
+        per_token = getattr(layer, "token_bytes", None)
+        if per_token is None:  # an untouched full-precision layer
+            b, hkv, _, d = layer.keys.shape
+            per_token = b * hkv * d * 2 * layer.keys.element_size()
+        rows.append({
+            "layer": i,
+            "kind": type(layer).__name__,
+            "tokens": layer.get_seq_length(),
+            "full_bytes": layer.get_seq_length() * per_token,
+            "held_bytes": held_bytes(layer),
+        })
+    return rows
+
+
+class KeptEntries:
+    """Bookkeeping shared by cache layers that hold the entries kept at prefill.
+
+    ``seen`` counts every token given to the layer (so RoPE positions and generate's bookkeeping stay
+    those of the full prompt), ``stored`` the entries actually held.
+    """
+
     is_croppable = False
 
-    def __init__(self, kept: Compressed, seen: int):
-        super().__init__()
-        self.device = kept.keys.device
-        self.keys, self.values = kept.keys, kept.values
-        self.is_initialized = True
+    def keep(self, kept: Compressed, seen: int) -> None:
+        b, hkv, _, d = kept.keys.shape
+        self.token_bytes = b * hkv * d * 2 * kept.keys.element_size()  # one token of a full cache
         self.seen = seen
+        self.stored = kept.keys.shape[-2]
         self.positions = kept.positions  # [b, Hkv, B] kept prompt positions
         self.valid = kept.valid  # [b, B], or [b, Hkv, B] when heads keep different numbers (masked layout)
         self.all_valid = bool(kept.valid.all())
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         self.seen += key_states.shape[-2]
+        self.stored += key_states.shape[-2]
         return super().update(key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        stored = self.keys.shape[-2]
-        return stored + query_length, self.seen - stored
+        return self.stored + query_length, self.seen - self.stored
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -53,7 +91,7 @@ class CompressedLayer(DynamicLayer):
 
     def key_valid(self) -> Tensor:
         """[b, n] (or [b, Hkv, n]) validity of every stored entry (decoded entries are always valid)."""
-        extra = self.keys.shape[-2] - self.valid.shape[-1]
+        extra = self.stored - self.valid.shape[-1]
         return torch.cat([self.valid, self.valid.new_ones(*self.valid.shape[:-1], extra)], -1)
 
     def attention_mask(self, query_length: int, implementation: str, dtype: torch.dtype, groups: int = 1) -> Tensor | None:
@@ -82,6 +120,35 @@ class CompressedLayer(DynamicLayer):
         )
 
 
+class CompressedLayer(KeptEntries, DynamicLayer):
+    """The kept entries as dense [b, Hkv, B, d] tensors; decoding appends to them."""
+
+    def __init__(self, kept: Compressed, seen: int):
+        DynamicLayer.__init__(self)
+        self.device = kept.keys.device
+        self.keys, self.values = kept.keys, kept.values
+        self.is_initialized = True
+        self.keep(kept, seen)
+
+
+_QUANTIZED_BACKENDS = {"quanto": QuantoQuantizedLayer, "hqq": HQQQuantizedLayer}
+_quantized_classes: dict[str, type] = {}
+
+
+def quantized_layer(kept: Compressed, seen: int, method: str, nbits: int, residual_length: int, q_group_size: int):
+    """The kept entries held in transformers' quantized cache layer (``quanto`` or ``hqq`` backend).
+
+    The kept prefill is quantized at once; decoded entries stay in full precision until
+    ``residual_length`` of them gather, then join the quantized part (KIVI-style).
+    """
+    base = _QUANTIZED_BACKENDS[method]
+    cls = _quantized_classes.setdefault(method, type(f"Compressed{base.__name__}", (KeptEntries, base), {}))
+    layer = cls(nbits=nbits, q_group_size=q_group_size, residual_length=residual_length)
+    base.update(layer, kept.keys, kept.values)
+    layer.keep(kept, seen)
+    return layer
+
+
 class VarlenLayer(DynamicLayer):
     """Per-head budgets: the kept entries of every (sample, KV head) packed back to back.
 
@@ -98,6 +165,7 @@ class VarlenLayer(DynamicLayer):
         self.shape = (b, hkv, d)
         self.keys, self.values = kept.keys[kept.valid], kept.values[kept.valid]  # [N, d], segment order
         self.lengths = kept.valid.sum(-1).flatten()  # [b * Hkv]
+        self.token_bytes = b * hkv * d * 2 * kept.keys.element_size()
         self.is_initialized = True
         self.seen = seen
         self.positions = kept.positions

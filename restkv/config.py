@@ -6,10 +6,13 @@ The knob names follow the original ReST-KV command line so that sweep scripts ca
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 
 METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm", "adakv", "headkv")
 HEAD_BUDGETS = ("uniform", "adakv", "headkv")
+QUANT_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
+QUANT_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
 POOLINGS = ("avgpool", "maxpool", "adaptive", "none")
 METRIC_MODES = ("before", "after")
 MERGES = ("none", "pivot")
@@ -77,6 +80,15 @@ class CompressionConfig:
     varlen : bool
         Per-head budgets: pack each head's entries (memory = sum of head lengths). ``False`` keeps a
         layout padded to the longest head with the rest masked (no memory saved; for comparison).
+    quant_method : str or None
+        Hold the kept entries in transformers' quantized cache layer: ``quanto`` (2/4 bits) or
+        ``hqq`` (1/2/3/4/8 bits). ``None``: full precision.
+    nbits : int
+        Bits per quantized key/value element.
+    residual_length : int
+        Decoded entries kept in full precision before they are quantized in one go.
+    q_group_size : int
+        Quantization group size.
     """
 
     method: str = "restkv"
@@ -102,6 +114,10 @@ class CompressionConfig:
     head_importance: str | None = None
     headkv_beta: float = 1.2
     varlen: bool = True
+    quant_method: str | None = None
+    nbits: int = 4
+    residual_length: int = 32
+    q_group_size: int = 64
 
     def __post_init__(self):
         _check_choice("method", self.method, METHODS)
@@ -120,12 +136,20 @@ class CompressionConfig:
             raise ValueError(f"headkv_beta must be > 1, got {self.headkv_beta}")
         if self.head_budget == "headkv" and not self.head_importance:
             raise ValueError("head_importance (a JSON file of head scores) is required for head_budget='headkv'")
+        if self.quant_method is not None:
+            _check_choice("quant_method", self.quant_method, tuple(QUANT_BITS))
+            _check_choice("nbits", self.nbits, QUANT_BITS[self.quant_method])
+            if self.head_budget != "uniform" and self.varlen:
+                raise ValueError("quant_method needs head_budget='uniform' (or varlen=False)")
+            module, package = QUANT_PACKAGES[self.quant_method]
+            if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+                raise ValueError(f"quant_method={self.quant_method!r} needs the {package} package: pip install {package}")
         if self.merge == "pivot" and self.head_budget != "uniform":
             raise ValueError("merge='pivot' needs head_budget='uniform'")
         for name in ("use_wo", "use_norm", "use_ema", "use_pyramid", "normalize", "varlen"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("max_capacity_prompt", "window_size", "kernel_size", "sink_tokens"):
+        for name in ("max_capacity_prompt", "window_size", "kernel_size", "sink_tokens", "nbits", "residual_length", "q_group_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {value!r}")
@@ -171,4 +195,4 @@ class CompressionConfig:
 
 def _check_choice(name, value, choices):
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")

@@ -22,8 +22,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import AttentionInterface
 
 from .budgets import headkv_budgets, layer_budgets, load_head_importance
-from .cache import CompressedLayer, VarlenLayer
-from .compress import compress
+from .cache import CompressedLayer, KeptEntries, VarlenLayer, quantized_layer
+from .compress import Compressed, compress
 from .config import CompressionConfig
 from .observation import Observation, relative_positions
 from .scorers.restkv import wo_factor
@@ -56,7 +56,7 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
     layer = cache.layers[module.layer_idx]
     if isinstance(layer, VarlenLayer):
         return layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5), None
-    if isinstance(layer, CompressedLayer):
+    if isinstance(layer, KeptEntries):
         mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1])
         return backend(module, query, key, value, mask, **kwargs)
     out = backend(module, query, key, value, attention_mask, **kwargs)
@@ -67,29 +67,34 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
 
 
 def _evict(module, plan, cache, query, key, value, attention_mask, kwargs):
-    b, _, n, _ = key.shape
+    b, hkv, n, _ = key.shape
     key_valid = _key_valid(attention_mask, b, n, key.device)
     cfg = plan.cfg
-    if not cfg.evicts or n <= cfg.max_capacity_prompt:
-        module._restkv_kept = relative_positions(key_valid)[:, None].expand(-1, key.shape[1], -1)
-        return
-    budget = layer_budgets(cfg, plan.num_evicted, n)[plan.rank]
-    obs = Observation(
-        queries=query,
-        keys=key,
-        values=value,
-        key_valid=key_valid,
-        window=cfg.window_size,
-        budget=budget,
-        scaling=kwargs.get("scaling") or module.head_dim**-0.5,
-        softcap=kwargs.get("softcap"),
-    )
-    wo = _wo_factor(module) if cfg.method == "restkv" and cfg.use_wo else None
-    kept = compress(obs, cfg, wo, plan.head_budget)
+    if cfg.evicts and n > cfg.max_capacity_prompt:
+        budget = layer_budgets(cfg, plan.num_evicted, n)[plan.rank]
+        obs = Observation(
+            queries=query,
+            keys=key,
+            values=value,
+            key_valid=key_valid,
+            window=cfg.window_size,
+            budget=budget,
+            scaling=kwargs.get("scaling") or module.head_dim**-0.5,
+            softcap=kwargs.get("softcap"),
+        )
+        wo = _wo_factor(module) if cfg.method == "restkv" and cfg.use_wo else None
+        kept = compress(obs, cfg, wo, plan.head_budget)
+    else:  # nothing to evict: the whole prompt stays
+        positions = relative_positions(key_valid)[:, None].expand(-1, hkv, -1)
+        kept = Compressed(key, value, positions, key_valid)
     module._restkv_kept = kept.positions
-    if n > budget:
-        layer_cls = VarlenLayer if kept.per_head and cfg.varlen else CompressedLayer
-        cache.layers[module.layer_idx] = layer_cls(kept, seen=n)
+    if cfg.quant_method:
+        layer = quantized_layer(kept, n, cfg.quant_method, cfg.nbits, cfg.residual_length, cfg.q_group_size)
+    elif kept.keys.shape[-2] == n and not kept.per_head:
+        return  # the full cache stays as it is
+    else:
+        layer = (VarlenLayer if kept.per_head and cfg.varlen else CompressedLayer)(kept, seen=n)
+    cache.layers[module.layer_idx] = layer
 
 
 def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
