@@ -1,7 +1,7 @@
 """restkv: KV-cache eviction at prefill (ReST-KV and baselines) for transformers models."""
 
 from .cache import memory_report
-from .config import METHODS, CompressionConfig
+from .config import METHODS, PRESETS, CompressionConfig
 from .integration import (
     configure,
     install,
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "METHODS",
+    "PRESETS",
     "CompressionConfig",
     "configure",
     "install",

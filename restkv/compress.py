@@ -24,11 +24,21 @@ class Compressed:
 
 
 def reduce_groups(scores: Tensor, hkv: int, how: str) -> Tensor:
-    """Per-query-head scores [b, Hq, P] -> per-KV-head [b, Hkv, P] (``mean`` or ``max`` over each group)."""
+    """Per-query-head scores [b, Hq, P] -> per-KV-head [b, Hkv, P].
+
+    ``mean`` / ``max`` over each GQA group (``mean`` is the original's behaviour). The scale-free
+    variants first put every query head on one scale, so a head whose scores are larger (for ReST-KV:
+    a larger ``||W_O^h||``) does not decide for its group: ``sum_norm`` divides each head's scores by
+    their sum, ``rank`` replaces them by their rank / P; then the group mean.
+    """
     if scores.shape[1] in (1, hkv):  # already per KV head, or shared by all heads
         return scores
+    if how == "sum_norm":
+        scores = scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    elif how == "rank":
+        scores = scores.argsort(-1).argsort(-1).float() / scores.shape[-1]
     grouped = group_view(scores, hkv)
-    return grouped.mean(2) if how == "mean" else grouped.amax(2)
+    return grouped.amax(2) if how == "max" else grouped.mean(2)
 
 
 def head_scores(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None) -> Tensor:

@@ -16,7 +16,15 @@ QUANT_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq",
 POOLINGS = ("avgpool", "maxpool", "adaptive", "none")
 METRIC_MODES = ("before", "after")
 MERGES = ("none", "pivot")
-GQA_AGGS = ("mean", "max")
+GQA_AGGS = ("mean", "max", "sum_norm", "rank")
+
+# Named knob sets. "paper": ReST-KV exactly as published (ICLR 2026 paper and its code).
+PRESETS = {
+    "paper": dict(
+        method="restkv", window_size=32, kernel_size=7, pooling="adaptive", use_wo=True, use_norm=False,
+        use_ema=True, alpha=0.3, metric_mode="after", tau=1.0, scale=2000.0, gqa_agg="mean",
+    ),
+}
 
 # pooling used when the caller does not choose one
 DEFAULT_POOLING = {"restkv": "adaptive", "snapkv": "avgpool", "pyramidkv": "avgpool", "adakv": "maxpool", "headkv": "maxpool"}
@@ -62,7 +70,9 @@ class CompressionConfig:
     sink_tokens : int
         StreamingLLM: first tokens always kept.
     gqa_agg : str
-        How per-query-head scores reduce over a GQA group: ``mean`` or ``max``.
+        How per-query-head scores reduce over a GQA group: ``mean`` (the original), ``max``, or the
+        scale-free ``sum_norm`` (each head's scores divided by their sum) and ``rank`` (each head's
+        ranks), both then averaged.
     head_budget : str or None
         How a layer's budget is shared by its KV heads: ``uniform``, ``adakv`` (by a top-k over all
         heads' scores) or ``headkv`` (by a head-importance table). ``None``: ``adakv`` / ``headkv`` for
@@ -184,8 +194,11 @@ class CompressionConfig:
         return self.use_pyramid or self.method == "pyramidkv"
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "CompressionConfig":
-        """Build from keyword knobs; an unknown knob raises a ValueError naming it."""
+    def from_kwargs(cls, preset: str | None = None, **kwargs) -> "CompressionConfig":
+        """Build from keyword knobs (over a named ``preset``); an unknown knob raises a ValueError naming it."""
+        if preset is not None:
+            _check_choice("preset", preset, tuple(PRESETS))
+            kwargs = {**PRESETS[preset], **kwargs}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -47,3 +47,13 @@ def test_method_defaults():
     assert CompressionConfig(method="h2o").pooling == "none"
     assert CompressionConfig(method="pyramidkv").pyramid
     assert not CompressionConfig(method="fullkv").evicts
+
+
+def test_paper_preset_reproduces_the_published_knobs():
+    cfg = CompressionConfig.from_kwargs(preset="paper", max_capacity_prompt=128)
+    published = dict(method="restkv", window_size=32, kernel_size=7, pooling="adaptive", use_wo=True,
+                     use_ema=True, alpha=0.3, metric_mode="after", tau=1.0, scale=2000.0, gqa_agg="mean")
+    assert {k: getattr(cfg, k) for k in published} == published
+    assert CompressionConfig.from_kwargs(preset="paper", alpha=0.5).alpha == 0.5  # knobs override the preset
+    with pytest.raises(ValueError, match="preset"):
+        CompressionConfig.from_kwargs(preset="fastest")

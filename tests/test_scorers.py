@@ -216,3 +216,18 @@ def test_pivot_merge_matches_loop_reference():
             counts[t] += 1
     torch.testing.assert_close(mk[0, 0], sums_k / counts[:, None])
     torch.testing.assert_close(mv[0, 0], sums_v / counts[:, None])
+
+
+def test_scale_free_gqa_reductions_ignore_a_loud_head():
+    quiet = torch.tensor([[5.0, 1.0, 4.0, 0.5, 3.0, 2.0]])  # prefers entry 0
+    loud = torch.tensor([[0.2, 0.9, 0.1, 0.3, 0.4, 0.35]]) * 100  # prefers entry 1, 100x larger scale
+    same = quiet * 0.9 + torch.rand(1, 6) * 0.01  # a third head agreeing with the quiet one
+    s = torch.stack([quiet, loud, same], 1)  # [1, 3 query heads, 6] -> one KV head
+    assert int(reduce_groups(s, 1, "mean").argmax()) == 1  # the loud head decides
+    assert int(reduce_groups(s, 1, "max").argmax()) == 1
+    for how in ("sum_norm", "rank"):
+        assert int(reduce_groups(s, 1, how).argmax()) == 0, how
+    ranks = reduce_groups(s[:, :1], 1, "rank")  # one head per group: already per KV head
+    torch.testing.assert_close(ranks, s[:, :1])
+    two_groups = reduce_groups(torch.stack([quiet, loud, same, loud], 1), 2, "rank")
+    torch.testing.assert_close(two_groups[0, 0], (quiet.argsort(-1).argsort(-1) + loud.argsort(-1).argsort(-1))[0].float() / 12)
