@@ -13,6 +13,7 @@ from .integration import (
     replace_mistral,
     replace_qwen2,
 )
+from .sweep import sweep
 
 __version__ = "0.1.0"
 
@@ -30,4 +31,5 @@ __all__ = [
     "replace_llama",
     "replace_mistral",
     "replace_qwen2",
+    "sweep",
 ]

@@ -1,0 +1,157 @@
+"""Cost of the eviction step, per method, on one Llama-3-8B-shaped attention layer.
+
+The step is ``restkv.compress.compress``: scoring, GQA reduction, top-B and the gather of the kept
+entries, from the prefill's queries, keys and values (random, no download). The W_O factor of
+ReST-KV is computed once per model and cached, so it is built before the clock starts.
+
+Each length runs in two subprocesses, one for time and one for memory; every method gets one
+warm-up call. Time: median of ``--reps`` calls, each on a fresh ``Observation`` (nothing cached
+between calls), taken round robin over the methods; both wall time and process CPU time are shown
+(CPU time counts all threads; with one thread it is the compute time, robust to other processes
+sharing the cores). Peak extra memory: the process's peak resident set during one call (VmHWM,
+reset through ``/proc/self/clear_refs`` just before) minus its resident set before it; inputs are
+allocated beforehand and not counted. The memory child runs with a fixed glibc mmap threshold
+(128 KiB), so every large buffer goes back to the system when torch frees it and earlier calls leave
+no reusable heap behind; the timing child keeps glibc's defaults, as a real run does.
+
+Usage::
+
+    python benchmarks/compress_step.py --lengths 4096 16384 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
+DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mode=before", "cam", "streamingllm",
+                   "l2norm"]
+
+
+def parse_method(spec: str) -> dict:
+    """``"restkv:metric_mode=before,use_wo=False"`` -> knobs dict."""
+    name, _, rest = spec.partition(":")
+    knobs = {"method": name}
+    for item in filter(None, rest.split(",")):
+        key, value = item.split("=")
+        knobs[key] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+    return knobs
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,
+            memory: bool) -> list:
+    """Time (``memory=False``) or peak extra memory of ``compress`` per method at one length (in a child).
+
+    Every method is warmed up first. Timed calls go round robin over the methods so that load from
+    other processes affects all of them alike; peak memory is read over one call per method.
+    """
+    import torch
+
+    from restkv.compress import compress
+    from restkv.config import CompressionConfig
+    from restkv.observation import Observation
+    from restkv.scorers.restkv import wo_factor
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    q = torch.randn(1, HQ, length, D, dtype=dt)
+    k = torch.randn(1, HKV, length, D, dtype=dt)
+    v = torch.randn(1, HKV, length, D, dtype=dt)
+    valid = torch.ones(1, length, dtype=torch.bool)
+    wo = wo_factor(torch.randn(HIDDEN, HQ * D, dtype=dt) / HIDDEN**0.5, HQ)
+    cfgs = [CompressionConfig.from_kwargs(max_capacity_prompt=budget, window_size=window, **parse_method(s))
+            for s in specs]
+
+    def run(cfg):
+        obs = Observation(q, k, v, valid, window=window, budget=budget, scaling=D**-0.5)
+        return compress(obs, cfg, wo if cfg.method == "restkv" else None)
+
+    peaks, times, cpu = [], [[] for _ in cfgs], [[] for _ in cfgs]
+    with torch.no_grad():
+        for cfg in cfgs:
+            run(cfg)  # warm-up: one-time initialisation and code pages are not counted
+            if memory:
+                before = _status("VmRSS")
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                out = run(cfg)
+                peaks.append(_status("VmHWM") - before)
+                del out
+        if memory:
+            return [{"peak": p, "kv_bytes": 2 * k.numel() * k.element_size()} for p in peaks]
+        for _ in range(reps):
+            for cfg, t, c in zip(cfgs, times, cpu):
+                t0, c0 = time.perf_counter(), time.process_time()
+                run(cfg)
+                t.append(time.perf_counter() - t0)
+                c.append(time.process_time() - c0)
+    return [{"time": statistics.median(t), "cpu": statistics.median(c)} for t, c in zip(times, cpu)]
+
+
+def _child(args, specs, length, memory):
+    cmd = [sys.executable, __file__, "--child", str(length), *specs, "--budget", str(args.budget), "--window",
+           str(args.window), "--dtype", args.dtype, "--reps", str(args.reps), "--threads", str(args.threads)]
+    env = dict(os.environ)
+    if memory:
+        cmd.append("--memory")
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
+                   help="method[:knob=value,...]; snapkv is always measured as the reference")
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--h2o-max-length", type=int, default=4096, help="skip h2o (if listed) above this length: it scores every query, O(L^2)")
+    p.add_argument("--child", nargs="+", metavar="LENGTH METHOD", help=argparse.SUPPRESS)
+    p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        length, *specs = args.child
+        print(json.dumps(measure(specs, int(length), args.budget, args.window, args.dtype, args.reps, args.threads,
+                                 args.memory)))
+        return
+    methods = ["snapkv"] + [m for m in args.methods if m != "snapkv"]
+    print(f"compress step, one layer: {HQ} q heads, {HKV} KV heads, head_dim {D}, {args.dtype}, "
+          f"budget {args.budget}, window {args.window}, {args.threads} CPU threads, median of {args.reps}\n")
+    print("| L | method | CPU time (ms) | x SnapKV | wall (ms) | x SnapKV | peak extra (MiB) | x SnapKV | x layer K+V |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for length in args.lengths:
+        specs = [m for m in methods if not (m.startswith("h2o") and length > args.h2o_max_length)]
+        results = [{**t, **m} for t, m in zip(_child(args, specs, length, False), _child(args, specs, length, True))]
+        ref = results[0]
+        for spec, r in zip(specs, results):
+            print(f"| {length} | {spec} | {r['cpu'] * 1e3:.0f} | {r['cpu'] / ref['cpu']:.2f} | "
+                  f"{r['time'] * 1e3:.0f} | {r['time'] / ref['time']:.2f} | "
+                  f"{r['peak'] / 2**20:.0f} | {r['peak'] / max(ref['peak'], 1):.2f} | {r['peak'] / r['kv_bytes']:.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

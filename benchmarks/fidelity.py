@@ -1,0 +1,86 @@
+"""Fidelity of an evicted cache: KL divergence of next-token distributions to the full cache.
+
+Each sample is a stretch of the packaged essays: a ``--length``-token prompt followed by ``--continuation``
+tokens of the same text. The continuation is teacher-forced on the full cache and on each evicted
+cache; the KL(full || evicted) of the next-token distributions, averaged over those positions, is the
+sample's score. The table gives the mean over samples and its standard error (lower is better).
+
+    python benchmarks/fidelity.py --method restkv snapkv streamingllm --max_capacity_prompts 256 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import restkv  # noqa: E402
+from restkv.bench.common import add_common_args, load_from_args, method_configs  # noqa: E402
+from restkv.models import essays_dir  # noqa: E402
+
+
+def essay_samples(tokenizer, n_samples: int, length: int, continuation: int, seed: int):
+    """``n_samples`` token windows of ``length + continuation`` from the essays (deterministic per seed)."""
+    text = "\n\n".join(p.read_text() for p in sorted(Path(essays_dir()).glob("*.txt")))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    span = length + continuation
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - span, (n_samples,), generator=g)
+    return [ids[s : s + span] for s in starts.tolist()]
+
+
+@torch.no_grad()
+def continuation_logprobs(model, ids: torch.Tensor, length: int) -> torch.Tensor:
+    """Prefill ``ids[:length]`` (evicting per the model's configuration), then teacher-force the rest.
+
+    Returns log-probabilities [continuation, vocab] of every next token from the prompt's last one on.
+    """
+    out = model(ids[None, :length], use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    rest = model(ids[None, length:-1], cache=cache, use_cache=True).logits[0]
+    return torch.cat([out.logits[0, -1:], rest]).float().log_softmax(-1)
+
+
+def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over positions of KL(reference || other), both log-probabilities."""
+    return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+
+def main(argv=None):
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--continuation", type=int, default=24)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--output", default=None, help="JSON file for the per-sample values")
+    args = parser.parse_args(argv)
+    configs = [c for c in method_configs(args) if c[0] != "fullkv"]
+    model, tokenizer, _ = load_from_args(args)
+    samples = essay_samples(tokenizer, args.samples, args.length, args.continuation, args.seed)
+    values = {label: [] for label, _ in configs}
+    for ids in samples:
+        restkv.configure(model, method="fullkv")
+        reference = continuation_logprobs(model, ids, args.length)
+        for label, kwargs in configs:
+            restkv.configure(model, **kwargs)
+            values[label].append(kl(reference, continuation_logprobs(model, ids, args.length)))
+    print(f"| config | KL to full cache (mean ± s.e., {len(samples)} samples x {args.continuation} tokens) |")
+    print("|---|---|")
+    for label, v in values.items():
+        t = torch.tensor(v)
+        se = float(t.std() / math.sqrt(len(v))) if len(v) > 1 else float("nan")
+        print(f"| {label} | {float(t.mean()):.4f} ± {se:.4f} |")
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump({"args": vars(args), "kl": values}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
