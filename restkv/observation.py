@@ -44,20 +44,28 @@ class Observation:
     def attention(self, start: int, stop: int) -> Tensor:
         """Softmax attention of queries ``start:stop`` over all keys, causal and padding-masked.
 
-        Returns [b, Hq, stop - start, L] float32. Rows of padding queries are zero.
+        Returns [b, Hq, stop - start, L] float32. Rows of padding queries are zero. Built in place in
+        one float32 buffer; low-precision keys are converted one KV head at a time.
         """
         b, hq, _, d = self.queries.shape
         hkv, n_keys = self.keys.shape[1], self.keys.shape[2]
-        q = self.queries[:, :, start:stop].float().reshape(b, hkv, -1, d)  # group-major rows
-        logits = (q @ self.keys.float().transpose(-1, -2)) * self.scaling  # [b, Hkv, g*q, L]
-        logits = logits.view(b, hq, stop - start, n_keys)
+        rows = hq // hkv * (stop - start)
+        q = self.queries[:, :, start:stop].float().reshape(b, hkv, rows, d)  # group-major rows
+        logits = torch.empty(b, hkv, rows, n_keys, device=self.keys.device)
+        if self.keys.dtype == torch.float32:
+            torch.matmul(q, self.keys.transpose(-1, -2), out=logits)
+        else:
+            for h in range(hkv):  # bounds the float32 copy of the keys to one head
+                logits[:, h] = q[:, h] @ self.keys[:, h].float().transpose(-1, -2)
+        probs = logits.view(b, hq, stop - start, n_keys).mul_(self.scaling)
         if self.softcap:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
-        q_pos = torch.arange(start, stop, device=logits.device)
-        allowed = torch.arange(n_keys, device=logits.device) <= q_pos[:, None]  # [q, L]
-        allowed = allowed & self.key_valid[:, None, None, :]  # [b, 1, q, L]
-        probs = logits.masked_fill(~allowed, NEG).softmax(-1)
-        return probs * self.key_valid[:, None, start:stop, None]
+            probs.div_(self.softcap).tanh_().mul_(self.softcap)
+        q_pos = torch.arange(start, stop, device=probs.device)
+        allowed = torch.arange(n_keys, device=probs.device) <= q_pos[:, None]  # [q, L]
+        probs.masked_fill_(~(allowed & self.key_valid[:, None, None, :]), NEG)
+        probs.sub_(probs.amax(-1, keepdim=True)).exp_()
+        probs.div_(probs.sum(-1, keepdim=True))
+        return probs.mul_(self.key_valid[:, None, start:stop, None])
 
     @cached_property
     def window_attention(self) -> Tensor:
@@ -68,9 +76,25 @@ class Observation:
     @cached_property
     def window_output(self) -> Tensor:
         """[b, Hq, w, d] attention output of the window queries (over all keys), float32."""
-        b, hq, w, n = self.window_attention.shape
-        a = self.window_attention.reshape(b, self.keys.shape[1], -1, n)
-        return (a @ self.values.float()).view(b, hq, w, -1)
+        return weighted_values(self.window_attention, self.values)
+
+
+VALUE_BLOCK = 4096  # positions converted to float32 at a time
+
+
+def weighted_values(weights: Tensor, values: Tensor) -> Tensor:
+    """``sum_n weights[..., n] v_n`` per query head: weights [b, Hq, r, N], values [b, Hkv, >=N, d] -> [b, Hq, r, d].
+
+    Values are read in blocks, so low-precision values are never copied whole to float32.
+    """
+    b, hq, r, n = weights.shape
+    hkv = values.shape[1]
+    w = weights.reshape(b, hkv, hq // hkv * r, n)
+    out = 0
+    block = globals()["VALUE_BLOCK"]  # read at call time (tests shrink it)
+    for s in range(0, n, block):
+        out = out + w[..., s : s + block] @ values[:, :, s : min(n, s + block)].float()
+    return out.view(b, hq, r, -1)
 
 
 def relative_positions(key_valid: Tensor) -> Tensor:

@@ -22,8 +22,7 @@ def aggregate_rows(x: Tensor, use_ema: bool, alpha: float) -> Tensor:
     """Reduce the query-row axis (-2) of ``x`` [..., w, P] by EMA or mean -> [..., P]."""
     if not use_ema:
         return x.mean(-2)
-    w = ema_weights(x.shape[-2], alpha, x.device)
-    return (w[:, None] * x).sum(-2)
+    return torch.matmul(ema_weights(x.shape[-2], alpha, x.device), x)
 
 
 def pool1d(scores: Tensor, mode: str, kernel_size: int) -> Tensor:

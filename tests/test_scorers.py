@@ -231,3 +231,16 @@ def test_scale_free_gqa_reductions_ignore_a_loud_head():
     torch.testing.assert_close(ranks, s[:, :1])
     two_groups = reduce_groups(torch.stack([quiet, loud, same, loud], 1), 2, "rank")
     torch.testing.assert_close(two_groups[0, 0], (quiet.argsort(-1).argsort(-1) + loud.argsort(-1).argsort(-1))[0].float() / 12)
+
+
+@pytest.mark.parametrize("mode", ["after", "before"])
+def test_blockwise_values_give_the_same_scores(mode, monkeypatch):
+    import restkv.observation as observation
+
+    obs = _obs(b=2, n=50, window=6, dtype=torch.bfloat16)
+    cfg = CompressionConfig(metric_mode=mode, use_norm=True, max_capacity_prompt=16, window_size=6)
+    R = rk.wo_factor(torch.randn(32, 32), 4)
+    whole = rk.score(obs, cfg, R)
+    monkeypatch.setattr(observation, "VALUE_BLOCK", 7)
+    blocked = rk.score(_obs(b=2, n=50, window=6, dtype=torch.bfloat16), cfg, R)
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from ..config import CompressionConfig
-from ..observation import Observation, group_view
+from .. import observation
+from ..observation import Observation, group_view, weighted_values
 from ..smoothing import aggregate_rows, pool1d, shifted_box_filter
 
 _EPS = torch.finfo(torch.float32).eps
@@ -43,37 +44,48 @@ def _project(x: Tensor, R: Tensor | None, r: int, hkv: int) -> Tensor:
     return x @ group_view(R[None], hkv)[0, :, r].transpose(-1, -2)  # [Hkv, d, d]
 
 
-def output_distance(o: Tensor, values: Tensor, R: Tensor | None) -> Tensor:
+def _distances(po: Tensor, values: Tensor, P: int, R: Tensor | None) -> Tensor:
+    """``||R_h (o - v_n)||`` for outputs po = R_h o [b, Hkv, g, r, d] -> [b, Hkv, g, r, P].
+
+    Uses ``|x - y|^2 = |x|^2 - 2 x.y + |y|^2`` block by block over the values (converted to float32
+    a block at a time), so no [P, d] difference tensor is formed.
+    """
+    b, hkv, g, rows, _ = po.shape
+    out = torch.empty(b, hkv, g, rows, P, device=po.device)
+    po_sq = po.pow(2).sum(-1, keepdim=True)
+    block = observation.VALUE_BLOCK
+    for s in range(0, P, block):
+        v = values[:, :, s : min(P, s + block)].float()
+        for r in range(g):
+            pv = _project(v, R, r, hkv)  # [b, Hkv, n, d]
+            sq = torch.linalg.vector_norm(pv, dim=-1).square_()[:, :, None, :]  # [b, Hkv, 1, n]
+            sq = sq - 2 * po[:, :, r] @ pv.transpose(-1, -2) + po_sq[:, :, r]
+            out[:, :, r, :, s : s + v.shape[2]] = sq.clamp_min_(0).sqrt_()
+    return out
+
+
+def _project_outputs(O: Tensor, R: Tensor | None, hkv: int) -> Tensor:
+    """Outputs O [b, Hq, r, d] -> R_h O [b, Hkv, g, r, d]."""
+    O = group_view(O, hkv)
+    if R is None:
+        return O
+    return torch.einsum("bkgrd,kged->bkgre", O, group_view(R[None], hkv)[0])
+
+
+def output_distance(o: Tensor, values: Tensor, P: int, R: Tensor | None) -> Tensor:
     """``||(o_h - v_n) W_O^h||`` for every query head h and prefix entry n -> [b, Hq, P].
 
-    o [b, Hq, d] (one output per head), values [b, Hkv, P, d]. Loops over the g members of a
-    GQA group only, so the peak extra memory is one value-sized float32 tensor.
+    o [b, Hq, d] (one output per head), values [b, Hkv, L, d]. The extra memory is a few
+    value-block-sized float32 tensors.
     """
-    b, hkv = values.shape[:2]
-    o = group_view(o, hkv)  # [b, Hkv, g, d]
-    out = []
-    for r in range(o.shape[2]):
-        pv = _project(values, R, r, hkv)  # [b, Hkv, P, d]
-        po = _project(o[:, :, r, None, :], R, r, hkv)  # [b, Hkv, 1, d]
-        out.append((pv - po).norm(dim=-1))
-    return torch.stack(out, 2).flatten(1, 2)
+    po = _project_outputs(o[:, :, None], R, values.shape[1])
+    return _distances(po, values, P, R)[:, :, :, 0].flatten(1, 2)
 
 
-def output_distance_rows(O: Tensor, values: Tensor, R: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``||(O_q - v_n) W_O^h||`` for every window query q -> ([b, Hq, w, P], ||O_q W_O^h|| [b, Hq, w, 1]).
-
-    Uses ``|x - y|^2 = |x|^2 - 2 x.y + |y|^2`` so no [w, P, d] tensor is formed.
-    """
-    b, hkv = values.shape[:2]
-    O = group_view(O, hkv)  # [b, Hkv, g, w, d]
-    dist, o_norm = [], []
-    for r in range(O.shape[2]):
-        pv = _project(values, R, r, hkv)  # [b, Hkv, P, d]
-        po = _project(O[:, :, r], R, r, hkv)  # [b, Hkv, w, d]
-        sq = po.pow(2).sum(-1, keepdim=True) - 2 * po @ pv.transpose(-1, -2) + pv.pow(2).sum(-1)[:, :, None]
-        dist.append(sq.clamp_min(0).sqrt())
-        o_norm.append(po.norm(dim=-1, keepdim=True))
-    return torch.stack(dist, 2).flatten(1, 2), torch.stack(o_norm, 2).flatten(1, 2)
+def output_distance_rows(O: Tensor, values: Tensor, P: int, R: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``||(O_q - v_n) W_O^h||`` for every window query q -> ([b, Hq, w, P], ||O_q W_O^h|| [b, Hq, w, 1])."""
+    po = _project_outputs(O, R, values.shape[1])
+    return _distances(po, values, P, R).flatten(1, 2), po.norm(dim=-1, keepdim=True).flatten(1, 2)
 
 
 def exact_dominant(scores: Tensor, weights: Tensor, values: Tensor, R: Tensor | None, tau: float,
@@ -87,22 +99,23 @@ def exact_dominant(scores: Tensor, weights: Tensor, values: Tensor, R: Tensor | 
     this form stays accurate.
 
     scores [b, Hq, r, P] per-row scores to patch, weights [b, Hq, r, N] (N >= P, the entries
-    ``o`` sums over), values [b, Hkv, N, d] float32, ``other_mass`` attention outside the N entries.
+    ``o`` sums over), values [b, Hkv, L, d], ``other_mass`` attention outside the N entries.
     """
     b, hq, rows, _ = weights.shape
-    hkv, d = values.shape[1], values.shape[-1]
+    hkv, d, P = values.shape[1], values.shape[-1], scores.shape[-1]
     top = weights.argmax(-1, keepdim=True)  # [b, Hq, r, 1]
     a = weights.gather(-1, top)
     rest_w = weights.scatter(-1, top, 0.0)
     rest = (rest_w.sum(-1, keepdim=True) + other_mass).clamp_min(_EPS)
-    u = (group_view(rest_w, hkv).flatten(2, 3) @ values).view(b, hq, rows, d)
-    v_top = values.gather(2, group_view(top, hkv).flatten(2, 3).expand(-1, -1, -1, d)).view(b, hq, rows, d)
+    u = weighted_values(rest_w, values)  # [b, Hq, r, d]
+    v_top = values.gather(2, group_view(top, hkv).flatten(2, 3).expand(-1, -1, -1, d)).float().view(b, hq, rows, d)
     diff = u - rest * v_top
     if R is not None:
         diff = torch.einsum("bhrd,hed->bhre", diff, R)
     fixed = a / rest * diff.norm(dim=-1, keepdim=True).pow(tau)
-    in_prefix = top < scores.shape[-1]
-    return scores.scatter(-1, top.clamp(max=scores.shape[-1] - 1), torch.where(in_prefix, fixed, scores.gather(-1, top.clamp(max=scores.shape[-1] - 1))))
+    where = top.clamp(max=P - 1)
+    fixed = torch.where(top < P, fixed, scores.gather(-1, where))  # the top entry may be in the window
+    return scores.scatter(-1, where, fixed)
 
 
 def window_drift(window_attention: Tensor, top: int) -> Tensor:
@@ -138,20 +151,18 @@ def adaptive_pool(scores: Tensor, drift: Tensor, kernel_size: int, scale: float,
 
 def score(obs: Observation, cfg: CompressionConfig, R: Tensor | None = None) -> Tensor:
     """ReST-KV indicator of every prefix entry, per query head -> [b, Hq, P]."""
-    P, hkv = obs.prefix_len, obs.keys.shape[1]
+    P = obs.prefix_len
     A = obs.window_attention  # [b, Hq, w, L]
-    values = obs.values[:, :, :P].float()
     R = R if cfg.use_wo else None
     if cfg.metric_mode == "after":
-        a = aggregate_rows(A[..., :P], cfg.use_ema, cfg.alpha)  # [b, Hq, P]
-        o = (group_view(a, hkv) @ values).flatten(1, 2)  # [b, Hq, d] output of the aggregated row
-        s = odds(a) * output_distance(o, values, R).pow(cfg.tau)
+        a = aggregate_rows(A[..., :P], cfg.use_ema, cfg.alpha)[:, :, None]  # [b, Hq, 1, P]
+        o = weighted_values(a, obs.values)[:, :, 0]  # [b, Hq, d] output of the aggregated row
+        s = output_distance(o, obs.values, P, R).pow_(cfg.tau).mul_(odds(a[:, :, 0]))
         window_mass = aggregate_rows(A[..., P:].sum(-1, keepdim=True), cfg.use_ema, cfg.alpha)[..., None]
-        s = exact_dominant(s[:, :, None], a[:, :, None], values, R, cfg.tau, window_mass)[:, :, 0]
+        s = exact_dominant(s[:, :, None], a, obs.values, R, cfg.tau, window_mass)[:, :, 0]
     else:
-        dist, o_norm = output_distance_rows(obs.window_output, values, R)
-        rows = odds(A[..., :P]) * dist.pow(cfg.tau)
-        rows = exact_dominant(rows, A, obs.values.float(), R, cfg.tau)
+        dist, o_norm = output_distance_rows(obs.window_output, obs.values, P, R)
+        rows = exact_dominant(dist.pow_(cfg.tau).mul_(odds(A[..., :P])), A, obs.values, R, cfg.tau)
         if cfg.use_norm:
             rows = rows / o_norm.pow(cfg.tau).clamp_min(_EPS)
         s = aggregate_rows(rows, cfg.use_ema, cfg.alpha)
