@@ -203,11 +203,9 @@ class VarlenLayer(DynamicLayer):
         raise NotImplementedError("a compressed cache layer cannot be cropped")
 
     def attend(self, query: Tensor, scaling: float) -> Tensor:
-        """Attention of one new query per head [b, Hq, 1, d] -> [b, 1, Hq, d] (the backends' output layout)."""
-        b, hq, q, d = query.shape
-        if q != 1:
-            raise NotImplementedError("per-head budgets decode one token at a time")
+        """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout)."""
         from .varlen import varlen_attention
 
-        out = varlen_attention(query.view(self.lengths.numel(), -1, d), self.keys, self.values, self.lengths, scaling)
-        return out.view(b, 1, hq, d)
+        b, hq, q, d = query.shape
+        out = varlen_attention(query.view(self.lengths.numel(), -1, q, d), self.keys, self.values, self.lengths, scaling)
+        return out.view(b, hq, q, d).transpose(1, 2)

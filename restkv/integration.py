@@ -66,6 +66,7 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
     return out
 
 
+@torch.no_grad()
 def _evict(module, plan, cache, query, key, value, attention_mask, kwargs):
     b, hkv, n, _ = key.shape
     key_valid = _key_valid(attention_mask, b, n, key.device)

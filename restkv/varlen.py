@@ -25,41 +25,47 @@ def segment_offsets(lengths: Tensor) -> Tensor:
 
 
 def varlen_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, scaling: float) -> Tensor:
-    """One query per head over its segment.
+    """The newest ``q`` entries of each segment attend causally to their segment.
 
     Parameters
     ----------
     query : Tensor
-        [S, g, d], the g query heads of each segment.
+        [S, g, q, d]: the g query heads of each segment, for its last q entries.
     keys, values : Tensor
         [N, d] packed segments.
     lengths : Tensor
-        [S] int64 segment lengths (each >= 1), summing to N.
+        [S] int64 segment lengths (each >= q), summing to N.
 
     Returns
     -------
-    [S, g, d] attention outputs in the query dtype.
+    [S, g, q, d] attention outputs in the query dtype; query i sees its segment up to entry
+    ``length - q + i``.
     """
-    S, g, d = query.shape
+    S, g, q, d = query.shape
     if flash_attn_varlen_func is not None and query.is_cuda:
         cu_k = segment_offsets(lengths).to(torch.int32)
-        cu_q = torch.arange(S + 1, device=query.device, dtype=torch.int32)
-        return flash_attn_varlen_func(
-            query, keys[:, None], values[:, None], cu_q, cu_k, 1, int(lengths.max()), softmax_scale=scaling
+        cu_q = torch.arange(0, S * q + 1, q, device=query.device, dtype=torch.int32)
+        out = flash_attn_varlen_func(
+            query.permute(0, 2, 1, 3).reshape(S * q, g, d), keys[:, None], values[:, None], cu_q, cu_k, q,
+            int(lengths.max()), softmax_scale=scaling, causal=True,
         )
+        return out.view(S, q, g, d).permute(0, 2, 1, 3)
     offsets = segment_offsets(lengths)
-    row_len = lengths.repeat_interleave(g)  # rows are (segment, member)
+    step = torch.arange(q, device=keys.device)
+    row_len = (lengths[:, None, None] - q + 1 + step).expand(S, g, q).flatten()  # rows: (segment, head, query)
     crow = segment_offsets(row_len)
-    row = torch.arange(S * g, device=keys.device).repeat_interleave(row_len)
-    cols = offsets[row // g] + torch.arange(row.numel(), device=keys.device) - crow[row]
+    row = torch.arange(S * g * q, device=keys.device).repeat_interleave(row_len)
+    cols = offsets[row // (g * q)] + torch.arange(row.numel(), device=keys.device) - crow[row]
+    rows = S * g * q
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sparse CSR support is flagged as beta
-        pattern = torch.sparse_csr_tensor(crow, cols, torch.zeros(row.numel(), dtype=torch.float32, device=keys.device), size=(S * g, keys.shape[0]))
-        logits = torch.sparse.sampled_addmm(pattern, query.reshape(S * g, d).float(), keys.float().T, beta=0.0)
+        zeros = torch.zeros(row.numel(), dtype=torch.float32, device=keys.device)
+        pattern = torch.sparse_csr_tensor(crow, cols, zeros, size=(rows, keys.shape[0]))
+        logits = torch.sparse.sampled_addmm(pattern, query.reshape(rows, d).float(), keys.float().T, beta=0.0)
         z = logits.values() * scaling
-        row_max = torch.full((S * g,), float("-inf"), device=z.device).scatter_reduce(0, row, z, "amax")
+        row_max = torch.full((rows,), float("-inf"), device=z.device).scatter_reduce(0, row, z, "amax")
         p = (z - row_max[row]).exp()
-        p = p / torch.zeros(S * g, device=z.device).index_add_(0, row, p)[row]
+        p = p / torch.zeros(rows, device=z.device).index_add_(0, row, p)[row]
         probs = torch.sparse_csr_tensor(crow, cols, p, size=pattern.shape)
         out = torch.sparse.mm(probs, values.float())
-    return out.view(S, g, d).to(query.dtype)
+    return out.view(S, g, q, d).to(query.dtype)

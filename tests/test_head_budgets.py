@@ -17,16 +17,19 @@ from restkv.varlen import varlen_attention
 
 def test_varlen_attention_equals_dense_per_segment():
     torch.manual_seed(0)
-    lengths = torch.tensor([5, 1, 12, 7, 3, 9])
+    lengths = torch.tensor([5, 3, 12, 7, 3, 9])
     g, d = 3, 8
-    q = torch.randn(6, g, d)
     k, v = torch.randn(int(lengths.sum()), d), torch.randn(int(lengths.sum()), d)
-    out = varlen_attention(q, k, v, lengths, 0.3)
-    start = 0
-    for s, n in enumerate(lengths.tolist()):
-        ref = torch.softmax(q[s] @ k[start : start + n].T * 0.3, -1) @ v[start : start + n]
-        torch.testing.assert_close(out[s], ref)
-        start += n
+    for q_len in (1, 3):  # the last q_len entries of each segment query it causally
+        q = torch.randn(6, g, q_len, d)
+        out = varlen_attention(q, k, v, lengths, 0.3)
+        start = 0
+        for s, n in enumerate(lengths.tolist()):
+            for i in range(q_len):
+                seen = n - q_len + i + 1
+                ref = torch.softmax(q[s, :, i] @ k[start : start + seen].T * 0.3, -1) @ v[start : start + seen]
+                torch.testing.assert_close(out[s, :, i], ref)
+            start += n
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -146,3 +149,14 @@ def test_masked_layout_equals_varlen(backend):
     assert torch.equal(seq_v, seq_m)
     torch.testing.assert_close(logit_v, logit_m, rtol=1e-4, atol=1e-4)
     assert bytes_v < bytes_m
+
+
+def test_varlen_teacher_forcing_several_tokens_equals_masked_layout():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(90)
+    logits = []
+    for varlen in (True, False):
+        restkv.configure(model, method="adakv", max_capacity_prompt=24, window_size=6, floor=0.0, varlen=varlen)
+        out = model(ids[:, :80], use_cache=True)
+        logits.append(model(ids[:, 80:], cache=out.cache, use_cache=True).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
