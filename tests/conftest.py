@@ -1,9 +1,18 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-torch_threads = os.environ.get("RESTKV_TEST_THREADS")
-if torch_threads:
-    import torch
+import pytest
+import torch
 
-    torch.set_num_threads(int(torch_threads))
+sys.path.insert(0, os.path.dirname(__file__))
+# One intra-op thread unless told otherwise: the models here are small, and two threads on a shared
+# two-core machine run several times slower.
+torch.set_num_threads(int(os.environ.get("RESTKV_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)`` of the packaged ``smollm2-135m``, float32 sdpa on CPU (converted on first use)."""
+    from restkv.models import load_model
+
+    return load_model("smollm2-135m")

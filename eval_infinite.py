@@ -1,0 +1,22 @@
+"""Score InfiniteBench predictions with the official scorers and print the results table.
+
+Example
+-------
+python eval_infinite.py --results_dir results/infinite_bench
+"""
+
+import argparse
+
+from restkv.bench.infinitebench.evaluate import evaluate
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results_dir", default="results", help="root of <...>/<task>/<label>.jsonl files")
+    parser.add_argument("--csv", default=None, help="table path (default: <results_dir>/results_infinite.csv)")
+    args = parser.parse_args(argv)
+    return evaluate(args.results_dir, args.csv)
+
+
+if __name__ == "__main__":
+    main()

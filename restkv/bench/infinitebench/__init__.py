@@ -1,0 +1,1 @@
+"""InfiniteBench: task tables, scorers and evaluation."""

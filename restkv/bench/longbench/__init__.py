@@ -1,0 +1,1 @@
+"""LongBench: task tables, metrics, evaluation, and the prediction loop shared with InfiniteBench."""

@@ -1,0 +1,79 @@
+"""Finding prediction files and printing the results table (shared by both evaluators).
+
+Predictions live in ``<root>/.../<task>/<label>.jsonl``; a table row is named
+by the folders between ``root`` and the task folder plus the file's stem, e.g.
+``smollm2-135m/restkv_128``.
+"""
+
+import csv
+import os
+
+from ..common import read_jsonl
+
+
+def find_predictions(root, names):
+    """Prediction files under ``root`` whose folder is one of ``names``.
+
+    Returns
+    -------
+    dict
+        ``{row label: {task name: path}}``, rows in sorted order.
+    """
+    rows = {}
+    for folder, _, files in sorted(os.walk(root)):
+        task = os.path.basename(folder)
+        if task not in names:
+            continue
+        prefix = os.path.relpath(os.path.dirname(folder), root)
+        for name in sorted(files):
+            if name.endswith(".jsonl"):
+                label = name[:-len(".jsonl")] if prefix == "." else f"{prefix}/{name[:-len('.jsonl')]}"
+                rows.setdefault(label, {})[task] = os.path.join(folder, name)
+    return dict(sorted(rows.items()))
+
+
+def load_predictions(path):
+    """Records of a predictions file; a malformed line raises ``ValueError`` with ``path:line``."""
+    records = list(read_jsonl(path))
+    for i, r in enumerate(records):
+        if "pred" not in r or "answers" not in r:
+            raise ValueError(f"{path}: record {i + 1} lacks 'pred' or 'answers'")
+    return records
+
+
+def write_table(rows, columns, csv_path, title=None, extra=()):
+    """Print a score table with an ``avg`` column and write it as CSV.
+
+    Parameters
+    ----------
+    rows : dict
+        ``{row label: {column: score or None}}``.
+    columns : list of str
+        Column order; ``avg`` (mean of the row's present scores) is appended.
+    csv_path : str
+    title : str, optional
+        Printed above the table.
+    extra : sequence of str
+        Columns placed after ``avg`` and left out of it.
+
+    Returns
+    -------
+    list of list
+        The table, header first.
+    """
+    table = [["label"] + list(columns) + ["avg"] + list(extra)]
+    for label, scores in rows.items():
+        present = [scores[c] for c in columns if scores.get(c) is not None]
+        avg = round(sum(present) / len(present), 2) if present else None
+        table.append([label] + [scores.get(c) for c in columns] + [avg] + [scores.get(c) for c in extra])
+    os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
+    with open(csv_path, "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh).writerows([["" if v is None else v for v in row] for row in table])
+    cells = [["-" if v is None else str(v) for v in row] for row in table]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(table[0]))]
+    if title:
+        print(title)
+    for row in cells:
+        print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+    print(f"table written to {csv_path}")
+    return table

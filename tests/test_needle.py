@@ -1,0 +1,140 @@
+"""Needle-in-a-Haystack on the packaged SmolLM2 (prompts of ~1K tokens at most)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import run_needle_in_haystack as cli
+from restkv.bench import needle
+from restkv.models import essays_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm")
+
+
+def test_parse_range():
+    assert needle.parse_range(["1000", "2000:4000:3", "3000"]) == [1000, 2000, 3000, 4000]
+    assert needle.parse_range(["0:100:5"], float) == [0.0, 25.0, 50.0, 75.0, 100.0]
+    with pytest.raises(ValueError, match="start:stop:num"):
+        needle.parse_range(["1:2"])
+
+
+def test_insert_needle_at_a_sentence_boundary():
+    ctx = [1, 2, 0, 3, 4, 5, 0, 6, 7, 8]  # 0 ends a sentence
+
+    def is_end(t):
+        return t == 0
+
+    assert needle.insert_needle(ctx, [9, 9], 50, is_end) == ([1, 2, 0, 9, 9, 3, 4, 5, 0, 6, 7, 8], 3)
+    assert needle.insert_needle(ctx, [9], 0, is_end)[1] == 0
+    assert needle.insert_needle(ctx, [9], 75, is_end)[1] == 7
+    assert needle.insert_needle(ctx, [9], 100, is_end) == (ctx + [9], 10)
+
+
+def test_scores():
+    s = needle.score("The pass key is 71432.", "The pass key is 71432.", "71432")
+    assert s["score"] == 1.0 and s["exact"] == 1.0 and s["rouge1_f"] == pytest.approx(1.0)
+    assert needle.digit_score("It is 71,432!", "71432") == 1.0
+    assert needle.digit_score("key 71482", "71432") == pytest.approx(0.8)
+    assert needle.digit_score("7143", "71432") == pytest.approx(0.8)
+    assert needle.digit_score("14327", "71432") == 0.0
+    assert needle.score("no idea", "The pass key is 71432.", "71432")["score"] == 0.0
+    sf = needle.NEEDLES["sf"]
+    good = needle.score("Eat a sandwich and sit in Dolores Park on a sunny day.", sf.text, sf.answer)
+    half = needle.score("Sit in Dolores Park.", sf.text, sf.answer)
+    assert good["exact"] == 1.0 and good["score"] == 1.0 and half["exact"] == 0.0 and 0 < half["score"] < 1
+    assert good["rouge1_f"] > half["rouge1_f"] > 0
+
+
+def test_make_case_places_the_needle(smollm2):
+    _, tok = smollm2
+    hay = needle.Haystack(tok, essays_dir())
+    sf = needle.NEEDLES["sf"]
+    spans = []
+    for depth in (0, 50, 100):
+        case = needle.make_case(tok, hay, sf, 600, depth)
+        assert abs(len(case.ids) - 600) <= 4 and not case.truncated
+        start, end = case.needle_span
+        assert tok.decode(case.ids[start:end]).strip() == sf.text
+        if depth == 50:  # just after a sentence end
+            assert tok.decode(case.ids[:start]).rstrip().endswith((".", "!", "?"))
+        spans.append(start)
+    assert spans[0] < 80 < spans[1] < spans[2] and spans[1] < 0.5 * 600
+    cut = needle.make_case(tok, hay, needle.NEEDLES["passkey"], 600, 90, max_length=300)
+    assert cut.truncated and len(cut.ids) == 300
+    assert tok.decode(cut.ids[slice(*cut.needle_span)]).strip() == cut.needle_text
+    assert needle.make_case(tok, hay, sf, 600, 50, max_length=300).needle_span is None
+
+
+def test_missing_haystack_and_unknown_model_fail_clearly(tmp_path, smollm2):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        cli.main(["--haystack_dir", str(tmp_path / "nope"), "--save_dir", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="no .txt"):
+        needle.Haystack(smollm2[1], tmp_path)
+    with pytest.raises(ValueError, match="no-such-model"):
+        cli.main(["--model_path", "no-such-model", "--save_dir", str(tmp_path)])
+
+
+@pytest.fixture(scope="module")
+def fullkv_1k(tmp_path_factory):
+    """fullkv on one 1K-token pass-key prompt, through the command line entry point."""
+    return cli.main(["--method", "fullkv", "--needles", "passkey", "--context_lengths", "1024",
+                     "--depth_percents", "40", "--max_new_tokens", "10",
+                     "--save_dir", str(tmp_path_factory.mktemp("needle"))])
+
+
+def test_fullkv_finds_a_numeric_needle(fullkv_1k):
+    path, records, pngs = fullkv_1k
+    assert len(records) == 1 and records[0]["method"] == "fullkv"
+    r = records[0]
+    assert r["exact"] == 1.0 and r["score"] == 1.0 and r["answer"] in r["response"]
+    assert 1000 <= r["prompt_tokens"] <= 1024 and r["needle_kept"] == 1.0
+    assert all(os.path.isfile(p) for p in pngs) and any("budget_curve" in p for p in pngs)
+    meta = json.load(open(os.path.join(os.path.dirname(path), "run_meta.json")))
+    assert meta["benchmark"] == "needle" and meta["versions"]["transformers"]
+
+
+def test_budget_over_length_equals_fullkv(tmp_path):
+    _, records, _ = cli.main(["--method", ",".join(METHODS), "--max_capacity_prompts", "600", "--needles",
+                              "passkey", "--context_lengths", "512", "--depth_percents", "60",
+                              "--max_new_tokens", "10", "--no_plots", "--save_dir", str(tmp_path)])
+    assert sorted(r["method"] for r in records) == sorted(METHODS)
+    full = next(r for r in records if r["method"] == "fullkv")
+    assert full["answer"] in full["response"]
+    for r in records:
+        assert r["response"] == full["response"], r["label"]
+        assert r["needle_kept"] == 1.0, r["label"]
+
+
+def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
+    argv = [sys.executable, "run_needle_in_haystack.py", "--method", "fullkv", "streamingllm",
+            "--max_capacity_prompts", "64", "--needles", "passkey", "--context_lengths", "300",
+            "--depth_percents", "0:100:3", "--max_new_tokens", "4", "--no_plots", "--save_dir", str(tmp_path)]
+    path = tmp_path / "smollm2-135m" / "results.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and path.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = path.read_text().splitlines()
+    assert 2 <= len(before) < 6
+    with open(path, "a") as fh:
+        fh.write(before[-1][: len(before[-1]) // 2])  # a write cut short
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = path.read_text().splitlines()
+    assert after[: len(before)] == before
+    keys = [tuple(json.loads(line)[k] for k in needle.KEY_FIELDS) for line in after]
+    assert len(keys) == len(set(keys)) == 6
+    assert {(k[1], k[4]) for k in keys} == {(m, d) for m in ("fullkv", "streamingllm_64") for d in (0, 50, 100)}
+    assert "fullkv" in done.stdout and "streamingllm_64" in done.stdout

@@ -1,0 +1,154 @@
+"""Plots of the needle sweep and of what eviction keeps.
+
+Every function writes one PNG and returns its path.
+"""
+
+import os
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.colors import LinearSegmentedColormap, LogNorm  # noqa: E402
+
+CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
+
+
+def _save(fig, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _mark_needle(ax, span):
+    """Dashed lines at the needle's first and last token, labelled above the axes."""
+    if span is not None:
+        for x in (span[0] - 0.5, span[1] - 0.5):
+            ax.axvline(x, color="#00b4ff", lw=0.9, ls="--")
+        ax.annotate("needle", xy=((span[0] + span[1]) / 2, 1.0), xycoords=("data", "axes fraction"),
+                    ha="center", va="bottom", fontsize=8, color="#0077cc")
+
+
+def depth_length_heatmap(records, path, metric="score", title=None):
+    """Depth (rows) x context length (columns) grid of the mean ``metric`` of ``records``."""
+    lengths = sorted({r["length"] for r in records})
+    depths = sorted({r["depth"] for r in records})
+    cells = defaultdict(list)
+    for r in records:
+        cells[(r["depth"], r["length"])].append(r[metric])
+    grid = np.array([[np.mean(cells[(d, L)]) if cells[(d, L)] else np.nan for L in lengths] for d in depths])
+    fig, ax = plt.subplots(figsize=(1.5 + 0.9 * len(lengths), 1.2 + 0.4 * len(depths)))
+    im = ax.imshow(grid, cmap=CMAP, vmin=0, vmax=1, aspect="auto")
+    for i in range(len(depths)):
+        for j in range(len(lengths)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth (%)")
+    ax.set_title(title or f"{metric}: mean {np.nanmean(grid):.3f}", fontsize=9)
+    fig.colorbar(im, ax=ax, label=metric)
+    return _save(fig, path)
+
+
+def needle_heatmaps(records, out_dir, metric="score"):
+    """One :func:`depth_length_heatmap` per (needle, label): ``out_dir/heatmap_<needle>_<label>.png``."""
+    paths = []
+    for needle, label in sorted({(r["needle"], r["label"]) for r in records}):
+        rows = [r for r in records if r["needle"] == needle and r["label"] == label]
+        title = f"{label} · {needle} · {metric} {np.mean([r[metric] for r in rows]):.3f}"
+        paths.append(depth_length_heatmap(rows, os.path.join(out_dir, f"heatmap_{needle}_{label}.png"),
+                                          metric, title))
+    return paths
+
+
+def budget_curve(records, path, metric="score"):
+    """Mean ``metric`` against the budget, one line per method; ``fullkv`` as a dashed level."""
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for method in sorted({r["method"] for r in records} - {"fullkv"}):
+        by_budget = defaultdict(list)
+        for r in records:
+            if r["method"] == method:
+                by_budget[r["budget"]].append(r[metric])
+        budgets = sorted(by_budget)
+        ax.plot(budgets, [np.mean(by_budget[b]) for b in budgets], marker="o", label=method)
+    full = [r[metric] for r in records if r["method"] == "fullkv"]
+    if full:
+        ax.axhline(np.mean(full), color="k", ls="--", lw=1, label="fullkv")
+    ax.set_xscale("log", base=2)
+    budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.minorticks_off()
+    ax.set_xlabel("KV budget per head (max_capacity_prompt)")
+    ax.set_ylabel(f"mean {metric}")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+@torch.inference_mode()
+def window_attention(model, input_ids, window=32):
+    """Attention of the last ``window`` queries over every position, per layer (mean over heads and queries).
+
+    Runs one forward with eager attention (restored afterwards).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[layers, positions]``.
+    """
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        ids = torch.as_tensor(input_ids).reshape(1, -1).to(next(model.parameters()).device)
+        out = model(ids, output_attentions=True, use_cache=False)
+        return torch.stack([a[0, :, -window:, :].float().mean((0, 1)) for a in out.attentions]).cpu().numpy()
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def attention_heatmap(attn, path, needle_span=None, title=None):
+    """Layers x positions image of :func:`window_attention` (log color scale), the needle marked."""
+    attn = np.asarray(attn, dtype=float)
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    positive = attn[attn > 0]
+    norm = LogNorm(vmin=max(positive.min(), 1e-6), vmax=positive.max()) if positive.size else None
+    im = ax.imshow(np.clip(attn, 1e-6, None), aspect="auto", interpolation="nearest", norm=norm, cmap="magma")
+    _mark_needle(ax, needle_span)
+    ax.set_xlabel("key position")
+    ax.set_ylabel("layer")
+    ax.set_title(title or "attention of the observation window", fontsize=9, pad=14)
+    fig.colorbar(im, ax=ax, label="attention")
+    return _save(fig, path)
+
+
+def kept_map(kept, length, index=0):
+    """Fraction of KV heads keeping each position, per layer: ``[layers, length]`` (NaN rows: not evicted)."""
+    rows = np.full((len(kept), length), np.nan)
+    for layer, positions in enumerate(kept):
+        if positions is not None:
+            p = positions[index].cpu()
+            counts = torch.zeros(length)
+            for head in p:
+                counts[head[(head >= 0) & (head < length)]] += 1
+            rows[layer] = (counts / p.shape[0]).numpy()
+    return rows
+
+
+def kept_positions_plot(kept, length, path, needle_span=None, index=0, title=None):
+    """Layers x positions image of :func:`kept_map` for ``restkv.kept_positions(model)``, the needle marked."""
+    rows = kept_map(kept, length, index)
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    im = ax.imshow(rows, aspect="auto", interpolation="nearest", cmap="Greys", vmin=0, vmax=1)
+    _mark_needle(ax, needle_span)
+    ax.set_xlabel("prompt position")
+    ax.set_ylabel("layer")
+    ax.set_title(title or "kept KV entries", fontsize=9, pad=14)
+    fig.colorbar(im, ax=ax, label="fraction of KV heads keeping it")
+    return _save(fig, path)
