@@ -1,0 +1,1 @@
+"""RULER: offline data generation, prediction records and scoring."""

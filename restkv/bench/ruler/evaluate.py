@@ -1,0 +1,78 @@
+"""Score RULER predictions: one row per model x context length x method, one column per task."""
+
+import csv
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from restkv.bench.common import read_jsonl
+from restkv.bench.ruler.metrics import score
+from restkv.bench.ruler.tasks import FAMILIES, family_of, task_order
+
+REQUIRED = ("task", "method", "max_seq_length", "pred", "outputs")
+
+
+def natural_key(label):
+    """Sort ``fullkv`` first, then by text with numbers compared as numbers (snapkv_128 < snapkv_1024)."""
+    return (label != "fullkv", [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", label)])
+
+
+def collect(results_dir):
+    """``{(model, length, method, task): (preds, refs)}`` of every ``*.jsonl`` under ``results_dir``."""
+    files = sorted(Path(results_dir).rglob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"results_dir: no *.jsonl under {results_dir}")
+    cells = defaultdict(lambda: ([], []))
+    for path in files:
+        for n, rec in enumerate(read_jsonl(path), 1):
+            missing = [f for f in REQUIRED if f not in rec]
+            if missing:
+                raise ValueError(f"{path} record {n}: missing field(s) {missing}")
+            preds, refs = cells[(rec.get("model", ""), int(rec["max_seq_length"]), rec["method"], rec["task"])]
+            preds.append(rec["pred"])
+            refs.append(rec["outputs"])
+    return cells
+
+
+def table(cells):
+    """Rows of scores with the per-row average over its tasks.
+
+    Returns
+    -------
+    tuple of (list of str, list of list)
+        Header and rows: model, context_length, method, samples (fewest per
+        task), one score per task (blank when missing), avg.
+    """
+    tasks = task_order({k[3] for k in cells})
+    rows = {}
+    for (model, length, method, task), (preds, refs) in cells.items():
+        metric = FAMILIES[family_of(task)]["metric"]
+        rows.setdefault((model, length, method), {})[task] = (score(preds, refs, metric), len(preds))
+    header = ["model", "context_length", "method", "samples", *tasks, "avg"]
+    out = []
+    for model, length, method in sorted(rows, key=lambda k: (k[0], k[1], natural_key(k[2]))):
+        row = rows[(model, length, method)]
+        values = [row[t][0] for t in tasks if t in row]
+        out.append([model, length, method, min(n for _, n in row.values()),
+                    *[round(row[t][0], 2) if t in row else "" for t in tasks],
+                    round(sum(values) / len(values), 2)])
+    return header, out
+
+
+def evaluate(results_dir, csv_path=None):
+    """Score every prediction file under ``results_dir``, print the table and write it as CSV.
+
+    Returns
+    -------
+    tuple of (list of str, list of list)
+    """
+    header, rows = table(collect(results_dir))
+    csv_path = Path(csv_path or Path(results_dir) / "ruler_results.csv")
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv_path, "w", newline="") as fh:
+        csv.writer(fh).writerows([header, *rows])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for line in [header, *rows]:
+        print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
+    print(f"written {csv_path}")
+    return header, rows

@@ -1,0 +1,109 @@
+"""Predict RULER tasks with any methods and budgets.
+
+Reads folders of ``<task>/validation.jsonl`` (made by ``python -m
+restkv.bench.ruler.generate`` or by RULER's own scripts) and appends predictions
+to ``<save_dir>/<model>/<max_seq_length>/<task>/<label>.jsonl``; records already
+there are skipped.
+
+Folders from RULER's own ``prepare.py`` (``.../synthetic/4096/data``) lack
+``max_seq_length``: pass ``--context_length 4096``; when they were made with a
+model template already in ``input``, add ``--chat_template off``.
+
+Example
+-------
+python run_ruler.py --data_dir data/ruler/smollm2-135m/4096 --method restkv snapkv fullkv \\
+    --max_capacity_prompts 128 256 512 --save_dir results/ruler
+"""
+
+import argparse
+import os
+
+from tqdm import tqdm
+
+from restkv.bench.common import (JsonlWriter, add_common_args, build_prompt, encode, generate_batch,
+                                 load_from_args, method_configs, middle_truncate, write_metadata)
+from restkv.bench.ruler.data import find_tasks, load_task
+from restkv.bench.ruler.tasks import FAMILIES, family_of
+
+KEPT = ("index", "outputs", "length", "max_seq_length", "answer_prefix")
+
+
+def prompt_ids(tokenizer, record, chat_template, cap):
+    """Token ids of chat(input) + answer prefix, the input middle-truncated to fit ``cap``.
+
+    Returns
+    -------
+    tuple of (list of int, bool)
+        Ids and whether the input was truncated.
+    """
+    text = record["input"]
+    ids = encode(tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"])
+    excess = len(ids) - cap
+    if excess <= 0:
+        return ids, False
+    body = tokenizer(text, add_special_tokens=False).input_ids
+    if excess >= len(body):
+        raise ValueError(f"record {record['index']}: prompt exceeds {cap} tokens even without its input")
+    text = tokenizer.decode(middle_truncate(body, len(body) - excess), skip_special_tokens=True)
+    return encode(tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"]), True
+
+
+def load_data(data_dirs, tasks, num_samples, context_length):
+    """``[(task, records)]`` of every data folder, validated before any model work."""
+    out = []
+    for data_dir in data_dirs:
+        names = tasks or find_tasks(data_dir)
+        for task in names:
+            family_of(task)
+            path = os.path.join(data_dir, task, "validation.jsonl")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path}: missing (task {task} in data_dir {data_dir})")
+            out.append((task, load_task(path, context_length)[:num_samples]))
+    return out
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--data_dir", nargs="+", required=True,
+                        help="one or more folders of <task>/validation.jsonl (e.g. one per length)")
+    parser.add_argument("--tasks", nargs="+", default=None, help="tasks to run (default: every task folder)")
+    parser.add_argument("--num_samples", type=int, default=None, help="first N samples of each task only")
+    parser.add_argument("--max_new_tokens", type=int, default=None,
+                        help="override RULER's tokens to generate (niah 128, cwe 120, fwe 50, qa 32, vt 30)")
+    parser.add_argument("--context_length", type=int, default=None,
+                        help="requested length of files lacking max_seq_length (RULER's own output)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    import restkv
+
+    args = parse_args(argv)
+    configs = method_configs(args)
+    data = load_data(args.data_dir, args.tasks, args.num_samples, args.context_length)
+    model, tokenizer, max_length = load_from_args(args)
+    model_name = os.path.basename(os.path.normpath(args.model_path))
+    out_dir = os.path.join(args.save_dir, model_name)
+    write_metadata(out_dir, args, {"benchmark": "ruler", "labels": [c[0] for c in configs],
+                                   "tasks": sorted({t for t, _ in data}), "max_length": max_length})
+    for label, kwargs in configs:
+        restkv.configure(model, **kwargs)
+        for task, records in data:
+            new_tokens = args.max_new_tokens or FAMILIES[family_of(task)]["tokens_to_generate"]
+            path = os.path.join(out_dir, str(records[0]["max_seq_length"]), task, f"{label}.jsonl")
+            with JsonlWriter(path, ("index",)) as writer:
+                todo = [r for r in records if not writer.done((r["index"],))]
+                for start in tqdm(range(0, len(todo), args.batch_size), desc=f"{label} {task}", leave=False):
+                    batch = todo[start:start + args.batch_size]
+                    prompts = [prompt_ids(tokenizer, r, args.chat_template, max_length - new_tokens)
+                               for r in batch]
+                    preds = generate_batch(model, tokenizer, [ids for ids, _ in prompts], new_tokens)
+                    for record, pred, (ids, cut) in zip(batch, preds, prompts):
+                        writer.write({**{k: record[k] for k in KEPT}, "task": task, "method": label,
+                                      "model": model_name, "pred": pred, "prompt_tokens": len(ids),
+                                      "truncated": cut})
+
+
+if __name__ == "__main__":
+    main()

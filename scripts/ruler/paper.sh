@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The paper's RULER sweep: Llama-3.1-8B-Instruct, 13 tasks, budgets 128-2048, lengths 4K-128K.
+# Needs the model locally (MODEL=/path/to/Llama-3.1-8B-Instruct) and SQuAD/HotpotQA files for qa_1/qa_2.
+set -euo pipefail
+export MODEL=${MODEL:?set MODEL to a local Llama-3.1-8B-Instruct folder}
+export LENGTHS=${LENGTHS:-4096 8192 16384 32768 65536 131072}
+export BUDGETS=${BUDGETS:-128 256 512 1024 2048}
+export METHODS=${METHODS:-fullkv restkv snapkv pyramidkv streamingllm h2o cam l2norm}
+export TASKS=${TASKS:-all}
+export NUM_SAMPLES=${NUM_SAMPLES:-100}
+export EXTRA=${EXTRA:---dtype bfloat16 --device cuda}
+here=$(dirname "$0")
+bash "$here/generate.sh"
+bash "$here/sweep.sh"
