@@ -37,15 +37,19 @@ def essay_samples(tokenizer, n_samples: int, length: int, continuation: int, see
 
 
 @torch.no_grad()
-def continuation_logprobs(model, ids: torch.Tensor, length: int) -> torch.Tensor:
-    """Prefill ``ids[:length]`` (evicting per the model's configuration), then teacher-force the rest.
+def continuation_logprobs(model, ids: torch.Tensor, length: int, configs: list[dict]) -> list[torch.Tensor]:
+    """Prefill ``ids[:length]`` once, then teacher-force the rest on each config's cache (sweep mode).
 
-    Returns log-probabilities [continuation, vocab] of every next token from the prompt's last one on.
+    Returns per config the log-probabilities [continuation, vocab] of every next token from the
+    prompt's last one on.
     """
-    out = model(ids[None, :length], use_cache=True)
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
-    rest = model(ids[None, length:-1], cache=cache, use_cache=True).logits[0]
-    return torch.cat([out.logits[0, -1:], rest]).float().log_softmax(-1)
+    last, caches, _, _, _ = restkv.sweep_caches(model, ids[None, :length], None, configs)
+    restkv.configure(model, method="fullkv")  # decoding reads each cache's own layers
+    out = []
+    for cache in caches:
+        rest = model(ids[None, length:-1], cache=cache, use_cache=True).logits[0]
+        out.append(torch.cat([last, rest]).float().log_softmax(-1))
+    return out
 
 
 def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -65,11 +69,9 @@ def main(argv=None):
     samples = essay_samples(tokenizer, args.samples, args.length, args.continuation, args.seed)
     values = {label: [] for label, _ in configs}
     for ids in samples:
-        restkv.configure(model, method="fullkv")
-        reference = continuation_logprobs(model, ids, args.length)
-        for label, kwargs in configs:
-            restkv.configure(model, **kwargs)
-            values[label].append(kl(reference, continuation_logprobs(model, ids, args.length)))
+        reference, *evicted = continuation_logprobs(model, ids, args.length, [{"method": "fullkv"}] + [k for _, k in configs])
+        for (label, _), logprobs in zip(configs, evicted):
+            values[label].append(kl(reference, logprobs))
     print(f"| config | KL to full cache (mean ± s.e., {len(samples)} samples x {args.continuation} tokens) |")
     print("|---|---|")
     for label, v in values.items():

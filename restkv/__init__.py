@@ -13,6 +13,7 @@ from .integration import (
     replace_mistral,
     replace_qwen2,
 )
+from .sweep import prefill_caches as sweep_caches
 from .sweep import sweep
 
 __version__ = "0.1.0"
@@ -32,4 +33,5 @@ __all__ = [
     "replace_mistral",
     "replace_qwen2",
     "sweep",
+    "sweep_caches",
 ]

@@ -88,6 +88,49 @@ def _restore(model, modules, saved):
 
 
 @torch.no_grad()
+def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, configs):
+    """Prefill once and build every config's compressed cache.
+
+    Returns
+    -------
+    (logits, caches, kept, position_ids, model_mask)
+        ``logits`` [b, vocab] at the last prompt token (the same for every config); one cache per
+        config (its compressed layers plus shallow copies of the shared full ones) and the per-layer
+        ``kept_positions`` of each; the prompt's position ids and the mask the model saw.
+    """
+    configs = [dict(c) for c in configs]
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    modules = attention_modules(model)
+    saved = _save(model, modules)
+    try:
+        plans = []
+        for c in configs:  # each config's layer plans, with the checks of a separate run
+            configure(model, **c)
+            plans.append([m._restkv for m in modules])
+        configure(model, method="fullkv")
+        kept = [[None] * len(modules) for _ in configs]
+        sinks = [_Sink() for _ in configs]
+        hook = functools.partial(_evict_each, plans, sinks, kept, {m: i for i, m in enumerate(modules)})
+        for m in modules:
+            m._restkv_evict = hook
+        position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        model_mask = None if bool((mask == 1).all()) else mask
+        out = model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=True,
+                    logits_to_keep=1)
+        for m in modules:
+            m._restkv_evict = None
+        full = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        caches = []
+        for sink in sinks:
+            cache = copy.copy(full)
+            cache.layers = [sink.layers.get(j) or copy.copy(layer) for j, layer in enumerate(full.layers)]
+            caches.append(cache)
+        return out.logits[:, -1], caches, kept, position_ids, model_mask
+    finally:
+        _restore(model, modules, saved)
+
+
+@torch.no_grad()
 def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, configs, max_new_tokens: int,
           eos_token_id=_ABSENT, pad_token_id: int | None = None) -> list[tuple[Tensor, list[Tensor | None]]]:
     """Evaluate several eviction configs on one prompt for the price of one prefill.
@@ -114,40 +157,17 @@ def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, co
 
     The model's own configuration is restored afterwards.
     """
-    configs = [dict(c) for c in configs]
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     eos, pad = _eos_and_pad(model, eos_token_id, pad_token_id, input_ids.device)
+    logits, caches, kept, position_ids, model_mask = prefill_caches(model, input_ids, attention_mask, configs)
+    first = logits.float().argmax(-1)
     modules = attention_modules(model)
     saved = _save(model, modules)
     try:
-        plans = []
-        for c in configs:  # each config's layer plans, with the checks of a separate run
-            configure(model, **c)
-            plans.append([m._restkv for m in modules])
-        configure(model, method="fullkv")
-        kept = [[None] * len(modules) for _ in configs]
-        sinks = [_Sink() for _ in configs]
-        hook = functools.partial(_evict_each, plans, sinks, kept, {m: i for i, m in enumerate(modules)})
-        for m in modules:
-            m._restkv_evict = hook
-        position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        model_mask = None if bool((mask == 1).all()) else mask
-        out = model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=True,
-                    logits_to_keep=1)
-        for m in modules:
-            m._restkv_evict = None
-        full = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-        first = out.logits[:, -1].float().argmax(-1)
-        del out
+        configure(model, method="fullkv")  # decoding reads each cache's own layers
         results = []
-        for i in range(len(configs)):
-            cache = copy.copy(full)
-            own = sinks[i].layers
-            cache.layers = [own[j] if j in own else copy.copy(layer) for j, layer in enumerate(full.layers)]
-            sinks[i] = None
-            tokens = _decode(model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad)
-            results.append((tokens, kept[i]))
-            del cache, own
+        for i in range(len(caches)):
+            cache, caches[i] = caches[i], None
+            results.append((_decode(model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad), kept[i]))
         return results
     finally:
         _restore(model, modules, saved)
