@@ -11,6 +11,7 @@ wrapper passes through for modules that were not configured. On a configured lay
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import sys
@@ -83,7 +84,7 @@ def _evict(module, plan, cache, query, key, value, attention_mask, kwargs):
             scaling=kwargs.get("scaling") or module.head_dim**-0.5,
             softcap=kwargs.get("softcap"),
         )
-        wo = _wo_factor(module) if cfg.method == "restkv" and cfg.use_wo else None
+        wo = _wo_factor(module, query.device) if cfg.method == "restkv" and cfg.use_wo else None
         kept = compress(obs, cfg, wo, plan.head_budget)
     else:  # nothing to evict: the whole prompt stays
         positions = relative_positions(key_valid)[:, None].expand(-1, hkv, -1)
@@ -109,13 +110,26 @@ def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
     return row.expand(batch, n)
 
 
-def _wo_factor(module):
-    w = module.o_proj.weight
-    tag = (w.data_ptr(), w._version, w.device, w.dtype)
+def _wo_factor(module, device):
+    """The W_O factor R of a layer (computed once per weight), on ``device``.
+
+    A layer offloaded by accelerate keeps its weights on the meta device between forwards; they are
+    brought to ``device`` for the computation.
+    """
+    o_proj = module.o_proj
+    offloaded = o_proj.weight.device.type == "meta"
+    w = o_proj.weight
+    tag = "offloaded" if offloaded else (w.data_ptr(), w._version, w.device, w.dtype)
     cached = getattr(module, "_restkv_wo", None)
     if cached is None or cached[0] != tag:
-        with torch.no_grad():
-            cached = (tag, wo_factor(w, module.config.num_attention_heads))
+        if offloaded:
+            from accelerate.utils import align_module_device
+
+            weights_on = align_module_device(o_proj, execution_device=device)
+        else:
+            weights_on = contextlib.nullcontext()
+        with torch.no_grad(), weights_on:
+            cached = (tag, wo_factor(o_proj.weight, module.config.num_attention_heads).to(device))
         module._restkv_wo = cached
     return cached[1]
 

@@ -134,7 +134,8 @@ def resolve(name_or_path):
     raise ValueError(f"model_path: {name!r} is neither a registry model {sorted(REGISTRY)} nor an existing path")
 
 
-def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, device="cpu"):
+def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, device="cpu", device_map=None,
+               offload_folder=None):
     """Load a causal LM and its tokenizer.
 
     Parameters
@@ -143,10 +144,14 @@ def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, de
         Registry name (``smollm2-135m``, ``gemma3-270m``), local checkpoint
         folder, or hub id.
 
+    device_map, offload_folder : optional
+        An accelerate device map (e.g. ``"auto"``: layers over the GPUs, then CPU, then disk in
+        ``offload_folder``); ``device`` is then ignored.
+
     Returns
     -------
     (model, tokenizer)
-        Model in eval mode on ``device``; tokenizer left-padding, with a pad token.
+        Model in eval mode on ``device`` (or per ``device_map``); tokenizer left-padding, with a pad token.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -155,9 +160,13 @@ def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, de
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    model.to(device).eval()
-    return model, tokenizer
+    if device_map is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model.to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                     device_map=device_map, offload_folder=offload_folder)
+    return model.eval(), tokenizer
 
 
 def max_context(model):

@@ -48,7 +48,7 @@ def _decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tensor | No
                 mask = torch.cat([mask, mask.new_ones(b, 1)], -1)
             logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache,
                            use_cache=True, logits_to_keep=1).logits
-            tok = logits[:, -1].float().argmax(-1)
+            tok = logits[:, -1].float().argmax(-1).to(first.device)
         if eos is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
             unfinished &= ~torch.isin(tok, eos)
@@ -159,7 +159,7 @@ def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, co
     """
     eos, pad = _eos_and_pad(model, eos_token_id, pad_token_id, input_ids.device)
     logits, caches, kept, position_ids, model_mask = prefill_caches(model, input_ids, attention_mask, configs)
-    first = logits.float().argmax(-1)
+    first = logits.float().argmax(-1).to(input_ids.device)
     modules = attention_modules(model)
     saved = _save(model, modules)
     try:

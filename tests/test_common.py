@@ -29,13 +29,52 @@ def test_defaults_and_original_flag_names():
 def test_method_configs_grid_and_unset_knobs():
     configs = common.method_configs(parse("--method", "restkv,fullkv", "snapkv", "--max_capacity_prompts", "64",
                                           "256", "--window_size", "16", "--use_norm", "1"))
-    assert [label for label, _ in configs] == ["restkv_64", "restkv_256", "fullkv", "snapkv_64", "snapkv_256"]
+    suffix = "-use_norm=True-window_size=16"
+    assert [label for label, _ in configs] == [f"restkv_64{suffix}", f"restkv_256{suffix}", "fullkv",
+                                               f"snapkv_64{suffix}", f"snapkv_256{suffix}"]
     assert dict(configs)["fullkv"] == {"method": "fullkv"}
-    assert dict(configs)["snapkv_256"] == {"method": "snapkv", "max_capacity_prompt": 256, "window_size": 16,
-                                           "use_norm": True}
+    assert dict(configs)[f"snapkv_256{suffix}"] == {"method": "snapkv", "max_capacity_prompt": 256,
+                                                    "window_size": 16, "use_norm": True}
     assert dict(common.method_configs(parse()))["restkv_128"] == {"method": "restkv", "max_capacity_prompt": 128}
     with pytest.raises(ValueError, match="method.*quest"):
         common.method_configs(parse("--method", "restkv,quest"))
+
+
+def test_new_knob_flags_are_forwarded_only_when_set():
+    args = parse("--method", "adakv", "--head_budget", "adakv", "--floor", "0.3", "--normalize", "1",
+                 "--varlen", "0", "--gqa_agg", "rank", "--quant_method", "hqq", "--nbits", "2",
+                 "--residual_length", "16", "--q_group_size", "32")
+    ((label, kwargs),) = common.method_configs(args)
+    assert kwargs == {"method": "adakv", "max_capacity_prompt": 128, "head_budget": "adakv", "floor": 0.3,
+                      "normalize": True, "varlen": False, "gqa_agg": "rank", "quant_method": "hqq", "nbits": 2,
+                      "residual_length": 16, "q_group_size": 32}
+    # head_budget="adakv" is adakv's own default, so it does not show in the label
+    assert label == ("adakv_128-floor=0.3-gqa_agg=rank-nbits=2-normalize=True-q_group_size=32-"
+                     "quant_method=hqq-residual_length=16-varlen=False")
+    assert common.quant_settings(kwargs) == {"quant_method": "hqq", "nbits": 2, "residual_length": 16,
+                                             "q_group_size": 32}
+    assert common.quant_settings({"method": "snapkv"}) is None
+    meta = common.configs_meta([(label, kwargs)])[label]
+    assert meta["quant"]["nbits"] == 2 and meta["knobs"]["floor"] == 0.3
+    # a preset equal to the method's own defaults leaves the label alone
+    ((label, kwargs),) = common.method_configs(parse("--preset", "paper"))
+    assert label == "restkv_128" and kwargs["preset"] == "paper"
+    args = parse("--method", "headkv", "--head_importance", "/data/heads/llama3.json", "--headkv_beta", "1.5")
+    assert common.method_configs(args)[0][0] == "headkv_128-head_importance=llama3-headkv_beta=1.5"
+    with pytest.raises(SystemExit):
+        parse("--quant_method", "gptq")
+
+
+@pytest.mark.parametrize("argv,field", [
+    (("--method", "headkv"), "head_importance"),
+    (("--quant_method", "quanto", "--nbits", "3"), "nbits"),
+    (("--floor", "1.5"), "floor"),
+    (("--window_size", "128"), "window_size"),
+    (("--method", "adakv", "--quant_method", "hqq"), "quant_method"),
+])
+def test_bad_knobs_fail_with_label_and_field(argv, field):
+    with pytest.raises(ValueError, match=f"_128: .*{field}"):
+        common.method_configs(parse(*argv))
 
 
 def test_jsonl_writer_resumes_and_drops_a_cut_last_line(tmp_path):

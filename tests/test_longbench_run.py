@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-import restkv
 import run_longbench
 from restkv.bench.longbench import runner
 from restkv.bench.longbench.data import load_records
@@ -117,19 +116,19 @@ ARGS = ["--max_new_tokens", "4", "--batch_size", "2", "--seed", "0"]
 def test_end_to_end_on_smollm2(tmp_path, monkeypatch):
     data = write_fixture(tmp_path / "data", ["hotpotqa"], n=2, words=25)
     out = tmp_path / "out"
-    kept, real_generate = [], runner.generate_batch
+    kept, real_decode = [], runner.decode_configs
 
-    def spy(model, tokenizer, prompts, max_new_tokens):
-        preds = real_generate(model, tokenizer, prompts, max_new_tokens)
-        first_layer = restkv.kept_positions(model)[0]
-        kept.append(None if first_layer is None else first_layer.shape[-1])
-        return preds
+    def spy(model, tokenizer, prompts, configs, max_new_tokens, sweep=True):
+        out = real_decode(model, tokenizer, prompts, configs, max_new_tokens, sweep)
+        kept.append([None if k[0] is None else k[0].shape[-1] for _, k in out])
+        return out
 
-    monkeypatch.setattr(runner, "generate_batch", spy)
+    monkeypatch.setattr(runner, "decode_configs", spy)
     files = run_longbench.main(["--data_dir", data, "--datasets", "hotpotqa", "--method", "restkv", "fullkv",
                                 "--max_capacity_prompts", "64", "2048", "--save_dir", str(out)] + ARGS)
     assert [label for _, label in files] == ["restkv_64", "restkv_2048", "fullkv"]
-    assert kept[0] == 64 and kept[1] != 64 and kept[2] != 64  # one batch per label, each with its own budget
+    assert len(kept) == 1  # one batch, all configs on one prefill, each with its own budget
+    assert kept[0][0] == 64 and kept[0][1] != 64 and kept[0][2] != 64
     preds = {label: read(path) for (_, label), path in files.items()}
     for label, recs in preds.items():
         assert [r["_id"] for r in recs] == ["hotpotqa-0", "hotpotqa-1"], label
@@ -161,13 +160,13 @@ def test_interrupt_and_resume_keeps_each_record_once(tmp_path, monkeypatch):
     class Interrupted(Exception):
         pass
 
-    def fake_generate(model, tokenizer, prompts, max_new_tokens):
+    def fake_decode(model, tokenizer, prompts, configs, max_new_tokens, sweep=True):
         state["calls"] += 1
         if state["calls"] == state["fail_on"]:
             raise Interrupted
-        return [f"pred{state['calls']}"] * len(prompts)
+        return [([f"pred{state['calls']}"] * len(prompts), None) for _ in configs]
 
-    monkeypatch.setattr(runner, "generate_batch", fake_generate)
+    monkeypatch.setattr(runner, "decode_configs", fake_decode)
     with pytest.raises(Interrupted):
         run_longbench.main(argv)
     path = tmp_path / "out" / "smollm2-135m" / "triviaqa" / "fullkv.jsonl"

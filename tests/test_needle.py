@@ -138,3 +138,26 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
     assert len(keys) == len(set(keys)) == 6
     assert {(k[1], k[4]) for k in keys} == {(m, d) for m in ("fullkv", "streamingllm_64") for d in (0, 50, 100)}
     assert "fullkv" in done.stdout and "streamingllm_64" in done.stdout
+
+
+def test_bad_knob_fails_before_the_model_loads(tmp_path, monkeypatch):
+    import restkv.models
+
+    monkeypatch.setattr(restkv.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ValueError, match="headkv_128: head_importance"):
+        cli.main(["--method", "headkv", "--save_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="restkv_128: alpha"):
+        cli.main(["--alpha", "1.5", "--save_dir", str(tmp_path)])
+
+
+def test_quantized_records_and_metadata(tmp_path):
+    path, records, _ = cli.main(["--method", "snapkv", "--max_capacity_prompts", "64", "--quant_method", "hqq",
+                                 "--nbits", "4", "--needles", "passkey", "--context_lengths", "300",
+                                 "--depth_percents", "50", "--max_new_tokens", "4", "--no_plots",
+                                 "--save_dir", str(tmp_path)])
+    quant = {"quant_method": "hqq", "nbits": 4, "residual_length": 32, "q_group_size": 64}
+    (r,) = records
+    assert r["label"] == "snapkv_64-quant_method=hqq" and r["quant"] == quant
+    meta = json.load(open(os.path.join(os.path.dirname(path), "run_meta.json")))
+    assert meta["configs"]["snapkv_64-quant_method=hqq"]["quant"] == quant
+    assert meta["config"]["quant_method"] == "hqq"

@@ -1,8 +1,9 @@
 """Shared machinery of the benchmark runners.
 
-Command-line flags (with the original ReST-KV names), the method x budget grid,
-resumable JSONL results, prompt building, batched greedy generation and run
-metadata.
+Command-line flags (with the original ReST-KV names), the method x budget grid
+(validated, with labels that name non-default knobs), resumable JSONL results,
+prompt building, batched greedy generation (one config, or several on one
+prefill) and run metadata.
 """
 
 import argparse
@@ -141,7 +142,7 @@ def method_configs(args):
             kwargs = {"method": method, "max_capacity_prompt": budget, **knobs}
             label = f"{method}_{budget}"
             try:
-                label += "".join(f"-{k}={_short(v)}" for k, v in knob_diff(kwargs).items())
+                label += "".join(f"-{k}={_short(k, v)}" for k, v in knob_diff(kwargs).items())
             except ValueError as err:
                 raise ValueError(f"{label}: {err}") from None
             configs.append((label, kwargs))
@@ -161,19 +162,19 @@ def knob_diff(kwargs):
     from restkv import CompressionConfig
 
     cfg = dataclasses.asdict(CompressionConfig.from_kwargs(**kwargs))
-    base = {k: kwargs[k] for k in ("method", "max_capacity_prompt") if k in kwargs}
-    ref = dataclasses.asdict(CompressionConfig.from_kwargs(**base))
+    # the method's own defaults (pooling, head_budget), with a budget and table any default accepts
+    ref = dataclasses.asdict(CompressionConfig(method=cfg["method"], max_capacity_prompt=2**62, head_importance="-"))
+    ref.update(max_capacity_prompt=cfg["max_capacity_prompt"], head_importance=None)
     return {k: v for k, v in sorted(cfg.items()) if v != ref[k]}
 
 
-def _short(value):
-    if isinstance(value, str) and os.sep in value:  # a file: its name
-        return os.path.splitext(os.path.basename(value))[0]
-    return value
+def _short(knob, value):
+    """``value`` as it appears in a label (a head-importance file by its name)."""
+    return os.path.splitext(os.path.basename(value))[0] if knob == "head_importance" else value
 
 
 def quant_settings(kwargs):
-    """The KV quantization of a config: ``None`` (full precision) or ``{quant_method, nbits, residual_length, q_group_size}``."""
+    """The KV quantization of a config: ``None`` (full precision) or a dict of ``QUANT_FIELDS``."""
     from restkv import CompressionConfig
 
     cfg = CompressionConfig.from_kwargs(**kwargs)
@@ -185,8 +186,11 @@ def configs_meta(configs):
     return {label: {"configure": kw, "knobs": knob_diff(kw), "quant": quant_settings(kw)} for label, kw in configs}
 
 
-def load_from_args(args):
+def load_from_args(args, shard=None):
     """Seed, then load ``args.model_path`` with the dtype/device/backend flags.
+
+    Under a multi-process launch ``--device cuda`` means this process's own GPU. With
+    ``--device_map`` the model is spread by accelerate (``--offload_folder`` for disk offload).
 
     Returns
     -------
@@ -196,8 +200,18 @@ def load_from_args(args):
     from restkv.models import load_model, max_context
 
     torch.manual_seed(args.seed)
+    device = args.device
+    if shard is not None and shard.size > 1 and device == "cuda":
+        from accelerate import PartialState
+
+        device = PartialState().device
+    kwargs = {}
+    if getattr(args, "device_map", None):
+        kwargs["device_map"] = args.device_map
+        if getattr(args, "offload_folder", None):
+            kwargs["offload_folder"] = args.offload_folder
     model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                  dtype=DTYPES[args.dtype], device=args.device)
+                                  dtype=DTYPES[args.dtype], device=device, **kwargs)
     return model, tokenizer, args.max_length or max_context(model)
 
 
@@ -387,8 +401,9 @@ def left_pad(tokenizer, prompts, device):
 
 
 def input_device(model):
-    """Device of the model's input embeddings (the first device of a ``device_map`` model)."""
-    return model.get_input_embeddings().weight.device
+    """Device of the model's input embeddings (the first device of a ``device_map`` model; CPU when offloaded)."""
+    device = model.get_input_embeddings().weight.device
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 @torch.inference_mode()

@@ -11,17 +11,17 @@ import json
 import os
 import random
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
-from itertools import groupby
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from .common import (JsonlWriter, build_prompt, encode, generate_batch, load_from_args, method_configs,
-                     middle_truncate, model_name, read_jsonl, write_metadata)
+from .common import (build_prompt, configs_meta, decode_configs, encode, load_from_args, method_configs,
+                     middle_truncate, model_name, quant_settings, read_jsonl, write_metadata)
 
 PROMPT = ("You are a helpful AI bot that answers questions for a user. Keep your response short and direct.\n\n"
           "<document>\n{context}\n</document>\n\n"
@@ -274,16 +274,20 @@ def add_needle_args(parser):
 
 
 def run(args):
-    """Run every (method x budget, needle, length, depth) cell not yet in the results file.
+    """Run every (method x budget, needle, length, depth) record not yet in the results file.
+
+    Each batch of cells is prefilled once for all configs (``--no_sweep``: once per config).
+    Under ``accelerate launch`` the cells are sharded over the processes and the main process
+    merges their parts (see :mod:`restkv.bench.shard`).
 
     Returns
     -------
     (str, list of dict)
-        The results file and the records of this configuration (old and new).
+        The results file and the records of this configuration (old and new); no records on
+        the other processes of a sharded run.
     """
-    import restkv
-
     from ..models import essays_dir
+    from .shard import ResultFile, current, merge
 
     configs = method_configs(args)
     needles = needles_from_args(args)
@@ -291,7 +295,8 @@ def run(args):
     haystack_dir = Path(args.haystack_dir) if args.haystack_dir else essays_dir()
     if not haystack_dir.is_dir():
         raise FileNotFoundError(f"haystack folder {haystack_dir} does not exist")
-    model, tokenizer, max_length = load_from_args(args)
+    shard = current()
+    model, tokenizer, max_length = load_from_args(args, shard)
     cap = args.max_length or max_length - args.max_new_tokens
     haystack = Haystack(tokenizer, haystack_dir)
     out_dir = os.path.join(args.save_dir, model_name(args.model_path))
@@ -299,40 +304,50 @@ def run(args):
                 "max_new_tokens": args.max_new_tokens, "haystack": str(haystack_dir), "seed": args.seed,
                 "dtype": args.dtype, "attn_implementation": args.attn_implementation, "prompt": PROMPT}
     ids = {label: config_id(kw, settings) for label, kw in configs}
-    write_metadata(out_dir, args, {"benchmark": "needle", "labels": ids, "max_length": cap,
-                                   "lengths": lengths, "depths": depths,
-                                   "needles": [asdict(n) for n in needles]})
+    quant = {label: quant_settings(kw) for label, kw in configs}
+    if shard.main:
+        write_metadata(out_dir, args, {"benchmark": "needle", "labels": ids, "configs": configs_meta(configs),
+                                       "max_length": cap, "lengths": lengths, "depths": depths,
+                                       "needles": [asdict(n) for n in needles], "processes": shard.size})
     path = os.path.join(out_dir, "results.jsonl")
-    cases = {}
-    with JsonlWriter(path, KEY_FIELDS) as writer:
-        todo = [(label, kw, n, L, d) for label, kw in configs for n in needles for L in lengths for d in depths
-                if not writer.done((n.name, label, ids[label], L, d))]
-        bar = tqdm(total=len(todo), desc="needle", unit="cell")
-        for label, group in groupby(todo, key=lambda t: t[0]):
-            group = list(group)
-            kwargs = group[0][1]
-            restkv.configure(model, **kwargs)
-            for start in range(0, len(group), args.batch_size):
-                batch = [t[2:] for t in group[start:start + args.batch_size]]
-                for n, L, d in batch:
-                    if (n.name, L, d) not in cases:
-                        cases[(n.name, L, d)] = make_case(tokenizer, haystack, n, L, d, args.chat_template, cap,
-                                                          args.seed)
-                batch_cases = [cases[(n.name, L, d)] for n, L, d in batch]
-                t0 = time.time()
-                responses = generate_batch(model, tokenizer, [c.ids for c in batch_cases], args.max_new_tokens)
-                seconds = (time.time() - t0) / len(batch)
-                kept = restkv.kept_positions(model)
-                for i, ((n, L, d), case, response) in enumerate(zip(batch, batch_cases, responses)):
-                    writer.write({
+    cells = [(n, L, d) for n in needles for L in lengths for d in depths]
+    plan = [(n.name, label, ids[label], L, d) for n, L, d in cells for label, _ in configs]
+    with ResultFile(path, KEY_FIELDS, plan, shard) as out:
+        def todo(cell):
+            n, L, d = cell
+            return [(label, kw) for label, kw in configs if not out.done((n.name, label, ids[label], L, d))]
+
+        mine = [c for i, c in enumerate(cells) if shard.mine(i) and todo(c)]
+        where = f" (process {shard.rank} of {shard.size})" if shard.size > 1 else ""
+        print(f"needle{where}: {sum(len(todo(c)) for c in mine)} records to run", file=sys.stderr)
+        bar = tqdm(total=len(mine), desc="needle", unit="cell")
+        for start in range(0, len(mine), args.batch_size):
+            batch = mine[start:start + args.batch_size]
+            left = {label for c in batch for label, _ in todo(c)}
+            need = [(label, kw) for label, kw in configs if label in left]
+            cases = [make_case(tokenizer, haystack, n, L, d, args.chat_template, cap, args.seed) for n, L, d in batch]
+            t0 = time.time()
+            results = decode_configs(model, tokenizer, [c.ids for c in cases], [kw for _, kw in need],
+                                     args.max_new_tokens, sweep=not args.no_sweep)
+            seconds = (time.time() - t0) / (len(batch) * len(need))
+            for i, ((n, L, d), case) in enumerate(zip(batch, cases)):
+                for (label, kwargs), (responses, kept) in zip(need, results):
+                    if out.done((n.name, label, ids[label], L, d)):
+                        continue
+                    out.write({
                         "needle": n.name, "label": label, "config_id": ids[label], "length": L, "depth": d,
                         "method": kwargs["method"], "budget": kwargs.get("max_capacity_prompt"),
-                        "model": settings["model"], "prompt_tokens": len(case.ids),
+                        "quant": quant[label], "model": settings["model"], "prompt_tokens": len(case.ids),
                         "needle_span": case.needle_span, "truncated": case.truncated, "answer": case.answer,
-                        "response": response, **score(response, case.needle_text, case.answer),
+                        "response": responses[i], **score(responses[i], case.needle_text, case.answer),
                         "needle_kept": needle_kept(kept, case.needle_span, i), "seconds": round(seconds, 3)})
-                bar.update(len(batch))
+            bar.update(len(batch))
         bar.close()
+    if shard.size > 1:
+        shard.barrier()
+        if not shard.main:
+            return path, []
+        merge(path)
     grid = {(n.name, L, d) for n in needles for L in lengths for d in depths}
     records = [r for r in read_jsonl(path)
                if ids.get(r["label"]) == r["config_id"] and (r["needle"], r["length"], r["depth"]) in grid]

@@ -1,7 +1,8 @@
 """The prediction loop shared by the LongBench and InfiniteBench runners.
 
-For every method x budget of the command line and every task, the task's
-records are turned into prompts, decoded greedily in batches and appended to
+For every task, the task's records are turned into prompts and decoded greedily
+in batches under every method x budget of the command line (one prefill per
+batch); each config's predictions are appended to
 ``<save_dir>/<model>/<task>/<label>.jsonl``; records already there are skipped.
 """
 
@@ -11,8 +12,8 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from ..common import (JsonlWriter, build_prompt, encode, generate_batch, has_chat_template, load_from_args,
-                      method_configs, middle_truncate, write_metadata)
+from ..common import (build_prompt, configs_meta, decode_configs, encode, has_chat_template, load_from_args,
+                      method_configs, middle_truncate, quant_settings, write_metadata)
 
 
 @dataclass
@@ -86,7 +87,10 @@ def run_tasks(args, tasks, extra_meta=None):
 
     With ``args.max_length`` set, the prompt alone is capped at it (the
     original's per-model length); otherwise prompt plus generation are capped
-    at the model's max context.
+    at the model's max context. Each batch is prefilled once for all configs
+    (``--no_sweep``: once per config). Under ``accelerate launch`` the records
+    (numbered over all tasks) are sharded over the processes and the main
+    process merges their parts (see :mod:`restkv.bench.shard`).
 
     Parameters
     ----------
@@ -102,34 +106,57 @@ def run_tasks(args, tasks, extra_meta=None):
     dict
         ``{(task name, label): predictions file}``.
     """
-    import restkv
+    from ..shard import ResultFile, current, merge
 
     configs = method_configs(args)
-    model, tokenizer, max_length = load_from_args(args)
+    shard = current()
+    model, tokenizer, max_length = load_from_args(args, shard)
     out_dir = os.path.join(args.save_dir, model_name(args.model_path))
-    write_metadata(out_dir, args, {"labels": [c[0] for c in configs], "tasks": [t.name for t in tasks],
-                                   "max_length": max_length, **(extra_meta or {})})
-    files = {}
-    for label, kwargs in configs:
-        restkv.configure(model, **kwargs)
-        for task in tasks:
-            new_tokens = args.max_new_tokens or task.max_new_tokens
-            reserve = 0 if args.max_length else new_tokens
-            chat = args.chat_template if task.chat else "off"
-            wrapped = chat == "on" or (chat == "auto" and has_chat_template(tokenizer))
-            path = os.path.join(out_dir, task.name, f"{label}.jsonl")
-            files[(task.name, label)] = path
-            with JsonlWriter(path, (task.key,)) as writer:
-                todo = [r for r in task.records if not writer.done((r[task.key],))]
-                bar = tqdm(total=len(todo), desc=f"{label} {task.name}", leave=False)
-                for start in range(0, len(todo), args.batch_size):
-                    batch = todo[start:start + args.batch_size]
-                    ids = [prompt_ids(tokenizer, task.text(r, wrapped), max_length, chat, reserve) for r in batch]
-                    preds = generate_batch(model, tokenizer, ids, new_tokens)
+    if shard.main:
+        write_metadata(out_dir, args, {"labels": [c[0] for c in configs], "configs": configs_meta(configs),
+                                       "tasks": [t.name for t in tasks], "max_length": max_length,
+                                       "processes": shard.size, **(extra_meta or {})})
+    quant = {label: quant_settings(kw) for label, kw in configs}
+    files, first = {}, 0
+    for task in tasks:
+        new_tokens = args.max_new_tokens or task.max_new_tokens
+        reserve = 0 if args.max_length else new_tokens
+        chat = args.chat_template if task.chat else "off"
+        wrapped = chat == "on" or (chat == "auto" and has_chat_template(tokenizer))
+        plan = [(r[task.key],) for r in task.records]
+        outs = {}
+        for label, _ in configs:
+            files[(task.name, label)] = path = os.path.join(out_dir, task.name, f"{label}.jsonl")
+            outs[label] = ResultFile(path, (task.key,), plan, shard)
+        try:
+            def todo(record):
+                return [label for label, _ in configs if not outs[label].done((record[task.key],))]
+
+            mine = [r for i, r in enumerate(task.records, first) if shard.mine(i) and todo(r)]
+            first += len(task.records)
+            bar = tqdm(total=len(mine), desc=task.name, leave=False)
+            for start in range(0, len(mine), args.batch_size):
+                batch = mine[start:start + args.batch_size]
+                left = {label for r in batch for label in todo(r)}
+                need = [(label, kw) for label, kw in configs if label in left]
+                ids = [prompt_ids(tokenizer, task.text(r, wrapped), max_length, chat, reserve) for r in batch]
+                results = decode_configs(model, tokenizer, ids, [kw for _, kw in need], new_tokens,
+                                         sweep=not args.no_sweep)
+                for (label, _), (preds, _) in zip(need, results):
                     for record, pred, p in zip(batch, preds, ids):
-                        writer.write({**task.output(record), "pred": pred, "prompt_tokens": len(p)})
-                    bar.update(len(batch))
-                bar.close()
+                        if not outs[label].done((record[task.key],)):
+                            outs[label].write({**task.output(record), "pred": pred, "prompt_tokens": len(p),
+                                               "quant": quant[label]})
+                bar.update(len(batch))
+            bar.close()
+        finally:
+            for out in outs.values():
+                out.close()
+    if shard.size > 1:
+        shard.barrier()
+        if shard.main:
+            for path in files.values():
+                merge(path)
     return files
 
 

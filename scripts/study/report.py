@@ -1,0 +1,65 @@
+"""Turn the study's fidelity JSONs into a results page (markdown) with paired comparisons.
+
+    python scripts/study/report.py results/study/fidelity/smollm2-135m [more model folders] > docs/results.md
+
+For every budget: each config's mean KL to the full cache with its standard error, and for each
+ReST-KV variant the paired difference to the best baseline (same samples, so the sample-to-sample
+variation cancels); a difference is called a win/loss only when it exceeds twice its standard error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+
+def load(folder: Path) -> dict[str, dict[int, list[float]]]:
+    """{config name: {budget: per-sample KL}} from every JSON in ``folder``."""
+    table = {}
+    for path in sorted(folder.glob("*.json")):
+        for label, values in json.loads(path.read_text())["kl"].items():
+            method, budget = label.rsplit("_", 1)
+            name = path.stem if method == "restkv" else method
+            table.setdefault(name, {})[int(budget)] = values
+    return table
+
+
+def mean_se(values) -> tuple[float, float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return float(t.mean()), float(t.std() / math.sqrt(len(t))) if len(t) > 1 else float("nan")
+
+
+def report(folder: Path) -> str:
+    table = load(folder)
+    budgets = sorted({b for per in table.values() for b in per})
+    baselines = [n for n in table if not n.startswith("restkv")]
+    lines = [f"### {folder.name}: KL to the full cache (lower is better)", "",
+             "| config | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for name in sorted(table, key=lambda n: (not n.startswith("restkv"), n)):
+        cells = [("%.4f ± %.4f" % mean_se(table[name][b])) if b in table[name] else "" for b in budgets]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Paired difference to the best baseline at each budget (negative: ReST-KV better; "
+              "bold when |diff| > 2 s.e.):", "",
+              "| variant | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for name in sorted(n for n in table if n.startswith("restkv")):
+        cells = []
+        for b in budgets:
+            present = [n for n in baselines if b in table[n]]
+            if b not in table[name] or not present:
+                cells.append("")
+                continue
+            best = min(present, key=lambda n: mean_se(table[n][b])[0])
+            diff = torch.tensor(table[name][b]) - torch.tensor(table[best][b])
+            m, se = mean_se(diff.tolist())
+            text = f"{m:+.4f} ± {se:.4f} vs {best}"
+            cells.append(f"**{text}**" if abs(m) > 2 * se else text)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print("\n".join(report(Path(f)) for f in sys.argv[1:]))
