@@ -23,3 +23,5 @@ run restkv_mean_rows --method restkv --use_ema 0
 run restkv_sum_norm_mean_rows --method restkv --gqa_agg sum_norm --use_ema 0
 run restkv_sum_norm_avgpool --method restkv --gqa_agg sum_norm --pooling avgpool
 run restkv_sum_norm_alpha01 --method restkv --gqa_agg sum_norm --alpha 0.1
+run restkv_adakv --method restkv --head_budget adakv
+run restkv_sum_norm_adakv --method restkv --gqa_agg sum_norm --head_budget adakv

@@ -2,6 +2,8 @@
 
     python scripts/study/report.py results/study/fidelity/smollm2-135m [more model folders] > docs/results.md
 
+With ``--plots DIR`` it also draws, per model, the KL of every config against the budget (PNG).
+
 For every budget: each config's mean KL to the full cache with its standard error, and for each
 ReST-KV variant the paired difference to the best baseline (same samples, so the sample-to-sample
 variation cancels); a difference is called a win/loss only when it exceeds twice its standard error.
@@ -22,7 +24,7 @@ def load(folder: Path) -> dict[str, dict[int, list[float]]]:
     table = {}
     for path in sorted(folder.glob("*.json")):
         for label, values in json.loads(path.read_text())["kl"].items():
-            method, budget = label.rsplit("_", 1)
+            method, budget = label.split("-", 1)[0].rsplit("_", 1)
             name = path.stem if method == "restkv" else method
             table.setdefault(name, {})[int(budget)] = values
     return table
@@ -61,5 +63,35 @@ def report(folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(folder: Path, out_dir: Path) -> Path:
+    """KL vs budget for every config of one model (log-log), written to ``out_dir/fidelity_<model>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = load(folder)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in sorted(table):
+        budgets = sorted(table[name])
+        means = [mean_se(table[name][b])[0] for b in budgets]
+        ax.plot(budgets, means, marker="o", linestyle="-" if name.startswith("restkv") else "--", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="budget (entries per KV head)", ylabel="KL to full cache",
+           title=folder.name)
+    ax.legend(fontsize=6)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"fidelity_{folder.name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 if __name__ == "__main__":
-    print("\n".join(report(Path(f)) for f in sys.argv[1:]))
+    args = sys.argv[1:]
+    plots = None
+    if "--plots" in args:
+        i = args.index("--plots")
+        plots, args = Path(args[i + 1]), args[:i] + args[i + 2:]
+    print("\n".join(report(Path(f)) for f in args))
+    for f in args if plots else []:
+        print(f"![{Path(f).name}]({plot(Path(f), plots).name})\n")
