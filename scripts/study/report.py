@@ -92,6 +92,7 @@ if __name__ == "__main__":
     if "--plots" in args:
         i = args.index("--plots")
         plots, args = Path(args[i + 1]), args[:i] + args[i + 2:]
+    args = [f for f in args if any(Path(f).glob("*.json"))]  # models with results
     print("\n".join(report(Path(f)) for f in args))
     for f in args if plots else []:
         print(f"![{Path(f).name}]({plot(Path(f), plots).name})\n")
