@@ -3,7 +3,10 @@
 Reads folders of ``<task>/validation.jsonl`` (made by ``python -m
 restkv.bench.ruler.generate`` or by RULER's own scripts) and appends predictions
 to ``<save_dir>/<model>/<max_seq_length>/<task>/<label>.jsonl``; records already
-there are skipped.
+there are skipped. Each batch is prefilled once for every method x budget
+(``--no_sweep``: once per config). Under ``accelerate launch`` the samples
+(numbered over all tasks) are sharded over the processes and the main process
+merges their parts (see :mod:`restkv.bench.shard`).
 
 Folders from RULER's own ``prepare.py`` (``.../synthetic/4096/data``) lack
 ``max_seq_length``: pass ``--context_length 4096``; when they were made with a
@@ -20,10 +23,11 @@ import os
 
 from tqdm import tqdm
 
-from restkv.bench.common import (JsonlWriter, add_common_args, build_prompt, encode, generate_batch,
-                                 load_from_args, method_configs, middle_truncate, write_metadata)
+from restkv.bench.common import (add_common_args, build_prompt, configs_meta, decode_configs, encode,
+                                 load_from_args, method_configs, middle_truncate, model_name, write_metadata)
 from restkv.bench.ruler.data import find_tasks, load_task
 from restkv.bench.ruler.tasks import FAMILIES, family_of
+from restkv.bench.shard import ResultFile, current, merge
 
 KEPT = ("index", "outputs", "length", "max_seq_length", "answer_prefix")
 
@@ -49,8 +53,14 @@ def prompt_ids(tokenizer, record, chat_template, cap):
 
 
 def load_data(data_dirs, tasks, num_samples, context_length):
-    """``[(task, records)]`` of every data folder, validated before any model work."""
-    out = []
+    """``[(task, records)]`` of every data folder, validated before any model work.
+
+    Raises
+    ------
+    ValueError
+        When two folders hold the same task at the same length (they would share a results file).
+    """
+    out, seen = [], {}
     for data_dir in data_dirs:
         names = tasks or find_tasks(data_dir)
         for task in names:
@@ -58,7 +68,12 @@ def load_data(data_dirs, tasks, num_samples, context_length):
             path = os.path.join(data_dir, task, "validation.jsonl")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path}: missing (task {task} in data_dir {data_dir})")
-            out.append((task, load_task(path, context_length)[:num_samples]))
+            records = load_task(path, context_length)[:num_samples]
+            where = (records[0]["max_seq_length"], task)
+            if where in seen:
+                raise ValueError(f"{path}: task {task} at length {where[0]} is also in {seen[where]}")
+            seen[where] = path
+            out.append((task, records))
     return out
 
 
@@ -76,33 +91,73 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None):
-    import restkv
+def run(args, data):
+    """Predict every sample of ``data`` for every method x budget of ``args``.
 
-    args = parse_args(argv)
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed :func:`parse_args` flags.
+    data : list of (str, list of dict)
+        Tasks and their records, as :func:`load_data` returns them.
+
+    Returns
+    -------
+    dict
+        ``{(max_seq_length, task, label): predictions file}``.
+    """
     configs = method_configs(args)
-    data = load_data(args.data_dir, args.tasks, args.num_samples, args.context_length)
-    model, tokenizer, max_length = load_from_args(args)
-    model_name = os.path.basename(os.path.normpath(args.model_path))
-    out_dir = os.path.join(args.save_dir, model_name)
-    write_metadata(out_dir, args, {"benchmark": "ruler", "labels": [c[0] for c in configs],
-                                   "tasks": sorted({t for t, _ in data}), "max_length": max_length})
-    for label, kwargs in configs:
-        restkv.configure(model, **kwargs)
-        for task, records in data:
-            new_tokens = args.max_new_tokens or FAMILIES[family_of(task)]["tokens_to_generate"]
-            path = os.path.join(out_dir, str(records[0]["max_seq_length"]), task, f"{label}.jsonl")
-            with JsonlWriter(path, ("index",)) as writer:
-                todo = [r for r in records if not writer.done((r["index"],))]
-                for start in tqdm(range(0, len(todo), args.batch_size), desc=f"{label} {task}", leave=False):
-                    batch = todo[start:start + args.batch_size]
-                    prompts = [prompt_ids(tokenizer, r, args.chat_template, max_length - new_tokens)
-                               for r in batch]
-                    preds = generate_batch(model, tokenizer, [ids for ids, _ in prompts], new_tokens)
+    shard = current()
+    model, tokenizer, max_length = load_from_args(args, shard)
+    name = model_name(args.model_path)
+    out_dir = os.path.join(args.save_dir, name)
+    if shard.main:
+        write_metadata(out_dir, args, {"benchmark": "ruler", "labels": [c[0] for c in configs],
+                                       "configs": configs_meta(configs), "tasks": sorted({t for t, _ in data}),
+                                       "max_length": max_length, "processes": shard.size})
+    files, first = {}, 0
+    for task, records in data:
+        new_tokens = args.max_new_tokens or FAMILIES[family_of(task)]["tokens_to_generate"]
+        length = records[0]["max_seq_length"]
+        plan = [(r["index"],) for r in records]
+        outs = {}
+        for label, _ in configs:
+            files[(length, task, label)] = path = os.path.join(out_dir, str(length), task, f"{label}.jsonl")
+            outs[label] = ResultFile(path, ("index",), plan, shard)
+        try:
+            def todo(record):
+                return [label for label, _ in configs if not outs[label].done((record["index"],))]
+
+            mine = [r for i, r in enumerate(records, first) if shard.mine(i) and todo(r)]
+            first += len(records)
+            for start in tqdm(range(0, len(mine), args.batch_size), desc=f"{length} {task}", leave=False):
+                batch = mine[start:start + args.batch_size]
+                left = {label for r in batch for label in todo(r)}
+                need = [(label, kw) for label, kw in configs if label in left]
+                prompts = [prompt_ids(tokenizer, r, args.chat_template, max_length - new_tokens) for r in batch]
+                results = decode_configs(model, tokenizer, [ids for ids, _ in prompts], [kw for _, kw in need],
+                                         new_tokens, sweep=not args.no_sweep)
+                for (label, _), (preds, _) in zip(need, results):
                     for record, pred, (ids, cut) in zip(batch, preds, prompts):
-                        writer.write({**{k: record[k] for k in KEPT}, "task": task, "method": label,
-                                      "model": model_name, "pred": pred, "prompt_tokens": len(ids),
-                                      "truncated": cut})
+                        if not outs[label].done((record["index"],)):
+                            outs[label].write({**{k: record[k] for k in KEPT}, "task": task, "method": label,
+                                               "model": name, "pred": pred, "prompt_tokens": len(ids),
+                                               "truncated": cut})
+        finally:
+            for out in outs.values():
+                out.close()
+    if shard.size > 1:
+        shard.barrier()
+        if shard.main:
+            for path in files.values():
+                merge(path)
+    return files
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    method_configs(args)  # flag errors before any data or model work
+    return run(args, load_data(args.data_dir, args.tasks, args.num_samples, args.context_length))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""RULER end to end on SmolLM2 at ~1K tokens: generate, predict (fullkv and snapkv), resume, score."""
+"""RULER end to end on SmolLM2 at ~1K tokens: generate, predict, resume, score; sweep and sharded runs."""
 
 import json
+import os
 
 import pytest
 
 import run_ruler
+from restkv.bench import shard
 from restkv.bench.ruler.evaluate import evaluate
 from restkv.bench.ruler.generate import generate, load_tokenizer, write_task
 
@@ -12,6 +14,15 @@ from restkv.bench.ruler.generate import generate, load_tokenizer, write_task
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def data(tokenizer, tmp_path_factory):
+    """Three ~1K-token samples of niah_single_1 and vt."""
+    folder = tmp_path_factory.mktemp("ruler") / "1024"
+    for task in ("niah_single_1", "vt"):
+        write_task(generate(task, tokenizer, 1024, 3), folder / task / "validation.jsonl")
+    return str(folder)
 
 
 def read(path):
@@ -65,6 +76,58 @@ def test_ruler_own_folders_need_a_context_length(tmp_path):
     [(task, records)] = run_ruler.load_data([str(folder.parent)], None, None, 4096)
     assert task == "niah_single_2" and records[0]["max_seq_length"] == 4096
     assert records[0]["answer_prefix"] == ""
+    with pytest.raises(ValueError, match="niah_single_2 at length 4096 is also in"):
+        run_ruler.load_data([str(folder.parent)] * 2, None, None, 4096)
     (folder / "validation.jsonl").write_text(json.dumps({"index": 0, "input": "t", "outputs": "x"}) + "\n")
     with pytest.raises(ValueError, match="record 1: 'outputs' must be a non-empty list"):
         run_ruler.load_data([str(folder.parent)], None, None, 4096)
+
+
+def test_sweep_equals_one_config_at_a_time(data, tmp_path):
+    argv = ["--data_dir", data, "--method", "restkv", "snapkv", "fullkv", "--max_capacity_prompts", "128",
+            "--num_samples", "1", "--max_new_tokens", "8"]
+    swept = run_ruler.main(argv + ["--save_dir", str(tmp_path / "sweep")])
+    separate = run_ruler.main(argv + ["--no_sweep", "--save_dir", str(tmp_path / "separate")])
+    assert list(swept) == list(separate) and len(swept) == 2 * 3
+    for key, path in swept.items():
+        a, b = read(tmp_path / path), read(tmp_path / separate[key])
+        assert a == b and len(a) == 1 and a[0]["prompt_tokens"] > 850 and not a[0]["truncated"], key
+
+
+def fake_decode(calls):
+    """A ``decode_configs`` stand-in that logs ``(prompt lengths, methods)`` and answers ``<length>:<method>``."""
+    def decode(model, tokenizer, prompts, configs, max_new_tokens, sweep=True):
+        calls.append(([len(p) for p in prompts], [c["method"] for c in configs]))
+        return [([f"{len(p)}:{c['method']}" for p in prompts], None) for c in configs]
+    return decode
+
+
+def test_resume_decodes_only_the_missing_configs(data, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(run_ruler, "decode_configs", fake_decode(calls))
+    argv = ["--data_dir", data, "--tasks", "vt", "--max_capacity_prompts", "64", "--save_dir", str(tmp_path)]
+    first = run_ruler.main(argv + ["--method", "fullkv", "--num_samples", "1"])
+    before = open(first[(1024, "vt", "fullkv")]).read()
+    calls.clear()
+    files = run_ruler.main(argv + ["--method", "streamingllm", "fullkv"])
+    assert [methods for _, methods in calls] == [["streamingllm"], ["streamingllm", "fullkv"],
+                                                 ["streamingllm", "fullkv"]]
+    assert open(files[(1024, "vt", "fullkv")]).read().startswith(before)
+    for path in files.values():
+        assert [r["index"] for r in read(tmp_path / path)] == [0, 1, 2]
+
+
+def test_two_shards_merge_into_the_single_process_file(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_ruler, "decode_configs", fake_decode([]))
+    monkeypatch.setattr(shard.Shard, "barrier", lambda self: None)
+    argv = ["--data_dir", data, "--method", "streamingllm", "fullkv", "--max_capacity_prompts", "64"]
+    single = run_ruler.main(argv + ["--save_dir", str(tmp_path / "one")])
+    for rank in (1, 0):  # the main process finishes last and merges
+        monkeypatch.setattr(run_ruler, "current", lambda rank=rank: shard.Shard(rank, 2))
+        sharded = run_ruler.main(argv + ["--save_dir", str(tmp_path / "two")])
+    assert list(sharded) == list(single) and len(single) == 2 * 2
+    for key, path in single.items():
+        assert open(sharded[key]).read() == open(path).read() and len(read(tmp_path / path)) == 3, key
+        assert sorted(os.listdir(os.path.dirname(sharded[key]))) == ["fullkv.jsonl", "streamingllm_64.jsonl"]
+    meta = json.load(open(tmp_path / "two" / "smollm2-135m" / "run_meta.json"))
+    assert meta["processes"] == 2 and meta["labels"] == ["streamingllm_64", "fullkv"]
