@@ -27,7 +27,7 @@ from restkv.bench.common import (add_common_args, build_prompt, configs_meta, de
                                  load_from_args, method_configs, middle_truncate, model_name, write_metadata)
 from restkv.bench.ruler.data import find_tasks, load_task
 from restkv.bench.ruler.tasks import FAMILIES, family_of
-from restkv.bench.shard import ResultFile, current, merge
+from restkv.bench.shard import ResultFile, current
 
 KEPT = ("index", "outputs", "length", "max_seq_length", "answer_prefix")
 
@@ -146,11 +146,7 @@ def run(args, data):
         finally:
             for out in outs.values():
                 out.close()
-    if shard.size > 1:
-        shard.barrier()
-        if shard.main:
-            for path in files.values():
-                merge(path)
+    shard.finish(files.values())
     return files
 
 

@@ -330,6 +330,17 @@ def read_jsonl(path):
             yield record
 
 
+def read_records(path, fields):
+    """Records of a JSONL data file, each checked to carry ``fields`` (ValueError naming the record)."""
+    records = []
+    for i, record in enumerate(read_jsonl(path)):
+        missing = [f for f in fields if f not in record]
+        if missing:
+            raise ValueError(f"{path}: record {i + 1} lacks fields {missing}")
+        records.append(record)
+    return records
+
+
 def middle_truncate(ids, max_len):
     """Keep the first ``ceil(max_len/2)`` and last ``floor(max_len/2)`` items of ``ids`` if longer than ``max_len``."""
     if max_len < 1:

@@ -287,7 +287,7 @@ def run(args):
         the other processes of a sharded run.
     """
     from ..models import essays_dir
-    from .shard import ResultFile, current, merge
+    from .shard import ResultFile, current
 
     configs = method_configs(args)
     needles = needles_from_args(args)
@@ -343,11 +343,9 @@ def run(args):
                         "needle_kept": needle_kept(kept, case.needle_span, i), "seconds": round(seconds, 3)})
             bar.update(len(batch))
         bar.close()
-    if shard.size > 1:
-        shard.barrier()
-        if not shard.main:
-            return path, []
-        merge(path)
+    shard.finish([path])
+    if not shard.main:
+        return path, []
     grid = {(n.name, L, d) for n in needles for L in lengths for d in depths}
     records = [r for r in read_jsonl(path)
                if ids.get(r["label"]) == r["config_id"] and (r["needle"], r["length"], r["depth"]) in grid]

@@ -51,6 +51,14 @@ class Shard:
 
             PartialState().wait_for_everyone()
 
+    def finish(self, paths):
+        """After every process is done, the main process merges the parts of ``paths`` into each file."""
+        if self.size > 1:
+            self.barrier()
+            if self.main:
+                for path in paths:
+                    merge(path)
+
 
 WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 

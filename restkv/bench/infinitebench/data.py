@@ -2,7 +2,7 @@
 
 import os
 
-from ..common import read_jsonl
+from ..common import read_records
 
 WHERE = (
     "InfiniteBench data: download <task>.jsonl from https://huggingface.co/datasets/xinrongzhang2022/InfiniteBench "
@@ -24,10 +24,5 @@ def load_records(data_dir, task, limit=None):
     path = os.path.join(data_dir, f"{task}.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found. {WHERE}")
-    records = []
-    for i, record in enumerate(read_jsonl(path)):
-        missing = [f for f in FIELDS if f not in record]
-        if missing:
-            raise ValueError(f"{path}: record {i + 1} lacks fields {missing}")
-        records.append(record)
+    records = read_records(path, FIELDS)
     return records[:limit] if limit else records

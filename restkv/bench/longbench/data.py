@@ -2,7 +2,7 @@
 
 import os
 
-from ..common import read_jsonl
+from ..common import read_records
 from .tasks import FIELDS
 
 WHERE = (
@@ -40,12 +40,7 @@ def load_records(data_dir, dataset, longbench_e=False, limit=None, hub=False):
     """
     path = data_file(data_dir, dataset, longbench_e)
     if os.path.exists(path):
-        records = []
-        for i, record in enumerate(read_jsonl(path)):
-            missing = [f for f in FIELDS if f not in record]
-            if missing:
-                raise ValueError(f"{path}: record {i + 1} lacks fields {missing}")
-            records.append(record)
+        records = read_records(path, FIELDS)
     elif hub:
         from datasets import load_dataset
 

@@ -106,7 +106,7 @@ def run_tasks(args, tasks, extra_meta=None):
     dict
         ``{(task name, label): predictions file}``.
     """
-    from ..shard import ResultFile, current, merge
+    from ..shard import ResultFile, current
 
     configs = method_configs(args)
     shard = current()
@@ -152,11 +152,7 @@ def run_tasks(args, tasks, extra_meta=None):
         finally:
             for out in outs.values():
                 out.close()
-    if shard.size > 1:
-        shard.barrier()
-        if shard.main:
-            for path in files.values():
-                merge(path)
+    shard.finish(files.values())
     return files
 
 
