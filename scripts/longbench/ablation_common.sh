@@ -1,0 +1,16 @@
+# Sourced by the ablation scripts: shared settings and `run <folder> <flags...>` (one ReST-KV variant).
+# Set ROOT before sourcing; MODEL, DATA_DIR, BUDGETS, DATASETS, EXTRA may be set in the environment.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+MODEL=${MODEL:-smollm2-135m}
+DATA_DIR=${DATA_DIR:-data/longbench}
+BUDGETS=${BUDGETS:-"128 512"}
+DATASETS=${DATASETS:-}
+EXTRA=${EXTRA:-}
+
+run() {  # run <folder> <flags...>
+  local folder=$1; shift
+  python run_longbench.py --model_path "$MODEL" --data_dir "$DATA_DIR" --save_dir "$ROOT/$folder" \
+      --method restkv --max_capacity_prompts $BUDGETS "$@" ${DATASETS:+--datasets $DATASETS} $EXTRA
+}
