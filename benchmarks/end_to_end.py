@@ -43,6 +43,8 @@ import restkv  # noqa: E402
 from restkv.cache import CompressedLayer  # noqa: E402
 from restkv.compress import Compressed  # noqa: E402
 
+from compress_step import _status  # noqa: E402  (same folder: the process-status reader)
+
 PRESETS = {  # head shapes are Llama-3-8B's in both: 32 query heads, 8 KV heads, head_dim 128, hidden 4096
     "small": dict(num_hidden_layers=2, intermediate_size=1024, vocab_size=1024),
     "llama3.1-8b": dict(num_hidden_layers=32, intermediate_size=14336, vocab_size=128256),
@@ -71,13 +73,6 @@ def _sync(device):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 class PeakMemory:
