@@ -116,15 +116,21 @@ def window_attention(model, input_ids, window=32):
 def attention_heatmap(attn, path, needle_span=None, title=None):
     """Layers x positions image of :func:`window_attention` (log color scale), the needle marked."""
     attn = np.asarray(attn, dtype=float)
-    fig, ax = plt.subplots(figsize=(9, 3.6))
     positive = attn[attn > 0]
     norm = LogNorm(vmin=max(positive.min(), 1e-6), vmax=positive.max()) if positive.size else None
-    im = ax.imshow(np.clip(attn, 1e-6, None), aspect="auto", interpolation="nearest", norm=norm, cmap="magma")
+    return _layer_image(np.clip(attn, 1e-6, None), path, needle_span, "key position",
+                        title or "attention of the observation window", "attention", norm=norm, cmap="magma")
+
+
+def _layer_image(rows, path, needle_span, xlabel, title, label, **imshow):
+    """A layers x positions image with the needle marked, saved to ``path``."""
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    im = ax.imshow(rows, aspect="auto", interpolation="nearest", **imshow)
     _mark_needle(ax, needle_span)
-    ax.set_xlabel("key position")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("layer")
-    ax.set_title(title or "attention of the observation window", fontsize=9, pad=14)
-    fig.colorbar(im, ax=ax, label="attention")
+    ax.set_title(title, fontsize=9, pad=14)
+    fig.colorbar(im, ax=ax, label=label)
     return _save(fig, path)
 
 
@@ -134,21 +140,13 @@ def kept_map(kept, length, index=0):
     for layer, positions in enumerate(kept):
         if positions is not None:
             p = positions[index].cpu()
-            counts = torch.zeros(length)
-            for head in p:
-                counts[head[(head >= 0) & (head < length)]] += 1
-            rows[layer] = (counts / p.shape[0]).numpy()
+            p = p[(p >= 0) & (p < length)]
+            counts = torch.zeros(length).index_add_(0, p, torch.ones(p.numel()))
+            rows[layer] = (counts / positions.shape[1]).numpy()
     return rows
 
 
 def kept_positions_plot(kept, length, path, needle_span=None, index=0, title=None):
     """Layers x positions image of :func:`kept_map` for ``restkv.kept_positions(model)``, the needle marked."""
-    rows = kept_map(kept, length, index)
-    fig, ax = plt.subplots(figsize=(9, 3.6))
-    im = ax.imshow(rows, aspect="auto", interpolation="nearest", cmap="Greys", vmin=0, vmax=1)
-    _mark_needle(ax, needle_span)
-    ax.set_xlabel("prompt position")
-    ax.set_ylabel("layer")
-    ax.set_title(title or "kept KV entries", fontsize=9, pad=14)
-    fig.colorbar(im, ax=ax, label="fraction of KV heads keeping it")
-    return _save(fig, path)
+    return _layer_image(kept_map(kept, length, index), path, needle_span, "prompt position",
+                        title or "kept KV entries", "fraction of KV heads keeping it", cmap="Greys", vmin=0, vmax=1)
