@@ -121,14 +121,36 @@ class KeptEntries:
 
 
 class CompressedLayer(KeptEntries, DynamicLayer):
-    """The kept entries as dense [b, Hkv, B, d] tensors; decoding appends to them."""
+    """The kept entries as dense [b, Hkv, B, d] tensors; decoding appends to them.
 
-    def __init__(self, kept: Compressed, seen: int):
+    With ``room`` > 0 the tensors are views of buffers with space for that many decoded tokens, so
+    decoding writes in place instead of copying the cache at every step (beyond the room it copies).
+    """
+
+    def __init__(self, kept: Compressed, seen: int, room: int = 0):
         DynamicLayer.__init__(self)
         self.device = kept.keys.device
         self.keys, self.values = kept.keys, kept.values
+        self._buffers = None
+        if room:
+            b, hkv, n, d = kept.keys.shape
+            self._buffers = [x.new_empty(b, hkv, n + room, d) for x in (kept.keys, kept.values)]
+            self._buffers[0][:, :, :n], self._buffers[1][:, :, :n] = kept.keys, kept.values
+            self.keys, self.values = (buf[:, :, :n] for buf in self._buffers)
         self.is_initialized = True
         self.keep(kept, seen)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        n, q = self.stored, key_states.shape[-2]
+        if (self._buffers is None or n + q > self._buffers[0].shape[-2]
+                or self.keys.data_ptr() != self._buffers[0].data_ptr()):  # out of room, or keys replaced
+            self._buffers = None
+            return super().update(key_states, value_states)
+        for buf, new in zip(self._buffers, (key_states, value_states)):
+            buf[:, :, n : n + q] = new
+        self.keys, self.values = (buf[:, :, : n + q] for buf in self._buffers)
+        self.seen, self.stored = self.seen + q, n + q
+        return self.keys, self.values
 
 
 _QUANTIZED_BACKENDS = {"quanto": QuantoQuantizedLayer, "hqq": HQQQuantizedLayer}

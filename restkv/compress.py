@@ -11,7 +11,7 @@ from .budgets import adakv_budgets
 from .config import CompressionConfig
 from .merge import pivot_merge
 from .observation import Observation, group_view
-from .scorers import SCORERS, cam
+from .scorers import SCORERS, cam, restkv
 
 
 @dataclass
@@ -41,18 +41,36 @@ def reduce_groups(scores: Tensor, hkv: int, how: str) -> Tensor:
     return grouped.amax(2) if how == "max" else grouped.mean(2)
 
 
-def head_scores(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None) -> Tensor:
+SCORE_KNOBS = ("window_size", "kernel_size", "pooling", "use_wo", "use_norm", "use_ema", "alpha", "metric_mode",
+               "tau", "scale", "sink_tokens")  # every knob a scorer reads
+
+
+def raw_scores(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None, memo: dict | None = None) -> Tensor:
+    """The scorer's output [b, Hq or Hkv, P].
+
+    ``memo``, one dict per layer and prompt (sweep mode keeps one), lets configs that differ only in
+    how they select from the scores (budget, GQA reduction, per-head budgets, merging) share them:
+    H2O's, SnapKV's (also PyramidKV/AdaKV/HeadKV's) are computed once for all budgets.
+    """
+    scorer = SCORERS[cfg.method]
+    key = (scorer, obs.budget if scorer is restkv.score else None, *(getattr(cfg, k) for k in SCORE_KNOBS))
+    if memo is not None and key in memo:
+        return memo[key]
+    s = scorer(obs, cfg, wo) if scorer is restkv.score else scorer(obs, cfg)
+    if memo is not None:
+        memo[key] = s
+    return s
+
+
+def head_scores(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None, memo: dict | None = None) -> Tensor:
     """Scores of the prefix entries per KV head [b, Hkv, P]; padding scores -inf."""
-    if cfg.method == "restkv":
-        s = SCORERS["restkv"](obs, cfg, wo)
-    else:
-        s = SCORERS[cfg.method](obs, cfg)
-    s = reduce_groups(s, obs.keys.shape[1], cfg.gqa_agg).expand(obs.keys.shape[0], obs.keys.shape[1], -1)
+    s = reduce_groups(raw_scores(obs, cfg, wo, memo), obs.keys.shape[1], cfg.gqa_agg).expand(obs.keys.shape[0], obs.keys.shape[1], -1)
     return s.masked_fill(~obs.key_valid[:, None, : obs.prefix_len], float("-inf"))
 
 
 def compress(
-    obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None, head_budget: Tensor | None = None
+    obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None, head_budget: Tensor | None = None,
+    memo: dict | None = None,
 ) -> Compressed:
     """Keep the top prefix entries of each KV head, plus the window, in position order.
 
@@ -65,7 +83,7 @@ def compress(
         idx = torch.arange(n, device=obs.keys.device).expand(b, hkv, n)
         keys, values, scores = obs.keys, obs.values, None
     else:
-        scores = head_scores(obs, cfg, wo)
+        scores = head_scores(obs, cfg, wo, memo)
         base = obs.budget - obs.window
         if cfg.head_budget == "adakv":
             per_head = adakv_budgets(scores, base, cfg.floor, cfg.normalize)

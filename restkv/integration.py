@@ -68,7 +68,7 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
 
 
 @torch.no_grad()
-def _evict(module, plan, cache, query, key, value, attention_mask, kwargs):
+def _evict(module, plan, cache, query, key, value, attention_mask, kwargs, memo=None):
     b, hkv, n, _ = key.shape
     key_valid = _key_valid(attention_mask, b, n, key.device)
     cfg = plan.cfg
@@ -85,7 +85,7 @@ def _evict(module, plan, cache, query, key, value, attention_mask, kwargs):
             softcap=kwargs.get("softcap"),
         )
         wo = _wo_factor(module, query.device) if cfg.method == "restkv" and cfg.use_wo else None
-        kept = compress(obs, cfg, wo, plan.head_budget)
+        kept = compress(obs, cfg, wo, plan.head_budget, memo)
     else:  # nothing to evict: the whole prompt stays
         positions = relative_positions(key_valid)[:, None].expand(-1, hkv, -1)
         kept = Compressed(key, value, positions, key_valid)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 NEG = torch.finfo(torch.float32).min
+EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38, the smallest normal float32
 
 
 @dataclass
@@ -61,11 +62,12 @@ class Observation:
         if self.softcap:
             probs.div_(self.softcap).tanh_().mul_(self.softcap)
         q_pos = torch.arange(start, stop, device=probs.device)
-        allowed = torch.arange(n_keys, device=probs.device) <= q_pos[:, None]  # [q, L]
-        probs.masked_fill_(~(allowed & self.key_valid[:, None, None, :]), NEG)
-        probs.sub_(probs.amax(-1, keepdim=True)).exp_()
-        probs.div_(probs.sum(-1, keepdim=True))
-        return probs.mul_(self.key_valid[:, None, start:stop, None])
+        hidden = ~((torch.arange(n_keys, device=probs.device) <= q_pos[:, None]) & self.key_valid[:, None, None, :])
+        probs.masked_fill_(hidden, NEG)
+        # exp below EXP_FLOOR underflows to denormals/zero, which CPUs compute many times slower;
+        # those terms are < 1e-37 of the row's largest, and masked entries are set to exactly 0 after.
+        probs.sub_(probs.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR).exp_().masked_fill_(hidden, 0.0)
+        return probs.div_(probs.sum(-1, keepdim=True).clamp_min_(1.0))  # rows of padding queries: all 0
 
     @cached_property
     def window_attention(self) -> Tensor:

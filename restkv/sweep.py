@@ -14,7 +14,10 @@ import functools
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
+from .cache import CompressedLayer, KeptEntries, VarlenLayer
+from .compress import Compressed
 from .integration import _evict, attention_modules, configure
 
 _ABSENT = object()
@@ -29,18 +32,22 @@ class _Sink:
 
 def _evict_each(plans, sinks, kept, index, module, plan, cache, query, key, value, attention_mask, kwargs):
     """The prefill hook: run the eviction step of every config (its own layer plan) on one layer."""
-    i = index[module]
+    i, memo = index[module], {}  # configs that select differently from the same scores share them
     for plans_cfg, sink, kept_cfg in zip(plans, sinks, kept):
-        _evict(module, plans_cfg[i], sink, query, key, value, attention_mask, kwargs)
+        _evict(module, plans_cfg[i], sink, query, key, value, attention_mask, kwargs, memo)
         kept_cfg[i] = module._restkv_kept
 
 
 def _decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tensor | None, steps: int,
-            eos: Tensor | None, pad: int) -> Tensor:
-    """Greedy decoding as ``generate(do_sample=False)`` does it, from the token chosen at prefill."""
+            eos: Tensor | None, pad: int) -> tuple[Tensor, Tensor]:
+    """Greedy decoding as ``generate(do_sample=False)`` does it, from the token chosen at prefill.
+
+    Returns the tokens [b, <= steps] and, per row, the number of tokens up to its EOS (``steps`` if none).
+    """
     b = first.shape[0]
     tok, pos, out = first, position_ids[:, -1:], []
     unfinished = torch.ones(b, dtype=torch.bool, device=first.device)
+    length = torch.full((b,), steps, dtype=torch.long, device=first.device)
     for step in range(steps):
         if step:
             pos = pos + 1
@@ -51,11 +58,62 @@ def _decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tensor | No
             tok = logits[:, -1].float().argmax(-1).to(first.device)
         if eos is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
-            unfinished &= ~torch.isin(tok, eos)
+            stops = unfinished & torch.isin(tok, eos)
+            length = torch.where(stops, step + 1, length)
+            unfinished &= ~stops
         out.append(tok)
         if eos is not None and not bool(unfinished.any()):
             break
-    return torch.stack(out, 1)
+    return torch.stack(out, 1), length
+
+
+def _batch_key(cache):
+    """Which layers a config compressed, when its cache can join a batched decode (else None).
+
+    Configs with the same key decode together: their compressed layers are dense ``CompressedLayer``s
+    and every other layer is a shallow copy of the shared full cache.
+    """
+    key = tuple(type(layer) is CompressedLayer for layer in cache.layers)
+    shared = all(is_dense or not isinstance(layer, (KeptEntries, VarlenLayer))
+                 for is_dense, layer in zip(key, cache.layers))
+    return key if shared and any(key) else None
+
+
+def _stack_layers(layers, room: int):
+    """One ``CompressedLayer`` holding several configs' layers along the batch (shorter ones padded, masked),
+    with ``room`` for decoded tokens."""
+    if not isinstance(layers[0], CompressedLayer):  # a layer every config shares (e.g. sliding-window)
+        merged = copy.copy(layers[0])
+        merged.keys = torch.cat([layer.keys for layer in layers])
+        merged.values = torch.cat([layer.values for layer in layers])
+        return merged
+    stored = max(layer.stored for layer in layers)
+    per_head = any(layer.valid.dim() == 3 for layer in layers)
+
+    def padded(t, fill):
+        return F.pad(t, (0, 0, 0, stored - t.shape[-2]) if t.dim() == 4 else (0, stored - t.shape[-1]), value=fill)
+
+    def valid(layer):
+        v = layer.key_valid()
+        return v[:, None].expand(-1, layer.keys.shape[1], -1) if per_head and v.dim() == 2 else v
+
+    kept = Compressed(
+        keys=torch.cat([padded(layer.keys, 0) for layer in layers]),
+        values=torch.cat([padded(layer.values, 0) for layer in layers]),
+        positions=torch.cat([padded(layer.positions, -1) for layer in layers]),
+        valid=torch.cat([padded(valid(layer), False) for layer in layers]),
+    )
+    return CompressedLayer(kept, seen=layers[0].seen, room=room)
+
+
+def _decode_together(model, caches, first, position_ids, mask, steps, eos, pad) -> list[Tensor]:
+    """Greedy-decode several configs' caches as one batch; each result as its own run would give it."""
+    b, m = first.shape[0], len(caches)
+    merged = copy.copy(caches[0])
+    merged.layers = [_stack_layers(list(layers), steps) for layers in zip(*(c.layers for c in caches))]
+    tokens, length = _decode(model, merged, first.repeat(m), position_ids.repeat(m, 1),
+                             None if mask is None else mask.repeat(m, 1), steps, eos, pad)
+    return [t[:, : int(n.max())] for t, n in zip(tokens.split(b), length.split(b))]
 
 
 def _eos_and_pad(model, eos_token_id, pad_token_id, device):
@@ -132,7 +190,7 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
 
 @torch.no_grad()
 def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, configs, max_new_tokens: int,
-          eos_token_id=_ABSENT, pad_token_id: int | None = None) -> list[tuple[Tensor, list[Tensor | None]]]:
+          eos_token_id=_ABSENT, pad_token_id: int | None = None, batch_configs: bool = True) -> list[tuple[Tensor, list[Tensor | None]]]:
     """Evaluate several eviction configs on one prompt for the price of one prefill.
 
     Parameters
@@ -147,6 +205,9 @@ def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, co
         Tokens to generate per config.
     eos_token_id, pad_token_id : optional
         As in ``generate``; by default the model's generation config. ``eos_token_id=None`` never stops.
+    batch_configs : bool
+        Decode the configs whose caches are dense ``CompressedLayer``s as one batch (rows padded to the
+        longest cache and masked); the others, and all of them when False, decode one after another.
 
     Returns
     -------
@@ -164,10 +225,21 @@ def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, co
     saved = _save(model, modules)
     try:
         configure(model, method="fullkv")  # decoding reads each cache's own layers
-        results = []
+        tokens: list[Tensor | None] = [None] * len(caches)
+        groups: dict[tuple, list[int]] = {}
+        for i, cache in enumerate(caches):
+            key = _batch_key(cache) if batch_configs else None
+            if key is not None:
+                groups.setdefault(key, []).append(i)
+        for together in (g for g in groups.values() if len(g) > 1):
+            outs = _decode_together(model, [caches[i] for i in together], first, position_ids, model_mask,
+                                    max_new_tokens, eos, pad)
+            for i, out in zip(together, outs):
+                tokens[i], caches[i] = out, None
         for i in range(len(caches)):
-            cache, caches[i] = caches[i], None
-            results.append((_decode(model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad), kept[i]))
-        return results
+            if tokens[i] is None:
+                cache, caches[i] = caches[i], None
+                tokens[i] = _decode(model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad)[0]
+        return list(zip(tokens, kept))
     finally:
         _restore(model, modules, saved)
