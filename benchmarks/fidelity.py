@@ -6,6 +6,11 @@ cache; the KL(full || evicted) of the next-token distributions, averaged over th
 sample's score. The table gives the mean over samples and its standard error (lower is better).
 
     python benchmarks/fidelity.py --method restkv snapkv streamingllm --max_capacity_prompts 256 512
+    python benchmarks/fidelity.py --method snapkv --variant restkv_rank gqa_agg=rank \\
+        --variant restkv_mean_rows gqa_agg=sum_norm,use_ema=0 --output results/fidelity.json
+
+All configs of one run share each sample's prefill (sweep mode); ``--output`` is rewritten after
+every sample and a rerun with the same configs resumes from it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import restkv  # noqa: E402
-from restkv.bench.common import add_common_args, load_from_args, method_configs  # noqa: E402
+from restkv.bench.common import KNOBS, add_common_args, load_from_args, method_configs, str2bool  # noqa: E402
 from restkv.models import essays_dir  # noqa: E402
 
 
@@ -57,31 +62,77 @@ def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float((reference.exp() * (reference - other)).sum(-1).mean())
 
 
+def parse_knobs(text: str) -> dict:
+    """``"gqa_agg=sum_norm,use_ema=0"`` -> ``{"gqa_agg": "sum_norm", "use_ema": False}`` (types from the config's defaults)."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(restkv.CompressionConfig)}
+    defaults["preset"] = ""
+    knobs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in defaults:
+            raise ValueError(f"variant knob {item!r}: expected knob=value with a knob of CompressionConfig or preset")
+        kind = type(defaults[name])
+        knobs[name] = str2bool(value) if kind is bool else kind(value) if kind in (int, float) else value
+    return knobs
+
+
+def variant_configs(args) -> list[tuple[str, dict]]:
+    """``--variant NAME KNOBS``: a config ``NAME_<budget>`` per budget (method restkv unless KNOBS say)."""
+    shared = {k: getattr(args, k) for k in KNOBS if getattr(args, k, None) is not None}
+    out = []
+    for name, text in args.variant or []:
+        knobs = {"method": "restkv", **shared, **parse_knobs(text)}
+        for budget in dict.fromkeys(args.max_capacity_prompts):
+            kwargs = {**knobs, "max_capacity_prompt": budget}
+            try:
+                restkv.CompressionConfig.from_kwargs(**kwargs)  # every variant checked before any work
+            except ValueError as err:
+                raise ValueError(f"variant {name}: {err}") from None
+            out.append((f"{name}_{budget}", kwargs))
+    return out
+
+
 def main(argv=None):
     parser = add_common_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--continuation", type=int, default=24)
     parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--output", default=None, help="JSON file for the per-sample values")
+    parser.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "KNOBS"),
+                        help="an extra config per budget, e.g. restkv_rank method=restkv,gqa_agg=rank (repeatable)")
+    parser.add_argument("--output", default=None,
+                        help="JSON file of the per-sample values, rewritten after every sample; a rerun resumes it")
     args = parser.parse_args(argv)
-    configs = [c for c in method_configs(args) if c[0] != "fullkv"]
+    if args.variant and "--method" not in (sys.argv[1:] if argv is None else argv):
+        args.method = []  # only the variants
+    configs = [c for c in method_configs(args) if c[0] != "fullkv"] + variant_configs(args)
+    values = {label: [] for label, _ in configs}
+    if args.output and os.path.exists(args.output):
+        done = json.loads(Path(args.output).read_text())["kl"]
+        if set(done) == set(values):
+            values = done
     model, tokenizer, _ = load_from_args(args)
     samples = essay_samples(tokenizer, args.samples, args.length, args.continuation, args.seed)
-    values = {label: [] for label, _ in configs}
-    for ids in samples:
+    for i, ids in enumerate(samples):
+        if all(len(v) > i for v in values.values()):
+            continue  # finished by an earlier run
         reference, *evicted = continuation_logprobs(model, ids, args.length, [{"method": "fullkv"}] + [k for _, k in configs])
         for (label, _), logprobs in zip(configs, evicted):
-            values[label].append(kl(reference, logprobs))
+            values[label] = values[label][:i] + [kl(reference, logprobs)]
+        if args.output:
+            os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+            tmp = args.output + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"args": vars(args), "kl": values}, f, indent=1)
+            os.replace(tmp, args.output)
+        print(f"sample {i + 1}/{len(samples)} done", file=sys.stderr, flush=True)
     print(f"| config | KL to full cache (mean ± s.e., {len(samples)} samples x {args.continuation} tokens) |")
     print("|---|---|")
     for label, v in values.items():
         t = torch.tensor(v)
         se = float(t.std() / math.sqrt(len(v))) if len(v) > 1 else float("nan")
         print(f"| {label} | {float(t.mean()):.4f} ± {se:.4f} |")
-    if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump({"args": vars(args), "kl": values}, f, indent=1)
 
 
 if __name__ == "__main__":

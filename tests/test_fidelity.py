@@ -1,0 +1,44 @@
+"""benchmarks/fidelity.py: variants share a run, equal the same knobs given as flags, and a rerun resumes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("fidelity", ROOT / "benchmarks" / "fidelity.py")
+fidelity = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fidelity)
+
+SMALL = ["--samples", "2", "--length", "192", "--continuation", "4", "--max_capacity_prompts", "48",
+         "--window_size", "8"]
+
+
+def test_parse_knobs_types_and_errors():
+    assert fidelity.parse_knobs("gqa_agg=rank, use_ema=0,alpha=0.1,window_size=16,preset=paper") == dict(
+        gqa_agg="rank", use_ema=False, alpha=0.1, window_size=16, preset="paper")
+    with pytest.raises(ValueError, match="budget=3"):
+        fidelity.parse_knobs("budget=3")
+    with pytest.raises(ValueError, match="variant bad: .*gqa_agg"):
+        fidelity.main(SMALL + ["--variant", "bad", "gqa_agg=median"])
+
+
+def test_variants_equal_flags_and_resume(tmp_path, monkeypatch):
+    out = tmp_path / "study.json"
+    fidelity.main(SMALL + ["--method", "snapkv", "--variant", "restkv_rank", "gqa_agg=rank", "--output", str(out)])
+    kl = json.loads(out.read_text())["kl"]
+    assert set(kl) == {"snapkv_48-window_size=8", "restkv_rank_48"}
+    assert all(len(v) == 2 and all(x >= 0 for x in v) for v in kl.values())
+
+    flags = tmp_path / "flags.json"
+    fidelity.main(SMALL + ["--method", "restkv", "--gqa_agg", "rank", "--output", str(flags)])
+    assert json.loads(flags.read_text())["kl"]["restkv_48-gqa_agg=rank-window_size=8"] == kl["restkv_rank_48"]
+
+    out.write_text(json.dumps({"kl": {k: v[:1] for k, v in kl.items()}}))  # as if stopped after one sample
+    calls, real = [], fidelity.continuation_logprobs
+    monkeypatch.setattr(fidelity, "continuation_logprobs", lambda *a: calls.append(1) or real(*a))
+    fidelity.main(SMALL + ["--method", "snapkv", "--variant", "restkv_rank", "gqa_agg=rank", "--output", str(out)])
+    assert len(calls) == 1 and json.loads(out.read_text())["kl"] == kl
