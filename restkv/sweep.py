@@ -39,32 +39,43 @@ def _evict_each(plans, sinks, kept, index, module, plan, cache, query, key, valu
 
 
 def _decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tensor | None, steps: int,
-            eos: Tensor | None, pad: int) -> tuple[Tensor, Tensor]:
+            eos: Tensor | None, pad: int, compact: bool = False) -> tuple[Tensor, Tensor]:
     """Greedy decoding as ``generate(do_sample=False)`` does it, from the token chosen at prefill.
 
+    With ``compact``, rows that reached EOS leave the batch (and the cache) once they are half of it.
     Returns the tokens [b, <= steps] and, per row, the number of tokens up to its EOS (``steps`` if none).
     """
-    b = first.shape[0]
-    tok, pos, out = first, position_ids[:, -1:], []
-    unfinished = torch.ones(b, dtype=torch.bool, device=first.device)
-    length = torch.full((b,), steps, dtype=torch.long, device=first.device)
+    b, device = first.shape[0], first.device
+    tok, pos = first, position_ids[:, -1:]
+    out = torch.full((b, steps), pad, dtype=first.dtype, device=device)
+    rows = torch.arange(b, device=device)  # original row of each row still in the batch
+    unfinished = torch.ones(b, dtype=torch.bool, device=device)
+    length = torch.full((b,), steps, dtype=torch.long, device=device)
     for step in range(steps):
         if step:
             pos = pos + 1
             if mask is not None:
-                mask = torch.cat([mask, mask.new_ones(b, 1)], -1)
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
             logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache,
                            use_cache=True, logits_to_keep=1).logits
-            tok = logits[:, -1].float().argmax(-1).to(first.device)
+            tok = logits[:, -1].float().argmax(-1).to(device)
         if eos is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
             stops = unfinished & torch.isin(tok, eos)
-            length = torch.where(stops, step + 1, length)
+            length[rows[stops]] = step + 1
             unfinished &= ~stops
-        out.append(tok)
-        if eos is not None and not bool(unfinished.any()):
-            break
-    return torch.stack(out, 1), length
+        out[rows, step] = tok
+        if eos is None:
+            continue
+        if not bool(unfinished.any()):
+            return out[:, : step + 1], length
+        if compact and 2 * int(unfinished.sum()) <= unfinished.numel():
+            keep = unfinished.nonzero().squeeze(1)
+            for layer in cache.layers:
+                layer.reorder_cache(keep)
+            tok, pos, rows, unfinished = tok[keep], pos[keep], rows[keep], unfinished[keep]
+            mask = None if mask is None else mask[keep]
+    return out, length
 
 
 def _batch_key(cache):
@@ -112,7 +123,7 @@ def _decode_together(model, caches, first, position_ids, mask, steps, eos, pad) 
     merged = copy.copy(caches[0])
     merged.layers = [_stack_layers(list(layers), steps) for layers in zip(*(c.layers for c in caches))]
     tokens, length = _decode(model, merged, first.repeat(m), position_ids.repeat(m, 1),
-                             None if mask is None else mask.repeat(m, 1), steps, eos, pad)
+                             None if mask is None else mask.repeat(m, 1), steps, eos, pad, compact=True)
     return [t[:, : int(n.max())] for t, n in zip(tokens.split(b), length.split(b))]
 
 

@@ -101,3 +101,23 @@ def test_sweep_with_headkv_table(tmp_path):
                dict(method="snapkv", max_capacity_prompt=24, window_size=6)]
     for cfg, result in zip(configs, restkv.sweep(model, ids, mask, configs, NEW, pad_token_id=0)):
         _assert_same(result, _separate(model, ids, mask, cfg), cfg)
+
+
+def test_batched_decode_drops_finished_rows_and_matches_separate_runs():
+    model = tiny_model("llama", "sdpa")
+    ids, mask = _batch(True)
+    configs = [c for c in CONFIGS if c["method"] in ("restkv", "snapkv", "h2o", "pyramidkv")]
+    plain = restkv.sweep(model, ids, mask, configs, NEW, eos_token_id=None)
+    firsts = {int(t) for tokens, _ in plain for t in tokens[:, 1]}
+    eos = sorted(firsts - {int(plain[-1][0][-1, 1])})  # most rows stop at their 2nd token, the last one runs on
+    sizes = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    swept = restkv.sweep(model, ids, mask, configs, NEW, eos_token_id=eos, pad_token_id=0)
+    hook.remove()
+    assert sizes[0] == ids.shape[0] and sizes[1] == len(configs) * ids.shape[0]  # prefill, then one batch
+    assert min(sizes[1:]) < sizes[1]  # finished rows left the batch
+    for cfg, result in zip(configs, swept):
+        _assert_same(result, _separate(model, ids, mask, cfg, eos_token_id=eos), cfg)
+    unbatched = restkv.sweep(model, ids, mask, configs, NEW, eos_token_id=eos, pad_token_id=0, batch_configs=False)
+    for (tokens, _), (ref, _) in zip(swept, unbatched):
+        assert torch.equal(tokens, ref)
