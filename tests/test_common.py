@@ -56,9 +56,9 @@ def test_new_knob_flags_are_forwarded_only_when_set():
     assert common.quant_settings({"method": "snapkv"}) is None
     meta = common.configs_meta([(label, kwargs)])[label]
     assert meta["quant"]["nbits"] == 2 and meta["knobs"]["floor"] == 0.3
-    # a preset equal to the method's own defaults leaves the label alone
+    # a preset shows in the label by the knobs it sets away from the method's defaults (the paper's EMA)
     ((label, kwargs),) = common.method_configs(parse("--preset", "paper"))
-    assert label == "restkv_128" and kwargs["preset"] == "paper"
+    assert label == "restkv_128-use_ema=True" and kwargs["preset"] == "paper"
     args = parse("--method", "headkv", "--head_importance", "/data/heads/llama3.json", "--headkv_beta", "1.5")
     assert common.method_configs(args)[0][0] == "headkv_128-head_importance=llama3-headkv_beta=1.5"
     with pytest.raises(SystemExit):
@@ -134,3 +134,16 @@ def test_write_metadata(tmp_path):
     assert meta["config"]["alpha"] == 0.4 and meta["benchmark"] == "x"
     assert set(meta["versions"]) >= {"torch", "transformers", "restkv"} and meta["versions"]["restkv"]
     assert "git_sha" in meta
+
+
+def test_write_metadata_refuses_a_label_whose_knobs_changed(tmp_path):
+    configs = common.method_configs(parse("--method", "restkv", "snapkv"))
+    common.write_metadata(str(tmp_path), parse(), {"configs": common.configs_meta(configs)})
+    common.write_metadata(str(tmp_path), parse(), {"configs": common.configs_meta(configs[1:])})  # same knobs
+    meta = json.loads((tmp_path / "run_meta.json").read_text())
+    assert set(meta["configs"]) == {"restkv_128", "snapkv_128"}  # the earlier label stays on record
+    # the same label resolving to other knobs (as after a default changed) must not resume into old records
+    changed = [("restkv_128", {"method": "restkv", "max_capacity_prompt": 128, "alpha": 0.5})]
+    current = common.configs_meta(changed)
+    with pytest.raises(ValueError, match=r"run_meta.json: results for restkv_128 .*alpha=0.3 then, 0.5 now"):
+        common.write_metadata(str(tmp_path), parse(), {"configs": current})

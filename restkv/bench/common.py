@@ -182,8 +182,28 @@ def quant_settings(kwargs):
 
 
 def configs_meta(configs):
-    """Run metadata of ``method_configs``: per label its kwargs, resolved non-default knobs and quantization."""
-    return {label: {"configure": kw, "knobs": knob_diff(kw), "quant": quant_settings(kw)} for label, kw in configs}
+    """Run metadata of ``method_configs``: per label its kwargs, non-default knobs, quantization and every
+    knob's resolved value (what a rerun into the same folder must match)."""
+    import dataclasses
+
+    from restkv import CompressionConfig
+
+    return {label: {"configure": kw, "knobs": knob_diff(kw), "quant": quant_settings(kw),
+                    "resolved": dataclasses.asdict(CompressionConfig.from_kwargs(**kw))} for label, kw in configs}
+
+
+def check_same_configs(path, previous, current):
+    """Raise if a label of ``current`` (``configs_meta``) resolved to other knobs in ``previous`` (same folder):
+    its records would mix two configs (e.g. after a default changed)."""
+    for label, meta in current.items():
+        old = (previous.get(label) or {}).get("resolved")
+        if old is None:
+            continue
+        changed = {k: (old.get(k), v) for k, v in meta["resolved"].items() if old.get(k) != v}
+        if changed:
+            what = ", ".join(f"{k}={a!r} then, {b!r} now" for k, (a, b) in sorted(changed.items()))
+            raise ValueError(f"{path}: results for {label} were made with other knobs ({what}); "
+                             "rerunning into this folder would mix them: use another --save_dir")
 
 
 def load_from_args(args, shard=None):
@@ -503,6 +523,10 @@ def git_sha(path=None):
 def write_metadata(save_dir, args, extra=None):
     """Write ``save_dir/run_meta.json``: versions, full config, git sha, command line, ``extra``.
 
+    When ``extra`` has ``configs`` (``configs_meta``) and the folder already holds a run, every label both
+    runs share must resolve to the same knobs (else ValueError, before any work); the earlier labels
+    stay listed.
+
     Returns the path written.
     """
     import transformers
@@ -510,6 +534,13 @@ def write_metadata(save_dir, args, extra=None):
     import restkv  # noqa: F401  (so its version is found when not installed as a distribution)
 
     config = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    path = os.path.join(save_dir, "run_meta.json")
+    extra = dict(extra or {})
+    if "configs" in extra and os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            previous = json.load(fh).get("configs") or {}
+        check_same_configs(path, previous, extra["configs"])
+        extra["configs"] = {**previous, **extra["configs"]}  # labels of earlier runs stay on record
     meta = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
@@ -518,10 +549,9 @@ def write_metadata(save_dir, args, extra=None):
         "git_sha": git_sha(),
         "platform": platform.platform(),
         "config": config,
-        **(extra or {}),
+        **extra,
     }
     os.makedirs(save_dir, exist_ok=True)
-    path = os.path.join(save_dir, "run_meta.json")
     fd, tmp = tempfile.mkstemp(dir=save_dir, prefix=".run_meta.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump(meta, fh, indent=2, default=str)

@@ -44,23 +44,33 @@ def report(folder: Path) -> str:
     for name in sorted(table, key=lambda n: (not n.startswith("restkv"), n)):
         cells = [("%.4f ± %.4f" % mean_se(table[name][b])) if b in table[name] else "" for b in budgets]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Paired difference to the best baseline at each budget (negative: ReST-KV better; "
-              "bold when |diff| > 2 s.e.):", "",
-              "| variant | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    def best_baseline(b):
+        present = [n for n in baselines if b in table[n]]
+        return min(present, key=lambda n: mean_se(table[n][b])[0]) if present else None
+
+    lines += paired(table, budgets, best_baseline, "the best baseline at each budget")
+    if "restkv_paper" in table:
+        lines += paired(table, budgets, lambda b: "restkv_paper", "ReST-KV with the paper's knobs")
+    return "\n".join(lines) + "\n"
+
+
+def paired(table, budgets, reference, what: str) -> list[str]:
+    """Rows of paired differences (same samples) of every ReST-KV variant to ``reference(budget)``."""
+    lines = ["", f"Paired difference to {what} (negative: the variant is closer to the full cache; "
+             "bold when |diff| > 2 s.e.):", "",
+             "| variant | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for name in sorted(n for n in table if n.startswith("restkv")):
         cells = []
         for b in budgets:
-            present = [n for n in baselines if b in table[n]]
-            if b not in table[name] or not present:
+            ref = reference(b)
+            if b not in table[name] or ref is None or b not in table[ref] or ref == name:
                 cells.append("")
                 continue
-            best = min(present, key=lambda n: mean_se(table[n][b])[0])
-            diff = torch.tensor(table[name][b]) - torch.tensor(table[best][b])
-            m, se = mean_se(diff.tolist())
-            text = f"{m:+.4f} ± {se:.4f} vs {best}"
+            m, se = mean_se((torch.tensor(table[name][b]) - torch.tensor(table[ref][b])).tolist())
+            text = f"{m:+.4f} ± {se:.4f} vs {ref}"
             cells.append(f"**{text}**" if abs(m) > 2 * se else text)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(folder: Path, out_dir: Path) -> Path:
