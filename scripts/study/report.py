@@ -39,7 +39,8 @@ def report(folder: Path) -> str:
     table = load(folder)
     budgets = sorted({b for per in table.values() for b in per})
     baselines = [n for n in table if not n.startswith("restkv")]
-    lines = [f"### {folder.name}: KL to the full cache (lower is better)", "",
+    samples = sorted({len(v) for per in table.values() for v in per.values()})
+    lines = [f"### {folder.name} ({'/'.join(map(str, samples))} samples): KL to the full cache (lower is better)", "",
              "| config | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for name in sorted(table, key=lambda n: (not n.startswith("restkv"), n)):
         cells = [("%.4f ± %.4f" % mean_se(table[name][b])) if b in table[name] else "" for b in budgets]
@@ -68,7 +69,7 @@ def paired(table, budgets, reference, what: str) -> list[str]:
                 continue
             m, se = mean_se((torch.tensor(table[name][b]) - torch.tensor(table[ref][b])).tolist())
             text = f"{m:+.4f} ± {se:.4f} vs {ref}"
-            cells.append(f"**{text}**" if abs(m) > 2 * se else text)
+            cells.append(f"**{text}**" if abs(m) > 2 * se and abs(m) > 1e-9 else text)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
