@@ -64,7 +64,8 @@ def raw_scores(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = Non
 
 def head_scores(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None, memo: dict | None = None) -> Tensor:
     """Scores of the prefix entries per KV head [b, Hkv, P]; padding scores -inf."""
-    s = reduce_groups(raw_scores(obs, cfg, wo, memo), obs.keys.shape[1], cfg.gqa_agg).expand(obs.keys.shape[0], obs.keys.shape[1], -1)
+    b, hkv = obs.keys.shape[:2]
+    s = reduce_groups(raw_scores(obs, cfg, wo, memo), hkv, cfg.gqa_agg).expand(b, hkv, -1)
     return s.masked_fill(~obs.key_valid[:, None, : obs.prefix_len], float("-inf"))
 
 

@@ -161,7 +161,7 @@ def knob_diff(kwargs):
 
     from restkv import CompressionConfig
 
-    cfg = dataclasses.asdict(CompressionConfig.from_kwargs(**kwargs))
+    cfg = resolved_knobs(kwargs)
     # the method's own defaults (pooling, head_budget), with a budget and table any default accepts
     ref = dataclasses.asdict(CompressionConfig(method=cfg["method"], max_capacity_prompt=2**62, head_importance="-"))
     ref.update(max_capacity_prompt=cfg["max_capacity_prompt"], head_importance=None)
@@ -184,12 +184,17 @@ def quant_settings(kwargs):
 def configs_meta(configs):
     """Run metadata of ``method_configs``: per label its kwargs, non-default knobs, quantization and every
     knob's resolved value (what a rerun into the same folder must match)."""
+    return {label: {"configure": kw, "knobs": knob_diff(kw), "quant": quant_settings(kw),
+                    "resolved": resolved_knobs(kw)} for label, kw in configs}
+
+
+def resolved_knobs(kwargs):
+    """Every knob of ``kwargs`` as ``CompressionConfig`` resolves it (defaults filled in, validated)."""
     import dataclasses
 
     from restkv import CompressionConfig
 
-    return {label: {"configure": kw, "knobs": knob_diff(kw), "quant": quant_settings(kw),
-                    "resolved": dataclasses.asdict(CompressionConfig.from_kwargs(**kw))} for label, kw in configs}
+    return dataclasses.asdict(CompressionConfig.from_kwargs(**kwargs))
 
 
 def check_same_configs(path, previous, current):
