@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import restkv  # noqa: E402
-from restkv.bench.common import KNOBS, add_common_args, load_from_args, method_configs, str2bool  # noqa: E402
+from restkv.bench.common import add_common_args, load_from_args, method_configs  # noqa: E402
 from restkv.models import essays_dir  # noqa: E402
 
 
@@ -62,51 +62,15 @@ def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float((reference.exp() * (reference - other)).sum(-1).mean())
 
 
-def parse_knobs(text: str) -> dict:
-    """``"gqa_agg=sum_norm,use_ema=0"`` -> ``{"gqa_agg": "sum_norm", "use_ema": False}`` (types from the config's defaults)."""
-    import dataclasses
-
-    defaults = {f.name: f.default for f in dataclasses.fields(restkv.CompressionConfig)}
-    defaults["preset"] = ""
-    knobs = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name not in defaults:
-            raise ValueError(f"variant knob {item!r}: expected knob=value with a knob of CompressionConfig or preset")
-        kind = type(defaults[name])
-        knobs[name] = str2bool(value) if kind is bool else kind(value) if kind in (int, float) else value
-    return knobs
-
-
-def variant_configs(args) -> list[tuple[str, dict]]:
-    """``--variant NAME KNOBS``: a config ``NAME_<budget>`` per budget (method restkv unless KNOBS say)."""
-    shared = {k: getattr(args, k) for k in KNOBS if getattr(args, k, None) is not None}
-    out = []
-    for name, text in args.variant or []:
-        knobs = {"method": "restkv", **shared, **parse_knobs(text)}
-        for budget in dict.fromkeys(args.max_capacity_prompts):
-            kwargs = {**knobs, "max_capacity_prompt": budget}
-            try:
-                restkv.CompressionConfig.from_kwargs(**kwargs)  # every variant checked before any work
-            except ValueError as err:
-                raise ValueError(f"variant {name}: {err}") from None
-            out.append((f"{name}_{budget}", kwargs))
-    return out
-
-
 def main(argv=None):
     parser = add_common_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--continuation", type=int, default=24)
     parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "KNOBS"),
-                        help="an extra config per budget, e.g. restkv_rank method=restkv,gqa_agg=rank (repeatable)")
     parser.add_argument("--output", default=None,
                         help="JSON file of the per-sample values, rewritten after every sample; a rerun resumes it")
     args = parser.parse_args(argv)
-    if args.variant and "--method" not in (sys.argv[1:] if argv is None else argv):
-        args.method = []  # only the variants
-    configs = [c for c in method_configs(args) if c[0] != "fullkv"] + variant_configs(args)
+    configs = [c for c in method_configs(args) if c[0] != "fullkv"]
     values = {label: [] for label, _ in configs}
     if args.output and os.path.exists(args.output):
         done = json.loads(Path(args.output).read_text())["kl"]

@@ -65,6 +65,40 @@ def test_new_knob_flags_are_forwarded_only_when_set():
         parse("--quant_method", "gptq")
 
 
+def test_parse_knobs_types_and_errors():
+    assert common.parse_knobs("gqa_agg=rank, use_ema=0,alpha=0.1,window_size=16,preset=paper") == dict(
+        gqa_agg="rank", use_ema=False, alpha=0.1, window_size=16, preset="paper")
+    assert common.parse_knobs("method=snapkv,head_importance=none") == dict(method="snapkv", head_importance=None)
+    for bad, field in (("budget=3", "budget=3"), ("alpha=high", "alpha=high"), ("use_ema", "use_ema"),
+                       ("max_capacity_prompt=64", "max_capacity_prompt")):
+        with pytest.raises(ValueError, match=field):
+            common.parse_knobs(bad)
+
+
+def test_variants_extend_the_grid_with_their_own_labels():
+    args = parse("--method", "fullkv", "snapkv", "--max_capacity_prompts", "64", "256", "--window_size", "16",
+                 "--variant", "restkv_paper", "preset=paper", "--variant", "snap_max", "method=snapkv,gqa_agg=max,window_size=8")
+    configs = dict(common.method_configs(args))
+    assert list(configs) == ["fullkv", "snapkv_64-window_size=16", "snapkv_256-window_size=16", "restkv_paper_64",
+                             "restkv_paper_256", "snap_max_64", "snap_max_256"]
+    # a variant's knobs override the command line's; the rest apply to it too
+    assert configs["restkv_paper_256"] == {"method": "restkv", "max_capacity_prompt": 256, "window_size": 16,
+                                           "preset": "paper"}
+    assert configs["snap_max_64"] == {"method": "snapkv", "max_capacity_prompt": 64, "window_size": 8, "gqa_agg": "max"}
+    # same knobs as flags resolve to the same config under another label
+    flags = dict(common.method_configs(parse("--max_capacity_prompts", "64", "--window_size", "16", "--preset", "paper")))
+    assert common.resolved_knobs(flags["restkv_64-use_ema=True-window_size=16"]) == common.resolved_knobs(
+        configs["restkv_paper_64"])
+    # variants alone: no default method
+    assert [label for label, _ in common.method_configs(parse("--variant", "a", "alpha=0.1"))] == ["a_128"]
+    for argv, what in ((("--variant", "a/b", "alpha=0.1"), "plain file name"),
+                       (("--variant", "a", "alpha=0.1", "--variant", "a", "alpha=0.2"), "repeat"),
+                       (("--method", "restkv", "--variant", "restkv", "use_ema=1"), "repeat"),
+                       (("--variant", "w", "window_size=200"), "variant w: w_128: .*window_size")):
+        with pytest.raises(ValueError, match=what):
+            common.method_configs(parse(*argv))
+
+
 @pytest.mark.parametrize("argv,field", [
     (("--method", "headkv"), "head_importance"),
     (("--quant_method", "quanto", "--nbits", "3"), "nbits"),

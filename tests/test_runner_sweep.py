@@ -37,3 +37,18 @@ def test_longbench_sweep_equals_separate_runs(tmp_path):
         a = [json.loads(line) for line in open(path)]
         b = [json.loads(line) for line in open(separate[task_label])]
         assert a == b and len(a) == 2, task_label
+
+
+def test_needle_variant_equals_the_same_knobs_as_flags(tmp_path):
+    argv = ["--max_capacity_prompts", "96", "--needles", "passkey", "--context_lengths", "600",
+            "--depth_percents", "40", "--max_new_tokens", "8", "--no_plots"]
+    _, both, _ = cli.main(argv + ["--method", "restkv", "--variant", "rk_paper", "preset=paper,window_size=16",
+                                  "--save_dir", str(tmp_path / "variant")])
+    _, flags, _ = cli.main(argv + ["--method", "restkv", "--preset", "paper", "--window_size", "16",
+                                   "--save_dir", str(tmp_path / "flags")])
+    by_label = {r["label"]: r for r in both}
+    assert set(by_label) == {"restkv_96", "rk_paper_96"}
+    (flag,) = flags
+    assert flag["label"] == "restkv_96-use_ema=True-window_size=16"
+    same = ("response", "score", "needle_kept", "config_id")
+    assert {k: by_label["rk_paper_96"][k] for k in same} == {k: flag[k] for k in same}

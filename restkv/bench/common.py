@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,8 +46,12 @@ def add_common_args(parser):
     core's own defaults apply.
     """
     g = parser.add_argument_group("model and methods")
-    g.add_argument("--method", nargs="+", default=["restkv"],
-                   help="one or more methods (space or comma separated), e.g. restkv snapkv fullkv")
+    g.add_argument("--method", nargs="+", default=None,
+                   help="one or more methods (space or comma separated), e.g. restkv snapkv fullkv "
+                        "(default: restkv; none when only --variant is given)")
+    g.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "KNOBS"),
+                   help="an extra config per budget labelled NAME_<budget>, with KNOBS (knob=value,... over the "
+                        "command line's knobs; method restkv unless given), e.g. restkv_paper preset=paper (repeatable)")
     g.add_argument("--model_path", default="smollm2-135m",
                    help="registry name (smollm2-135m, gemma3-270m), local path or hub id")
     g.add_argument("--max_capacity_prompts", nargs="+", type=int, default=[128],
@@ -110,22 +115,27 @@ def parse_methods(values):
 
 
 def method_configs(args):
-    """Every method x budget of ``args`` as ``(label, configure_kwargs)``, each validated.
+    """Every method x budget of ``args``, then every ``--variant`` x budget, as ``(label, configure_kwargs)``,
+    each validated.
 
     Labels are ``<method>_<budget>``, followed by ``-<knob>=<value>`` for every knob whose
     resolved value differs from that of ``method`` and ``budget`` alone (sorted by name), so
     runs with different knobs never share a label. ``fullkv`` appears once, labelled ``fullkv``,
     with no budget and no knobs. Only the knobs given on the command line are in the kwargs.
+    A variant ``NAME KNOBS`` is labelled ``NAME_<budget>``; its knobs override the command line's.
+    Without ``--method`` the methods are ``restkv``, or none when there are variants.
 
     Raises
     ------
     ValueError
-        For a method that ``restkv.METHODS`` does not know, a budget < 1, or a config that
-        ``restkv.CompressionConfig.from_kwargs`` rejects (the message names the label and the field).
+        For a method that ``restkv.METHODS`` does not know, a budget < 1, a variant name that is not a
+        plain file name or repeats a label, or a config that ``restkv.CompressionConfig.from_kwargs``
+        rejects (the message names the label and the field).
     """
     import restkv
 
-    methods = parse_methods(args.method)
+    variants = getattr(args, "variant", None) or []
+    methods = parse_methods(args.method if args.method is not None else [] if variants else ["restkv"])
     unknown = [m for m in methods if m not in restkv.METHODS]
     if unknown:
         raise ValueError(f"method: unknown {unknown}; choose from {list(restkv.METHODS)}")
@@ -133,20 +143,63 @@ def method_configs(args):
     if any(b < 1 for b in budgets):
         raise ValueError(f"max_capacity_prompts: budgets must be >= 1, got {budgets}")
     knobs = {k: getattr(args, k) for k in KNOBS if getattr(args, k, None) is not None}
+    grid = [(m, {"method": m}, None) for m in methods]
+    for name, text in variants:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.=+-]*", name):
+            raise ValueError(f"variant {name!r}: the name must be a plain file name (letters, digits, _ . = + -)")
+        try:
+            grid.append((name, {"method": "restkv", **parse_knobs(text)}, name))
+        except ValueError as err:
+            raise ValueError(f"variant {name}: {err}") from None
     configs = []
-    for method in methods:
-        if method == "fullkv":
+    for stem, own, variant in grid:
+        if own["method"] == "fullkv" and variant is None:
             configs.append(("fullkv", {"method": "fullkv"}))
             continue
         for budget in budgets:
-            kwargs = {"method": method, "max_capacity_prompt": budget, **knobs}
-            label = f"{method}_{budget}"
+            kwargs = {"max_capacity_prompt": budget, **knobs, **own}
+            label = f"{stem}_{budget}"
             try:
-                label += "".join(f"-{k}={_short(k, v)}" for k, v in knob_diff(kwargs).items())
+                diff = knob_diff(kwargs)
             except ValueError as err:
-                raise ValueError(f"{label}: {err}") from None
+                raise ValueError(f"variant {variant}: {label}: {err}" if variant else f"{label}: {err}") from None
+            if variant is None:
+                label += "".join(f"-{k}={_short(k, v)}" for k, v in diff.items())
             configs.append((label, kwargs))
+    labels = [label for label, _ in configs]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(f"variant: labels {repeated} repeat; give each variant its own name")
     return configs
+
+
+def parse_knobs(text):
+    """``"gqa_agg=sum_norm,use_ema=0"`` -> ``{"gqa_agg": "sum_norm", "use_ema": False}`` (types from the
+    config's defaults; ``method`` and ``preset`` allowed too).
+
+    Raises
+    ------
+    ValueError
+        For an item that is not ``knob=value`` with a known knob, or a value of the wrong type.
+    """
+    import dataclasses
+
+    from restkv import CompressionConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(CompressionConfig)}
+    defaults.update(method="", preset="")
+    knobs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in defaults or name == "max_capacity_prompt":
+            raise ValueError(f"knob {item!r}: expected knob=value with a knob of CompressionConfig, method or preset")
+        kind = type(defaults[name])
+        try:
+            knobs[name] = (str2bool(value) if kind is bool else kind(value) if kind in (int, float)
+                           else None if value.lower() == "none" and defaults[name] is None else value)
+        except (ValueError, argparse.ArgumentTypeError) as err:
+            raise ValueError(f"knob {item!r}: {err}") from None
+    return knobs
 
 
 def knob_diff(kwargs):

@@ -1,33 +1,80 @@
-"""Turn the study's fidelity JSONs into a results page (markdown) with paired comparisons.
+"""Turn the study's results into a results page (markdown) with paired comparisons.
 
-    python scripts/study/report.py results/study/fidelity/smollm2-135m [more model folders] > docs/results.md
+    python scripts/study/report.py --fidelity results/study/fidelity/* --needle results/study/needle/smollm2-135m \\
+        --ruler results/ruler_smollm2_4k/smollm2-135m --plots docs > docs/results.md
 
-With ``--plots DIR`` it also draws, per model, the KL of every config against the budget (PNG).
+Three arms, each a table ``{config: {budget: per-sample values}}`` with the samples in the same order for
+every config: fidelity (per-sample KL to the full cache, lower is better; folders of ``fidelity.py``
+JSONs), needle (graded pass-key score per needle, higher is better; a needle runner folder) and RULER
+(string_match_all x100 per sample, higher is better; a ``run_ruler.py`` model folder).
 
-For every budget: each config's mean KL to the full cache with its standard error, and for each
-ReST-KV variant the paired difference to the best baseline (same samples, so the sample-to-sample
-variation cancels); a difference is called a win/loss only when it exceeds twice its standard error.
+For every budget: each config's mean with its standard error, and for each ReST-KV variant the paired
+difference to the best baseline and to the paper's knobs (same samples, so the sample-to-sample variation
+cancels); a difference is called a win/loss only when it exceeds twice its standard error. With
+``--plots DIR`` it also draws each arm's metric against the budget (PNG).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 
 
-def load(folder: Path) -> dict[str, dict[int, list[float]]]:
-    """{config name: {budget: per-sample KL}} from every JSON in ``folder``."""
+def split_label(label: str) -> tuple[str, int | None]:
+    """``"restkv_paper_128"`` -> ``("restkv_paper", 128)``; ``"fullkv"`` -> ``("fullkv", None)``."""
+    head = label.split("-", 1)[0]
+    name, _, budget = head.rpartition("_")
+    return (name, int(budget)) if budget.isdigit() and name else (head, None)
+
+
+def load_fidelity(folder: Path) -> dict[str, dict[int, list[float]]]:
+    """{config: {budget: per-sample KL}} from every JSON in ``folder`` (a plain ``restkv`` label takes
+    the file's name)."""
     table = {}
     for path in sorted(folder.glob("*.json")):
         for label, values in json.loads(path.read_text())["kl"].items():
-            method, budget = label.split("-", 1)[0].rsplit("_", 1)
-            name = path.stem if method == "restkv" else method
-            table.setdefault(name, {})[int(budget)] = values
+            name, budget = split_label(label)
+            table.setdefault(path.stem if name == "restkv" else name, {})[budget] = values
     return table
+
+
+def _paired_table(rows: dict[str, dict[tuple, float]]) -> dict[str, dict[int | None, list[float]]]:
+    """{label: {sample key: value}} -> {config: {budget: values}} over the sample keys every label has."""
+    keys = sorted(set.intersection(*(set(v) for v in rows.values()))) if rows else []
+    table = {}
+    for label, values in rows.items():
+        name, budget = split_label(label)
+        table.setdefault(name, {})[budget] = [values[k] for k in keys]
+    return table
+
+
+def load_needle(folder: Path) -> dict[str, dict[int | None, list[float]]]:
+    """{config: {budget: graded score per needle}} from a needle runner's ``results.jsonl``."""
+    rows = {}
+    for line in (folder / "results.jsonl").read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            rows.setdefault(r["label"], {})[(r["needle"], r["length"], r["depth"])] = float(r["score"])
+    return _paired_table(rows)
+
+
+def load_ruler(folder: Path) -> dict[str, dict[int | None, list[float]]]:
+    """{config: {budget: string_match_all x100 per sample}} from a ``run_ruler.py`` model folder."""
+    from restkv.bench.common import read_jsonl
+    from restkv.bench.ruler.metrics import METRICS, postprocess
+    from restkv.bench.ruler.tasks import FAMILIES, family_of
+
+    rows = {}
+    for path in sorted(folder.rglob("*.jsonl")):
+        for r in read_jsonl(path):
+            metric = METRICS[FAMILIES[family_of(r["task"])]["metric"]]
+            rows.setdefault(r["method"], {})[(r["max_seq_length"], r["task"], r["index"])] = (
+                100.0 * metric(postprocess(r["pred"]), r["outputs"]))
+    return _paired_table(rows)
 
 
 def mean_se(values) -> tuple[float, float]:
@@ -35,30 +82,37 @@ def mean_se(values) -> tuple[float, float]:
     return float(t.mean()), float(t.std() / math.sqrt(len(t))) if len(t) > 1 else float("nan")
 
 
-def report(folder: Path) -> str:
-    table = load(folder)
-    budgets = sorted({b for per in table.values() for b in per})
-    baselines = [n for n in table if not n.startswith("restkv")]
+def report(title: str, table: dict, lower_is_better: bool, digits: int = 4) -> str:
+    """Markdown: the table of means ± s.e. and the paired differences of every ReST-KV variant."""
+    budgets = sorted(b for b in {b for per in table.values() for b in per} if b is not None)
+    baselines = [n for n in table if not n.startswith("restkv") and n != "fullkv"]
     samples = sorted({len(v) for per in table.values() for v in per.values()})
-    lines = [f"### {folder.name} ({'/'.join(map(str, samples))} samples): KL to the full cache (lower is better)", "",
+    fmt = f"%.{digits}f ± %.{digits}f"
+    lines = [f"### {title} ({'/'.join(map(str, samples))} samples, "
+             f"{'lower' if lower_is_better else 'higher'} is better)", "",
              "| config | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
-    for name in sorted(table, key=lambda n: (not n.startswith("restkv"), n)):
-        cells = [("%.4f ± %.4f" % mean_se(table[name][b])) if b in table[name] else "" for b in budgets]
+    for name in sorted(table, key=lambda n: (n != "fullkv", not n.startswith("restkv"), n)):
+        if None in table[name]:  # the full cache: one value for every budget
+            lines.append(f"| {name} | " + " | ".join([fmt % mean_se(table[name][None])] * len(budgets)) + " |")
+            continue
+        cells = [(fmt % mean_se(table[name][b])) if b in table[name] else "" for b in budgets]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
     def best_baseline(b):
         present = [n for n in baselines if b in table[n]]
-        return min(present, key=lambda n: mean_se(table[n][b])[0]) if present else None
+        best = min if lower_is_better else max
+        return best(present, key=lambda n: mean_se(table[n][b])[0]) if present else None
 
-    lines += paired(table, budgets, best_baseline, "the best baseline at each budget")
+    better = "negative: the variant is closer to the full cache" if lower_is_better else "positive: the variant scores higher"
+    lines += paired(table, budgets, best_baseline, "the best baseline at each budget", better, digits)
     if "restkv_paper" in table:
-        lines += paired(table, budgets, lambda b: "restkv_paper", "ReST-KV with the paper's knobs")
+        lines += paired(table, budgets, lambda b: "restkv_paper", "ReST-KV with the paper's knobs", better, digits)
     return "\n".join(lines) + "\n"
 
 
-def paired(table, budgets, reference, what: str) -> list[str]:
+def paired(table, budgets, reference, what: str, better: str, digits: int) -> list[str]:
     """Rows of paired differences (same samples) of every ReST-KV variant to ``reference(budget)``."""
-    lines = ["", f"Paired difference to {what} (negative: the variant is closer to the full cache; "
-             "bold when |diff| > 2 s.e.):", "",
+    lines = ["", f"Paired difference to {what} ({better}; bold when |diff| > 2 s.e.):", "",
              "| variant | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for name in sorted(n for n in table if n.startswith("restkv")):
         cells = []
@@ -68,42 +122,65 @@ def paired(table, budgets, reference, what: str) -> list[str]:
                 cells.append("")
                 continue
             m, se = mean_se((torch.tensor(table[name][b]) - torch.tensor(table[ref][b])).tolist())
-            text = f"{m:+.4f} ± {se:.4f} vs {ref}"
-            cells.append(f"**{text}**" if abs(m) > 2 * se and abs(m) > 1e-9 else text)
+            text = f"{m:+.{digits}f} ± {se:.{digits}f} vs {ref}"
+            cells.append(f"**{text}**" if abs(m) > 2 * se and round(m, digits) != 0 else text)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
-def plot(folder: Path, out_dir: Path) -> Path:
-    """KL vs budget for every config of one model (log-log), written to ``out_dir/fidelity_<model>.png``."""
+def plot(table: dict, title: str, ylabel: str, path: Path, log: bool) -> Path:
+    """Metric vs budget for every config (the full cache as a horizontal line), written to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = load(folder)
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in sorted(table):
+        if None in table[name]:
+            ax.axhline(mean_se(table[name][None])[0], color="k", linestyle=":", label=name)
+            continue
         budgets = sorted(table[name])
         means = [mean_se(table[name][b])[0] for b in budgets]
         ax.plot(budgets, means, marker="o", linestyle="-" if name.startswith("restkv") else "--", label=name)
-    ax.set(xscale="log", yscale="log", xlabel="budget (entries per KV head)", ylabel="KL to full cache",
-           title=folder.name)
+    ax.set(xscale="log", xlabel="budget (entries per KV head)", ylabel=ylabel, title=title)
+    if log:
+        ax.set_yscale("log")
     ax.legend(fontsize=6)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"fidelity_{folder.name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
 
 
+ARMS = {  # flag: (loader, title, y label, lower is better, digits)
+    "fidelity": (load_fidelity, "fidelity, {name}: KL to the full cache", "KL to full cache", True, 4),
+    "needle": (load_needle, "needle, {name}: graded pass-key score", "graded score", False, 3),
+    "ruler": (load_ruler, "RULER, {name}: string_match_all x100 over all tasks", "score x100", False, 2),
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for arm in ARMS:
+        parser.add_argument(f"--{arm}", nargs="*", default=[], type=Path, help=f"{arm} result folders")
+    parser.add_argument("--plots", type=Path, default=None, help="folder for the PNGs")
+    args = parser.parse_args(argv)
+    for arm, (loader, title, ylabel, lower, digits) in ARMS.items():
+        for folder in getattr(args, arm):
+            try:
+                table = loader(folder)
+            except FileNotFoundError:
+                continue  # an arm not run for this model
+            if not table:
+                continue
+            name = folder.name
+            print(report(title.format(name=name), table, lower, digits))
+            if args.plots:
+                path = plot(table, title.format(name=name), ylabel, args.plots / f"{arm}_{name}.png", log=lower)
+                print(f"![{arm} {name}]({path.name})\n")
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    plots = None
-    if "--plots" in args:
-        i = args.index("--plots")
-        plots, args = Path(args[i + 1]), args[:i] + args[i + 2:]
-    args = [f for f in args if any(Path(f).glob("*.json"))]  # models with results
-    print("\n".join(report(Path(f)) for f in args))
-    for f in args if plots else []:
-        print(f"![{Path(f).name}]({plot(Path(f), plots).name})\n")
+    main()

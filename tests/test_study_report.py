@@ -1,0 +1,58 @@
+"""scripts/study/report.py: per-sample tables from each arm's results, paired differences by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("study_report", ROOT / "scripts" / "study" / "report.py")
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+
+
+def test_split_label():
+    assert report.split_label("restkv_paper_128") == ("restkv_paper", 128)
+    assert report.split_label("snapkv_64-window_size=16") == ("snapkv", 64)
+    assert report.split_label("fullkv") == ("fullkv", None)
+
+
+def test_needle_arm_pairs_the_same_needles(tmp_path):
+    scores = {"fullkv": [1, 1, 1, 0.5], "snapkv_128": [1, 0, 0.5, 0], "restkv_128": [1, 0.4, 1, 0],
+              "restkv_paper_128": [0, 0, 0.5, 0]}
+    lines = []
+    for label, values in scores.items():
+        for depth, value in enumerate(values):
+            lines.append(json.dumps({"label": label, "needle": "passkey", "length": 2048, "depth": depth * 10.0,
+                                     "score": value}))
+    lines.append(json.dumps({"label": "snapkv_128", "needle": "passkey", "length": 4096, "depth": 0.0, "score": 1}))
+    (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
+    table = report.load_needle(tmp_path)
+    # the 4096 needle only snapkv has is left out, so every config is paired on the same 4 needles
+    assert table == {"fullkv": {None: [1, 1, 1, 0.5]}, "snapkv": {128: [1, 0, 0.5, 0]},
+                     "restkv": {128: [1, 0.4, 1, 0]}, "restkv_paper": {128: [0, 0, 0.5, 0]}}
+    text = report.report("needle", table, lower_is_better=False, digits=3)
+    diffs = [0, 0.4, 0.5, 0]  # restkv - snapkv
+    m = sum(diffs) / 4
+    se = math.sqrt(sum((d - m) ** 2 for d in diffs) / 3 / 4)
+    assert f"| restkv | {m:+.3f} ± {se:.3f} vs snapkv |" in text  # 0.225 < 2 x 0.132: not bold
+    # restkv - restkv_paper = [1, 0.4, 0.5, 0]: mean 0.475, s.e. 0.2056 -> beyond 2 s.e., bold
+    assert "| restkv | **+0.475 ± 0.206 vs restkv_paper** |" in text
+    assert "| fullkv | 0.875 ± 0.125 |" in text
+
+
+def test_ruler_arm_scores_every_sample(tmp_path):
+    rows = {"fullkv": ["7 8", "9"], "snapkv_256": ["7", "nothing"], "restkv_256": ["8 and 7", "9"]}
+    for label, preds in rows.items():
+        path = tmp_path / "4096" / "niah_multikey_1" / f"{label}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"index": i, "task": "niah_multikey_1", "method": label,
+                                            "max_seq_length": 4096, "pred": p, "outputs": ref}) + "\n"
+                                for i, (p, ref) in enumerate(zip(preds, [["7", "8"], ["9"]]))))
+    table = report.load_ruler(tmp_path)
+    assert table == {"fullkv": {None: [100.0, 100.0]}, "snapkv": {256: [50.0, 0.0]}, "restkv": {256: [100.0, 100.0]}}
+    text = report.report("ruler", table, lower_is_better=False, digits=2)
+    # restkv - snapkv = [50, 100]: mean 75, s.e. 25 -> beyond 2 s.e.
+    assert "| restkv | **+75.00 ± 25.00 vs snapkv** |" in text
