@@ -89,8 +89,13 @@ def test_variants_extend_the_grid_with_their_own_labels():
     flags = dict(common.method_configs(parse("--max_capacity_prompts", "64", "--window_size", "16", "--preset", "paper")))
     assert common.resolved_knobs(flags["restkv_64-use_ema=True-window_size=16"]) == common.resolved_knobs(
         configs["restkv_paper_64"])
-    # variants alone: no default method
+    # variants alone: no default method (the needle runner's own default list included)
     assert [label for label, _ in common.method_configs(parse("--variant", "a", "alpha=0.1"))] == ["a_128"]
+    from restkv.bench.needle import add_needle_args
+
+    needle = add_needle_args(common.add_common_args(argparse.ArgumentParser()))
+    assert [label for label, _ in common.method_configs(needle.parse_args([]))] == ["restkv_128", "snapkv_128", "fullkv"]
+    assert [label for label, _ in common.method_configs(needle.parse_args(["--variant", "a", "alpha=0.1"]))] == ["a_128"]
     for argv, what in ((("--variant", "a/b", "alpha=0.1"), "plain file name"),
                        (("--variant", "a", "alpha=0.1", "--variant", "a", "alpha=0.2"), "repeat"),
                        (("--method", "restkv", "--variant", "restkv", "use_ema=1"), "repeat"),

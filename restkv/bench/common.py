@@ -48,7 +48,7 @@ def add_common_args(parser):
     g = parser.add_argument_group("model and methods")
     g.add_argument("--method", nargs="+", default=None,
                    help="one or more methods (space or comma separated), e.g. restkv snapkv fullkv "
-                        "(default: restkv; none when only --variant is given)")
+                        "(default: restkv, the needle runner restkv snapkv fullkv; none when only --variant is given)")
     g.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "KNOBS"),
                    help="an extra config per budget labelled NAME_<budget>, with KNOBS (knob=value,... over the "
                         "command line's knobs; method restkv unless given), e.g. restkv_paper preset=paper (repeatable)")
@@ -123,7 +123,8 @@ def method_configs(args):
     runs with different knobs never share a label. ``fullkv`` appears once, labelled ``fullkv``,
     with no budget and no knobs. Only the knobs given on the command line are in the kwargs.
     A variant ``NAME KNOBS`` is labelled ``NAME_<budget>``; its knobs override the command line's.
-    Without ``--method`` the methods are ``restkv``, or none when there are variants.
+    Without ``--method`` the methods are ``args.default_methods`` (if set, else ``restkv``), or none when
+    there are variants.
 
     Raises
     ------
@@ -135,7 +136,8 @@ def method_configs(args):
     import restkv
 
     variants = getattr(args, "variant", None) or []
-    methods = parse_methods(args.method if args.method is not None else [] if variants else ["restkv"])
+    default = [] if variants else getattr(args, "default_methods", ["restkv"])
+    methods = parse_methods(args.method if args.method is not None else default)
     unknown = [m for m in methods if m not in restkv.METHODS]
     if unknown:
         raise ValueError(f"method: unknown {unknown}; choose from {list(restkv.METHODS)}")

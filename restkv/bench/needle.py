@@ -269,7 +269,7 @@ def add_needle_args(parser):
                    help="needle depths in percent: numbers or start:stop:num ranges")
     g.add_argument("--max_new_tokens", type=int, default=32)
     g.add_argument("--no_plots", action="store_true", help="skip the PNGs")
-    parser.set_defaults(save_dir=os.path.join("results", "needle"), method=["restkv", "snapkv", "fullkv"])
+    parser.set_defaults(save_dir=os.path.join("results", "needle"), default_methods=["restkv", "snapkv", "fullkv"])
     return parser
 
 
