@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("study_report", ROOT / "scripts" / "study" / "report.py")
 report = importlib.util.module_from_spec(spec)
@@ -56,3 +58,21 @@ def test_ruler_arm_scores_every_sample(tmp_path):
     text = report.report("ruler", table, lower_is_better=False, digits=2)
     # restkv - snapkv = [50, 100]: mean 75, s.e. 25 -> beyond 2 s.e.
     assert "| restkv | **+75.00 ± 25.00 vs snapkv** |" in text
+
+
+def test_budget_curve_draws_each_knob_set_of_a_method_as_its_own_line(tmp_path, monkeypatch):
+    from visualization import plots
+
+    assert plots.line_name({"label": "restkv_paper_128", "budget": 128}) == "restkv_paper"
+    assert plots.line_name({"label": "restkv_128-use_ema=True", "budget": 128}) == "restkv-use_ema=True"
+    assert plots.line_name({"label": "fullkv", "budget": None}) == "fullkv"
+    drawn = []
+    real = plots.plt.Axes.plot
+    monkeypatch.setattr(plots.plt.Axes, "plot", lambda ax, x, y, **kw: drawn.append((kw["label"], list(y)))
+                        or real(ax, x, y, **kw))
+    table = {"restkv": {128: [0.2, 0.4], 256: [0.5, 0.5]}, "restkv_paper": {128: [0.0, 0.2], 256: [0.3, 0.3]},
+             "fullkv": {None: [1.0, 1.0]}}
+    path = report.plot(table, "t", "score", tmp_path / "curve.png", log=False)
+    assert path.is_file()
+    assert [name for name, _ in sorted(drawn)] == ["restkv", "restkv_paper"]  # one method, two lines
+    assert sorted(drawn)[0][1] == pytest.approx([0.3, 0.5]) and sorted(drawn)[1][1] == pytest.approx([0.1, 0.3])

@@ -67,28 +67,44 @@ def needle_heatmaps(records, out_dir, metric="score"):
     return paths
 
 
-def budget_curve(records, path, metric="score"):
-    """Mean ``metric`` against the budget, one line per method; ``fullkv`` as a dashed level."""
+def line_name(record):
+    """A record's config without its budget: ``restkv_paper_128`` -> ``restkv_paper``,
+    ``restkv_128-use_ema=True`` -> ``restkv-use_ema=True``, ``fullkv`` -> ``fullkv``."""
+    budget = record.get("budget")
+    return record["label"] if budget is None else record["label"].replace(f"_{budget}", "", 1)
+
+
+def budget_curve(records, path, metric="score", ylim=(-0.02, 1.02), log_y=False, title=None):
+    """Mean ``metric`` against the budget, one line per config (:func:`line_name`, so two knob sets of
+    one method are two lines); ``fullkv`` as a dashed level."""
     fig, ax = plt.subplots(figsize=(5, 3.4))
-    for method in sorted({r["method"] for r in records} - {"fullkv"}):
-        by_budget = defaultdict(list)
-        for r in records:
-            if r["method"] == method:
-                by_budget[r["budget"]].append(r[metric])
-        budgets = sorted(by_budget)
-        ax.plot(budgets, [np.mean(by_budget[b]) for b in budgets], marker="o", label=method)
-    full = [r[metric] for r in records if r["method"] == "fullkv"]
-    if full:
-        ax.axhline(np.mean(full), color="k", ls="--", lw=1, label="fullkv")
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)
+    lines = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        lines[line_name(r)][r.get("budget")].append(r[metric])
+    for name in sorted(set(lines) - {"fullkv"}):
+        budgets = sorted(lines[name])
+        ax.plot(budgets, [np.mean(lines[name][b]) for b in budgets], marker="o", label=name,
+                ls="-" if name.startswith("restkv") else "--")
+    if "fullkv" in lines:
+        ax.axhline(np.mean(lines["fullkv"][None]), color="k", ls=":", lw=1, label="fullkv")
     ax.set_xscale("log", base=2)
-    budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
+    budgets = sorted({r["budget"] for r in records if r.get("budget") is not None})
     ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.minorticks_off()
     ax.set_xlabel("KV budget per head (max_capacity_prompt)")
     ax.set_ylabel(f"mean {metric}")
-    ax.set_ylim(-0.02, 1.02)
+    if log_y:
+        ax.set_yscale("log")
+    elif ylim:
+        ax.set_ylim(*ylim)
+    if title:
+        ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if len(lines) > 8:  # beside the axes, off the data
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=8)
     return _save(fig, path)
 
 

@@ -19,9 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (visualization/)
 
 
 def split_label(label: str) -> tuple[str, int | None]:
@@ -128,30 +131,14 @@ def paired(table, budgets, reference, what: str, better: str, digits: int) -> li
     return lines
 
 
-def plot(table: dict, title: str, ylabel: str, path: Path, log: bool) -> Path:
-    """Metric vs budget for every config (the full cache as a horizontal line), written to ``path``."""
-    import matplotlib
+def plot(table: dict, title: str, metric: str, path: Path, log: bool) -> Path:
+    """Mean metric vs budget for every config (the full cache as a level), drawn by the needle runner's
+    ``budget_curve``, written to ``path``."""
+    from visualization.plots import budget_curve
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in sorted(table):
-        if None in table[name]:
-            ax.axhline(mean_se(table[name][None])[0], color="k", linestyle=":", label=name)
-            continue
-        budgets = sorted(table[name])
-        means = [mean_se(table[name][b])[0] for b in budgets]
-        ax.plot(budgets, means, marker="o", linestyle="-" if name.startswith("restkv") else "--", label=name)
-    ax.set(xscale="log", xlabel="budget (entries per KV head)", ylabel=ylabel, title=title)
-    if log:
-        ax.set_yscale("log")
-    ax.legend(fontsize=6)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    records = [{"label": name if budget is None else f"{name}_{budget}", "budget": budget, metric: v}
+               for name, per in table.items() for budget, values in per.items() for v in values]
+    return Path(budget_curve(records, str(path), metric, ylim=None, log_y=log, title=title))
 
 
 ARMS = {  # flag: (loader, title, y label, lower is better, digits)
