@@ -4,7 +4,7 @@ import json
 
 import run_longbench
 import run_needle_in_haystack as cli
-from test_longbench_run import write_fixture
+from helpers import write_fixture
 
 VOLATILE = ("seconds",)
 

@@ -12,8 +12,8 @@ import pytest
 import run_needle_in_haystack as cli
 from restkv.bench import needle
 from restkv.models import essays_dir
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm")
 
 

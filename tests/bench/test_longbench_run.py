@@ -11,33 +11,7 @@ from restkv.bench.longbench import runner
 from restkv.bench.longbench.data import load_records
 from restkv.bench.longbench.evaluate import evaluate
 from restkv.bench.longbench.tasks import DATASETS, LONGBENCH_E, PROMPTS
-
-ZH = {"multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh"}
-CLASSES = {"trec": ["Individual", "Distance", "City"], "lsht": ["体育", "财经", "教育"]}
-ANSWERS = {"trec": "City", "lsht": "体育", "passage_retrieval_en": "Paragraph 2",
-           "passage_retrieval_zh": "段落2", "passage_count": "3", "lcc": "return a + b",
-           "repobench-p": "return a + b"}
-
-
-def fixture_record(dataset, i, words=40, length=1000):
-    """One record of ``dataset`` in the official schema."""
-    zh = dataset in ZH
-    filler = ("北京有很多公园。" if zh else "The river Quell runs past {} old mills. ").format(i)
-    return {"input": f"问题{i}？" if zh else f"Which river is in story {i}?",
-            "context": (filler * words).strip(),
-            "answers": [ANSWERS.get(dataset, "北京" if zh else "the river Quell")],
-            "length": length, "dataset": dataset, "language": "zh" if zh else "en",
-            "all_classes": CLASSES.get(dataset), "_id": f"{dataset}-{i}"}
-
-
-def write_fixture(folder, datasets, n=2, suffix="", **kw):
-    os.makedirs(folder, exist_ok=True)
-    for d in datasets:
-        with open(os.path.join(folder, f"{d}{suffix}.jsonl"), "w", encoding="utf-8") as fh:
-            for i in range(n):
-                fh.write(json.dumps(fixture_record(d, i, **kw), ensure_ascii=False) + "\n")
-    return str(folder)
-
+from helpers import fixture_record, write_fixture
 
 
 

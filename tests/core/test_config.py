@@ -33,7 +33,7 @@ def test_bad_knob_raises_naming_the_field(knobs, field):
 
 
 def test_bad_knob_raises_before_any_forward():
-    from tiny import tiny_model
+    from helpers import tiny_model
 
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="alpha"):

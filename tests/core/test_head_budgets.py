@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
-from test_integration import generate, masked_reference_logits, prompt
-from tiny import tiny_model
 
 import restkv
 from restkv.budgets import adakv_budgets, headkv_budgets, load_head_importance
 from restkv.cache import VarlenLayer, held_bytes
 from restkv.varlen import varlen_attention
+from helpers import generate, masked_reference_logits, prompt, tiny_model
 
 
 def test_varlen_attention_equals_dense_per_segment():

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_integration import prompt
-from tiny import tiny_model
 
 import restkv
 from restkv.cache import held_bytes
+from helpers import prompt, tiny_model
 
 pytest.importorskip("hqq", reason="the quant extra (hqq) is not installed")
 

@@ -4,32 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import FAMILIES, tiny_model
 from transformers.modeling_utils import AttentionInterface
 
 import restkv
 from restkv.budgets import layer_budgets
 from restkv.cache import CompressedLayer
 from restkv.integration import attention_modules
+from helpers import FAMILIES, generate, masked_reference_logits, prompt, tiny_model
 
 BACKENDS = ["eager", "sdpa"]
 CASES = [(f, b) for f in FAMILIES for b in BACKENDS]
 PER_HEAD = ("adakv", "headkv")  # per-head budgets: tests/test_head_budgets.py
 UNIFORM = [m for m in restkv.METHODS if m not in PER_HEAD]
 EVICTING = [m for m in UNIFORM if m != "fullkv"]
-
-
-def prompt(n=80, batch=1, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 97, (batch, n), generator=g)
-
-
-def generate(model, ids, mask=None, n=6, **kw):
-    out = model.generate(
-        ids, attention_mask=mask if mask is not None else torch.ones_like(ids), max_new_tokens=n,
-        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw
-    )
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
 
 
 def _evicted_layers(model):
@@ -72,44 +59,6 @@ def test_cache_shape_window_and_positions(family, backend):
             assert torch.equal(kept[i][..., -window:], torch.arange(80 - window, 80).expand(1, 2, window))
             assert (kept[i].diff(dim=-1) > 0).all(), "positions are distinct and in order"
             assert layer.get_seq_length() == 82
-
-
-def masked_reference_logits(model, ids, kept, n_new):
-    """Greedy decoding on the FULL cache with, per layer and head, every prompt entry outside ``kept`` masked."""
-    name = "restkv_test_masked"
-
-    def masked_eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        b, hq, q, d = query.shape
-        g = hq // key.shape[1]
-        k = key.repeat_interleave(g, 1).float()
-        v = value.repeat_interleave(g, 1).float()
-        logits = query.float() @ k.transpose(-1, -2) * scaling
-        if q == 1:
-            n = ids.shape[1]
-            idx = kept[module.layer_idx].masked_fill(kept[module.layer_idx] < 0, n)  # -1: nothing kept there
-            allowed = torch.ones(b, key.shape[1], key.shape[2], dtype=torch.bool)
-            allowed[..., :n] = torch.zeros(b, key.shape[1], n + 1, dtype=torch.bool).scatter_(2, idx, True)[..., :n]
-            logits = logits.masked_fill(~allowed.repeat_interleave(g, 1)[:, :, None], float("-inf"))
-        else:
-            future = torch.ones(q, key.shape[2], dtype=torch.bool).triu(1 + key.shape[2] - q)
-            logits = logits.masked_fill(future, float("-inf"))
-        out = (logits.softmax(-1) @ v).to(query.dtype)
-        return out.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register(name, masked_eager)
-    restkv.configure(model, method="fullkv")
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = name
-    try:
-        out = model(ids, use_cache=True)
-        cache, steps = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1]]
-        for _ in range(n_new - 1):
-            nxt = steps[-1].argmax(-1, keepdim=True)
-            out = model(nxt, cache=cache, use_cache=True)
-            steps.append(out.logits[:, -1])
-    finally:
-        model.config._attn_implementation = previous
-    return torch.stack(steps, 1)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -3,8 +3,9 @@
 import os
 
 import pytest
+from helpers import ROOT
 
-VIS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "visualization")
+VIS = str(ROOT / "visualization")
 
 
 @pytest.mark.skipif(os.environ.get("RESTKV_NOTEBOOK") == "0", reason="RESTKV_NOTEBOOK=0")

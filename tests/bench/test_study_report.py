@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("study_report", ROOT / "scripts" / "study" / "report.py")
 report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)

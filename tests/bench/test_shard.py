@@ -13,8 +13,8 @@ import psutil
 import run_needle_in_haystack as cli
 from restkv.bench import shard
 from restkv.bench.common import JsonlWriter, read_jsonl
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = ("id", "cfg")
 
 
@@ -89,7 +89,7 @@ def test_two_process_launch_killed_and_rerun_equals_one_process(tmp_path):
     save = tmp_path / "two"
     path = save / "smollm2-135m" / "results.jsonl"
     part1 = f"{path}.part-001-of-002"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     argv = LAUNCH + ARGS + ["--save_dir", str(save)]
     launcher = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from tiny import tiny_model
 from transformers import AutoModelForCausalLM
 
 import restkv
+from helpers import tiny_model
 
 DEVICE_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
               "model.layers.1": "disk", "model.layers.2": "disk", "model.norm": "cpu", "lm_head": "cpu"}

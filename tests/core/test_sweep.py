@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from tiny import tiny_model
 
 import restkv
+from helpers import tiny_model
 
 CONFIGS = [
     dict(method="restkv", max_capacity_prompt=24, window_size=8),

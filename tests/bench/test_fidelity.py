@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("fidelity", ROOT / "benchmarks" / "fidelity.py")
 fidelity = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fidelity)

@@ -9,6 +9,7 @@ import run_infinite_bench
 from restkv.bench.infinitebench.data import load_records
 from restkv.bench.infinitebench.evaluate import evaluate
 from restkv.bench.infinitebench.tasks import TASKS
+from helpers import passkey_record, write_passkey
 
 PERFECT = {  # task: (answer field, options, a prediction that scores 1)
     "passkey": (["68432"], [], "68432"),
@@ -24,23 +25,6 @@ PERFECT = {  # task: (answer field, options, a prediction that scores 1)
     "code_run": (["42"], [], "The value is 42"),
     "code_debug": (["func_b"], ["func_a", "func_b", "func_c", "func_d"], "B."),
 }
-
-
-def passkey_record(i, words=8):
-    filler = "The grass is green. The sky is blue. " * words
-    key = str(50000 + 1111 * i)
-    return {"id": i, "context": f"{filler}The pass key is {key}. Remember it. {key} is the pass key. {filler}",
-            "input": "What is the pass key?", "answer": [key], "options": []}
-
-
-def write_passkey(folder, n=2, **kw):
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "passkey.jsonl"), "w", encoding="utf-8") as fh:
-        for i in range(n):
-            fh.write(json.dumps(passkey_record(i, **kw)) + "\n")
-    return str(folder)
-
-
 
 
 def read(path):

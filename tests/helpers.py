@@ -1,0 +1,151 @@
+"""Helpers shared by the tests: tiny random models of every family (no download), prompts, reference
+decoding, and fixture data in the benchmarks' official schemas."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers.modeling_utils import AttentionInterface
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import restkv
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "gemma": (GemmaConfig, GemmaForCausalLM, {}),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    ),
+}
+
+
+def tiny_model(family: str = "llama", attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**COMMON, **extra, **overrides})
+    config._attn_implementation = attn_implementation
+    return model_cls(config).eval()
+
+
+def prompt(n=80, batch=1, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 97, (batch, n), generator=g)
+
+
+def generate(model, ids, mask=None, n=6, **kw):
+    out = model.generate(
+        ids, attention_mask=mask if mask is not None else torch.ones_like(ids), max_new_tokens=n,
+        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw
+    )
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+
+
+def masked_reference_logits(model, ids, kept, n_new):
+    """Greedy decoding on the FULL cache with, per layer and head, every prompt entry outside ``kept`` masked."""
+    name = "restkv_test_masked"
+
+    def masked_eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        b, hq, q, d = query.shape
+        g = hq // key.shape[1]
+        k = key.repeat_interleave(g, 1).float()
+        v = value.repeat_interleave(g, 1).float()
+        logits = query.float() @ k.transpose(-1, -2) * scaling
+        if q == 1:
+            n = ids.shape[1]
+            idx = kept[module.layer_idx].masked_fill(kept[module.layer_idx] < 0, n)  # -1: nothing kept there
+            allowed = torch.ones(b, key.shape[1], key.shape[2], dtype=torch.bool)
+            allowed[..., :n] = torch.zeros(b, key.shape[1], n + 1, dtype=torch.bool).scatter_(2, idx, True)[..., :n]
+            logits = logits.masked_fill(~allowed.repeat_interleave(g, 1)[:, :, None], float("-inf"))
+        else:
+            future = torch.ones(q, key.shape[2], dtype=torch.bool).triu(1 + key.shape[2] - q)
+            logits = logits.masked_fill(future, float("-inf"))
+        out = (logits.softmax(-1) @ v).to(query.dtype)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, masked_eager)
+    restkv.configure(model, method="fullkv")
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        out = model(ids, use_cache=True)
+        cache, steps = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1]]
+        for _ in range(n_new - 1):
+            nxt = steps[-1].argmax(-1, keepdim=True)
+            out = model(nxt, cache=cache, use_cache=True)
+            steps.append(out.logits[:, -1])
+    finally:
+        model.config._attn_implementation = previous
+    return torch.stack(steps, 1)
+
+
+ZH = {"multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh"}
+CLASSES = {"trec": ["Individual", "Distance", "City"], "lsht": ["体育", "财经", "教育"]}
+ANSWERS = {"trec": "City", "lsht": "体育", "passage_retrieval_en": "Paragraph 2",
+           "passage_retrieval_zh": "段落2", "passage_count": "3", "lcc": "return a + b",
+           "repobench-p": "return a + b"}
+
+
+def fixture_record(dataset, i, words=40, length=1000):
+    """One record of ``dataset`` in the official schema."""
+    zh = dataset in ZH
+    filler = ("北京有很多公园。" if zh else "The river Quell runs past {} old mills. ").format(i)
+    return {"input": f"问题{i}？" if zh else f"Which river is in story {i}?",
+            "context": (filler * words).strip(),
+            "answers": [ANSWERS.get(dataset, "北京" if zh else "the river Quell")],
+            "length": length, "dataset": dataset, "language": "zh" if zh else "en",
+            "all_classes": CLASSES.get(dataset), "_id": f"{dataset}-{i}"}
+
+
+def write_fixture(folder, datasets, n=2, suffix="", **kw):
+    os.makedirs(folder, exist_ok=True)
+    for d in datasets:
+        with open(os.path.join(folder, f"{d}{suffix}.jsonl"), "w", encoding="utf-8") as fh:
+            for i in range(n):
+                fh.write(json.dumps(fixture_record(d, i, **kw), ensure_ascii=False) + "\n")
+    return str(folder)
+
+
+def passkey_record(i, words=8):
+    filler = "The grass is green. The sky is blue. " * words
+    key = str(50000 + 1111 * i)
+    return {"id": i, "context": f"{filler}The pass key is {key}. Remember it. {key} is the pass key. {filler}",
+            "input": "What is the pass key?", "answer": [key], "options": []}
+
+
+def write_passkey(folder, n=2, **kw):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "passkey.jsonl"), "w", encoding="utf-8") as fh:
+        for i in range(n):
+            fh.write(json.dumps(passkey_record(i, **kw)) + "\n")
+    return str(folder)
