@@ -1,37 +1,34 @@
-"""restkv: KV-cache eviction at prefill (ReST-KV and baselines) for transformers models."""
+"""restkv: KV-cache eviction at prefill (ReST-KV and baselines) for transformers models.
 
-from .cache import memory_report
-from .config import METHODS, PRESETS, CompressionConfig
-from .integration import (
-    configure,
-    install,
-    kept_positions,
-    replace_gemma,
-    replace_gemma2,
-    replace_gemma3,
-    replace_llama,
-    replace_mistral,
-    replace_qwen2,
-)
-from .sweep import prefill_caches as sweep_caches
-from .sweep import sweep
+The knob declarations (``METHODS``, ``PRESETS``, ``CompressionConfig``, ``knob_table``) import no torch;
+everything that touches a model is imported on first use.
+"""
+
+from .config import PRESETS, CompressionConfig, knob_table
+from .methods import METHODS
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "METHODS",
-    "PRESETS",
-    "CompressionConfig",
-    "configure",
-    "install",
-    "kept_positions",
-    "memory_report",
-    "replace_gemma",
-    "replace_gemma2",
-    "replace_gemma3",
-    "replace_llama",
-    "replace_mistral",
-    "replace_qwen2",
-    "sweep",
-    "sweep_caches",
-]
+_LAZY = {
+    "configure": "attach", "compressing": "attach", "detach": "attach", "install": "attach",
+    "kept_positions": "attach", "replace_gemma": "attach", "replace_gemma2": "attach", "replace_gemma3": "attach",
+    "replace_llama": "attach", "replace_mistral": "attach", "replace_qwen2": "attach",
+    "memory_report": "cache", "sweep": "sweep", "sweep_caches": "sweep",
+}
+_RENAMED = {"sweep_caches": "prefill_caches"}
+
+__all__ = ["METHODS", "PRESETS", "CompressionConfig", "knob_table", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), _RENAMED.get(name, name))
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'restkv' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

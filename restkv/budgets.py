@@ -1,4 +1,9 @@
-"""How many entries each layer keeps: uniform, or the PyramidKV schedule (same total)."""
+"""How many entries each layer and each KV head keeps.
+
+Layers: uniform, or the PyramidKV schedule (``use_pyramid``, same total). KV heads of a layer:
+uniform, AdaKV (shared by one top-k over all heads' scores) or HeadKV (from a head-importance table).
+Both combine with any scorer.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,34 @@ import json
 import math
 import os
 
-import torch
+from .knobs import Knob
+from .lazy import torch
+
+HEAD_BUDGETS = ("uniform", "adakv", "headkv")
+PER_HEAD = HEAD_BUDGETS[1:]
+
+KNOBS = (
+    Knob("use_pyramid", False, "give lower layers larger budgets (PyramidKV schedule, same total)"),
+    Knob("beta", 20.0, "PyramidKV: the largest layer budget is about 2 * beta times the smallest",
+         check=lambda b: b >= 1, rule=">= 1", when={"use_pyramid": (True,)}),
+    Knob("head_budget", "uniform", "how a layer's budget is shared by its KV heads: uniform, adakv (one top-k "
+         "over all heads' scores) or headkv (a head-importance table)", choices=HEAD_BUDGETS),
+    Knob("floor", 0.2, "AdaKV: each head keeps at least this share of the per-head budget",
+         check=lambda f: 0.0 <= f <= 1.0, rule="in [0, 1]", when={"head_budget": ("adakv",)}),
+    Knob("normalize", False, "AdaKV: weight each head's scores by the share of its mass inside its top-B",
+         when={"head_budget": ("adakv",)}),
+    Knob("head_importance", None, "HeadKV: JSON file of per-layer, per-head importance scores",
+         when={"head_budget": ("headkv",)}),
+    Knob("headkv_beta", 1.2, "HeadKV: each head keeps B - B // headkv_beta, the rest is shared by importance",
+         check=lambda b: b > 1.0, rule="> 1", when={"head_budget": ("headkv",)}),
+    Knob("varlen", True, "per-head budgets: pack each head's entries (memory = the sum of head lengths); false: "
+         "pad to the longest head and mask", when={"head_budget": PER_HEAD}),
+)
+
+
+def check(values: dict) -> None:
+    if values.get("head_budget") == "headkv" and not values.get("head_importance"):
+        raise ValueError("head_importance (a JSON file of head scores) is required for head_budget='headkv'")
 
 
 def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prompt_len: int) -> list[int]:
@@ -37,7 +69,7 @@ def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prom
 
 def layer_budgets(cfg, num_layers: int, prompt_len: int) -> list[int]:
     """Budget of each evicted layer for a prompt of ``prompt_len`` tokens."""
-    if cfg.pyramid:
+    if cfg.get("use_pyramid"):
         return pyramid_budgets(cfg.max_capacity_prompt, cfg.window_size, num_layers, cfg.beta, prompt_len)
     return [cfg.max_capacity_prompt] * num_layers
 
@@ -70,6 +102,18 @@ def adakv_budgets(scores, base: int, floor: float, normalize: bool):
     chosen = pool.topk(hkv * (base - guaranteed), dim=-1).indices // (P - guaranteed)
     extra = torch.zeros(b, hkv, dtype=torch.long, device=scores.device).scatter_add_(1, chosen, torch.ones_like(chosen))
     return guaranteed + extra
+
+
+def head_sizes(cfg, scores, base: int, table=None):
+    """Entries each KV head keeps [b, Hkv] (window excluded), or None when heads share the budget evenly.
+
+    ``scores`` [b, Hkv, P] of the layer, ``base`` the per-head budget, ``table`` the layer's HeadKV row [Hkv].
+    """
+    if cfg.get("head_budget") == "adakv":
+        return adakv_budgets(scores, base, cfg.floor, cfg.normalize)
+    if cfg.get("head_budget") == "headkv":
+        return table.to(scores.device).clamp(max=scores.shape[-1]).expand(*scores.shape[:2])
+    return None
 
 
 def headkv_budgets(importance, base: int, beta: float):

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer, HQQQuantizedLayer, QuantoQuantizedLayer
 
-from .compress import Compressed
+from .select import Kept
 
 
 def tensor_bytes(obj) -> int:
@@ -52,7 +52,7 @@ def memory_report(cache) -> list[dict]:
     return rows
 
 
-class KeptEntries:
+class KeptLayer:
     """Bookkeeping shared by cache layers that hold the entries kept at prefill.
 
     ``seen`` counts every token given to the layer (so RoPE positions and generate's bookkeeping stay
@@ -61,7 +61,7 @@ class KeptEntries:
 
     is_croppable = False
 
-    def keep(self, kept: Compressed, seen: int) -> None:
+    def keep(self, kept: Kept, seen: int) -> None:
         b, hkv, _, d = kept.keys.shape
         self.token_bytes = b * hkv * d * 2 * kept.keys.element_size()  # one token of a full cache
         self.seen = seen
@@ -120,14 +120,14 @@ class KeptEntries:
         )
 
 
-class CompressedLayer(KeptEntries, DynamicLayer):
+class CompressedLayer(KeptLayer, DynamicLayer):
     """The kept entries as dense [b, Hkv, B, d] tensors; decoding appends to them.
 
     With ``room`` > 0 the tensors are views of buffers with space for that many decoded tokens, so
     decoding writes in place instead of copying the cache at every step (beyond the room it copies).
     """
 
-    def __init__(self, kept: Compressed, seen: int, room: int = 0):
+    def __init__(self, kept: Kept, seen: int, room: int = 0):
         DynamicLayer.__init__(self)
         self.device = kept.keys.device
         self.keys, self.values = kept.keys, kept.values
@@ -153,18 +153,30 @@ class CompressedLayer(KeptEntries, DynamicLayer):
         return self.keys, self.values
 
 
+def cache_layer(kept: Kept, seen: int, cfg):
+    """The cache layer that holds a layer's kept entries, or None when the full cache stays as it is.
+
+    Quantized (``quant_method``), packed per head (per-head budgets with ``varlen``) or dense.
+    """
+    if cfg.quant_method:
+        return quantized_layer(kept, seen, cfg.quant_method, cfg.nbits, cfg.residual_length, cfg.q_group_size)
+    if kept.keys.shape[-2] == seen and not kept.per_head:
+        return None
+    return (VarlenLayer if kept.per_head and cfg.varlen else CompressedLayer)(kept, seen=seen)
+
+
 _QUANTIZED_BACKENDS = {"quanto": QuantoQuantizedLayer, "hqq": HQQQuantizedLayer}
 _quantized_classes: dict[str, type] = {}
 
 
-def quantized_layer(kept: Compressed, seen: int, method: str, nbits: int, residual_length: int, q_group_size: int):
+def quantized_layer(kept: Kept, seen: int, method: str, nbits: int, residual_length: int, q_group_size: int):
     """The kept entries held in transformers' quantized cache layer (``quanto`` or ``hqq`` backend).
 
     The kept prefill is quantized at once; decoded entries stay in full precision until
     ``residual_length`` of them gather, then join the quantized part (KIVI-style).
     """
     base = _QUANTIZED_BACKENDS[method]
-    cls = _quantized_classes.setdefault(method, type(f"Compressed{base.__name__}", (KeptEntries, base), {}))
+    cls = _quantized_classes.setdefault(method, type(f"Compressed{base.__name__}", (KeptLayer, base), {}))
     layer = cls(nbits=nbits, q_group_size=q_group_size, residual_length=residual_length)
     base.update(layer, kept.keys, kept.values)
     layer.keep(kept, seen)
@@ -180,7 +192,7 @@ class VarlenLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, kept: Compressed, seen: int):
+    def __init__(self, kept: Kept, seen: int):
         super().__init__()
         b, hkv, _, d = kept.keys.shape
         self.device = kept.keys.device

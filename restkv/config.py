@@ -1,22 +1,40 @@
-"""One validated config object for every eviction knob.
+"""One validated config of an eviction run, resolved from the knob declarations.
 
-The knob names follow the original ReST-KV command line so that sweep scripts carry over.
+The knobs a config holds are exactly those its method and strategies read: the general ones below,
+the budget and merging strategies' (``budgets.KNOBS``, ``merge.KNOBS``) and the method's own
+(``methods/<name>.py``), each only when its ``when`` condition holds. Knob names follow the
+original ReST-KV command line, so sweep scripts carry over.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import importlib.util
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm", "adakv", "headkv")
-HEAD_BUDGETS = ("uniform", "adakv", "headkv")
+from . import budgets, merge
+from .knobs import Knob
+from .methods import METHODS, REGISTRY
+
 QUANT_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
 QUANT_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
-POOLINGS = ("avgpool", "maxpool", "adaptive", "none")
-METRIC_MODES = ("before", "after")
-MERGES = ("none", "pivot")
-GQA_AGGS = ("mean", "max", "sum_norm", "rank")
+_QUANTIZED = {"quant_method": tuple(QUANT_BITS)}
+
+# Read by every run (fullkv ignores the budget and window).
+GENERAL = (
+    Knob("max_capacity_prompt", 512, "entries kept per KV head per layer after prefill (the budget B), window "
+         "included", check=lambda b: b >= 1, rule=">= 1 (and larger than window_size)"),
+    Knob("window_size", 32, "the last prompt tokens: always kept, and their queries observe the prefix",
+         check=lambda w: w >= 1, rule=">= 1"),
+    Knob("quant_method", None, "hold the kept entries in transformers' quantized cache layer: quanto (2/4 "
+         "bits) or hqq (1/2/3/4/8 bits); none: full precision", choices=tuple(QUANT_BITS), nullable=True),
+    Knob("nbits", 4, "bits per quantized key/value element", when=_QUANTIZED),
+    Knob("residual_length", 32, "decoded entries kept in full precision before they are quantized in one go",
+         check=lambda n: n >= 0, rule=">= 0", when=_QUANTIZED),
+    Knob("q_group_size", 64, "quantization group size", check=lambda n: n >= 1, rule=">= 1", when=_QUANTIZED),
+)
+EVICTION = budgets.KNOBS + merge.KNOBS  # read by every method that evicts
+ALIASES: dict = {}  # old knob name -> (knob, {old value: value})
 
 # Named knob sets. "paper": ReST-KV exactly as published (ICLR 2026 paper and its code).
 PRESETS = {
@@ -26,188 +44,209 @@ PRESETS = {
     ),
 }
 
-# pooling used when the caller does not choose one
-DEFAULT_POOLING = {"restkv": "adaptive", "snapkv": "avgpool", "pyramidkv": "avgpool", "adakv": "maxpool", "headkv": "maxpool"}
+
+def declared(method: str) -> dict:
+    """Every knob ``method`` may read, by name (with the registry's defaults)."""
+    m = REGISTRY[method]
+    knobs = GENERAL + (EVICTION + m.knobs if m.evicts else ())
+    out = {k.name: k for k in knobs}
+    for name, value in m.defaults.items():
+        out[name] = out[name].but(default=value)
+    return out
 
 
-@dataclass(frozen=True)
-class CompressionConfig:
-    """Every knob of one eviction run.
+def all_knobs() -> dict:
+    """Every declared knob by name -> list of ``(owners, Knob)`` (owners: the methods that read that version)."""
+    out: dict = {}
+    for method in METHODS:
+        for knob in declared(method).values():
+            versions = out.setdefault(knob.name, [])
+            for owners, k in versions:
+                if k == knob:
+                    owners.append(method)
+                    break
+            else:
+                versions.append(([method], knob))
+    return out
 
-    Parameters
-    ----------
-    method : str
-        One of ``METHODS``; ``"fullkv"`` keeps the whole cache.
-    max_capacity_prompt : int
-        Entries kept per KV head per layer after prefill (the budget B), window included.
-    window_size : int
-        The last ``window_size`` prompt tokens: always kept, and their queries observe the prefix.
-    kernel_size : int
-        Odd width of the spatial pooling (the minimum width for ``pooling="adaptive"``).
-    pooling : str or None
-        ``avgpool``, ``maxpool``, ``adaptive`` (ReST-KV's drift-following window) or ``none``;
-        ``None`` picks the method's own default.
-    use_wo : bool
-        ReST-KV: measure the output change after the head's slice of ``o_proj`` (else in value space).
-    use_norm : bool
-        ReST-KV ``metric_mode="before"``: divide by ``||O_q W_O^h||``.
-    use_ema : bool
-        ReST-KV: smooth over the window queries with an EMA (the paper's choice, ``preset="paper"``);
-        the default, a plain mean, found more needles than the EMA in the study and was never worse
-        beyond its noise on fidelity or RULER (docs/results.md).
-    alpha : float
-        EMA weight of the newest query, in (0, 1].
-    metric_mode : str
-        ReST-KV: ``after`` aggregates attention over the window first, ``before`` scores each query.
-    tau : float
-        ReST-KV: exponent of the output-distance term.
-    scale : float
-        ReST-KV adaptive pooling: positions of drift per pooling step.
-    use_pyramid : bool
-        Give lower layers larger budgets (PyramidKV schedule, same total).
-    beta : float
-        PyramidKV: ratio of the largest to the smallest layer budget is about ``2 * beta``.
-    merge : str
-        ``pivot`` merges each evicted entry into its most similar kept key (keys and values alike).
-    sink_tokens : int
-        StreamingLLM: first tokens always kept.
-    gqa_agg : str
-        How per-query-head scores reduce over a GQA group: ``mean`` (the original), ``max``, or the
-        scale-free ``sum_norm`` (each head's scores divided by their sum) and ``rank`` (each head's
-        ranks), both then averaged.
-    head_budget : str or None
-        How a layer's budget is shared by its KV heads: ``uniform``, ``adakv`` (by a top-k over all
-        heads' scores) or ``headkv`` (by a head-importance table). ``None``: ``adakv`` / ``headkv`` for
-        those methods (which score like SnapKV), ``uniform`` otherwise. Per-head budgets are held in a
-        variable-length cache.
-    floor : float
-        AdaKV: each head keeps at least ``floor`` of the per-head budget.
-    normalize : bool
-        AdaKV: weight each head's scores by the share of its mass inside its top-B.
-    head_importance : str or None
-        HeadKV: JSON file of per-layer, per-head importance (``{"layer-head": [scores...]}``, as the
-        HeadKV authors publish, or a ``[layers][heads]`` list).
-    headkv_beta : float
-        HeadKV: each head keeps ``B - B // headkv_beta`` entries, the rest is shared by importance.
-    varlen : bool
-        Per-head budgets: pack each head's entries (memory = sum of head lengths). ``False`` keeps a
-        layout padded to the longest head with the rest masked (no memory saved; for comparison).
-    quant_method : str or None
-        Hold the kept entries in transformers' quantized cache layer: ``quanto`` (2/4 bits) or
-        ``hqq`` (1/2/3/4/8 bits). ``None``: full precision.
-    nbits : int
-        Bits per quantized key/value element.
-    residual_length : int
-        Decoded entries kept in full precision before they are quantized in one go.
-    q_group_size : int
-        Quantization group size.
+
+@functools.lru_cache(maxsize=None)
+def _known() -> frozenset:
+    return frozenset(all_knobs()) | frozenset(ALIASES) | {"method"}
+
+
+class Knobs(Mapping):
+    """Resolved knob values with attribute access; reading a knob that is not there raises."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: dict):
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "_values":
+            raise AttributeError(name)
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"{name} is not read by this config (its knobs: {', '.join(self._values)})") from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is frozen")
+
+    def __getitem__(self, name):
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+    def __hash__(self):
+        return hash(tuple(sorted(self._values.items(), key=lambda kv: kv[0])))
+
+    def __eq__(self, other):
+        return isinstance(other, Knobs) and type(self) is type(other) and self._values == other._values
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self._values))
+
+    def as_dict(self) -> dict:
+        return dict(self._values)
+
+
+def _rebuild(cls, values):
+    obj = object.__new__(cls)
+    object.__setattr__(obj, "_values", dict(values))
+    return obj
+
+
+class CompressionConfig(Knobs):
+    """Every knob of one eviction run, validated: ``CompressionConfig(preset=None, **knobs)``.
+
+    ``method`` is one of ``METHODS`` (``"fullkv"`` keeps the whole cache; default ``"restkv"``); the
+    other knobs are those the method and its strategies declare (``restkv.knob_table()`` lists them).
+    A knob that no declaration has, or that the chosen method does not read (also one that is read
+    only under a condition that does not hold, e.g. ``alpha`` without ``use_ema=True``), raises a
+    ``ValueError`` naming it. A preset's knobs that the method does not read are dropped.
     """
 
-    method: str = "restkv"
-    max_capacity_prompt: int = 512
-    window_size: int = 32
-    kernel_size: int = 7
-    pooling: str | None = None
-    use_wo: bool = True
-    use_norm: bool = False
-    use_ema: bool = False
-    alpha: float = 0.3
-    metric_mode: str = "after"
-    tau: float = 1.0
-    scale: float = 2000.0
-    use_pyramid: bool = False
-    beta: float = 20.0
-    merge: str = "none"
-    sink_tokens: int = 4
-    gqa_agg: str = "mean"
-    head_budget: str | None = None
-    floor: float = 0.2
-    normalize: bool = False
-    head_importance: str | None = None
-    headkv_beta: float = 1.2
-    varlen: bool = True
-    quant_method: str | None = None
-    nbits: int = 4
-    residual_length: int = 32
-    q_group_size: int = 64
+    __slots__ = ()
 
-    def __post_init__(self):
-        _check_choice("method", self.method, METHODS)
-        if self.pooling is None:
-            object.__setattr__(self, "pooling", DEFAULT_POOLING.get(self.method, "none"))
-        _check_choice("pooling", self.pooling, POOLINGS)
-        _check_choice("metric_mode", self.metric_mode, METRIC_MODES)
-        _check_choice("merge", "none" if self.merge is None else self.merge, MERGES)
-        _check_choice("gqa_agg", self.gqa_agg, GQA_AGGS)
-        if self.head_budget is None:
-            object.__setattr__(self, "head_budget", self.method if self.method in HEAD_BUDGETS else "uniform")
-        _check_choice("head_budget", self.head_budget, HEAD_BUDGETS)
-        if not 0.0 <= self.floor <= 1.0:
-            raise ValueError(f"floor must be in [0, 1], got {self.floor}")
-        if not self.headkv_beta > 1.0:
-            raise ValueError(f"headkv_beta must be > 1, got {self.headkv_beta}")
-        if self.head_budget == "headkv" and not self.head_importance:
-            raise ValueError("head_importance (a JSON file of head scores) is required for head_budget='headkv'")
-        if self.quant_method is not None:
-            _check_choice("quant_method", self.quant_method, tuple(QUANT_BITS))
-            _check_choice("nbits", self.nbits, QUANT_BITS[self.quant_method])
-            if self.head_budget != "uniform" and self.varlen:
-                raise ValueError("quant_method needs head_budget='uniform' (or varlen=False)")
-            module, package = QUANT_PACKAGES[self.quant_method]
-            if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
-                raise ValueError(f"quant_method={self.quant_method!r} needs the {package} package: pip install {package}")
-        if self.merge == "pivot" and self.head_budget != "uniform":
-            raise ValueError("merge='pivot' needs head_budget='uniform'")
-        for name in ("use_wo", "use_norm", "use_ema", "use_pyramid", "normalize", "varlen"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("max_capacity_prompt", "window_size", "kernel_size", "sink_tokens", "nbits", "residual_length", "q_group_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an int, got {value!r}")
-        if self.window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
-        if self.window_size >= self.max_capacity_prompt:
-            raise ValueError(
-                f"window_size ({self.window_size}) must be smaller than max_capacity_prompt "
-                f"({self.max_capacity_prompt})"
-            )
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be an odd integer >= 1, got {self.kernel_size}")
-        if not 0.0 < self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
-        if not self.tau > 0:
-            raise ValueError(f"tau must be > 0, got {self.tau}")
-        if not self.scale > 0:
-            raise ValueError(f"scale must be > 0, got {self.scale}")
-        if not self.beta >= 1:
-            raise ValueError(f"beta must be >= 1, got {self.beta}")
-        if not 0 <= self.sink_tokens <= self.max_capacity_prompt - self.window_size:
-            raise ValueError(
-                f"sink_tokens must be in [0, max_capacity_prompt - window_size], got {self.sink_tokens}"
-            )
-
-    @property
-    def evicts(self) -> bool:
-        return self.method != "fullkv"
-
-    @property
-    def pyramid(self) -> bool:
-        return self.use_pyramid or self.method == "pyramidkv"
+    def __init__(self, preset: str | None = None, **kwargs):
+        object.__setattr__(self, "_values", resolve(preset, kwargs))
 
     @classmethod
     def from_kwargs(cls, preset: str | None = None, **kwargs) -> "CompressionConfig":
-        """Build from keyword knobs (over a named ``preset``); an unknown knob raises a ValueError naming it."""
-        if preset is not None:
-            _check_choice("preset", preset, tuple(PRESETS))
-            kwargs = {**PRESETS[preset], **kwargs}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(sorted(known))}")
-        return cls(**kwargs)
+        """Build from keyword knobs (over a named ``preset``); a bad knob raises a ValueError naming it."""
+        return cls(preset=preset, **kwargs)
+
+    @property
+    def evicts(self) -> bool:
+        return REGISTRY[self.method].evicts
+
+    @property
+    def pyramid(self) -> bool:
+        return bool(self.get("use_pyramid"))
+
+    @property
+    def scorer(self):
+        """The registry's ``Method`` of this config."""
+        return REGISTRY[self.method]
+
+    def score_knobs(self) -> Knobs:
+        """The knobs the score reads (its cfg): the method's knobs of the ``score`` stage that are read."""
+        names = [k.name for k in self.scorer.knobs if k.stage == "score"]
+        return Knobs({k: self[k] for k in names if k in self})
 
 
 def _check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def _unalias(kwargs: dict) -> dict:
+    out = dict(kwargs)
+    for old, (new, mapping) in ALIASES.items():
+        if old in out:
+            if new in kwargs:
+                raise ValueError(f"{old} and {new} are one knob ({old} is the old name); give one of them")
+            value = out.pop(old)
+            if value not in mapping:
+                raise ValueError(f"{old} must be one of {', '.join(map(str, mapping))}; got {value!r}")
+            out[new] = mapping[value]
+    return out
+
+
+def resolve(preset: str | None, kwargs: dict) -> dict:
+    """The validated values of every knob a config reads (see ``CompressionConfig``)."""
+    base = {}
+    if preset is not None:
+        _check_choice("preset", preset, tuple(PRESETS))
+        base = _unalias(PRESETS[preset])
+    given = _unalias(kwargs)
+    method = given.get("method", base.get("method", "restkv"))
+    _check_choice("method", method, METHODS)
+    knobs = declared(method)
+    known = _known()
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(sorted(known))}")
+    for name in given:
+        if name != "method" and name not in knobs:
+            raise ValueError(f"{name} is not a knob of method {method} (its knobs: {', '.join(knobs)})")
+    values = {name: knob.default for name, knob in knobs.items()}
+    values.update({k: v for k, v in base.items() if k in knobs})
+    values.update({k: v for k, v in given.items() if k != "method"})
+    for name in values:
+        values[name] = knobs[name].validate(values[name])
+    read = set(knobs)
+    while True:  # knobs read under conditions on other knobs that are read
+        now = {name for name in read if knobs[name].read_when({k: values[k] for k in read})}
+        if now == read:
+            break
+        read = now
+    for name in given:
+        if name in knobs and name not in read:
+            raise ValueError(f"{name} is read by method {method} only when {knobs[name].condition()}")
+    values = {"method": method, **{k: values[k] for k in knobs if k in read}}
+    if REGISTRY[method].evicts:
+        _check_general(values)
+        for part in (budgets, merge, REGISTRY[method]):
+            part.check(values)
+    _check_quant(values)
+    return values
+
+
+def _check_general(values: dict) -> None:
+    if values["window_size"] >= values["max_capacity_prompt"]:
+        raise ValueError(f"window_size ({values['window_size']}) must be smaller than max_capacity_prompt "
+                         f"({values['max_capacity_prompt']}): the budget holds the window and at least one more entry")
+
+
+def _check_quant(values: dict) -> None:
+    method = values.get("quant_method")
+    if method is None:
+        return
+    _check_choice("nbits", values["nbits"], QUANT_BITS[method])
+    if values.get("head_budget", "uniform") != "uniform" and values.get("varlen"):
+        raise ValueError("quant_method needs head_budget='uniform' (or varlen=False)")
+    module, package = QUANT_PACKAGES[method]
+    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+        raise ValueError(f"quant_method={method!r} needs the {package} package: pip install {package}")
+
+
+def knob_table() -> str:
+    """A markdown table of every knob: name, default, allowed values, who reads it, what it does."""
+    rows = ["| knob | default | values | read by | meaning |", "|---|---|---|---|---|"]
+    for name, versions in all_knobs().items():
+        for owners, k in versions:
+            who = "all" if len(owners) == len(METHODS) else ", ".join(owners)
+            cond = f" (when {k.condition()})" if k.when else ""
+            values = " \\| ".join(map(str, k.choices)) if k.choices else (k.rule or k.kind.__name__)
+            rows.append(f"| `{name}` | `{k.default}` | {values} | {who}{cond} | {k.help} |")
+    return "\n".join(rows)

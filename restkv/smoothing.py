@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+from .lazy import F, torch
 
 
-def ema_weights(n: int, alpha: float, device=None) -> Tensor:
+def ema_weights(n: int, alpha: float, device=None) -> "torch.Tensor":
     """Weights of an EMA over ``n`` rows as one sum: ``c_0 = x_0``, ``c_i = alpha x_i + (1 - alpha) c_{i-1}``.
 
     Returns [n] float32 that sums to 1; the last row (the newest query) weighs ``alpha``.
@@ -18,14 +16,14 @@ def ema_weights(n: int, alpha: float, device=None) -> Tensor:
     return w
 
 
-def aggregate_rows(x: Tensor, use_ema: bool, alpha: float) -> Tensor:
+def aggregate_rows(x: "torch.Tensor", use_ema: bool, alpha: float) -> "torch.Tensor":
     """Reduce the query-row axis (-2) of ``x`` [..., w, P] by EMA or mean -> [..., P]."""
     if not use_ema:
         return x.mean(-2)
     return torch.matmul(ema_weights(x.shape[-2], alpha, x.device), x)
 
 
-def pool1d(scores: Tensor, mode: str, kernel_size: int) -> Tensor:
+def pool1d(scores: "torch.Tensor", mode: str, kernel_size: int) -> "torch.Tensor":
     """Stride-1 pooling along the last axis with ``kernel_size // 2`` padding (SnapKV's smoothing)."""
     if mode == "none" or kernel_size == 1:
         return scores
@@ -40,7 +38,7 @@ def pool1d(scores: Tensor, mode: str, kernel_size: int) -> Tensor:
     return x.view(shape)
 
 
-def shifted_box_filter(x: Tensor, left: Tensor, right: Tensor, max_pad: int) -> Tensor:
+def shifted_box_filter(x: "torch.Tensor", left: "torch.Tensor", right: "torch.Tensor", max_pad: int) -> "torch.Tensor":
     """Per-row average of ``x[j - left : j + right + 1]`` with replicate padding at the edges.
 
     ``x`` [R, P] float32, ``left`` / ``right`` [R] non-negative ints (each <= ``max_pad``).

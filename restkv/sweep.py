@@ -10,32 +10,19 @@ of the shared full ones (sliding-window layers, and layers a config leaves whole
 from __future__ import annotations
 
 import copy
-import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .cache import CompressedLayer, KeptEntries, VarlenLayer
-from .compress import Compressed
-from .integration import _evict, attention_modules, configure
+from .attach import attached, attention_modules, plan_layers
+from .cache import CompressedLayer, KeptLayer, VarlenLayer
+from .config import CompressionConfig
+from .evict import evict_layer
+from .select import Kept
 
 _ABSENT = object()
-
-
-class _Sink:
-    """Stands in for the model's cache in ``_evict``: receives the layer it would swap in."""
-
-    def __init__(self):
-        self.layers: dict[int, object] = {}
-
-
-def _evict_each(plans, sinks, kept, index, module, plan, cache, query, key, value, attention_mask, kwargs):
-    """The prefill hook: run the eviction step of every config (its own layer plan) on one layer."""
-    i, memo = index[module], {}  # configs that select differently from the same scores share them
-    for plans_cfg, sink, kept_cfg in zip(plans, sinks, kept):
-        _evict(module, plans_cfg[i], sink, query, key, value, attention_mask, kwargs, memo)
-        kept_cfg[i] = module._restkv_kept
 
 
 def _decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tensor | None, steps: int,
@@ -85,7 +72,7 @@ def _batch_key(cache):
     and every other layer is a shallow copy of the shared full cache.
     """
     key = tuple(type(layer) is CompressedLayer for layer in cache.layers)
-    shared = all(is_dense or not isinstance(layer, (KeptEntries, VarlenLayer))
+    shared = all(is_dense or not isinstance(layer, (KeptLayer, VarlenLayer))
                  for is_dense, layer in zip(key, cache.layers))
     return key if shared and any(key) else None
 
@@ -108,7 +95,7 @@ def _stack_layers(layers, room: int):
         v = layer.key_valid()
         return v[:, None].expand(-1, layer.keys.shape[1], -1) if per_head and v.dim() == 2 else v
 
-    kept = Compressed(
+    kept = Kept(
         keys=torch.cat([padded(layer.keys, 0) for layer in layers]),
         values=torch.cat([padded(layer.values, 0) for layer in layers]),
         positions=torch.cat([padded(layer.positions, -1) for layer in layers]),
@@ -137,66 +124,55 @@ def _eos_and_pad(model, eos_token_id, pad_token_id, device):
     return eos, int(eos[0]) if pad is None else pad
 
 
-def _save(model, modules):
-    names = ("_restkv", "_restkv_kept")
-    return getattr(model, "_restkv_config", _ABSENT), [[getattr(m, n, _ABSENT) for n in names] for m in modules]
+@dataclass
+class Prefill:
+    """One prefill's result for several configs (``prefill_caches``)."""
+
+    logits: Tensor  # [b, vocab] at the last prompt token (the same for every config)
+    caches: list  # one cache per config: its evicted layers plus shallow copies of the shared full ones
+    kept: list  # per config, per layer: the kept positions (as ``restkv.kept_positions``)
+    position_ids: Tensor  # [b, n] the prompt's position ids
+    mask: Tensor | None  # the attention mask the model saw (None: no padding)
 
 
-def _restore(model, modules, saved):
-    config, per_module = saved
-    for obj, name, value in [(model, "_restkv_config", config)] + [
-        (m, n, v) for m, vals in zip(modules, per_module) for n, v in zip(("_restkv", "_restkv_kept"), vals)
-    ]:
-        if value is _ABSENT:
-            if hasattr(obj, name):
-                delattr(obj, name)
-        else:
-            setattr(obj, name, value)
-    for m in modules:
-        m._restkv_evict = None
+def _full(model):
+    """Plans that evict nothing: decoding reads each cache's own layers through them."""
+    return plan_layers(model, CompressionConfig(method="fullkv"))
 
 
 @torch.no_grad()
-def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, configs):
-    """Prefill once and build every config's compressed cache.
+def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, configs) -> Prefill:
+    """Prefill once and build every config's evicted cache (each config checked as ``configure`` checks it).
 
-    Returns
-    -------
-    (logits, caches, kept, position_ids, model_mask)
-        ``logits`` [b, vocab] at the last prompt token (the same for every config); one cache per
-        config (its compressed layers plus shallow copies of the shared full ones) and the per-layer
-        ``kept_positions`` of each; the prompt's position ids and the mask the model saw.
+    At every layer the eviction step of each config runs on the same prefill tensors, with one memo
+    per layer, so configs that read the same window attention or the same scores compute them once.
     """
-    configs = [dict(c) for c in configs]
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    plans = [plan_layers(model, CompressionConfig.from_kwargs(**c)) for c in configs]
     modules = attention_modules(model)
-    saved = _save(model, modules)
-    try:
-        plans = []
-        for c in configs:  # each config's layer plans, with the checks of a separate run
-            configure(model, **c)
-            plans.append([m._restkv for m in modules])
-        configure(model, method="fullkv")
-        kept = [[None] * len(modules) for _ in configs]
-        sinks = [_Sink() for _ in configs]
-        hook = functools.partial(_evict_each, plans, sinks, kept, {m: i for i, m in enumerate(modules)})
-        for m in modules:
-            m._restkv_evict = hook
-        position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        model_mask = None if bool((mask == 1).all()) else mask
+    index = {m: i for i, m in enumerate(modules)}
+    kept = [[None] * len(modules) for _ in plans]
+    layers: list[dict] = [{} for _ in plans]
+
+    def evict_each(state, module, query, key, value, attention_mask, kwargs):
+        i, memo = index[module], {}
+        for c, plan in enumerate(plans):
+            layer, kept[c][i] = evict_layer(plan[i], module, query, key, value, attention_mask, kwargs, memo)
+            if layer is not None:
+                layers[c][module.layer_idx] = layer
+
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    model_mask = None if bool((mask == 1).all()) else mask
+    with attached(model, _full(model), on_prefill=evict_each):
         out = model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=True,
                     logits_to_keep=1)
-        for m in modules:
-            m._restkv_evict = None
-        full = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-        caches = []
-        for sink in sinks:
-            cache = copy.copy(full)
-            cache.layers = [sink.layers.get(j) or copy.copy(layer) for j, layer in enumerate(full.layers)]
-            caches.append(cache)
-        return out.logits[:, -1], caches, kept, position_ids, model_mask
-    finally:
-        _restore(model, modules, saved)
+    full = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    caches = []
+    for own in layers:
+        cache = copy.copy(full)
+        cache.layers = [own.get(j) or copy.copy(layer) for j, layer in enumerate(full.layers)]
+        caches.append(cache)
+    return Prefill(out.logits[:, -1], caches, kept, position_ids, model_mask)
 
 
 @torch.no_grad()
@@ -230,12 +206,10 @@ def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, co
     The model's own configuration is restored afterwards.
     """
     eos, pad = _eos_and_pad(model, eos_token_id, pad_token_id, input_ids.device)
-    logits, caches, kept, position_ids, model_mask = prefill_caches(model, input_ids, attention_mask, configs)
-    first = logits.float().argmax(-1).to(input_ids.device)
-    modules = attention_modules(model)
-    saved = _save(model, modules)
-    try:
-        configure(model, method="fullkv")  # decoding reads each cache's own layers
+    pre = prefill_caches(model, input_ids, attention_mask, configs)
+    caches, position_ids, model_mask = pre.caches, pre.position_ids, pre.mask
+    first = pre.logits.float().argmax(-1).to(input_ids.device)
+    with attached(model, _full(model)):
         tokens: list[Tensor | None] = [None] * len(caches)
         groups: dict[tuple, list[int]] = {}
         for i, cache in enumerate(caches):
@@ -251,6 +225,4 @@ def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, co
             if tokens[i] is None:
                 cache, caches[i] = caches[i], None
                 tokens[i] = _decode(model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad)[0]
-        return list(zip(tokens, kept))
-    finally:
-        _restore(model, modules, saved)
+        return list(zip(tokens, pre.kept))

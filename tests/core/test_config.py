@@ -14,22 +14,67 @@ from restkv.config import CompressionConfig
         ({"gqa_agg": "sum"}, "gqa_agg"),
         ({"window_size": 512, "max_capacity_prompt": 512}, "window_size"),
         ({"window_size": 0}, "window_size"),
-        ({"alpha": 0.0}, "alpha"),
-        ({"alpha": 1.5}, "alpha"),
+        ({"use_ema": True, "alpha": 0.0}, "alpha"),
+        ({"use_ema": True, "alpha": 1.5}, "alpha"),
         ({"kernel_size": 0}, "kernel_size"),
         ({"kernel_size": 4}, "kernel_size"),
         ({"tau": 0}, "tau"),
         ({"scale": -1}, "scale"),
-        ({"beta": 0.5}, "beta"),
-        ({"sink_tokens": -1}, "sink_tokens"),
+        ({"use_pyramid": True, "beta": 0.5}, "beta"),
+        ({"method": "streamingllm", "sink_tokens": -1}, "sink_tokens"),
+        ({"method": "streamingllm", "sink_tokens": 500}, "sink_tokens"),
+        ({"max_capacity_prompt": 0}, "max_capacity_prompt must be >= 1"),
+        ({"head_budget": "adakv", "floor": 1.5}, "floor"),
+        ({"head_budget": "headkv"}, "head_importance"),
+        ({"head_budget": "adakv", "merge": "pivot"}, "merge"),
         ({"use_wo": "yes"}, "use_wo"),
         ({"max_capacity_prompt": 12.5}, "max_capacity_prompt"),
         ({"budget": 3}, "budget"),
     ],
 )
 def test_bad_knob_raises_naming_the_field(knobs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as err:
         CompressionConfig.from_kwargs(**knobs)
+    assert "is not a knob of" not in str(err.value) and "only when" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "knobs,message",
+    [
+        ({"method": "snapkv", "alpha": 0.1}, "alpha is not a knob of method snapkv"),
+        ({"method": "h2o", "pooling": "avgpool"}, "pooling is not a knob of method h2o"),
+        ({"method": "l2norm", "gqa_agg": "max"}, "gqa_agg is not a knob of method l2norm"),
+        ({"method": "fullkv", "merge": "pivot"}, "merge is not a knob of method fullkv"),
+        ({"method": "restkv", "alpha": 0.1}, "alpha is read by method restkv only when use_ema is True"),
+        ({"method": "restkv", "use_norm": True}, "use_norm is read by method restkv only when metric_mode is before"),
+        ({"method": "restkv", "pooling": "avgpool", "scale": 50.0}, "scale is read .* only when pooling is adaptive"),
+        ({"method": "snapkv", "pooling": "none", "kernel_size": 5}, "kernel_size is read .* only when pooling is"),
+        ({"method": "snapkv", "floor": 0.5}, "floor is read .* only when head_budget is adakv"),
+        ({"method": "snapkv", "pooling": "adaptive"}, "pooling must be one of avgpool, maxpool, none"),
+    ],
+)
+def test_a_knob_the_config_does_not_read_raises(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        CompressionConfig(**knobs)
+
+
+def test_config_holds_exactly_the_knobs_it_reads():
+    assert set(CompressionConfig(method="fullkv")) == {"method", "max_capacity_prompt", "window_size", "quant_method"}
+    snap = CompressionConfig(method="snapkv", pooling="none")
+    assert "kernel_size" not in snap and "alpha" not in snap and snap.gqa_agg == "mean"
+    with pytest.raises(AttributeError, match="alpha is not read by this config"):
+        snap.alpha
+    rk = CompressionConfig(method="restkv", use_ema=True)
+    assert rk.alpha == 0.3 and "use_norm" not in rk
+    assert CompressionConfig(method="snapkv", max_capacity_prompt=64) == CompressionConfig(
+        method="snapkv", max_capacity_prompt=64, pooling="avgpool")  # a default given explicitly is the same config
+    assert set(rk.score_knobs()) == {"pooling", "kernel_size", "scale", "metric_mode", "use_wo", "use_ema", "alpha",
+                                     "tau"}  # gqa_agg is read after scoring
+
+
+def test_a_preset_drops_what_the_method_does_not_read():
+    cfg = CompressionConfig(preset="paper", use_ema=False, pooling="avgpool")
+    assert "alpha" not in cfg and "scale" not in cfg and cfg.kernel_size == 7
 
 
 def test_bad_knob_raises_before_any_forward():
@@ -44,7 +89,7 @@ def test_bad_knob_raises_before_any_forward():
 def test_method_defaults():
     assert CompressionConfig(method="restkv").pooling == "adaptive"
     assert CompressionConfig(method="snapkv").pooling == "avgpool"
-    assert CompressionConfig(method="h2o").pooling == "none"
+    assert "pooling" not in CompressionConfig(method="h2o")  # H2O does not pool
     assert CompressionConfig(method="pyramidkv").pyramid
     assert not CompressionConfig(method="fullkv").evicts
 

@@ -9,7 +9,7 @@ from transformers.modeling_utils import AttentionInterface
 import restkv
 from restkv.budgets import layer_budgets
 from restkv.cache import CompressedLayer
-from restkv.integration import attention_modules
+from restkv.attach import attention_modules
 from helpers import FAMILIES, generate, masked_reference_logits, prompt, tiny_model
 
 BACKENDS = ["eager", "sdpa"]
@@ -42,7 +42,7 @@ def test_cache_shape_window_and_positions(family, backend):
     budget, window = 24, 8
     for method in EVICTING:
         cfg = restkv.configure(model, method=method, max_capacity_prompt=budget, window_size=window)
-        evicted = [i for i, m in enumerate(attention_modules(model)) if m._restkv.evicts]
+        evicted = [i for i, m in enumerate(attention_modules(model)) if m._restkv.plan.evicts]
         budgets = dict(zip(evicted, layer_budgets(cfg, len(evicted), 80)))
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                              return_dict_in_generate=True, pad_token_id=0)

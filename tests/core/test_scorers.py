@@ -7,12 +7,18 @@ import torch
 import torch.nn.functional as F
 
 from restkv.budgets import pyramid_budgets
-from restkv.compress import compress, reduce_groups
 from restkv.config import CompressionConfig
-from restkv.merge import pivot_merge
-from restkv.observation import Observation
-from restkv.scorers import cam, restkv as rk
+from restkv.merge import cam_values, pivot_merge
+from restkv.methods import restkv as rk
+from restkv.observe import Observation, wo_factor
+from restkv.select import reduce_groups, select
 from restkv.smoothing import aggregate_rows, ema_weights
+
+
+def rk_score(obs, cfg, R=None):
+    """ReST-KV's score as the selection calls it: W_O through the observation, only the declared knobs."""
+    obs.wo_factor = R
+    return rk.score(obs, cfg.score_knobs())
 
 
 def _obs(b=1, hq=4, hkv=2, n=40, d=8, window=6, budget=16, dtype=torch.float32, seed=0, key_valid=None):
@@ -52,8 +58,8 @@ def test_indicator_equals_brute_force_output_change():
         window=1, budget=8, scaling=scale,
     )
     cfg = CompressionConfig(metric_mode="before", use_ema=False, pooling="none", tau=1.0, max_capacity_prompt=8, window_size=1)
-    R = rk.wo_factor(W.float(), num_heads=1)
-    got = rk.score(obs, cfg, R)[0, 0]
+    R = wo_factor(W.float(), num_heads=1)
+    got = rk_score(obs, cfg, R)[0, 0]
     torch.testing.assert_close(got.double(), brute, rtol=2e-4, atol=1e-6)
 
 
@@ -64,7 +70,7 @@ def test_after_mode_matches_paper_formula_in_float64():
     alpha = 0.3
     cfg = CompressionConfig(metric_mode="after", use_ema=True, alpha=alpha, pooling="none", tau=1.5,
                             max_capacity_prompt=16, window_size=6)
-    got = rk.score(obs, cfg, rk.wo_factor(W, 4))
+    got = rk_score(obs, cfg, wo_factor(W, 4))
     P = obs.prefix_len
     ref = torch.zeros(2, 4, P, dtype=torch.float64)
     A = obs.window_attention.double()
@@ -86,7 +92,7 @@ def test_before_mode_with_norm_matches_loop_reference():
     obs = _obs(b=1, hq=2, hkv=1, n=24, d=4, window=4, budget=10)
     cfg = CompressionConfig(metric_mode="before", use_ema=False, use_norm=True, use_wo=False, pooling="none",
                             max_capacity_prompt=10, window_size=4)
-    got = rk.score(obs, cfg)
+    got = rk_score(obs, cfg)
     A, P = obs.window_attention.double(), obs.prefix_len
     v = obs.values[0, 0].double()
     ref = torch.zeros(2, P, dtype=torch.float64)
@@ -147,8 +153,9 @@ def test_near_one_hot_low_precision_inputs_give_finite_scores(dtype, mode):
     obs.keys[:, :, 5] = 60.0  # one key dominates every query
     obs.queries[:] = 60.0
     for pooling in ("none", "adaptive", "avgpool", "maxpool"):
-        cfg = CompressionConfig(metric_mode=mode, pooling=pooling, use_norm=True, max_capacity_prompt=16, window_size=6)
-        s = rk.score(obs, cfg, rk.wo_factor(torch.randn(32, 64).to(dtype), 4))
+        norm = dict(use_norm=True) if mode == "before" else {}
+        cfg = CompressionConfig(metric_mode=mode, pooling=pooling, max_capacity_prompt=16, window_size=6, **norm)
+        s = rk_score(obs, cfg, wo_factor(torch.randn(32, 64).to(dtype), 4))
         assert s.dtype == torch.float32 and torch.isfinite(s).all()
         per_key = s[0].mean(0)
         assert per_key[5] == per_key.max() and per_key.max() > 0
@@ -171,7 +178,7 @@ def test_pyramid_schedule_conserves_the_total(n_layers, budget, window, beta, le
 def test_compress_keeps_window_and_top_scores():
     obs = _obs(n=50, window=6, budget=20)
     cfg = CompressionConfig(method="snapkv", pooling="none", max_capacity_prompt=20, window_size=6)
-    kept = compress(obs, cfg)
+    kept = select(obs, cfg)
     s = reduce_groups(obs.window_attention[..., :44].sum(-2), 2, "mean")
     for h in range(2):
         expect = set(s[0, h].topk(14).indices.tolist()) | set(range(44, 50))
@@ -186,7 +193,7 @@ def test_cam_merge_leaves_inputs_alone_and_matches_loop():
     kept = torch.zeros(1, 2, 30, dtype=torch.bool)
     kept[..., 26:] = True
     kept[..., [0, 3, 7, 11, 15, 20, 22, 25]] = True
-    merged = cam.merged_values(obs, scores, kept)
+    merged = cam_values(obs, scores, kept)
     assert torch.equal(obs.values, before)
     ref = obs.values.clone().double()
     for h in range(2):
@@ -235,12 +242,13 @@ def test_scale_free_gqa_reductions_ignore_a_loud_head():
 
 @pytest.mark.parametrize("mode", ["after", "before"])
 def test_blockwise_values_give_the_same_scores(mode, monkeypatch):
-    import restkv.observation as observation
+    import restkv.observe as observation
 
     obs = _obs(b=2, n=50, window=6, dtype=torch.bfloat16)
-    cfg = CompressionConfig(metric_mode=mode, use_norm=True, max_capacity_prompt=16, window_size=6)
-    R = rk.wo_factor(torch.randn(32, 32), 4)
-    whole = rk.score(obs, cfg, R)
+    norm = dict(use_norm=True) if mode == "before" else {}
+    cfg = CompressionConfig(metric_mode=mode, max_capacity_prompt=16, window_size=6, **norm)
+    R = wo_factor(torch.randn(32, 32), 4)
+    whole = rk_score(obs, cfg, R)
     monkeypatch.setattr(observation, "VALUE_BLOCK", 7)
-    blocked = rk.score(_obs(b=2, n=50, window=6, dtype=torch.bfloat16), cfg, R)
+    blocked = rk_score(_obs(b=2, n=50, window=6, dtype=torch.bfloat16), cfg, R)
     torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)

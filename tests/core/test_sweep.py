@@ -82,12 +82,12 @@ def test_sweep_restores_the_model_configuration():
     restkv.configure(model, method="snapkv", max_capacity_prompt=16, window_size=4)
     before = _separate(model, ids, mask, dict(method="snapkv", max_capacity_prompt=16, window_size=4))
     restkv.sweep(model, ids, mask, CONFIGS[:2], 3)
-    assert model._restkv_config.method == "snapkv"
+    assert model._restkv.cfg.method == "snapkv"
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     assert torch.equal(out[:, ids.shape[1]:], before[0])
     with pytest.raises(ValueError, match="unknown knob"):
         restkv.sweep(model, ids, mask, [dict(method="snapkv", budget=3)], 3)
-    assert model._restkv_config.method == "snapkv"
+    assert model._restkv.cfg.method == "snapkv"
 
 
 def test_sweep_with_headkv_table(tmp_path):

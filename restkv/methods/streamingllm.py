@@ -6,14 +6,18 @@ https://arxiv.org/abs/2309.17453.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from ..knobs import Knob
+from ..lazy import torch
 
-from ..config import CompressionConfig
-from ..observation import Observation
+KNOBS = (Knob("sink_tokens", 4, "first tokens always kept", check=lambda n: n >= 0, rule=">= 0"),)
 
 
-def score(obs: Observation, cfg: CompressionConfig) -> Tensor:
+def check(cfg):
+    if cfg["sink_tokens"] > cfg["max_capacity_prompt"] - cfg["window_size"]:
+        raise ValueError(f"sink_tokens must be in [0, max_capacity_prompt - window_size], got {cfg['sink_tokens']}")
+
+
+def score(obs, cfg):
     """Recency, with the sinks above everything -> [b, 1, P] (shared by all heads)."""
     pos = obs.positions[:, : obs.prefix_len].float()
     sinks = (pos >= 0) & (pos < cfg.sink_tokens)

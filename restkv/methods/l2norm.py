@@ -6,12 +6,9 @@ Paper: "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
 
 from __future__ import annotations
 
-from torch import Tensor
-
-from ..config import CompressionConfig
-from ..observation import Observation
+KNOBS = ()
 
 
-def score(obs: Observation, cfg: CompressionConfig) -> Tensor:
+def score(obs, cfg):
     """Negative key norm -> [b, Hkv, P]."""
     return -obs.keys[:, :, : obs.prefix_len].float().norm(dim=-1)

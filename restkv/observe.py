@@ -7,42 +7,59 @@ Everything a scorer returns is float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-from torch import Tensor
+from .lazy import torch
 
-NEG = torch.finfo(torch.float32).min
+NEG = -3.4028234663852886e38  # the most negative float32
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38, the smallest normal float32
+VALUE_BLOCK = 4096  # positions converted to float32 at a time
 
 
 @dataclass
 class Observation:
-    queries: Tensor  # [b, Hq, L, d] every prefill query, after RoPE
-    keys: Tensor  # [b, Hkv, L, d] after RoPE
-    values: Tensor  # [b, Hkv, L, d]
-    key_valid: Tensor  # [b, L] bool, False on padding
+    """One layer's prefill tensors, plus the quantities several scorers share (computed once).
+
+    ``memo`` holds the shared quantities; configs scored on the same layer and prompt (sweep mode)
+    pass one dict, so the window attention is computed once for all of them.
+    """
+
+    queries: "torch.Tensor"  # [b, Hq, L, d] every prefill query, after RoPE
+    keys: "torch.Tensor"  # [b, Hkv, L, d] after RoPE
+    values: "torch.Tensor"  # [b, Hkv, L, d]
+    key_valid: "torch.Tensor"  # [b, L] bool, False on padding
     window: int  # w
     budget: int  # entries kept per KV head in this layer, window included
     scaling: float
     softcap: float | None = None
-    o_proj_weight: Tensor | None = None  # [hidden, Hq * d]
-
-    @property
-    def groups(self) -> int:
-        return self.queries.shape[1] // self.keys.shape[1]
+    wo_factor: Any = None  # R [Hq, d, d] of the layer's o_proj (``wo``), or a function that computes it
+    memo: dict = field(default_factory=dict)
 
     @property
     def prefix_len(self) -> int:
         return self.keys.shape[2] - self.window
 
-    @cached_property
-    def positions(self) -> Tensor:
-        """[b, L] position of each key counted from the sample's first real token, -1 on padding."""
-        return relative_positions(self.key_valid)
+    def shared(self, name: str, compute):
+        """``compute()``, once per layer and window (kept in ``memo``)."""
+        key = (name, self.window)
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
-    def attention(self, start: int, stop: int) -> Tensor:
+    @property
+    def positions(self) -> "torch.Tensor":
+        """[b, L] position of each key counted from the sample's first real token, -1 on padding."""
+        return self.shared("positions", lambda: relative_positions(self.key_valid))
+
+    @property
+    def wo(self) -> "torch.Tensor":
+        """R_h [Hq, d, d] with ``||W_O^h x|| = ||R_h x||`` for the layer's ``o_proj`` (see ``wo_factor``)."""
+        if self.wo_factor is None:
+            raise ValueError("this observation carries no W_O factor (wo_factor)")
+        return self.shared("wo", lambda: self.wo_factor() if callable(self.wo_factor) else self.wo_factor)
+
+    def attention(self, start: int, stop: int) -> "torch.Tensor":
         """Softmax attention of queries ``start:stop`` over all keys, causal and padding-masked.
 
         Returns [b, Hq, stop - start, L] float32. Rows of padding queries are zero. Built in place in
@@ -69,22 +86,19 @@ class Observation:
         probs.sub_(probs.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR).exp_().masked_fill_(hidden, 0.0)
         return probs.div_(probs.sum(-1, keepdim=True).clamp_min_(1.0))  # rows of padding queries: all 0
 
-    @cached_property
-    def window_attention(self) -> Tensor:
+    @property
+    def window_attention(self) -> "torch.Tensor":
         """[b, Hq, w, L] attention of the observation window's queries."""
         n = self.keys.shape[2]
-        return self.attention(n - self.window, n)
+        return self.shared("window_attention", lambda: self.attention(n - self.window, n))
 
-    @cached_property
-    def window_output(self) -> Tensor:
+    @property
+    def window_output(self) -> "torch.Tensor":
         """[b, Hq, w, d] attention output of the window queries (over all keys), float32."""
-        return weighted_values(self.window_attention, self.values)
+        return self.shared("window_output", lambda: weighted_values(self.window_attention, self.values))
 
 
-VALUE_BLOCK = 4096  # positions converted to float32 at a time
-
-
-def weighted_values(weights: Tensor, values: Tensor) -> Tensor:
+def weighted_values(weights: "torch.Tensor", values: "torch.Tensor") -> "torch.Tensor":
     """``sum_n weights[..., n] v_n`` per query head: weights [b, Hq, r, N], values [b, Hkv, >=N, d] -> [b, Hq, r, d].
 
     Values are read in blocks, so low-precision values are never copied whole to float32.
@@ -99,11 +113,21 @@ def weighted_values(weights: Tensor, values: Tensor) -> Tensor:
     return out.view(b, hq, r, -1)
 
 
-def relative_positions(key_valid: Tensor) -> Tensor:
+def relative_positions(key_valid: "torch.Tensor") -> "torch.Tensor":
     """[b, L] bool validity (left padding) -> position from the sample's first real token, -1 on padding."""
     return (key_valid.long().cumsum(-1) - 1).masked_fill(~key_valid, -1)
 
 
-def group_view(x: Tensor, hkv: int) -> Tensor:
+def group_view(x: "torch.Tensor", hkv: int) -> "torch.Tensor":
     """[b, Hq, ...] -> [b, Hkv, g, ...] (query heads of one KV head are contiguous)."""
     return x.view(x.shape[0], hkv, -1, *x.shape[2:])
+
+
+def wo_factor(o_proj_weight: "torch.Tensor", num_heads: int) -> "torch.Tensor":
+    """R_h [Hq, d, d] with ``||W_O^h x|| = ||R_h x||`` (R of the QR of each head's column block of o_proj).
+
+    Using R (not the [heads, L, hidden] product) keeps every W_O term at the size of the values.
+    """
+    hidden = o_proj_weight.shape[0]
+    w = o_proj_weight.float().view(hidden, num_heads, -1).transpose(0, 1)  # [Hq, hidden, d]
+    return torch.linalg.qr(w, mode="r").R

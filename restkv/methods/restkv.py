@@ -11,40 +11,51 @@ and over space (an adaptive window that follows how the important positions drif
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
-from ..config import CompressionConfig
-from .. import observation
-from ..observation import Observation, group_view, weighted_values
+from .. import observe
+from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob, positive
+from ..lazy import torch
+from ..observe import group_view, weighted_values
 from ..smoothing import aggregate_rows, pool1d, shifted_box_filter
 
-_EPS = torch.finfo(torch.float32).eps
+_EPS = 1.1920928955078125e-07  # float32 machine epsilon
+
+KNOBS = (
+    POOLING.but(default="adaptive", choices=("adaptive", "avgpool", "maxpool", "none"),
+                help="spatial smoothing: adaptive (a window that follows the drift of the top positions), "
+                     "avgpool, maxpool or none"),
+    KERNEL_SIZE,
+    Knob("scale", 2000.0, "adaptive pooling: positions of drift per pooling step", check=positive, rule="> 0",
+         when={"pooling": ("adaptive",)}),
+    Knob("metric_mode", "after", "after: aggregate the window's attention first, then score; before: score each "
+         "window query, then aggregate", choices=("after", "before")),
+    Knob("use_wo", True, "measure the output change after the head's slice of o_proj (else in value space)"),
+    Knob("use_norm", False, "divide each query's indicator by ||O_q W_O^h||", when={"metric_mode": ("before",)}),
+    Knob("use_ema", False, "smooth over the window queries with an EMA (the paper's choice; default: a plain mean)"),
+    Knob("alpha", 0.3, "EMA weight of the newest query", check=lambda a: 0 < a <= 1, rule="in (0, 1]",
+         when={"use_ema": (True,)}),
+    Knob("tau", 1.0, "exponent of the output-distance term", check=positive, rule="> 0"),
+    GQA_AGG,
+)
 
 
-def wo_factor(o_proj_weight: Tensor, num_heads: int) -> Tensor:
-    """R_h [Hq, d, d] with ``||W_O^h x|| = ||R_h x||`` (R of the QR of each head's column block of o_proj).
-
-    Using R (not the [heads, L, hidden] product) keeps the W_O term at the size of the values.
-    """
-    hidden = o_proj_weight.shape[0]
-    w = o_proj_weight.float().view(hidden, num_heads, -1).transpose(0, 1)  # [Hq, hidden, d]
-    return torch.linalg.qr(w, mode="r").R
+def uses_budget(cfg) -> bool:
+    """The adaptive window's drift reads the layer's budget (its top-(B - w) positions)."""
+    return cfg.pooling == "adaptive"
 
 
-def odds(a: Tensor) -> Tensor:
+def odds(a: "torch.Tensor") -> "torch.Tensor":
     """``a / (1 - a)``, finite even when attention is one-hot."""
     return a / (1.0 - a).clamp_min(_EPS)
 
 
-def _project(x: Tensor, R: Tensor | None, r: int, hkv: int) -> Tensor:
+def _project(x: "torch.Tensor", R: "torch.Tensor | None", r: int, hkv: int) -> "torch.Tensor":
     """x [b, Hkv, n, d] mapped by R of group member r of every KV head (identity without W_O)."""
     if R is None:
         return x
     return x @ group_view(R[None], hkv)[0, :, r].transpose(-1, -2)  # [Hkv, d, d]
 
 
-def _distances(po: Tensor, values: Tensor, P: int, R: Tensor | None) -> Tensor:
+def _distances(po: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None") -> "torch.Tensor":
     """``||R_h (o - v_n)||`` for outputs po = R_h o [b, Hkv, g, r, d] -> [b, Hkv, g, r, P].
 
     Uses ``|x - y|^2 = |x|^2 - 2 x.y + |y|^2`` block by block over the values (converted to float32
@@ -53,7 +64,7 @@ def _distances(po: Tensor, values: Tensor, P: int, R: Tensor | None) -> Tensor:
     b, hkv, g, rows, _ = po.shape
     out = torch.empty(b, hkv, g, rows, P, device=po.device)
     po_sq = po.pow(2).sum(-1, keepdim=True)
-    block = observation.VALUE_BLOCK
+    block = observe.VALUE_BLOCK
     for s in range(0, P, block):
         v = values[:, :, s : min(P, s + block)].float()
         for r in range(g):
@@ -64,7 +75,7 @@ def _distances(po: Tensor, values: Tensor, P: int, R: Tensor | None) -> Tensor:
     return out
 
 
-def _project_outputs(O: Tensor, R: Tensor | None, hkv: int) -> Tensor:
+def _project_outputs(O: "torch.Tensor", R: "torch.Tensor | None", hkv: int) -> "torch.Tensor":
     """Outputs O [b, Hq, r, d] -> R_h O [b, Hkv, g, r, d]."""
     O = group_view(O, hkv)
     if R is None:
@@ -72,7 +83,7 @@ def _project_outputs(O: Tensor, R: Tensor | None, hkv: int) -> Tensor:
     return torch.einsum("bkgrd,kged->bkgre", O, group_view(R[None], hkv)[0])
 
 
-def output_distance(o: Tensor, values: Tensor, P: int, R: Tensor | None) -> Tensor:
+def output_distance(o: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None") -> "torch.Tensor":
     """``||(o_h - v_n) W_O^h||`` for every query head h and prefix entry n -> [b, Hq, P].
 
     o [b, Hq, d] (one output per head), values [b, Hkv, L, d]. The extra memory is a few
@@ -82,14 +93,14 @@ def output_distance(o: Tensor, values: Tensor, P: int, R: Tensor | None) -> Tens
     return _distances(po, values, P, R)[:, :, :, 0].flatten(1, 2)
 
 
-def output_distance_rows(O: Tensor, values: Tensor, P: int, R: Tensor | None) -> tuple[Tensor, Tensor]:
+def output_distance_rows(O: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None") -> tuple["torch.Tensor", "torch.Tensor"]:
     """``||(O_q - v_n) W_O^h||`` for every window query q -> ([b, Hq, w, P], ||O_q W_O^h|| [b, Hq, w, 1])."""
     po = _project_outputs(O, R, values.shape[1])
     return _distances(po, values, P, R).flatten(1, 2), po.norm(dim=-1, keepdim=True).flatten(1, 2)
 
 
-def exact_dominant(scores: Tensor, weights: Tensor, values: Tensor, R: Tensor | None, tau: float,
-                   other_mass: Tensor | float = 0.0) -> Tensor:
+def exact_dominant(scores: "torch.Tensor", weights: "torch.Tensor", values: "torch.Tensor", R: "torch.Tensor | None", tau: float,
+                   other_mass: "torch.Tensor | float" = 0.0) -> "torch.Tensor":
     """Recompute, per row, the score of the most attended entry without cancellation.
 
     With ``o = u_n + a_n v_n`` and ``1 - a_n = rest_n`` (the mass of every other entry, summed
@@ -118,7 +129,7 @@ def exact_dominant(scores: Tensor, weights: Tensor, values: Tensor, R: Tensor | 
     return scores.scatter(-1, where, fixed)
 
 
-def window_drift(window_attention: Tensor, top: int) -> Tensor:
+def window_drift(window_attention: "torch.Tensor", top: int) -> "torch.Tensor":
     """Drift t [b, Hq]: mean position of the top-``top`` keys seen by the window's first half of
     queries minus that of its second half (all key positions considered)."""
     w = window_attention.shape[-2]
@@ -128,7 +139,7 @@ def window_drift(window_attention: Tensor, top: int) -> Tensor:
     return means[0] - means[1]
 
 
-def adaptive_pool(scores: Tensor, drift: Tensor, kernel_size: int, scale: float, n_pad: Tensor | None = None) -> Tensor:
+def adaptive_pool(scores: "torch.Tensor", drift: "torch.Tensor", kernel_size: int, scale: float, n_pad: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Average pooling whose width and shift follow the drift, per sample and head.
 
     kernel ``k = max(kernel_size, 2 floor(|t| / scale) + 1)``, shift ``s = floor(t / scale)``
@@ -149,25 +160,26 @@ def adaptive_pool(scores: Tensor, drift: Tensor, kernel_size: int, scale: float,
     return out.view(scores.shape)
 
 
-def score(obs: Observation, cfg: CompressionConfig, R: Tensor | None = None) -> Tensor:
+def score(obs, cfg):
     """ReST-KV indicator of every prefix entry, per query head -> [b, Hq, P]."""
     P = obs.prefix_len
     A = obs.window_attention  # [b, Hq, w, L]
-    R = R if cfg.use_wo else None
+    R = obs.wo if cfg.use_wo else None
+    alpha = cfg.get("alpha")
     if cfg.metric_mode == "after":
-        a = aggregate_rows(A[..., :P], cfg.use_ema, cfg.alpha)[:, :, None]  # [b, Hq, 1, P]
+        a = aggregate_rows(A[..., :P], cfg.use_ema, alpha)[:, :, None]  # [b, Hq, 1, P]
         o = weighted_values(a, obs.values)[:, :, 0]  # [b, Hq, d] output of the aggregated row
         s = output_distance(o, obs.values, P, R).pow_(cfg.tau).mul_(odds(a[:, :, 0]))
-        window_mass = aggregate_rows(A[..., P:].sum(-1, keepdim=True), cfg.use_ema, cfg.alpha)[..., None]
+        window_mass = aggregate_rows(A[..., P:].sum(-1, keepdim=True), cfg.use_ema, alpha)[..., None]
         s = exact_dominant(s[:, :, None], a, obs.values, R, cfg.tau, window_mass)[:, :, 0]
     else:
         dist, o_norm = output_distance_rows(obs.window_output, obs.values, P, R)
         rows = exact_dominant(dist.pow_(cfg.tau).mul_(odds(A[..., :P])), A, obs.values, R, cfg.tau)
         if cfg.use_norm:
             rows = rows / o_norm.pow(cfg.tau).clamp_min(_EPS)
-        s = aggregate_rows(rows, cfg.use_ema, cfg.alpha)
+        s = aggregate_rows(rows, cfg.use_ema, alpha)
     if cfg.pooling == "adaptive":
         drift = window_drift(A, obs.budget - obs.window)
         n_pad = (~obs.key_valid[:, :P]).sum(-1)
         return adaptive_pool(s, drift, cfg.kernel_size, cfg.scale, n_pad)
-    return pool1d(s, cfg.pooling, cfg.kernel_size)
+    return pool1d(s, cfg.pooling, cfg.get("kernel_size", 1))

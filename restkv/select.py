@@ -1,4 +1,4 @@
-"""From scores to a compressed layer: GQA reduction, top-B per KV head, window, optional merging."""
+"""From scores to the kept entries: GQA reduction, per-head budgets, top-B per KV head, window, merging."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .budgets import adakv_budgets
+from .budgets import head_sizes
 from .config import CompressionConfig
-from .merge import pivot_merge
-from .observation import Observation, group_view
-from .scorers import SCORERS, cam, restkv
+from .merge import merge
+from .observe import Observation, group_view
 
 
 @dataclass
-class Compressed:
+class Kept:
+    """The entries a layer keeps."""
+
     keys: Tensor  # [b, Hkv, B, d] (B: the longest head's length when heads differ)
     values: Tensor  # [b, Hkv, B, d]
     positions: Tensor  # [b, Hkv, B] position from the sample's first real token, -1 on padding
@@ -41,70 +42,52 @@ def reduce_groups(scores: Tensor, hkv: int, how: str) -> Tensor:
     return grouped.amax(2) if how == "max" else grouped.mean(2)
 
 
-SCORE_KNOBS = ("window_size", "kernel_size", "pooling", "use_wo", "use_norm", "use_ema", "alpha", "metric_mode",
-               "tau", "scale", "sink_tokens")  # every knob a scorer reads
+def raw_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
+    """The method's scores [b, Hq or Hkv, P] (or [b, 1, P]), from ``obs.memo`` when already computed.
 
-
-def raw_scores(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None, memo: dict | None = None) -> Tensor:
-    """The scorer's output [b, Hq or Hkv, P].
-
-    ``memo``, one dict per layer and prompt (sweep mode keeps one), lets configs that differ only in
-    how they select from the scores (budget, GQA reduction, per-head budgets, merging) share them:
-    H2O's, SnapKV's (also PyramidKV/AdaKV/HeadKV's) are computed once for all budgets.
+    The memo key is everything the score can read: its module, the window, the values of the knobs
+    it declares (the only ones it is given) and, if it declares that it reads it, the layer's budget.
+    Configs that differ only in how they select from the scores (budget, GQA reduction, per-head
+    budgets, merging) share them: SnapKV's (also PyramidKV/AdaKV/HeadKV's) and H2O's are computed
+    once for all budgets in sweep mode.
     """
-    scorer = SCORERS[cfg.method]
-    key = (scorer, obs.budget if scorer is restkv.score else None, *(getattr(cfg, k) for k in SCORE_KNOBS))
-    if memo is not None and key in memo:
-        return memo[key]
-    s = scorer(obs, cfg, wo) if scorer is restkv.score else scorer(obs, cfg)
-    if memo is not None:
-        memo[key] = s
-    return s
+    method, knobs = cfg.scorer, cfg.score_knobs()
+    key = ("scores", method.scorer, obs.window, knobs, obs.budget if method.uses_budget(knobs) else None)
+    if key not in obs.memo:
+        obs.memo[key] = method.score(obs, knobs)
+    return obs.memo[key]
 
 
-def head_scores(obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None, memo: dict | None = None) -> Tensor:
+def head_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
     """Scores of the prefix entries per KV head [b, Hkv, P]; padding scores -inf."""
     b, hkv = obs.keys.shape[:2]
-    s = reduce_groups(raw_scores(obs, cfg, wo, memo), hkv, cfg.gqa_agg).expand(b, hkv, -1)
+    s = reduce_groups(raw_scores(obs, cfg), hkv, cfg.get("gqa_agg", "mean")).expand(b, hkv, -1)
     return s.masked_fill(~obs.key_valid[:, None, : obs.prefix_len], float("-inf"))
 
 
-def compress(
-    obs: Observation, cfg: CompressionConfig, wo: Tensor | None = None, head_budget: Tensor | None = None,
-    memo: dict | None = None,
-) -> Compressed:
-    """Keep the top prefix entries of each KV head, plus the window, in position order.
+def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None) -> Kept:
+    """Keep the top prefix entries of each KV head, plus the window, in position order, then merge.
 
     Each head keeps ``budget - window`` prefix entries, or its own number with per-head budgets
-    (AdaKV from the scores, HeadKV from ``head_budget`` [Hkv]).
+    (``budgets.head_sizes``: AdaKV from the scores, HeadKV from the layer's ``table`` row [Hkv]).
     """
     b, hkv, n, d = obs.keys.shape
-    per_head = None
     if n <= obs.budget:
         idx = torch.arange(n, device=obs.keys.device).expand(b, hkv, n)
-        keys, values, scores = obs.keys, obs.values, None
+        keys, values, sizes = obs.keys, obs.values, None
     else:
-        scores = head_scores(obs, cfg, wo, memo)
+        scores = head_scores(obs, cfg)
         base = obs.budget - obs.window
-        if cfg.head_budget == "adakv":
-            per_head = adakv_budgets(scores, base, cfg.floor, cfg.normalize)
-        elif cfg.head_budget == "headkv":
-            per_head = head_budget.to(scores.device).clamp(max=obs.prefix_len).expand(b, hkv)
-        idx = _top_then_window(scores, base if per_head is None else per_head, obs.window)
-        keys, values = _gather(obs.keys, idx), _gather(obs.values, idx)
-    if scores is not None and cfg.method == "cam":
-        kept = torch.zeros(b, hkv, n, dtype=torch.bool, device=idx.device).scatter_(2, idx, True)
-        values = _gather(cam.merged_values(obs, scores.clamp_min(0), kept), idx)
-    if scores is not None and cfg.merge == "pivot":
-        evicted = torch.ones(b, hkv, n, dtype=torch.bool, device=idx.device).scatter_(2, idx, False)
-        keys, values = pivot_merge(obs.keys, obs.values, idx, evicted & obs.key_valid[:, None])
+        sizes = head_sizes(cfg, scores, base, table)
+        idx = _top_then_window(scores, base if sizes is None else sizes, obs.window)
+        keys, values = merge(cfg, obs, scores, idx, _gather(obs.keys, idx), _gather(obs.values, idx))
     positions = obs.positions[:, None].expand(b, hkv, n).gather(2, idx)
-    if per_head is None:
+    if sizes is None:
         valid = obs.key_valid.gather(1, idx[:, 0])
-        return Compressed(keys, values, positions.masked_fill(~valid[:, None], -1), valid)
-    in_head = torch.arange(idx.shape[-1], device=idx.device) < (per_head + obs.window)[..., None]
+        return Kept(keys, values, positions.masked_fill(~valid[:, None], -1), valid)
+    in_head = torch.arange(idx.shape[-1], device=idx.device) < (sizes + obs.window)[..., None]
     valid = in_head & obs.key_valid[:, None].expand(b, hkv, n).gather(2, idx)
-    return Compressed(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True)
+    return Kept(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True)
 
 
 def _top_then_window(scores: Tensor, keep, window: int) -> Tensor:

@@ -6,14 +6,13 @@ Paper: "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Lan
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from ..knobs import GQA_AGG
+from ..lazy import torch
 
-from ..config import CompressionConfig
-from ..observation import Observation
+KNOBS = (GQA_AGG,)
 
 
-def score(obs: Observation, cfg: CompressionConfig) -> Tensor:
+def score(obs, cfg):
     """Attention summed over every prefill query, each query only over the keys it can see -> [b, Hq, P].
 
     Queries are processed in blocks so the extra memory stays about one key tensor.

@@ -1,0 +1,262 @@
+"""Attaching eviction to a model: the one integration path for every family and backend.
+
+transformers 5 dispatches attention through ``ALL_ATTENTION_FUNCTIONS`` (sdpa, flash-attention)
+or each family's module-level ``eager_attention_forward``. restkv wraps those functions once
+(``install``); the wrapper passes through for modules without an attachment. On an attached layer it
+
+- at prefill (an empty cache receiving the whole prompt): runs the backend on the full cache, then
+  hands the layer's tensors to the attachment's ``on_prefill`` (by default ``evict_layer``, whose
+  result replaces the layer's cache);
+- when decoding on a layer that holds kept entries: supplies their mask (or attends over the packed
+  per-head layout itself).
+
+An attachment is one ``LayerState`` per attention module (``module._restkv``), the model's
+``model._restkv`` and two hooks per module that hand the state the forward's cache; ``detach``
+removes all of it. ``configure`` attaches until the next ``configure``/``detach``; ``compressing``
+attaches for a ``with`` block and restores what was there before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_utils import AttentionInterface
+
+from .budgets import headkv_budgets, load_head_importance
+from .cache import KeptLayer, VarlenLayer
+from .config import CompressionConfig
+from .evict import LayerPlan, evict_layer
+
+SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+FAMILIES = {
+    "llama": "transformers.models.llama.modeling_llama",
+    "mistral": "transformers.models.mistral.modeling_mistral",
+    "qwen2": "transformers.models.qwen2.modeling_qwen2",
+    "gemma": "transformers.models.gemma.modeling_gemma",
+    "gemma2": "transformers.models.gemma2.modeling_gemma2",
+    "gemma3": "transformers.models.gemma3.modeling_gemma3",
+}
+
+
+def _attention_with_eviction(backend, implementation, module, query, key, value, attention_mask, **kwargs):
+    state: LayerState | None = getattr(module, "_restkv", None)
+    if state is None or state.cache is None or not state.plan.evicts:
+        return backend(module, query, key, value, attention_mask, **kwargs)
+    layer = state.cache.layers[module.layer_idx]
+    if isinstance(layer, VarlenLayer):
+        return layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5), None
+    if isinstance(layer, KeptLayer):
+        mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1])
+        return backend(module, query, key, value, mask, **kwargs)
+    out = backend(module, query, key, value, attention_mask, **kwargs)
+    if type(layer) is DynamicLayer and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
+        state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
+    return out
+
+
+def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -> None:
+    """The default prefill step: evict, and put the kept entries in place of the layer's full cache."""
+    layer, state.kept = evict_layer(state.plan, module, query, key, value, attention_mask, kwargs)
+    if layer is not None:
+        state.cache.layers[module.layer_idx] = layer
+
+
+@dataclass
+class LayerState:
+    """An attached layer: its plan, what to do at prefill, the cache of the forward in flight, what it kept."""
+
+    plan: LayerPlan
+    on_prefill: Callable = evict_into_cache
+    cache: object = None
+    kept: torch.Tensor | None = None  # [b, Hkv, kept] positions of the last prefill
+
+
+def _wrap(backend, implementation):
+    if getattr(backend, "_restkv_wrapped", False):
+        return backend
+    wrapped = functools.partial(_attention_with_eviction, backend, implementation)
+    wrapped = functools.wraps(backend)(wrapped)
+    wrapped._restkv_wrapped = True
+    return wrapped
+
+
+def install(*modeling_modules) -> None:
+    """Route sdpa / flash-attention and the given families' eager attention through restkv.
+
+    Idempotent, and a pass-through for models without an attachment.
+    """
+    for name in SUPPORTED_BACKENDS[1:]:
+        backend = AttentionInterface._global_mapping.get(name)
+        if backend is not None:
+            AttentionInterface.register(name, _wrap(backend, name))
+    for mod in modeling_modules:
+        if hasattr(mod, "eager_attention_forward"):
+            mod.eager_attention_forward = _wrap(mod.eager_attention_forward, "eager")
+
+
+def _replace(family: str):
+    def replace():
+        install(importlib.import_module(FAMILIES[family]))
+
+    replace.__name__ = f"replace_{family}"
+    replace.__doc__ = f"Enable KV eviction for {family} models on every backend (idempotent)."
+    return replace
+
+
+replace_llama = _replace("llama")
+replace_mistral = _replace("mistral")
+replace_qwen2 = _replace("qwen2")
+replace_gemma = _replace("gemma")
+replace_gemma2 = _replace("gemma2")
+replace_gemma3 = _replace("gemma3")
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a decoder, in layer order."""
+    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def _is_sliding(config, layer_idx: int) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer_idx] != "full_attention"
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
+    """Each attention layer's plan under ``cfg``, checked against the model (backend, layers, HeadKV table)."""
+    config = model.config.get_text_config()
+    implementation = model.config._attn_implementation
+    if implementation not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"attn_implementation {implementation!r} is not supported; use one of {', '.join(SUPPORTED_BACKENDS)}"
+        )
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention module with layer_idx and o_proj")
+    evicted = [m.layer_idx for m in modules if not _is_sliding(config, m.layer_idx)]
+    if cfg.evicts and not evicted:
+        raise ValueError("the model has no full-attention layer to evict from (every layer is sliding-window)")
+    table = None
+    if cfg.get("head_budget") == "headkv":
+        importance = load_head_importance(cfg.head_importance, len(modules), config.num_attention_heads,
+                                          config.num_key_value_heads)
+        table = headkv_budgets(importance, cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
+    return [LayerPlan(cfg, evicted.index(m.layer_idx) if m.layer_idx in evicted else -1, len(evicted),
+                      None if table is None else table[m.layer_idx]) for m in modules]
+
+
+def _capture_cache(module, args, kwargs):
+    module._restkv.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def _release_cache(module, args, kwargs, output):
+    module._restkv.cache = None
+
+
+class Attachment:
+    """Eviction attached to a model: a ``LayerState`` per attention module and two hooks each.
+
+    Parameters
+    ----------
+    model : nn.Module
+    plans : list of LayerPlan
+        One per attention module (``plan_layers``).
+    on_prefill : callable, optional
+        ``on_prefill(state, module, query, key, value, attention_mask, kwargs)`` at each layer's prefill;
+        default ``evict_into_cache``. Sweep mode passes one that evaluates many configs.
+    """
+
+    def __init__(self, model: nn.Module, plans: list[LayerPlan], on_prefill: Callable | None = None):
+        self.model, self.modules = model, attention_modules(model)
+        self.cfg = plans[0].cfg
+        self.states = [LayerState(p, on_prefill or evict_into_cache) for p in plans]
+        self._hooks: list = []
+
+    def attach(self) -> "Attachment":
+        if getattr(self.model, "_restkv", None) is not None:
+            raise RuntimeError("the model already has an attachment; detach it first")
+        install(*{sys.modules[type(m).__module__] for m in self.modules})
+        for m, state in zip(self.modules, self.states):
+            m._restkv = state
+            self._hooks += [m.register_forward_pre_hook(_capture_cache, with_kwargs=True),
+                            m.register_forward_hook(_release_cache, with_kwargs=True)]
+        self.model._restkv = self
+        return self
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for m in self.modules:
+            if getattr(m, "_restkv", None) is not None:
+                del m._restkv
+        if getattr(self.model, "_restkv", None) is self:
+            del self.model._restkv
+
+
+def detach(model: nn.Module) -> None:
+    """Remove eviction from ``model`` (its hooks and attributes); a no-op when none is attached."""
+    attachment = getattr(model, "_restkv", None)
+    if attachment is not None:
+        attachment.detach()
+
+
+@contextlib.contextmanager
+def attached(model: nn.Module, plans: list[LayerPlan], on_prefill: Callable | None = None):
+    """Attach ``plans`` for the block, then restore whatever was attached before (or nothing)."""
+    previous = getattr(model, "_restkv", None)
+    if previous is not None:
+        previous.detach()
+    attachment = Attachment(model, plans, on_prefill).attach()
+    try:
+        yield attachment
+    finally:
+        attachment.detach()
+        if previous is not None:
+            previous.attach()
+
+
+def configure(model: nn.Module, **knobs) -> CompressionConfig:
+    """Set the eviction method and knobs of ``model`` (see ``CompressionConfig``) until the next call.
+
+    Every knob is validated before anything changes; the next prefill (a fresh ``generate()``) uses it.
+    """
+    cfg = CompressionConfig.from_kwargs(**knobs)
+    plans = plan_layers(model, cfg)
+    detach(model)
+    Attachment(model, plans).attach()
+    return cfg
+
+
+@contextlib.contextmanager
+def compressing(model: nn.Module, **knobs):
+    """``with restkv.compressing(model, method=..., ...) as cfg:`` eviction inside the block only.
+
+    On exit the model is as it was: the hooks and attributes are removed (or the configuration from an
+    earlier ``configure`` comes back).
+    """
+    cfg = CompressionConfig.from_kwargs(**knobs)
+    with attached(model, plan_layers(model, cfg)):
+        yield cfg
+
+
+def kept_positions(model: nn.Module) -> list[torch.Tensor | None]:
+    """Per layer, the prompt positions kept by the last prefill: LongTensor [batch, kv_heads, kept].
+
+    Positions count from each sample's first real token; -1 marks kept padding. None for layers
+    that are not evicted (sliding-window), before any prefill, or without eviction attached.
+    """
+    attachment = getattr(model, "_restkv", None)
+    if attachment is None:
+        return [None] * len(attention_modules(model))
+    return [state.kept for state in attachment.states]

@@ -1,0 +1,109 @@
+"""The eviction step of one layer at the end of prefill: observe, score, budget, select, cache layer.
+
+``evict_layer`` is a function of the layer's prefill tensors and its plan only: ``configure()`` runs
+it on the model's own cache, sweep mode runs it once per config on the same tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .budgets import layer_budgets
+from .cache import cache_layer
+from .config import CompressionConfig
+from .observe import Observation, relative_positions, wo_factor
+from .select import Kept, select
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one attention layer does at prefill under a config."""
+
+    cfg: CompressionConfig
+    rank: int  # index among the evicted layers; -1: not evicted (sliding-window)
+    num_evicted: int
+    table: torch.Tensor | None = None  # HeadKV: entries per KV head, window excluded [Hkv]
+
+    @property
+    def evicts(self) -> bool:
+        return self.rank >= 0
+
+
+@torch.no_grad()
+def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo: dict | None = None):
+    """Select what the layer keeps from its prefill tensors.
+
+    Parameters
+    ----------
+    plan : LayerPlan
+    module : nn.Module
+        The attention module (its ``o_proj`` gives ReST-KV's W_O factor, computed when a score reads it).
+    query, key, value : Tensor
+        [b, Hq, L, d], [b, Hkv, L, d], [b, Hkv, L, d] as the attention backend received them.
+    attention_mask, kwargs
+        The backend's mask and keyword arguments (``scaling``, ``softcap``).
+    memo : dict, optional
+        Shared by every config evaluated on this layer and prompt (window attention, scores).
+
+    Returns
+    -------
+    (layer, positions)
+        The cache layer to put in place of the layer's full one (None: keep the full one) and the kept
+        positions [b, Hkv, kept] (from each sample's first real token, -1 on kept padding).
+    """
+    b, hkv, n, _ = key.shape
+    key_valid = _key_valid(attention_mask, b, n, key.device)
+    cfg = plan.cfg
+    if cfg.evicts and n > cfg.max_capacity_prompt:
+        obs = Observation(
+            queries=query, keys=key, values=value, key_valid=key_valid, window=cfg.window_size,
+            budget=layer_budgets(cfg, plan.num_evicted, n)[plan.rank],
+            scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
+            wo_factor=lambda: layer_wo_factor(module, query.device), memo={} if memo is None else memo,
+        )
+        kept = select(obs, cfg, plan.table)
+    else:  # nothing to evict: the whole prompt stays
+        kept = Kept(key, value, relative_positions(key_valid)[:, None].expand(-1, hkv, -1), key_valid)
+    return cache_layer(kept, n, cfg), kept.positions
+
+
+def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
+    """[b, n] bool: which keys are real tokens, read off whatever mask the backend received."""
+    if mask is None:
+        return torch.ones(batch, n, dtype=torch.bool, device=device)
+    if mask.dim() == 2:  # flash-attention padding mask
+        return mask[:, -n:].bool().expand(batch, n)
+    row = mask[:, 0, -1, :n]  # the last query sees every real key
+    row = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    return row.expand(batch, n)
+
+
+_WO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # o_proj -> (weight tag, R)
+
+
+def layer_wo_factor(module, device) -> torch.Tensor:
+    """The W_O factor R [Hq, d, d] of an attention module (computed once per weight), on ``device``.
+
+    A layer offloaded by accelerate keeps its weights on the meta device between forwards; they are
+    brought to ``device`` for the computation.
+    """
+    o_proj = module.o_proj
+    w = o_proj.weight
+    offloaded = w.device.type == "meta"
+    tag = "offloaded" if offloaded else (w.data_ptr(), w._version, w.device, w.dtype)
+    cached = _WO.get(o_proj)
+    if cached is None or cached[0] != tag:
+        if offloaded:
+            from accelerate.utils import align_module_device
+
+            weights_on = align_module_device(o_proj, execution_device=device)
+        else:
+            weights_on = contextlib.nullcontext()
+        with torch.no_grad(), weights_on:
+            cached = (tag, wo_factor(o_proj.weight, module.config.num_attention_heads))
+        _WO[o_proj] = cached
+    return cached[1].to(device)

@@ -1,0 +1,98 @@
+"""Knob declarations: what a method or a strategy reads, with its default, type, allowed values and meaning.
+
+Each method (``methods/<name>.py``) and each strategy (budgets, merging, quantization) declares the knobs
+it reads next to the code that reads them. Everything else is derived from those declarations: the
+config's validation (a knob the chosen method does not read is an error), sweep mode's score memo key,
+the runners' flags and their choices, and run labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob.
+
+    Parameters
+    ----------
+    name : str
+        As in ``configure(model, name=...)`` and the runners' ``--name`` flag.
+    default
+        Its value when not given; its type is the knob's type (``str`` for a ``None`` default).
+    help : str
+        One line: what it does.
+    choices : tuple
+        The allowed values, if it is a choice.
+    check : callable, optional
+        ``check(value) -> bool``; ``rule`` says it in words (``"> 0"``, ``"in (0, 1]"``).
+    when : dict or tuple of pairs
+        Read only when each named knob has one of the listed values, e.g. ``{"pooling": ("adaptive",)}``.
+    stage : str
+        ``"score"``: read by the scorer, so it keys sweep mode's score memo; ``"select"``: read after
+        scoring (how scores become a kept set), so configs differing only there share scores.
+    nullable : bool
+        ``None`` is allowed (it means off).
+    """
+
+    name: str
+    default: Any
+    help: str
+    choices: tuple = ()
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""
+    when: Any = ()
+    stage: str = "score"
+    nullable: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.when, dict):
+            object.__setattr__(self, "when", tuple((k, tuple(v)) for k, v in self.when.items()))
+
+    @property
+    def kind(self) -> type:
+        return str if self.default is None else type(self.default)
+
+    def but(self, **changes) -> "Knob":
+        """A copy with other fields (e.g. another method's default)."""
+        return replace(self, **changes)
+
+    def read_when(self, values: dict) -> bool:
+        """Whether this knob is read, given the other knobs' values."""
+        return all(values.get(k) in allowed for k, allowed in self.when)
+
+    def condition(self) -> str:
+        """The ``when`` clause in words: ``"pooling is adaptive"``."""
+        return " and ".join(f"{k} is {' or '.join(map(str, v))}" for k, v in self.when)
+
+    def validate(self, value):
+        """The value, checked (ints accepted for floats); raises ``ValueError`` naming the knob."""
+        if value is None and (self.nullable or self.default is None):
+            return None
+        kind = self.kind
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind is bool and not isinstance(value, bool) or kind is not bool and (
+                isinstance(value, bool) or not isinstance(value, kind)):
+            raise ValueError(f"{self.name} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}")
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{self.name} must be one of {', '.join(map(str, self.choices))}; got {value!r}")
+        if self.check is not None and not self.check(value):
+            raise ValueError(f"{self.name} must be {self.rule}, got {value!r}")
+        return value
+
+
+def positive(x) -> bool:
+    return x > 0
+
+
+# Knobs read by several methods (a method may change the default with ``.but(default=...)``).
+POOLINGS = ("avgpool", "maxpool", "none")
+POOLING = Knob("pooling", "none", "spatial smoothing of the scores over neighbouring positions", choices=POOLINGS)
+KERNEL_SIZE = Knob("kernel_size", 7, "odd width of the pooling window", check=lambda k: k >= 1 and k % 2 == 1,
+                   rule="an odd integer >= 1", when={"pooling": ("avgpool", "maxpool", "adaptive")})
+GQA_AGG = Knob("gqa_agg", "mean", "reduction of per-query-head scores over a GQA group: mean, max, or the "
+               "scale-free sum_norm (each head's scores over their sum) and rank (each head's ranks)",
+               choices=("mean", "max", "sum_norm", "rank"), stage="select")

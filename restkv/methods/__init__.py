@@ -1,0 +1,79 @@
+"""The method registry: one line per method.
+
+A method is a module of this folder with
+
+- ``KNOBS``: the knobs its score reads (``restkv.knobs.Knob``), with their defaults;
+- ``score(obs, cfg)``: ``restkv.observe.Observation`` -> float32 scores [b, Hq or Hkv, P] (or [b, 1, P],
+  shared by every head); ``cfg`` holds only the declared knobs (and the layer's budget is ``obs.budget``);
+- optionally ``uses_budget(cfg) -> bool`` (the score reads ``obs.budget``) and ``check(values)`` (a
+  cross-knob check that raises ``ValueError``).
+
+A registry line may give other defaults, for the method's knobs or for the strategies (budgets,
+merging): PyramidKV is SnapKV's score with ``use_pyramid=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from . import cam, h2o, l2norm, restkv, snapkv, streamingllm
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered method: its scorer module (``None``: keep everything) and its defaults."""
+
+    name: str
+    module: ModuleType | None = None
+    defaults: dict = field(default_factory=dict)
+
+    @property
+    def evicts(self) -> bool:
+        return self.module is not None
+
+    @property
+    def knobs(self) -> tuple:
+        """The scorer's knobs, with this registration's defaults."""
+        own = getattr(self.module, "KNOBS", ())
+        return tuple(k.but(default=self.defaults[k.name]) if k.name in self.defaults else k for k in own)
+
+    @property
+    def scorer(self) -> str:
+        """Identity of the score function: registrations of one module share scores."""
+        return self.module.__name__
+
+    @property
+    def doc(self) -> str:
+        return (self.module.__doc__ or "").strip().split("\n")[0] if self.module else "keeps every entry"
+
+    def score(self, obs, cfg):
+        return self.module.score(obs, cfg)
+
+    def uses_budget(self, cfg) -> bool:
+        reads = getattr(self.module, "uses_budget", None)
+        return bool(reads and reads(cfg))
+
+    def check(self, values: dict) -> None:
+        check = getattr(self.module, "check", None)
+        if check is not None:
+            check(values)
+
+
+def _register(*methods: Method) -> dict:
+    return {m.name: m for m in methods}
+
+
+REGISTRY = _register(
+    Method("fullkv"),
+    Method("restkv", restkv),
+    Method("snapkv", snapkv),
+    Method("pyramidkv", snapkv, {"use_pyramid": True}),
+    Method("h2o", h2o),
+    Method("streamingllm", streamingllm),
+    Method("cam", cam, {"merge": "cam"}),
+    Method("l2norm", l2norm),
+    Method("adakv", snapkv, {"head_budget": "adakv", "pooling": "maxpool"}),
+    Method("headkv", snapkv, {"head_budget": "headkv", "pooling": "maxpool"}),
+)
+METHODS = tuple(REGISTRY)

@@ -1,0 +1,176 @@
+"""Every registered method: the matrix a new method joins by its registry line, and the knob declarations.
+
+- each method on a tiny model of every family: attached for a ``with`` block, generates, keeps its budget
+  and the window, and leaves the model exactly as it was;
+- a knob outside a method's declared score knobs (budgets, GQA reduction, merging, ...) leaves its raw
+  scores unchanged (what makes sweep mode's score memo safe);
+- a knob the method does not read raises, naming the knob and the method.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import FAMILIES, generate, prompt, tiny_model
+
+import restkv
+from restkv.budgets import layer_budgets
+from restkv.config import CompressionConfig, declared
+from restkv.methods import REGISTRY
+from restkv.observe import Observation, wo_factor
+from restkv.select import raw_scores
+
+EVICTING = [m for m in restkv.METHODS if REGISTRY[m].evicts]
+
+
+def head_table(path, layers=3, heads=6):
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(layers, heads, generator=g)
+    path.write_text(json.dumps(scores.tolist()))
+    return str(path)
+
+
+def knobs_for(method, tmp_path, **extra):
+    """Small-budget knobs any method accepts (HeadKV gets a table)."""
+    if not REGISTRY[method].evicts:
+        return dict(method=method)
+    knobs = dict(method=method, max_capacity_prompt=20, window_size=4, **extra)
+    if declared(method)["head_budget"].default == "headkv":
+        knobs["head_importance"] = head_table(tmp_path / "heads.json")
+    return knobs
+
+
+def _hooks(model):
+    return [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+
+def _attributes(model):
+    return [sorted(vars(m)) for m in model.modules()]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("method", list(restkv.METHODS))
+def test_every_method_on_every_family_in_a_with_block(family, method, tmp_path):
+    model = tiny_model(family, "sdpa")
+    ids = prompt(48)
+    plain_tokens, plain_logits = generate(model, ids, n=3)
+    hooks, attributes = _hooks(model), _attributes(model)
+    with restkv.compressing(model, **knobs_for(method, tmp_path)) as cfg:
+        tokens, logits = generate(model, ids, n=3)
+        kept = restkv.kept_positions(model)
+    assert torch.isfinite(logits).all()
+    layers = [k for k in kept if k is not None]  # sliding-window layers keep their own cache
+    assert layers
+    for k in layers:
+        assert k.shape[:2] == (1, 2) and (k.shape[-1] < 48 if cfg.evicts else k.shape[-1] == 48)
+        for head in k[0]:
+            assert torch.isin(torch.arange(44, 48), head).all()  # the window is always kept
+    assert _hooks(model) == hooks and _attributes(model) == attributes
+    assert not hasattr(model, "_restkv")
+    after_tokens, after_logits = generate(model, ids, n=3)
+    assert torch.equal(after_tokens, plain_tokens) and torch.equal(after_logits, plain_logits)
+
+
+def test_compressing_restores_an_earlier_configuration():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(60)
+    restkv.configure(model, method="snapkv", max_capacity_prompt=16, window_size=4)
+    snap, _ = generate(model, ids)
+    with restkv.compressing(model, method="streamingllm", max_capacity_prompt=16, window_size=4):
+        stream, _ = generate(model, ids)
+    again, _ = generate(model, ids)
+    assert torch.equal(again, snap) and not torch.equal(stream, snap)
+    assert model._restkv.cfg.method == "snapkv"
+    restkv.detach(model)
+    assert not any(hasattr(m, "_restkv") for m in model.modules())
+
+
+def _alternative(knob, cfg):
+    """A valid value of ``knob`` other than the config's (None when there is none to try)."""
+    value = cfg.get(knob.name, knob.default)
+    if knob.choices:
+        others = [c for c in knob.choices if c != value]
+        return others[-1] if others else None
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)) and value is not None:
+        for candidate in (value * 2 + 1, value / 2, value + 0.5):
+            candidate = type(value)(candidate)
+            try:
+                knob.validate(candidate)
+                return candidate
+            except ValueError:
+                continue
+    return None
+
+
+def _conditions(knob):
+    """Values of the knobs that make ``knob`` read (its ``when`` clause)."""
+    return {k: allowed[0] for k, allowed in knob.when}
+
+
+def _scores(cfg, n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, 8, generator=g) for h in (4, 2, 2))
+    budget = layer_budgets(cfg, 3, n)[0]
+    obs = Observation(q, k, v, torch.ones(1, n, dtype=torch.bool), window=cfg.window_size, budget=budget,
+                      scaling=8**-0.5, wo_factor=wo_factor(torch.randn(16, 32, generator=g), 4))
+    return raw_scores(obs, cfg)
+
+
+BUDGET_KNOBS = ("max_capacity_prompt", "use_pyramid", "beta")  # change obs.budget
+
+
+def _changed_scores(method, tmp_path):
+    """(knobs outside the method's score declaration whose change changed its raw scores, knobs tried)."""
+    base = dict(method=method, max_capacity_prompt=16, window_size=4)
+    if declared(method)["head_budget"].default == "headkv":
+        base["head_importance"] = head_table(tmp_path / "heads.json")
+    cfg = CompressionConfig(**base)
+    reference = _scores(cfg)
+    score_knobs = set(cfg.score_knobs())
+    reads_budget = cfg.scorer.uses_budget(cfg.score_knobs())
+    changed, tried = [], []
+    for name, knob in declared(method).items():
+        if name in score_knobs or name == "window_size" or (reads_budget and name in BUDGET_KNOBS):
+            continue
+        value = _alternative(knob, cfg)
+        knobs = {**base, **{k: v for k, v in _conditions(knob).items() if k not in score_knobs}, name: value}
+        if value is None or knobs.get("quant_method"):
+            continue  # quantization needs an optional package, and only stores the kept entries
+        if knobs.get("head_budget") == "headkv":
+            knobs["head_importance"] = head_table(tmp_path / "heads.json")
+        try:
+            other = CompressionConfig(**knobs)
+        except ValueError:
+            continue  # not a combination this method accepts
+        tried.append(name)
+        if not torch.equal(_scores(other), reference):
+            changed.append(name)
+    return changed, tried
+
+
+@pytest.mark.parametrize("method", EVICTING)
+def test_knobs_outside_the_score_declaration_leave_the_scores_unchanged(method, tmp_path):
+    changed, tried = _changed_scores(method, tmp_path)
+    assert not changed and len(tried) >= 5, (changed, tried)
+
+
+def test_an_undeclared_read_of_the_budget_is_caught(monkeypatch, tmp_path):
+    from restkv.methods import snapkv
+
+    honest = snapkv.score
+    monkeypatch.setattr(snapkv, "score", lambda obs, cfg: honest(obs, cfg) + obs.budget)
+    changed, _ = _changed_scores("snapkv", tmp_path)
+    assert "max_capacity_prompt" in changed and "use_pyramid" in changed
+
+
+@pytest.mark.parametrize("method", EVICTING)
+def test_a_knob_the_method_does_not_read_raises_naming_it(method):
+    readers = {n for m in restkv.METHODS for n in declared(m)} - set(declared(method))
+    for name in sorted(readers):
+        knob = next(declared(m)[name] for m in restkv.METHODS if name in declared(m))
+        with pytest.raises(ValueError, match=rf"{name} is not a knob of method {method}"):
+            CompressionConfig(method=method, **{name: knob.default})
