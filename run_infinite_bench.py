@@ -8,7 +8,7 @@ python run_infinite_bench.py --data_dir data/infinite_bench --tasks passkey kv_r
 
 import argparse
 
-from restkv.bench.common import add_common_args
+from restkv.bench.cli import add_common_args
 from restkv.bench.infinitebench.data import load_records
 from restkv.bench.infinitebench.tasks import MAX_NEW_TOKENS, TASKS, answers, make_prompt
 from restkv.bench.longbench.runner import Task, add_loop_args, run_tasks

@@ -8,7 +8,7 @@ python run_longbench.py --data_dir data/longbench --method restkv snapkv fullkv 
 
 import argparse
 
-from restkv.bench.common import add_common_args
+from restkv.bench.cli import add_common_args
 from restkv.bench.longbench.data import load_records
 from restkv.bench.longbench.runner import Task, add_loop_args, run_tasks
 from restkv.bench.longbench.tasks import DATASETS, LONGBENCH_E, MAX_NEW_TOKENS, NO_CHAT, PROMPTS

@@ -12,7 +12,7 @@ python run_needle_in_haystack.py --method restkv snapkv pyramidkv h2o streamingl
 import argparse
 import os
 
-from restkv.bench.common import add_common_args
+from restkv.bench.cli import add_common_args
 from restkv.bench.needle import add_needle_args, run, summary_table
 
 

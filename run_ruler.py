@@ -23,8 +23,12 @@ import os
 
 from tqdm import tqdm
 
-from restkv.bench.common import (add_common_args, build_prompt, configs_meta, decode_configs, encode,
-                                 load_from_args, method_configs, middle_truncate, model_name, write_metadata)
+from restkv.bench.cli import add_common_args
+from restkv.bench.generation import decode_configs
+from restkv.bench.grid import configs_meta, method_configs
+from restkv.bench.meta import write_metadata
+from restkv.bench.models import load_from_args, model_name
+from restkv.bench.prompts import build_prompt, encode, middle_truncate
 from restkv.bench.ruler.data import find_tasks, load_task
 from restkv.bench.ruler.tasks import FAMILIES, family_of
 from restkv.bench.shard import ResultFile, current

@@ -27,8 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import restkv  # noqa: E402
-from restkv.bench.common import add_common_args, load_from_args, method_configs  # noqa: E402
-from restkv.models import essays_dir  # noqa: E402
+from restkv.bench.cli import add_common_args  # noqa: E402
+from restkv.bench.grid import method_configs  # noqa: E402
+from restkv.bench.models import essays_dir, load_from_args  # noqa: E402
 
 
 def essay_samples(tokenizer, n_samples: int, length: int, continuation: int, seed: int):

@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import restkv  # noqa: E402
+from restkv.bench.models import essays_dir, load_model  # noqa: E402
 from restkv.cache import held_bytes  # noqa: E402
-from restkv.models import essays_dir, load_model  # noqa: E402
 
 VARIANTS = {
     "uniform (snapkv)": dict(method="snapkv"),

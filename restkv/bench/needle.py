@@ -20,8 +20,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .common import (build_prompt, configs_meta, decode_configs, encode, load_from_args, method_configs,
-                     middle_truncate, model_name, quant_settings, read_jsonl, write_metadata)
+from .generation import decode_configs
+from .grid import configs_meta, method_configs, quant_settings
+from .meta import write_metadata
+from .models import essays_dir, load_from_args, model_name
+from .prompts import build_prompt, encode, middle_truncate
+from .results import read_jsonl
 
 PROMPT = ("You are a helpful AI bot that answers questions for a user. Keep your response short and direct.\n\n"
           "<document>\n{context}\n</document>\n\n"
@@ -256,7 +260,7 @@ def needles_from_args(args):
 
 
 def add_needle_args(parser):
-    """Flags of the needle sweep (besides :func:`restkv.bench.common.add_common_args`)."""
+    """Flags of the needle sweep (besides :func:`restkv.bench.cli.add_common_args`)."""
     g = parser.add_argument_group("needle in a haystack")
     g.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the packaged essays)")
     g.add_argument("--needles", nargs="+", default=["passkey", "sf"], help=f"presets: {sorted(NEEDLES)}")
@@ -286,7 +290,6 @@ def run(args):
         The results file and the records of this configuration (old and new); no records on
         the other processes of a sharded run.
     """
-    from ..models import essays_dir
     from .shard import ResultFile, current
 
     configs = method_configs(args)

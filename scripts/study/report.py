@@ -67,7 +67,7 @@ def load_needle(folder: Path) -> dict[str, dict[int | None, list[float]]]:
 
 def load_ruler(folder: Path) -> dict[str, dict[int | None, list[float]]]:
     """{config: {budget: string_match_all x100 per sample}} from a ``run_ruler.py`` model folder."""
-    from restkv.bench.common import read_jsonl
+    from restkv.bench.results import read_jsonl
     from restkv.bench.ruler.metrics import METRICS, postprocess
     from restkv.bench.ruler.tasks import FAMILIES, family_of
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 import run_needle_in_haystack as cli
-from restkv.bench import needle
-from restkv.models import essays_dir
+from restkv.bench import models, needle
+from restkv.bench.models import essays_dir
 from helpers import ROOT
 
 METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm")
@@ -141,9 +141,7 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
 
 
 def test_bad_knob_fails_before_the_model_loads(tmp_path, monkeypatch):
-    import restkv.models
-
-    monkeypatch.setattr(restkv.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ValueError, match="headkv_128: head_importance"):
         cli.main(["--method", "headkv", "--save_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="restkv_128: alpha"):

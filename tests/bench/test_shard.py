@@ -12,7 +12,7 @@ import psutil
 
 import run_needle_in_haystack as cli
 from restkv.bench import shard
-from restkv.bench.common import JsonlWriter, read_jsonl
+from restkv.bench.results import JsonlWriter, read_jsonl
 from helpers import ROOT
 
 FIELDS = ("id", "cfg")

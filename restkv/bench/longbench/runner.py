@@ -12,8 +12,11 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from ..common import (build_prompt, configs_meta, decode_configs, encode, has_chat_template, load_from_args,
-                      method_configs, middle_truncate, quant_settings, write_metadata)
+from ..generation import decode_configs
+from ..grid import configs_meta, method_configs, quant_settings
+from ..meta import write_metadata
+from ..models import load_from_args, model_name
+from ..prompts import build_prompt, encode, has_chat_template, middle_truncate
 
 
 @dataclass
@@ -46,11 +49,6 @@ class Task:
     max_new_tokens: int
     chat: bool = True
     key: str = "_id"
-
-
-def model_name(model_path):
-    """Folder name of a model: the registry name or the last part of its path."""
-    return os.path.basename(os.path.normpath(model_path))
 
 
 def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0):
@@ -95,7 +93,7 @@ def run_tasks(args, tasks, extra_meta=None):
     Parameters
     ----------
     args : argparse.Namespace
-        Parsed :func:`restkv.bench.common.add_common_args` flags plus
+        Parsed :func:`restkv.bench.cli.add_common_args` flags plus
         ``max_num_examples`` and ``max_new_tokens``.
     tasks : list of Task
     extra_meta : dict, optional
