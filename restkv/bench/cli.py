@@ -94,3 +94,11 @@ def parse_methods(values):
                 out.append(name)
     return out
 
+
+def add_dataset_args(parser):
+    """Flags of the dataset runners (LongBench, InfiniteBench): example cap and generation-length override."""
+    parser.add_argument("--max_num_examples", type=int, default=None,
+                        help="first N records of each dataset only")
+    parser.add_argument("--max_new_tokens", type=int, default=None,
+                        help="override the official number of new tokens of every dataset")
+    return parser

@@ -1,4 +1,4 @@
-"""Prompts: the chat template, encoding, middle truncation and left padding."""
+"""Prompts: the chat template, encoding, middle truncation to a length, and left padding."""
 
 import torch
 
@@ -77,3 +77,32 @@ def left_pad(tokenizer, prompts, device):
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], dtype=torch.long)
     return input_ids.to(device), mask.to(device), pad
+
+
+def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0):
+    """Token ids of one prompt: middle-truncate ``text``, then apply the chat template.
+
+    Parameters
+    ----------
+    tokenizer : PreTrainedTokenizer
+    text : str
+        The filled template.
+    max_length : int
+        Cap on the tokens of ``text`` plus ``reserve`` plus the chat template's own tokens.
+    chat_template : {"auto", "on", "off"}
+    reserve : int
+        Tokens kept free (for generation).
+
+    Returns
+    -------
+    list of int
+    """
+    overhead = len(encode(tokenizer, build_prompt(tokenizer, "", chat_template)))
+    cap = max_length - reserve - overhead
+    if cap < 1:
+        raise ValueError(f"max_length {max_length} leaves no room for the prompt "
+                         f"({reserve} new tokens, {overhead} template tokens)")
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) > cap:
+        text = tokenizer.decode(middle_truncate(ids, cap), skip_special_tokens=True)
+    return encode(tokenizer, build_prompt(tokenizer, text, chat_template))

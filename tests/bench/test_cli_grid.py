@@ -8,7 +8,7 @@ import pytest
 from helpers import ROOT
 from restkv.bench import cli, grid
 from restkv.bench.models import DTYPES
-from restkv.bench.needle import add_needle_args
+from restkv.bench.needle.run import add_needle_args
 
 
 def parse(*argv):
