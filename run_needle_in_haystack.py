@@ -10,10 +10,10 @@ python run_needle_in_haystack.py --method restkv snapkv pyramidkv h2o streamingl
 """
 
 import argparse
-import os
 
-from restkv.bench.common import add_common_args
-from restkv.bench.needle import add_needle_args, run, summary_table
+from restkv.bench.cli import add_common_args
+from restkv.bench.needle.report import show
+from restkv.bench.needle.run import add_needle_args, run
 
 
 def parse_args(argv=None):
@@ -26,19 +26,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     path, records = run(args)
-    print(f"\nresults: {path}")
-    if not records:
-        return path, records, []
-    for metric in ("score", "rouge1_f"):
-        print(f"\n{metric} (mean over depths and needles)\n{summary_table(records, metric)}")
-    pngs = []
-    if not args.no_plots:
-        from visualization.plots import budget_curve, needle_heatmaps
-
-        out_dir = os.path.dirname(path)
-        pngs = needle_heatmaps(records, out_dir) + [budget_curve(records, os.path.join(out_dir, "budget_curve.png"))]
-        print("\nplots:\n" + "\n".join(pngs))
-    return path, records, pngs
+    return path, records, show(path, records, plots=not args.no_plots)
 
 
 if __name__ == "__main__":

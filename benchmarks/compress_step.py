@@ -28,9 +28,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
 DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mode=before", "cam", "streamingllm",

@@ -29,21 +29,17 @@ import argparse
 import ctypes
 import importlib.util
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import restkv
+from restkv.cache import CompressedLayer
+from restkv.compress import Compressed
 
-import restkv  # noqa: E402
-from restkv.cache import CompressedLayer  # noqa: E402
-from restkv.compress import Compressed  # noqa: E402
-
-from compress_step import _status  # noqa: E402  (same folder: the process-status reader)
+from compress_step import _status  # same folder: the process-status reader
 
 PRESETS = {  # head shapes are Llama-3-8B's in both: 32 query heads, 8 KV heads, head_dim 128, hidden 4096
     "small": dict(num_hidden_layers=2, intermediate_size=1024, vocab_size=1024),

@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import restkv  # noqa: E402
-from restkv.bench.common import add_common_args, load_from_args, method_configs  # noqa: E402
-from restkv.models import essays_dir  # noqa: E402
+import restkv
+from restkv.bench.cli import add_common_args
+from restkv.bench.grid import method_configs
+from restkv.bench.models import essays_dir, load_from_args
 
 
 def essay_samples(tokenizer, n_samples: int, length: int, continuation: int, seed: int):

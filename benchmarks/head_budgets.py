@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import restkv  # noqa: E402
-from restkv.cache import held_bytes  # noqa: E402
-from restkv.models import essays_dir, load_model  # noqa: E402
+import restkv
+from restkv.bench.models import essays_dir, load_model
+from restkv.cache import held_bytes
 
 VARIANTS = {
     "uniform (snapkv)": dict(method="snapkv"),

@@ -13,6 +13,6 @@ torch.set_num_threads(int(os.environ.get("RESTKV_TEST_THREADS", "1")))
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)`` of the packaged ``smollm2-135m``, float32 sdpa on CPU (converted on first use)."""
-    from restkv.models import load_model
+    from restkv.bench.models import load_model
 
     return load_model("smollm2-135m")

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from .common import JsonlWriter, _key
+from .results import Closing, JsonlWriter, record_key
 
 # How long the main process waits for the slowest shard before merging.
 BARRIER_TIMEOUT = datetime.timedelta(days=7)
@@ -113,7 +113,7 @@ def _atomic_write(path, text):
     os.replace(tmp, path)
 
 
-class ResultFile:
+class ResultFile(Closing):
     """The results file of one run as this process writes it: the file itself, or its part.
 
     Parameters
@@ -137,24 +137,18 @@ class ResultFile:
         if shard.main:
             _atomic_write(plan_path(self.path), json.dumps({"key_fields": self.key_fields,
                                                             "keys": [list(k) for k in plan]}))
-        self.merged = {_key(self.key_fields, r) for r in _complete_lines(self.path)}
+        self.merged = {record_key(self.key_fields, r) for r in _complete_lines(self.path)}
         self.writer = JsonlWriter(part_path(self.path, shard), self.key_fields)
 
     def done(self, key):
         """Whether the record with these key values is in the results file or this process's part."""
-        return _key(self.key_fields, key) in self.merged or self.writer.done(key)
+        return record_key(self.key_fields, key) in self.merged or self.writer.done(key)
 
     def write(self, record):
         self.writer.write(record)
 
     def close(self):
         self.writer.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def merge(path):
@@ -180,11 +174,11 @@ def merge(path):
     fields = plan["key_fields"]
     order = {json.dumps(k): i for i, k in enumerate(plan["keys"])}
     existing = _complete_lines(path)
-    seen = {_key(fields, r) for r in existing}
+    seen = {record_key(fields, r) for r in existing}
     new = []
     for part in parts:
         for r in _complete_lines(part):
-            k = _key(fields, r)
+            k = record_key(fields, r)
             if k not in seen:
                 seen.add(k)
                 new.append((order.get(k, len(order)), len(new), r))

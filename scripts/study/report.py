@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root (visualization/)
+from restkv.bench.results import read_jsonl
+from restkv.bench.ruler.metrics import METRICS, postprocess
+from restkv.bench.ruler.tasks import FAMILIES, family_of
 
 
 def split_label(label: str) -> tuple[str, int | None]:
@@ -67,10 +68,6 @@ def load_needle(folder: Path) -> dict[str, dict[int | None, list[float]]]:
 
 def load_ruler(folder: Path) -> dict[str, dict[int | None, list[float]]]:
     """{config: {budget: string_match_all x100 per sample}} from a ``run_ruler.py`` model folder."""
-    from restkv.bench.common import read_jsonl
-    from restkv.bench.ruler.metrics import METRICS, postprocess
-    from restkv.bench.ruler.tasks import FAMILIES, family_of
-
     rows = {}
     for path in sorted(folder.rglob("*.jsonl")):
         for r in read_jsonl(path):
@@ -134,7 +131,7 @@ def paired(table, budgets, reference, what: str, better: str, digits: int) -> li
 def plot(table: dict, title: str, metric: str, path: Path, log: bool) -> Path:
     """Mean metric vs budget for every config (the full cache as a level), drawn by the needle runner's
     ``budget_curve``, written to ``path``."""
-    from visualization.plots import budget_curve
+    from visualization.plots import budget_curve  # matplotlib is optional
 
     records = [{"label": name if budget is None else f"{name}_{budget}", "budget": budget, metric: v}
                for name, per in table.items() for budget, values in per.items() for v in values]

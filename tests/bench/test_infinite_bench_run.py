@@ -8,6 +8,7 @@ import pytest
 import run_infinite_bench
 from restkv.bench.infinitebench.data import load_records
 from restkv.bench.infinitebench.evaluate import evaluate
+from restkv.bench.infinitebench.run import make_task
 from restkv.bench.infinitebench.tasks import TASKS
 from helpers import passkey_record, write_passkey
 
@@ -46,7 +47,7 @@ def test_evaluate_every_task_into_a_table(tmp_path):
         for task, (answer, options, pred) in PERFECT.items():
             folder = tmp_path / "model" / task
             folder.mkdir(parents=True, exist_ok=True)
-            task_obj = run_infinite_bench.make_task(task, [])
+            task_obj = make_task(task, [])
             rec = {"id": 0, "context": "", "input": "", "answer": answer, "options": options}
             with open(folder / f"{label}.jsonl", "w", encoding="utf-8") as fh:
                 for i in range(2):

@@ -7,12 +7,12 @@ import os
 import pytest
 
 import run_longbench
-from restkv.bench.longbench import runner
+from restkv.bench import loop
 from restkv.bench.longbench.data import load_records
 from restkv.bench.longbench.evaluate import evaluate
+from restkv.bench.longbench.run import make_task
 from restkv.bench.longbench.tasks import DATASETS, LONGBENCH_E, PROMPTS
 from helpers import fixture_record, write_fixture
-
 
 
 def read(path):
@@ -24,7 +24,7 @@ def test_every_dataset_loads_and_fills_its_template(tmp_path):
     data = write_fixture(tmp_path / "data", DATASETS)
     for d in DATASETS:
         records = load_records(data, d)
-        task = run_longbench.make_task(d, records)
+        task = make_task(d, records)
         text = task.text(records[1], False)
         assert records[1]["context"] in text and "{" not in text, d
         assert (records[1]["input"] in text) == ("{input}" in PROMPTS[d]), d
@@ -90,14 +90,14 @@ ARGS = ["--max_new_tokens", "4", "--batch_size", "2", "--seed", "0"]
 def test_end_to_end_on_smollm2(tmp_path, monkeypatch):
     data = write_fixture(tmp_path / "data", ["hotpotqa"], n=2, words=25)
     out = tmp_path / "out"
-    kept, real_decode = [], runner.decode_configs
+    kept, real_decode = [], loop.decode_configs
 
     def spy(model, tokenizer, prompts, configs, max_new_tokens, sweep=True):
         out = real_decode(model, tokenizer, prompts, configs, max_new_tokens, sweep)
         kept.append([None if k[0] is None else k[0].shape[-1] for _, k in out])
         return out
 
-    monkeypatch.setattr(runner, "decode_configs", spy)
+    monkeypatch.setattr(loop, "decode_configs", spy)
     files = run_longbench.main(["--data_dir", data, "--datasets", "hotpotqa", "--method", "restkv", "fullkv",
                                 "--max_capacity_prompts", "64", "2048", "--save_dir", str(out)] + ARGS)
     assert [label for _, label in files] == ["restkv_64", "restkv_2048", "fullkv"]
@@ -140,7 +140,7 @@ def test_interrupt_and_resume_keeps_each_record_once(tmp_path, monkeypatch):
             raise Interrupted
         return [([f"pred{state['calls']}"] * len(prompts), None) for _ in configs]
 
-    monkeypatch.setattr(runner, "decode_configs", fake_decode)
+    monkeypatch.setattr(loop, "decode_configs", fake_decode)
     with pytest.raises(Interrupted):
         run_longbench.main(argv)
     path = tmp_path / "out" / "smollm2-135m" / "triviaqa" / "fullkv.jsonl"

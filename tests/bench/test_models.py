@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from restkv import models
+from restkv.bench import models
 
 
 def test_smollm2_loads_from_the_converted_cache(smollm2):

@@ -10,18 +10,20 @@ import time
 import pytest
 
 import run_needle_in_haystack as cli
-from restkv.bench import needle
-from restkv.models import essays_dir
 from helpers import ROOT
+from restkv.bench import models
+from restkv.bench.models import essays_dir
+from restkv.bench.needle import data, metrics
+from restkv.bench.needle.run import KEY_FIELDS
 
 METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm")
 
 
 def test_parse_range():
-    assert needle.parse_range(["1000", "2000:4000:3", "3000"]) == [1000, 2000, 3000, 4000]
-    assert needle.parse_range(["0:100:5"], float) == [0.0, 25.0, 50.0, 75.0, 100.0]
+    assert data.parse_range(["1000", "2000:4000:3", "3000"]) == [1000, 2000, 3000, 4000]
+    assert data.parse_range(["0:100:5"], float) == [0.0, 25.0, 50.0, 75.0, 100.0]
     with pytest.raises(ValueError, match="start:stop:num"):
-        needle.parse_range(["1:2"])
+        data.parse_range(["1:2"])
 
 
 def test_insert_needle_at_a_sentence_boundary():
@@ -30,34 +32,34 @@ def test_insert_needle_at_a_sentence_boundary():
     def is_end(t):
         return t == 0
 
-    assert needle.insert_needle(ctx, [9, 9], 50, is_end) == ([1, 2, 0, 9, 9, 3, 4, 5, 0, 6, 7, 8], 3)
-    assert needle.insert_needle(ctx, [9], 0, is_end)[1] == 0
-    assert needle.insert_needle(ctx, [9], 75, is_end)[1] == 7
-    assert needle.insert_needle(ctx, [9], 100, is_end) == (ctx + [9], 10)
+    assert data.insert_needle(ctx, [9, 9], 50, is_end) == ([1, 2, 0, 9, 9, 3, 4, 5, 0, 6, 7, 8], 3)
+    assert data.insert_needle(ctx, [9], 0, is_end)[1] == 0
+    assert data.insert_needle(ctx, [9], 75, is_end)[1] == 7
+    assert data.insert_needle(ctx, [9], 100, is_end) == (ctx + [9], 10)
 
 
 def test_scores():
-    s = needle.score("The pass key is 71432.", "The pass key is 71432.", "71432")
+    s = metrics.score("The pass key is 71432.", "The pass key is 71432.", "71432")
     assert s["score"] == 1.0 and s["exact"] == 1.0 and s["rouge1_f"] == pytest.approx(1.0)
-    assert needle.digit_score("It is 71,432!", "71432") == 1.0
-    assert needle.digit_score("key 71482", "71432") == pytest.approx(0.8)
-    assert needle.digit_score("7143", "71432") == pytest.approx(0.8)
-    assert needle.digit_score("14327", "71432") == 0.0
-    assert needle.score("no idea", "The pass key is 71432.", "71432")["score"] == 0.0
-    sf = needle.NEEDLES["sf"]
-    good = needle.score("Eat a sandwich and sit in Dolores Park on a sunny day.", sf.text, sf.answer)
-    half = needle.score("Sit in Dolores Park.", sf.text, sf.answer)
+    assert metrics.digit_score("It is 71,432!", "71432") == 1.0
+    assert metrics.digit_score("key 71482", "71432") == pytest.approx(0.8)
+    assert metrics.digit_score("7143", "71432") == pytest.approx(0.8)
+    assert metrics.digit_score("14327", "71432") == 0.0
+    assert metrics.score("no idea", "The pass key is 71432.", "71432")["score"] == 0.0
+    sf = data.NEEDLES["sf"]
+    good = metrics.score("Eat a sandwich and sit in Dolores Park on a sunny day.", sf.text, sf.answer)
+    half = metrics.score("Sit in Dolores Park.", sf.text, sf.answer)
     assert good["exact"] == 1.0 and good["score"] == 1.0 and half["exact"] == 0.0 and 0 < half["score"] < 1
     assert good["rouge1_f"] > half["rouge1_f"] > 0
 
 
 def test_make_case_places_the_needle(smollm2):
     _, tok = smollm2
-    hay = needle.Haystack(tok, essays_dir())
-    sf = needle.NEEDLES["sf"]
+    hay = data.Haystack(tok, essays_dir())
+    sf = data.NEEDLES["sf"]
     spans = []
     for depth in (0, 50, 100):
-        case = needle.make_case(tok, hay, sf, 600, depth)
+        case = data.make_case(tok, hay, sf, 600, depth)
         assert abs(len(case.ids) - 600) <= 4 and not case.truncated
         start, end = case.needle_span
         assert tok.decode(case.ids[start:end]).strip() == sf.text
@@ -65,17 +67,17 @@ def test_make_case_places_the_needle(smollm2):
             assert tok.decode(case.ids[:start]).rstrip().endswith((".", "!", "?"))
         spans.append(start)
     assert spans[0] < 80 < spans[1] < spans[2] and spans[1] < 0.5 * 600
-    cut = needle.make_case(tok, hay, needle.NEEDLES["passkey"], 600, 90, max_length=300)
+    cut = data.make_case(tok, hay, data.NEEDLES["passkey"], 600, 90, max_length=300)
     assert cut.truncated and len(cut.ids) == 300
     assert tok.decode(cut.ids[slice(*cut.needle_span)]).strip() == cut.needle_text
-    assert needle.make_case(tok, hay, sf, 600, 50, max_length=300).needle_span is None
+    assert data.make_case(tok, hay, sf, 600, 50, max_length=300).needle_span is None
 
 
 def test_missing_haystack_and_unknown_model_fail_clearly(tmp_path, smollm2):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         cli.main(["--haystack_dir", str(tmp_path / "nope"), "--save_dir", str(tmp_path)])
     with pytest.raises(FileNotFoundError, match="no .txt"):
-        needle.Haystack(smollm2[1], tmp_path)
+        data.Haystack(smollm2[1], tmp_path)
     with pytest.raises(ValueError, match="no-such-model"):
         cli.main(["--model_path", "no-such-model", "--save_dir", str(tmp_path)])
 
@@ -134,16 +136,14 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     after = path.read_text().splitlines()
     assert after[: len(before)] == before
-    keys = [tuple(json.loads(line)[k] for k in needle.KEY_FIELDS) for line in after]
+    keys = [tuple(json.loads(line)[k] for k in KEY_FIELDS) for line in after]
     assert len(keys) == len(set(keys)) == 6
     assert {(k[1], k[4]) for k in keys} == {(m, d) for m in ("fullkv", "streamingllm_64") for d in (0, 50, 100)}
     assert "fullkv" in done.stdout and "streamingllm_64" in done.stdout
 
 
 def test_bad_knob_fails_before_the_model_loads(tmp_path, monkeypatch):
-    import restkv.models
-
-    monkeypatch.setattr(restkv.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(ValueError, match="headkv_128: head_importance"):
         cli.main(["--method", "headkv", "--save_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="restkv_128: alpha"):

@@ -6,9 +6,10 @@ import os
 import pytest
 
 import run_ruler
-from restkv.bench import shard
+from restkv.bench import loop, shard
 from restkv.bench.ruler.evaluate import evaluate
 from restkv.bench.ruler.generate import generate, load_tokenizer, write_task
+from restkv.bench.ruler.run import load_data, prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +58,11 @@ def test_generate_run_resume_and_score(tokenizer, tmp_path):
 
 def test_prompt_is_chat_wrapped_with_the_answer_prefix_last(tokenizer):
     record = {"index": 0, "input": "word " * 300, "answer_prefix": " Answer: it is"}
-    ids, cut = run_ruler.prompt_ids(tokenizer, record, "auto", 10_000)
+    ids, cut = prompt_ids(tokenizer, record, "auto", 10_000)
     text = tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n Answer: it is")
     assert not cut
-    short, cut = run_ruler.prompt_ids(tokenizer, record, "auto", len(ids) - 100)
+    short, cut = prompt_ids(tokenizer, record, "auto", len(ids) - 100)
     assert cut and len(ids) - 110 <= len(short) <= len(ids) - 100
     assert tokenizer.decode(short).endswith(" Answer: it is")
 
@@ -72,15 +73,15 @@ def test_ruler_own_folders_need_a_context_length(tmp_path):
     (folder / "validation.jsonl").write_text(
         json.dumps({"index": 0, "input": "text", "outputs": ["1234567"], "length": 4000}) + "\n")
     with pytest.raises(ValueError, match="validation.jsonl record 1: no 'max_seq_length'"):
-        run_ruler.load_data([str(folder.parent)], None, None, None)
-    [(task, records)] = run_ruler.load_data([str(folder.parent)], None, None, 4096)
+        load_data([str(folder.parent)], None, None, None)
+    [(task, records)] = load_data([str(folder.parent)], None, None, 4096)
     assert task == "niah_single_2" and records[0]["max_seq_length"] == 4096
     assert records[0]["answer_prefix"] == ""
     with pytest.raises(ValueError, match="niah_single_2 at length 4096 is also in"):
-        run_ruler.load_data([str(folder.parent)] * 2, None, None, 4096)
+        load_data([str(folder.parent)] * 2, None, None, 4096)
     (folder / "validation.jsonl").write_text(json.dumps({"index": 0, "input": "t", "outputs": "x"}) + "\n")
     with pytest.raises(ValueError, match="record 1: 'outputs' must be a non-empty list"):
-        run_ruler.load_data([str(folder.parent)], None, None, 4096)
+        load_data([str(folder.parent)], None, None, 4096)
 
 
 def test_sweep_equals_one_config_at_a_time(data, tmp_path):
@@ -104,7 +105,7 @@ def fake_decode(calls):
 
 def test_resume_decodes_only_the_missing_configs(data, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(run_ruler, "decode_configs", fake_decode(calls))
+    monkeypatch.setattr(loop, "decode_configs", fake_decode(calls))
     argv = ["--data_dir", data, "--tasks", "vt", "--max_capacity_prompts", "64", "--save_dir", str(tmp_path)]
     first = run_ruler.main(argv + ["--method", "fullkv", "--num_samples", "1"])
     before = open(first[(1024, "vt", "fullkv")]).read()
@@ -118,12 +119,12 @@ def test_resume_decodes_only_the_missing_configs(data, tmp_path, monkeypatch):
 
 
 def test_two_shards_merge_into_the_single_process_file(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(run_ruler, "decode_configs", fake_decode([]))
+    monkeypatch.setattr(loop, "decode_configs", fake_decode([]))
     monkeypatch.setattr(shard.Shard, "barrier", lambda self: None)
     argv = ["--data_dir", data, "--method", "streamingllm", "fullkv", "--max_capacity_prompts", "64"]
     single = run_ruler.main(argv + ["--save_dir", str(tmp_path / "one")])
     for rank in (1, 0):  # the main process finishes last and merges
-        monkeypatch.setattr(run_ruler, "current", lambda rank=rank: shard.Shard(rank, 2))
+        monkeypatch.setattr(loop, "current", lambda rank=rank: shard.Shard(rank, 2))
         sharded = run_ruler.main(argv + ["--save_dir", str(tmp_path / "two")])
     assert list(sharded) == list(single) and len(single) == 2 * 2
     for key, path in single.items():

@@ -11,8 +11,8 @@ import time
 import psutil
 
 import run_needle_in_haystack as cli
-from restkv.bench import shard
-from restkv.bench.common import JsonlWriter, read_jsonl
+from restkv.bench import loop, shard
+from restkv.bench.results import JsonlWriter, read_jsonl
 from helpers import ROOT
 
 FIELDS = ("id", "cfg")
@@ -119,20 +119,19 @@ def test_two_process_launch_killed_and_rerun_equals_one_process(tmp_path):
 
 def test_longbench_shards_merge_into_the_single_process_files(tmp_path, monkeypatch):
     import run_longbench
-    from restkv.bench.longbench import runner
-    from test_longbench_run import write_fixture
+    from helpers import write_fixture
 
     def fake_decode(model, tokenizer, prompts, configs, max_new_tokens, sweep=True):
         return [([f"{len(p)}:{c['method']}" for p in prompts], None) for c in configs]
 
-    monkeypatch.setattr(runner, "decode_configs", fake_decode)
+    monkeypatch.setattr(loop, "decode_configs", fake_decode)
     monkeypatch.setattr(shard.Shard, "barrier", lambda self: None)
     data = write_fixture(tmp_path / "data", ["hotpotqa", "trec"], n=3, words=5)
     argv = ["--data_dir", data, "--datasets", "hotpotqa", "trec", "--method", "snapkv", "fullkv",
             "--max_capacity_prompts", "64", "--max_new_tokens", "2"]
     single = run_longbench.main(argv + ["--save_dir", str(tmp_path / "one")])
     for rank in (1, 0):  # the main process finishes last and merges
-        monkeypatch.setattr(shard, "current", lambda rank=rank: shard.Shard(rank, 2))
+        monkeypatch.setattr(loop, "current", lambda rank=rank: shard.Shard(rank, 2))
         sharded = run_longbench.main(argv + ["--save_dir", str(tmp_path / "two")])
     assert list(sharded) == list(single) and len(single) == 4
     for key, path in single.items():

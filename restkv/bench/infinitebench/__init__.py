@@ -1,1 +1,1 @@
-"""InfiniteBench: task tables, scorers and evaluation."""
+"""InfiniteBench: task tables, data, scorers, evaluation, and the prediction run."""

@@ -2,7 +2,7 @@
 
 import os
 
-from ..common import read_records
+from ..results import read_records
 
 WHERE = (
     "InfiniteBench data: download <task>.jsonl from https://huggingface.co/datasets/xinrongzhang2022/InfiniteBench "

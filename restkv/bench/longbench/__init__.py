@@ -1,1 +1,1 @@
-"""LongBench: task tables, metrics, evaluation, and the prediction loop shared with InfiniteBench."""
+"""LongBench: task tables, data, metrics, evaluation, and the prediction run."""

@@ -2,7 +2,7 @@
 
 import os
 
-from ..common import read_records
+from ..results import read_records
 from .tasks import FIELDS
 
 WHERE = (

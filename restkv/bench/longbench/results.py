@@ -8,7 +8,7 @@ by the folders between ``root`` and the task folder plus the file's stem, e.g.
 import csv
 import os
 
-from ..common import read_jsonl
+from ..results import read_jsonl
 
 
 def find_predictions(root, names):

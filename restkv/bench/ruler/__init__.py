@@ -1,1 +1,1 @@
-"""RULER: offline data generation, prediction records and scoring."""
+"""RULER: offline data generation, the prediction run, and scoring."""

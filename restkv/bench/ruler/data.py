@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from restkv.bench.common import read_jsonl
+from restkv.bench.results import read_jsonl
 from restkv.bench.ruler.tasks import task_order
 
 REQUIRED = ("index", "input", "outputs")

@@ -5,7 +5,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from restkv.bench.common import read_jsonl
+from restkv.bench.results import read_jsonl
 from restkv.bench.ruler.metrics import score
 from restkv.bench.ruler.tasks import FAMILIES, family_of, task_order
 

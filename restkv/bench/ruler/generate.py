@@ -130,7 +130,7 @@ def load_tokenizer(model_path):
     """Tokenizer of a registry model, local checkpoint or hub id."""
     from transformers import AutoTokenizer
 
-    from restkv.models import resolve
+    from restkv.bench.models import resolve
 
     return AutoTokenizer.from_pretrained(resolve(model_path))
 
@@ -139,7 +139,7 @@ def model_limit(model_path):
     """Maximum context of a model, read from its config."""
     from transformers import AutoConfig
 
-    from restkv.models import max_context, resolve
+    from restkv.bench.models import max_context, resolve
 
     return max_context(AutoConfig.from_pretrained(resolve(model_path)))
 

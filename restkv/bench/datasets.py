@@ -1,0 +1,94 @@
+"""Prediction runs over datasets of records filled into prompt templates (LongBench, InfiniteBench).
+
+Each config's predictions of a dataset go to ``<save_dir>/<model>/<dataset>/<label>.jsonl``, one
+record per dataset record (keyed by its id field), through the shared loop of :mod:`restkv.bench.loop`.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from .grid import configs_meta, method_configs
+from .loop import Predictor, Task, per_label
+from .prompts import has_chat_template, prompt_ids
+
+
+@dataclass
+class Dataset:
+    """One dataset to predict.
+
+    Parameters
+    ----------
+    name : str
+        Folder name of its predictions.
+    records : list of dict
+        Its records.
+    text : callable
+        ``text(record, chat) -> str``: the filled prompt template; ``chat`` tells
+        whether the chat template will wrap it.
+    output : callable
+        ``output(record) -> dict``: the fields stored beside the prediction (key field included).
+    max_new_tokens : int
+        Tokens to generate.
+    chat : bool
+        Whether the chat template may be applied (the ``--chat_template`` flag decides).
+    key : str
+        Record field that identifies it in the predictions file.
+    """
+
+    name: str
+    records: list
+    text: Callable
+    output: Callable
+    max_new_tokens: int
+    chat: bool = True
+    key: str = "_id"
+
+
+def dataset_task(predictor, dataset):
+    """The loop's :class:`restkv.bench.loop.Task` of ``dataset`` in ``predictor``.
+
+    With ``--max_length`` set, the prompt alone is capped at it (the original's per-model
+    length); otherwise prompt plus generation are capped at the model's max context.
+    """
+    args, tokenizer = predictor.args, predictor.tokenizer
+    new_tokens = args.max_new_tokens or dataset.max_new_tokens
+    reserve = 0 if args.max_length else new_tokens
+    chat = args.chat_template if dataset.chat else "off"
+    wrapped = chat == "on" or (chat == "auto" and has_chat_template(tokenizer))
+
+    def prompt(record):
+        return prompt_ids(tokenizer, dataset.text(record, wrapped), predictor.max_length, chat, reserve)
+
+    def record(rec, ids, out):
+        return {**dataset.output(rec), "pred": out.text, "prompt_tokens": len(ids),
+                "quant": predictor.quant[out.label]}
+
+    return Task(dataset.name, dataset.records, prompt, record, new_tokens,
+                per_label(os.path.join(predictor.out_dir, dataset.name), predictor.labels, dataset.key))
+
+
+def run_datasets(args, datasets, extra_meta=None):
+    """Predict every dataset for every method x budget of ``args``.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed :func:`restkv.bench.cli.add_common_args` and :func:`restkv.bench.cli.add_dataset_args` flags.
+    datasets : list of Dataset
+    extra_meta : dict, optional
+        Stored in ``run_meta.json``.
+
+    Returns
+    -------
+    dict
+        ``{(dataset name, label): predictions file}``.
+    """
+    configs = method_configs(args)
+    predictor = Predictor(args, configs)
+    predictor.write_metadata({"labels": predictor.labels, "configs": configs_meta(configs),
+                              "tasks": [d.name for d in datasets], "max_length": predictor.max_length,
+                              "processes": predictor.shard.size, **(extra_meta or {})})
+    tasks = [dataset_task(predictor, d) for d in datasets]
+    predictor.predict(tasks)
+    return {(t.name, label): path for t in tasks for label, path in t.store.paths.items()}

@@ -1,0 +1,42 @@
+"""Predicting InfiniteBench: the flags and the run of ``run_infinite_bench.py``."""
+
+from ..datasets import Dataset, run_datasets
+from .data import load_records
+from .tasks import MAX_NEW_TOKENS, TASKS, answers, make_prompt
+
+
+def make_task(task, records, style="auto"):
+    """The :class:`restkv.bench.datasets.Dataset` of one InfiniteBench task.
+
+    ``style`` ``auto`` picks the chat templates when the chat template wraps
+    the prompt and the base ones otherwise.
+    """
+    def text(record, chat):
+        return make_prompt(record, task, style if style != "auto" else ("chat" if chat else "base"))
+
+    return Dataset(
+        name=task,
+        records=records,
+        text=text,
+        output=lambda r: {"id": r["id"], "answers": answers(r, task)},
+        max_new_tokens=MAX_NEW_TOKENS[task],
+        chat=True,
+        key="id",
+    )
+
+
+def add_infinitebench_args(parser):
+    """Flags of the InfiniteBench data (besides :func:`restkv.bench.cli.add_dataset_args`)."""
+    parser.add_argument("--data_dir", default="data/infinite_bench", help="folder of the released <task>.jsonl files")
+    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS, metavar="TASK",
+                        help=f"tasks to run (default: all): {' '.join(TASKS)}")
+    parser.add_argument("--template", default="auto", choices=("auto", "chat", "base"),
+                        help="official template set: chat (instructions) or base (answer cue); "
+                             "auto: chat when the model's chat template is applied")
+    return parser
+
+
+def run(args):
+    """Predict the tasks of ``args``; returns ``{(task, label): predictions file}``."""
+    tasks = [make_task(t, load_records(args.data_dir, t, args.max_num_examples), args.template) for t in args.tasks]
+    return run_datasets(args, tasks, {"benchmark": "infinite_bench", "template": args.template})

@@ -1,0 +1,54 @@
+"""Predicting LongBench (or LongBench-E): the flags and the run of ``run_longbench.py``."""
+
+from ..datasets import Dataset, run_datasets
+from .data import load_records
+from .tasks import DATASETS, LONGBENCH_E, MAX_NEW_TOKENS, NO_CHAT, PROMPTS
+
+KEPT = ("_id", "dataset", "language", "length", "answers", "all_classes")
+
+
+def make_task(dataset, records, longbench_e=False):
+    """The :class:`restkv.bench.datasets.Dataset` of one LongBench dataset."""
+    return Dataset(
+        name=f"{dataset}_e" if longbench_e else dataset,
+        records=records,
+        text=lambda r, chat: PROMPTS[dataset].format(**r),
+        output=lambda r: {k: r[k] for k in KEPT},
+        max_new_tokens=MAX_NEW_TOKENS[dataset],
+        chat=dataset not in NO_CHAT,
+        key="_id",
+    )
+
+
+def add_longbench_args(parser):
+    """Flags of the LongBench data (besides :func:`restkv.bench.cli.add_dataset_args`)."""
+    parser.add_argument("--data_dir", default="data/longbench", help="folder of the official <dataset>.jsonl files")
+    parser.add_argument("--datasets", nargs="+", default=None,
+                        help="datasets to run (default: all 21, or the 13 of LongBench-E with --e)")
+    parser.add_argument("--e", action="store_true", help="LongBench-E (<dataset>_e.jsonl)")
+    parser.add_argument("--hub", action="store_true",
+                        help="load missing files from the hub through `datasets` (needs network)")
+    return parser
+
+
+def datasets_of(args):
+    """The datasets to run: ``args.datasets`` or every one of LongBench (LongBench-E with ``--e``).
+
+    Raises
+    ------
+    ValueError
+        For a dataset that is not one of them.
+    """
+    allowed = LONGBENCH_E if args.e else DATASETS
+    names = args.datasets or allowed
+    unknown = [d for d in names if d not in allowed]
+    if unknown:
+        raise ValueError(f"unknown datasets {unknown}; choose from {allowed}")
+    return names
+
+
+def run(args):
+    """Predict the datasets of ``args`` (checked by :func:`datasets_of`); returns ``{(dataset, label): file}``."""
+    tasks = [make_task(d, load_records(args.data_dir, d, args.e, args.max_num_examples, args.hub), args.e)
+             for d in args.datasets]
+    return run_datasets(args, tasks, {"benchmark": "longbench_e" if args.e else "longbench"})

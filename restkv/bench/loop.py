@@ -1,0 +1,201 @@
+"""The prediction loop every runner shares.
+
+A runner describes its work as :class:`Task` objects: the units (dataset records, needle cells)
+in the run's fixed order, how to build a unit's prompt and its record, and a :class:`Store` that
+says where each (unit, label) record goes. :class:`Predictor` loads the model once and, per task,
+decodes the units greedily in batches under every method x budget that still lacks their record
+(one prefill per batch; ``--no_sweep``: one per config) and appends the records, unit by unit and
+in config order. Records already written are skipped, so a rerun resumes. Under ``accelerate
+launch`` the units, numbered over all tasks, are sharded over the processes and the main process
+merges their parts (see :mod:`restkv.bench.shard`).
+"""
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tqdm import tqdm
+
+from .generation import decode_configs
+from .grid import quant_settings
+from .meta import write_metadata
+from .models import load_from_args, model_name
+from .shard import ResultFile, current
+
+
+class Store:
+    """Where the records of a task go: a results file per label (labels may share one).
+
+    Parameters
+    ----------
+    paths : dict
+        ``{label: results file}``.
+    key_fields : sequence of str
+        Record fields that identify a record in its file.
+    key : callable
+        ``key(unit, label) -> tuple``: the key values of the record of ``unit`` under ``label``.
+    """
+
+    def __init__(self, paths, key_fields, key):
+        self.paths, self.key_fields, self.key = dict(paths), tuple(key_fields), key
+        self._files = {}
+
+    def plan(self, units):
+        """``{file: keys}``: the keys of every record of ``units`` in each file, unit by unit, in label order."""
+        plan = {path: [] for path in self.paths.values()}
+        for unit in units:
+            for label, path in self.paths.items():
+                plan[path].append(self.key(unit, label))
+        return plan
+
+    def open(self, units, shard):
+        """Open every file (or this process's part of it) for the records of ``units``."""
+        self._files = {path: ResultFile(path, self.key_fields, keys, shard) for path, keys in self.plan(units).items()}
+
+    def done(self, unit, label):
+        """Whether the record of ``unit`` under ``label`` is already written."""
+        return self._files[self.paths[label]].done(self.key(unit, label))
+
+    def write(self, label, record):
+        self._files[self.paths[label]].write(record)
+
+    def close(self):
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+
+def per_label(folder, labels, field):
+    """The :class:`Store` of ``<folder>/<label>.jsonl`` files, a record keyed by its unit's ``field``."""
+    return Store({label: os.path.join(folder, f"{label}.jsonl") for label in labels}, (field,),
+                 lambda unit, label: (unit[field],))
+
+
+@dataclass
+class Output:
+    """What one config generated for one prompt of a batch."""
+
+    label: str
+    kwargs: dict  # the config's ``restkv.configure`` kwargs
+    text: str  # the continuation
+    kept: list  # per layer, kept positions of the whole batch: LongTensor [batch, kv_heads, kept] or None
+    row: int  # the prompt's row in the batch (in ``kept``)
+    seconds: float  # decoding time of the batch per prompt and config
+
+
+def _ids(prompt):
+    return prompt
+
+
+@dataclass
+class Task:
+    """One block of units to predict.
+
+    Parameters
+    ----------
+    name : str
+        Shown on its progress bar.
+    units : list
+        Its units of work, in the run's fixed order.
+    prompt : callable
+        ``prompt(unit)``: the built prompt, handed back to ``record``.
+    record : callable
+        ``record(unit, prompt, output) -> dict``: the record of one unit under one config (:class:`Output`).
+    max_new_tokens : int
+    store : Store
+    ids : callable
+        ``ids(prompt) -> list of int``: the token ids of a built prompt (default: the prompt itself).
+    progress : dict
+        Keyword arguments of its ``tqdm`` bar, besides ``desc``.
+    announce : bool
+        Print the number of records to run on stderr.
+    """
+
+    name: str
+    units: list
+    prompt: Callable
+    record: Callable
+    max_new_tokens: int
+    store: Store
+    ids: Callable = _ids
+    progress: dict = field(default_factory=lambda: {"leave": False})
+    announce: bool = False
+
+
+class Predictor:
+    """The model of a run and its output folder: loads the model for the configs of ``args``.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed :func:`restkv.bench.cli.add_common_args` flags.
+    configs : list of (str, dict)
+        ``restkv.bench.grid.method_configs(args)``.
+
+    Attributes
+    ----------
+    labels : list of str
+        The labels of ``configs``, in order.
+    quant : dict
+        ``{label: KV quantization}`` (:func:`restkv.bench.grid.quant_settings`; None: full precision).
+    shard, model, tokenizer, max_length
+        This process's shard, the model and tokenizer, and ``args.max_length`` or the model's max context.
+    name, out_dir : str
+        The model's folder name and ``<save_dir>/<name>``.
+    """
+
+    def __init__(self, args, configs):
+        self.args, self.configs = args, configs
+        self.labels = [label for label, _ in configs]
+        self.quant = {label: quant_settings(kw) for label, kw in configs}
+        self.shard = current()
+        self.model, self.tokenizer, self.max_length = load_from_args(args, self.shard)
+        self.name = model_name(args.model_path)
+        self.out_dir = os.path.join(args.save_dir, self.name)
+
+    def write_metadata(self, extra):
+        """``run_meta.json`` of the run with ``extra`` (main process only)."""
+        if self.shard.main:
+            write_metadata(self.out_dir, self.args, extra)
+
+    def predict(self, tasks):
+        """Write every missing record of ``tasks``, then merge the processes' parts of every file."""
+        paths, first = [], 0
+        for task in tasks:
+            self._predict(task, first)
+            first += len(task.units)
+            paths += [p for p in dict.fromkeys(task.store.paths.values()) if p not in paths]
+        self.shard.finish(paths)
+
+    def _predict(self, task, first):
+        store, shard, batch_size = task.store, self.shard, self.args.batch_size
+        store.open(task.units, shard)
+        try:
+            def todo(unit):
+                return [(label, kw) for label, kw in self.configs if not store.done(unit, label)]
+
+            mine = [u for i, u in enumerate(task.units, first) if shard.mine(i) and todo(u)]
+            if task.announce:
+                where = f" (process {shard.rank} of {shard.size})" if shard.size > 1 else ""
+                print(f"{task.name}{where}: {sum(len(todo(u)) for u in mine)} records to run", file=sys.stderr)
+            bar = tqdm(total=len(mine), desc=task.name, **task.progress)
+            for start in range(0, len(mine), batch_size):
+                batch = mine[start:start + batch_size]
+                left = {label for u in batch for label, _ in todo(u)}
+                need = [(label, kw) for label, kw in self.configs if label in left]
+                prompts = [task.prompt(u) for u in batch]
+                t0 = time.time()
+                results = decode_configs(self.model, self.tokenizer, [task.ids(p) for p in prompts],
+                                         [kw for _, kw in need], task.max_new_tokens, sweep=not self.args.no_sweep)
+                seconds = (time.time() - t0) / (len(batch) * len(need))
+                for row, (unit, prompt) in enumerate(zip(batch, prompts)):
+                    for (label, kw), (texts, kept) in zip(need, results):
+                        if not store.done(unit, label):
+                            output = Output(label, kw, texts[row], kept, row, seconds)
+                            store.write(label, task.record(unit, prompt, output))
+                bar.update(len(batch))
+            bar.close()
+        finally:
+            store.close()

@@ -1,0 +1,70 @@
+"""Run metadata: ``run_meta.json`` with versions, config, git commit and command line."""
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+import torch
+import transformers
+
+import restkv  # noqa: F401  (so its version is found when not installed as a distribution)
+
+from .grid import check_same_configs
+
+
+def _version(dist, module=None):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(sys.modules.get(module or dist), "__version__", None)
+
+
+def git_sha(path=None):
+    """HEAD commit of the repository holding ``path`` (default: this package), or None."""
+    where = path or os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def write_metadata(save_dir, args, extra=None):
+    """Write ``save_dir/run_meta.json``: versions, full config, git sha, command line, ``extra``.
+
+    When ``extra`` has ``configs`` (``configs_meta``) and the folder already holds a run, every label both
+    runs share must resolve to the same knobs (else ValueError, before any work); the earlier labels
+    stay listed.
+
+    Returns the path written.
+    """
+    config = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    path = os.path.join(save_dir, "run_meta.json")
+    extra = dict(extra or {})
+    if "configs" in extra and os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            previous = json.load(fh).get("configs") or {}
+        check_same_configs(path, previous, extra["configs"])
+        extra["configs"] = {**previous, **extra["configs"]}  # labels of earlier runs stay on record
+    meta = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "restkv": _version("restkv")},
+        "git_sha": git_sha(),
+        "platform": platform.platform(),
+        "config": config,
+        **extra,
+    }
+    os.makedirs(save_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=save_dir, prefix=".run_meta.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(meta, fh, indent=2, default=str)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,120 @@
+"""The needle sweep: its flags, and every (method x budget, needle, length, depth) record of a run."""
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from ..grid import configs_meta, method_configs
+from ..loop import Predictor, Store, Task
+from ..models import essays_dir
+from ..results import read_jsonl
+from .data import NEEDLES, PROMPT, Haystack, Needle, make_case, parse_range
+from .metrics import needle_kept, score
+
+KEY_FIELDS = ("needle", "label", "config_id", "length", "depth")
+
+
+def config_id(kwargs, settings):
+    """Short hash of everything besides (needle, length, depth) that changes a record."""
+    blob = json.dumps({"configure": kwargs, **settings}, sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+def needles_from_args(args):
+    """The needles of ``args``: the custom ``--needle``, else the ``--needles`` presets.
+
+    Raises
+    ------
+    ValueError
+        For a custom needle without its question or answer, or an unknown preset.
+    """
+    if args.needle:
+        if not args.retrieval_question or not args.answer:
+            raise ValueError("--needle needs --retrieval_question and --answer")
+        return [Needle("custom", args.needle, args.retrieval_question, args.answer)]
+    unknown = [n for n in args.needles if n not in NEEDLES]
+    if unknown:
+        raise ValueError(f"needles: unknown {unknown}; choose from {sorted(NEEDLES)}")
+    return [NEEDLES[n] for n in args.needles]
+
+
+def add_needle_args(parser):
+    """Flags of the needle sweep (besides :func:`restkv.bench.cli.add_common_args`)."""
+    g = parser.add_argument_group("needle in a haystack")
+    g.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the packaged essays)")
+    g.add_argument("--needles", nargs="+", default=["passkey", "sf"], help=f"presets: {sorted(NEEDLES)}")
+    g.add_argument("--needle", default=None, help="custom needle sentence ({key}: a random 5-digit number)")
+    g.add_argument("--retrieval_question", default=None, help="question of the custom needle")
+    g.add_argument("--answer", default=None, help="expected answer of the custom needle (may use {key})")
+    g.add_argument("--context_lengths", nargs="+", default=["1024", "2048"],
+                   help="prompt lengths in tokens: numbers or start:stop:num ranges")
+    g.add_argument("--depth_percents", nargs="+", default=["0:100:3"],
+                   help="needle depths in percent: numbers or start:stop:num ranges")
+    g.add_argument("--max_new_tokens", type=int, default=32)
+    g.add_argument("--no_plots", action="store_true", help="skip the PNGs")
+    parser.set_defaults(save_dir=os.path.join("results", "needle"), default_methods=["restkv", "snapkv", "fullkv"])
+    return parser
+
+
+def run(args):
+    """Run every (method x budget, needle, length, depth) record not yet in the results file.
+
+    The records of all configs go to one file, ``<save_dir>/<model>/results.jsonl``, cell by cell
+    in config order; a record is keyed by its config's :func:`config_id` too, so a rerun with other
+    settings adds records instead of resuming into them.
+
+    Returns
+    -------
+    (str, list of dict)
+        The results file and the records of this configuration (old and new); no records on
+        the other processes of a sharded run.
+    """
+    configs = method_configs(args)
+    needles = needles_from_args(args)
+    lengths, depths = parse_range(args.context_lengths), parse_range(args.depth_percents, float)
+    haystack_dir = Path(args.haystack_dir) if args.haystack_dir else essays_dir()
+    if not haystack_dir.is_dir():
+        raise FileNotFoundError(f"haystack folder {haystack_dir} does not exist")
+    predictor = Predictor(args, configs)
+    tokenizer, model = predictor.tokenizer, predictor.name
+    cap = args.max_length or predictor.max_length - args.max_new_tokens
+    haystack = Haystack(tokenizer, haystack_dir)
+    settings = {"model": model, "chat_template": args.chat_template, "max_length": cap,
+                "max_new_tokens": args.max_new_tokens, "haystack": str(haystack_dir), "seed": args.seed,
+                "dtype": args.dtype, "attn_implementation": args.attn_implementation, "prompt": PROMPT}
+    ids = {label: config_id(kw, settings) for label, kw in configs}
+    predictor.write_metadata({"benchmark": "needle", "labels": ids, "configs": configs_meta(configs),
+                              "max_length": cap, "lengths": lengths, "depths": depths,
+                              "needles": [asdict(n) for n in needles], "processes": predictor.shard.size})
+    path = os.path.join(predictor.out_dir, "results.jsonl")
+
+    def prompt(cell):
+        n, L, d = cell
+        return make_case(tokenizer, haystack, n, L, d, args.chat_template, cap, args.seed)
+
+    def record(cell, case, out):
+        n, L, d = cell
+        return {"needle": n.name, "label": out.label, "config_id": ids[out.label], "length": L, "depth": d,
+                "method": out.kwargs["method"], "budget": out.kwargs.get("max_capacity_prompt"),
+                "quant": predictor.quant[out.label], "model": model, "prompt_tokens": len(case.ids),
+                "needle_span": case.needle_span, "truncated": case.truncated, "answer": case.answer,
+                "response": out.text, **score(out.text, case.needle_text, case.answer),
+                "needle_kept": needle_kept(out.kept, case.needle_span, out.row), "seconds": round(out.seconds, 3)}
+
+    store = Store({label: path for label in predictor.labels}, KEY_FIELDS,
+                  lambda cell, label: (cell[0].name, label, ids[label], cell[1], cell[2]))
+    cells = [(n, L, d) for n in needles for L in lengths for d in depths]
+    predictor.predict([Task("needle", cells, prompt, record, args.max_new_tokens, store, ids=_case_ids,
+                            progress={"unit": "cell"}, announce=True)])
+    if not predictor.shard.main:
+        return path, []
+    grid = {(n.name, L, d) for n, L, d in cells}
+    records = [r for r in read_jsonl(path)
+               if ids.get(r["label"]) == r["config_id"] and (r["needle"], r["length"], r["depth"]) in grid]
+    return path, records
+
+
+def _case_ids(case):
+    return case.ids

@@ -1,0 +1,108 @@
+"""Prompts: the chat template, encoding, middle truncation to a length, and left padding."""
+
+import torch
+
+
+def middle_truncate(ids, max_len):
+    """Keep the first ``ceil(max_len/2)`` and last ``floor(max_len/2)`` items of ``ids`` if longer than ``max_len``.
+
+    ``ids`` is a list or a 1-D tensor ``[n]``; the result is of the same kind.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if len(ids) <= max_len:
+        return ids
+    head = (max_len + 1) // 2
+    tail = max_len - head
+    if tail == 0:
+        return ids[:head]
+    if isinstance(ids, torch.Tensor):
+        return torch.cat([ids[:head], ids[-tail:]])
+    return ids[:head] + ids[-tail:]
+
+
+def has_chat_template(tokenizer):
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_prompt(tokenizer, text, chat_template="auto"):
+    """Wrap ``text`` as one user turn in the model's chat template.
+
+    Parameters
+    ----------
+    chat_template : {"auto", "on", "off"} or bool
+        ``auto`` applies the template when the tokenizer has one; ``on``
+        requires one; ``off`` returns ``text`` unchanged.
+    """
+    mode = {True: "on", False: "off"}.get(chat_template, chat_template)
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"chat_template must be auto/on/off, got {chat_template!r}")
+    if mode == "off" or (mode == "auto" and not has_chat_template(tokenizer)):
+        return text
+    if not has_chat_template(tokenizer):
+        raise ValueError("chat_template: 'on' but the tokenizer has no chat template")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def encode(tokenizer, text, offsets=False):
+    """Token ids of ``text``; the tokenizer's special tokens are added unless the text already starts with BOS.
+
+    With ``offsets=True`` returns ``(ids, [(char_start, char_end), ...])``.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    add = not (bos and text.startswith(bos))
+    enc = tokenizer(text, add_special_tokens=add, return_offsets_mapping=offsets)
+    return (enc.input_ids, [tuple(o) for o in enc.offset_mapping]) if offsets else enc.input_ids
+
+
+def left_pad(tokenizer, prompts, device):
+    """Encode and left-pad a batch of prompts.
+
+    Parameters
+    ----------
+    prompts : list of str or list of list of int
+        Texts (encoded with :func:`encode`) or token ids.
+
+    Returns
+    -------
+    input_ids, attention_mask : torch.LongTensor
+        ``[batch, width]`` on ``device``, ``width`` the longest prompt; the mask is 0 on the padding.
+    pad_token_id : int
+        The tokenizer's pad token (its EOS token when it has none).
+    """
+    ids = [encode(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
+    width = max(len(x) for x in ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], dtype=torch.long)
+    return input_ids.to(device), mask.to(device), pad
+
+
+def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0):
+    """Token ids of one prompt: middle-truncate ``text``, then apply the chat template.
+
+    Parameters
+    ----------
+    tokenizer : PreTrainedTokenizer
+    text : str
+        The filled template.
+    max_length : int
+        Cap on the tokens of ``text`` plus ``reserve`` plus the chat template's own tokens.
+    chat_template : {"auto", "on", "off"}
+    reserve : int
+        Tokens kept free (for generation).
+
+    Returns
+    -------
+    list of int
+    """
+    overhead = len(encode(tokenizer, build_prompt(tokenizer, "", chat_template)))
+    cap = max_length - reserve - overhead
+    if cap < 1:
+        raise ValueError(f"max_length {max_length} leaves no room for the prompt "
+                         f"({reserve} new tokens, {overhead} template tokens)")
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) > cap:
+        text = tokenizer.decode(middle_truncate(ids, cap), skip_special_tokens=True)
+    return encode(tokenizer, build_prompt(tokenizer, text, chat_template))

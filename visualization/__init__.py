@@ -1,0 +1,1 @@
+"""Plots of the needle sweep and of what eviction keeps (:mod:`visualization.plots`)."""
