@@ -1,6 +1,6 @@
 """Cost of the eviction step, per method, on one Llama-3-8B-shaped attention layer.
 
-The step is ``restkv.compress.compress``: scoring, GQA reduction, top-B and the gather of the kept
+The step is ``restkv.select.select``: scoring, GQA reduction, top-B and the gather of the kept
 entries, from the prefill's queries, keys and values (random, no download). The W_O factor of
 ReST-KV is computed once per model and cached, so it is built before the clock starts.
 
@@ -55,17 +55,16 @@ def _status(field: str) -> int:
 
 def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,
             memory: bool) -> list:
-    """Time (``memory=False``) or peak extra memory of ``compress`` per method at one length (in a child).
+    """Time (``memory=False``) or peak extra memory of ``select`` per method at one length (in a child).
 
     Every method is warmed up first. Timed calls go round robin over the methods so that load from
     other processes affects all of them alike; peak memory is read over one call per method.
     """
     import torch
 
-    from restkv.compress import compress
     from restkv.config import CompressionConfig
-    from restkv.observation import Observation
-    from restkv.scorers.restkv import wo_factor
+    from restkv.observe import Observation, wo_factor
+    from restkv.select import select
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -79,8 +78,8 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
             for s in specs]
 
     def run(cfg):
-        obs = Observation(q, k, v, valid, window=window, budget=budget, scaling=D**-0.5)
-        return compress(obs, cfg, wo if cfg.method == "restkv" else None)
+        obs = Observation(q, k, v, valid, window=window, budget=budget, scaling=D**-0.5, wo_factor=wo)
+        return select(obs, cfg)
 
     peaks, times, cpu = [], [[] for _ in cfgs], [[] for _ in cfgs]
     with torch.no_grad():

@@ -37,7 +37,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import restkv
 from restkv.cache import CompressedLayer
-from restkv.compress import Compressed
+from restkv.select import Kept
 
 from compress_step import _status  # same folder: the process-status reader
 
@@ -138,7 +138,7 @@ def synthetic_cache(model, length: int, budget: int | None, device: str, dtype: 
             idx = torch.arange(length - kept, length, device=device)
             positions = idx.expand(1, cfg.num_key_value_heads, kept)
             valid = torch.ones(1, kept, dtype=torch.bool, device=device)
-            layer = CompressedLayer(Compressed(k, v, positions, valid), seen=length)
+            layer = CompressedLayer(Kept(k, v, positions, valid), seen=length)
         layers.append(layer)
     return DynamicCache(layers=layers) if _accepts_layers() else _with_layers(model, layers)
 

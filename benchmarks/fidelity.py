@@ -47,7 +47,8 @@ def continuation_logprobs(model, ids: torch.Tensor, length: int, configs: list[d
     Returns per config the log-probabilities [continuation, vocab] of every next token from the
     prompt's last one on.
     """
-    last, caches, _, _, _ = restkv.sweep_caches(model, ids[None, :length], None, configs)
+    pre = restkv.sweep_caches(model, ids[None, :length], None, configs)
+    last, caches = pre.logits, pre.caches
     restkv.configure(model, method="fullkv")  # decoding reads each cache's own layers
     out = []
     for cache in caches:

@@ -41,7 +41,7 @@ def main(argv=None):
     text = "\n\n".join(p.read_text() for p in sorted(Path(essays_dir()).glob("*.txt")))
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.length]
     configs = [dict(max_capacity_prompt=args.budget, **kw) for kw in VARIANTS.values()]
-    logits, caches, kept, _, _ = restkv.sweep_caches(model, ids, None, [dict(method="fullkv")] + configs)
+    caches = restkv.sweep_caches(model, ids, None, [dict(method="fullkv")] + configs).caches
     restkv.configure(model, method="fullkv")
     tokens = torch.randint(0, tokenizer.vocab_size, (args.steps,))
     print(f"{args.model_path}, prompt {ids.shape[1]} tokens, budget {args.budget}, {args.threads} CPU thread(s)\n")

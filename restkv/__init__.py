@@ -13,7 +13,7 @@ _LAZY = {
     "configure": "attach", "compressing": "attach", "detach": "attach", "install": "attach",
     "kept_positions": "attach", "replace_gemma": "attach", "replace_gemma2": "attach", "replace_gemma3": "attach",
     "replace_llama": "attach", "replace_mistral": "attach", "replace_qwen2": "attach",
-    "memory_report": "cache", "sweep": "sweep", "sweep_caches": "sweep",
+    "memory_report": "cache", "sweep": "sweeps", "sweep_caches": "sweeps",
 }
 _RENAMED = {"sweep_caches": "prefill_caches"}
 

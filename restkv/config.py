@@ -145,6 +145,14 @@ class CompressionConfig(Knobs):
         """Build from keyword knobs (over a named ``preset``); a bad knob raises a ValueError naming it."""
         return cls(preset=preset, **kwargs)
 
+    @classmethod
+    def with_defaults(cls, defaults: dict, **kwargs) -> "CompressionConfig":
+        """Like ``from_kwargs``, over ``defaults`` that apply where the config reads them (as a preset's do);
+        a runner's command-line knobs reach each config of its grid this way."""
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "_values", resolve(kwargs.pop("preset", None), kwargs, defaults))
+        return obj
+
     @property
     def evicts(self) -> bool:
         return REGISTRY[self.method].evicts
@@ -182,20 +190,27 @@ def _unalias(kwargs: dict) -> dict:
     return out
 
 
-def resolve(preset: str | None, kwargs: dict) -> dict:
-    """The validated values of every knob a config reads (see ``CompressionConfig``)."""
-    base = {}
-    if preset is not None:
-        _check_choice("preset", preset, tuple(PRESETS))
-        base = _unalias(PRESETS[preset])
-    given = _unalias(kwargs)
-    method = given.get("method", base.get("method", "restkv"))
+def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> dict:
+    """The validated values of every knob a config reads (see ``CompressionConfig``).
+
+    ``defaults`` (over the preset, under ``kwargs``) apply only where the config reads them.
+    """
+    defaults, given = _unalias(defaults or {}), _unalias(kwargs)
+    default_preset = defaults.pop("preset", None)
+    preset = given.pop("preset", None) if preset is None else preset
+    unknown = sorted(set(given) - _known()) + sorted(set(defaults) - _known())
+    if unknown:
+        raise ValueError(f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(sorted(_known()))}")
+    for name in filter(None, (preset, default_preset)):
+        _check_choice("preset", name, tuple(PRESETS))
+    method = given.get("method", PRESETS[preset]["method"] if preset else defaults.get("method", "restkv"))
+    if preset and PRESETS[preset]["method"] != method:
+        raise ValueError(f"preset {preset!r} holds {PRESETS[preset]['method']}'s knobs; method is {method}")
+    if default_preset and PRESETS[default_preset]["method"] == method and not preset:
+        preset = default_preset  # a runner's --preset reaches the configs of its method only
+    base = {**(_unalias(PRESETS[preset]) if preset else {}), **defaults}
     _check_choice("method", method, METHODS)
     knobs = declared(method)
-    known = _known()
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ValueError(f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(sorted(known))}")
     for name in given:
         if name != "method" and name not in knobs:
             raise ValueError(f"{name} is not a knob of method {method} (its knobs: {', '.join(knobs)})")

@@ -52,35 +52,79 @@ def add_common_args(parser):
     g.add_argument("--device_map", default=None,
                    help="load with this device map (e.g. auto: layers spread over the GPUs, then CPU/disk)")
     g.add_argument("--offload_folder", default=None, help="folder of disk-offloaded weights (--device_map)")
-    k = parser.add_argument_group("eviction knobs (unset: the core's defaults)")
-    k.add_argument("--window_size", type=int)
-    k.add_argument("--kernel_size", type=int)
-    k.add_argument("--pooling", choices=("avgpool", "maxpool", "adaptive", "none"))
-    k.add_argument("--use_wo", type=str2bool)
-    k.add_argument("--use_norm", type=str2bool)
-    k.add_argument("--use_ema", type=str2bool)
-    k.add_argument("--alpha", type=float)
-    k.add_argument("--metric_mode", choices=("before", "after"))
-    k.add_argument("--scale", type=float)
-    k.add_argument("--tau", type=float)
-    k.add_argument("--use_pyramid", type=str2bool)
-    k.add_argument("--beta", type=float)
-    k.add_argument("--merge", choices=("none", "pivot"))
-    k.add_argument("--gqa_agg", choices=("mean", "max", "sum_norm", "rank"))
-    k.add_argument("--sink_tokens", type=int)
-    k.add_argument("--preset", choices=("paper",), help="named knob set; explicit knobs override it")
-    h = parser.add_argument_group("per-head budgets (unset: the core's defaults)")
-    h.add_argument("--head_budget", choices=("uniform", "adakv", "headkv"))
-    h.add_argument("--floor", type=float, help="AdaKV: least share of the per-head budget")
-    h.add_argument("--normalize", type=str2bool, help="AdaKV: weight heads by their top-B mass")
-    h.add_argument("--head_importance", help="HeadKV: JSON file of per-layer, per-head scores")
-    h.add_argument("--headkv_beta", type=float)
-    h.add_argument("--varlen", type=str2bool, help="pack per-head budgets (false: padded, masked layout)")
-    q = parser.add_argument_group("KV quantization of the kept entries (unset: full precision)")
-    q.add_argument("--quant_method", choices=("quanto", "hqq"))
-    q.add_argument("--nbits", type=int)
-    q.add_argument("--residual_length", type=int)
-    q.add_argument("--q_group_size", type=int)
+    add_knob_args(parser)
+    return parser
+
+
+# Groups of the --help text, by where a knob is declared.
+_GROUPS = (("general", "eviction knobs (unset: the core's defaults)"),
+           ("budgets", "budgets of layers and heads (unset: the core's defaults)"),
+           ("quant", "KV quantization of the kept entries (unset: full precision)"),
+           ("method", "method knobs (each reaches the configs whose method reads it)"))
+# The original's plural flag names, still accepted.
+_PLURAL = {"window_size": "--window_sizes", "kernel_size": "--kernel_sizes"}
+
+
+def _group(name):
+    from restkv import budgets, config
+
+    if name in {k.name for k in budgets.KNOBS}:
+        return "budgets"
+    if name in {k.name for k in config.GENERAL}:
+        return "quant" if name != "window_size" else "general"
+    if name in {k.name for k in config.EVICTION}:
+        return "general"
+    return "method"
+
+
+def _parser_of(knob):
+    """argparse ``type`` of a knob (``none`` is None for a knob that may be off)."""
+    convert = str2bool if knob.kind is bool else knob.kind
+    if not (knob.nullable or knob.default is None):
+        return convert
+    return lambda text: None if str(text).lower() == "none" else convert(text)
+
+
+def knob_flags():
+    """Every knob a runner takes as a flag (all declared knobs but the budget, then the aliases), by name:
+    ``(knob versions [(owners, Knob)], alias target or None)``."""
+    from restkv import config
+
+    flags = {name: (versions, None) for name, versions in config.all_knobs().items() if name != "max_capacity_prompt"}
+    flags.update({alias: ([], target) for alias, target in config.ALIASES.items()})
+    return flags
+
+
+def add_knob_args(parser):
+    """One flag per declared knob (help, type and choices from its declarations) and per alias, plus --preset.
+
+    Every flag defaults to None: unset knobs are not forwarded, so each method's own defaults apply.
+    """
+    from restkv import PRESETS
+
+    groups = {key: parser.add_argument_group(title) for key, title in _GROUPS}
+    groups["general"].add_argument("--preset", choices=tuple(PRESETS),
+                                   help="named knob set of one method; explicit knobs override it")
+    for name, (versions, alias) in knob_flags().items():
+        names = [f"--{name}"] + ([_PLURAL[name]] if name in _PLURAL else [])
+        if alias is not None:
+            target, mapping = alias
+            kind = str2bool if all(isinstance(v, bool) for v in mapping) else str
+            groups["method"].add_argument(*names, dest=name, type=kind,
+                                          choices=None if kind is str2bool else tuple(mapping),
+                                          help=f"the original's name of --{target}")
+            continue
+        knob = versions[0][1]
+        choices = [c for _, k in versions for c in k.choices]
+        readers = sorted({m for owners, _ in versions for m in owners})
+        usual = max(versions, key=lambda v: len(v[0]))  # the default most methods have, then the others
+        defaults = ", ".join([f"{usual[1].default}"] + [f"{'/'.join(o)}: {k.default}" for o, k in versions
+                                                       if k.default != usual[1].default])
+        cond = f"; when {knob.condition()}" if knob.when else ""
+        who = "" if len(readers) > 8 else f"; read by {', '.join(readers)}"
+        groups[_group(name)].add_argument(
+            *names, dest=name, type=_parser_of(knob), choices=list(dict.fromkeys(choices)) or None,
+            help=f"{knob.help} (default: {defaults}{who}{cond})".replace("%", "%%"))
     return parser
 
 

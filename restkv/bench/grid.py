@@ -5,18 +5,18 @@ Imports no torch itself: ``restkv`` is imported where a config is checked.
 """
 
 import argparse
-import dataclasses
 import os
 import re
 
-from .cli import parse_methods, str2bool
+from .cli import knob_flags, parse_methods, str2bool
 
-# Knobs forwarded to ``restkv.configure`` only when given on the command line.
-KNOBS = ("preset", "window_size", "kernel_size", "pooling", "use_wo", "use_norm", "use_ema", "alpha",
-         "metric_mode", "scale", "tau", "use_pyramid", "beta", "merge", "gqa_agg", "sink_tokens",
-         "head_budget", "floor", "normalize", "head_importance", "headkv_beta", "varlen",
-         "quant_method", "nbits", "residual_length", "q_group_size")
 QUANT_FIELDS = ("quant_method", "nbits", "residual_length", "q_group_size")
+
+
+def flag_knobs(args):
+    """The knobs given on the command line (``--preset`` included): ``{name: value}``."""
+    names = ["preset", *knob_flags()]
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 
 def method_configs(args):
@@ -26,7 +26,9 @@ def method_configs(args):
     Labels are ``<method>_<budget>``, followed by ``-<knob>=<value>`` for every knob whose
     resolved value differs from that of ``method`` and ``budget`` alone (sorted by name), so
     runs with different knobs never share a label. ``fullkv`` appears once, labelled ``fullkv``,
-    with no budget and no knobs. Only the knobs given on the command line are in the kwargs.
+    with no budget and no knobs. A knob given on the command line reaches the configs whose method
+    reads it (``--alpha`` reaches ReST-KV with an EMA, not SnapKV); one that no config reads is an error.
+    Only the knobs given on the command line are in the kwargs.
     A variant ``NAME KNOBS`` is labelled ``NAME_<budget>``; its knobs override the command line's.
     Without ``--method`` the methods are ``args.default_methods`` (if set, else ``restkv``), or none when
     there are variants.
@@ -49,7 +51,7 @@ def method_configs(args):
     budgets = list(dict.fromkeys(int(b) for b in args.max_capacity_prompts))
     if any(b < 1 for b in budgets):
         raise ValueError(f"max_capacity_prompts: budgets must be >= 1, got {budgets}")
-    knobs = {k: getattr(args, k) for k in KNOBS if getattr(args, k, None) is not None}
+    knobs = flag_knobs(args)
     grid = [(m, {"method": m}, None) for m in methods]
     for name, text in variants:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.=+-]*", name):
@@ -58,21 +60,27 @@ def method_configs(args):
             grid.append((name, {"method": "restkv", **parse_knobs(text)}, name))
         except ValueError as err:
             raise ValueError(f"variant {name}: {err}") from None
-    configs = []
+    configs, used = [], set()
     for stem, own, variant in grid:
         if own["method"] == "fullkv" and variant is None:
             configs.append(("fullkv", {"method": "fullkv"}))
             continue
         for budget in budgets:
-            kwargs = {"max_capacity_prompt": budget, **knobs, **own}
             label = f"{stem}_{budget}"
             try:
+                reached = read_flags(knobs, {"max_capacity_prompt": budget, **own})
+                kwargs = {"max_capacity_prompt": budget, **reached, **own}
                 diff = knob_diff(kwargs)
             except ValueError as err:
                 raise ValueError(f"variant {variant}: {label}: {err}" if variant else f"{label}: {err}") from None
+            used |= set(reached)
             if variant is None:
                 label += "".join(f"-{k}={_short(k, v)}" for k, v in diff.items())
             configs.append((label, kwargs))
+    unread = sorted(set(knobs) - used)
+    if unread and configs:
+        raise ValueError(f"--{unread[0]}: no config of this run reads it (methods {', '.join(methods) or '-'}); "
+                         f"see --help for which methods read which knobs")
     labels = [label for label, _ in configs]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
     if repeated:
@@ -89,22 +97,51 @@ def parse_knobs(text):
     ValueError
         For an item that is not ``knob=value`` with a known knob, or a value of the wrong type.
     """
-    from restkv import CompressionConfig
-
-    defaults = {f.name: f.default for f in dataclasses.fields(CompressionConfig)}
-    defaults.update(method="", preset="")
+    flags = knob_flags()
     knobs = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
-        if not sep or name not in defaults or name == "max_capacity_prompt":
+        if not sep or name not in {*flags, "method", "preset"}:
             raise ValueError(f"knob {item!r}: expected knob=value with a knob of CompressionConfig, method or preset")
-        kind = type(defaults[name])
+        versions, alias = flags.get(name, ([], None))
         try:
-            knobs[name] = (str2bool(value) if kind is bool else kind(value) if kind in (int, float)
-                           else None if value.lower() == "none" and defaults[name] is None else value)
+            if alias is not None:
+                knobs[name] = str2bool(value) if all(isinstance(v, bool) for v in alias[1]) else value
+            elif versions:
+                knob = versions[0][1]
+                kind = knob.kind
+                knobs[name] = (None if (knob.nullable or knob.default is None) and value.lower() == "none"
+                               else str2bool(value) if kind is bool else kind(value))
+            else:
+                knobs[name] = value
         except (ValueError, argparse.ArgumentTypeError) as err:
             raise ValueError(f"knob {item!r}: {err}") from None
     return knobs
+
+
+def read_flags(flags, kwargs):
+    """The command-line knobs ``flags`` that the config of ``kwargs`` reads (validated with it)."""
+    from restkv import CompressionConfig
+
+    cfg = CompressionConfig.with_defaults(flags, **kwargs)
+    read = {k: v for k, v in flags.items() if k in cfg}
+    if "preset" in flags and cfg.method == _preset_method(flags["preset"]):
+        read["preset"] = flags["preset"]
+    aliases = _aliases()
+    read.update({k: v for k, v in flags.items() if k in aliases and aliases[k][0] in cfg})
+    return read
+
+
+def _preset_method(name):
+    from restkv import PRESETS
+
+    return PRESETS[name]["method"]
+
+
+def _aliases():
+    from restkv.config import ALIASES
+
+    return ALIASES
 
 
 def knob_diff(kwargs):
@@ -115,13 +152,12 @@ def knob_diff(kwargs):
     ValueError
         ``restkv.CompressionConfig.from_kwargs``'s error, naming the field.
     """
-    from restkv import CompressionConfig
+    from restkv.config import declared
 
     cfg = resolved_knobs(kwargs)
-    # the method's own defaults (pooling, head_budget), with a budget and table any default accepts
-    ref = dataclasses.asdict(CompressionConfig(method=cfg["method"], max_capacity_prompt=2**62, head_importance="-"))
-    ref.update(max_capacity_prompt=cfg["max_capacity_prompt"], head_importance=None)
-    return {k: v for k, v in sorted(cfg.items()) if v != ref[k]}
+    knobs = declared(cfg["method"])  # the method's own defaults (pooling, head_budget, ...)
+    return {k: v for k, v in sorted(cfg.items())
+            if k not in ("method", "max_capacity_prompt") and v != knobs[k].default}
 
 
 def _short(knob, value):
@@ -134,7 +170,7 @@ def quant_settings(kwargs):
     from restkv import CompressionConfig
 
     cfg = CompressionConfig.from_kwargs(**kwargs)
-    return {k: getattr(cfg, k) for k in QUANT_FIELDS} if cfg.quant_method else None
+    return {k: cfg[k] for k in QUANT_FIELDS} if cfg.get("quant_method") else None
 
 
 def configs_meta(configs):
@@ -148,7 +184,7 @@ def resolved_knobs(kwargs):
     """Every knob of ``kwargs`` as ``CompressionConfig`` resolves it (defaults filled in, validated)."""
     from restkv import CompressionConfig
 
-    return dataclasses.asdict(CompressionConfig.from_kwargs(**kwargs))
+    return CompressionConfig.from_kwargs(**kwargs).as_dict()
 
 
 def check_same_configs(path, previous, current):
@@ -158,7 +194,7 @@ def check_same_configs(path, previous, current):
         old = (previous.get(label) or {}).get("resolved")
         if old is None:
             continue
-        changed = {k: (old.get(k), v) for k, v in meta["resolved"].items() if old.get(k) != v}
+        changed = {k: (old[k], v) for k, v in meta["resolved"].items() if k in old and old[k] != v}
         if changed:
             what = ", ".join(f"{k}={a!r} then, {b!r} now" for k, (a, b) in sorted(changed.items()))
             raise ValueError(f"{path}: results for {label} were made with other knobs ({what}); "

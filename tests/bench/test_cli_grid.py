@@ -19,7 +19,7 @@ def test_defaults_and_original_flag_names():
     args = parse()
     assert args.model_path == "smollm2-135m" and args.max_capacity_prompts == [128]
     assert args.attn_implementation == "sdpa" and args.dtype == "float32" and args.chat_template == "auto"
-    assert args.max_length is None and all(getattr(args, k) is None for k in grid.KNOBS)
+    assert args.max_length is None and all(getattr(args, k) is None for k in cli.knob_flags())
     args = parse("--method", "restkv,snapkv", "fullkv", "--use_wo", "0", "--use_ema", "true", "--alpha", "0.5",
                  "--max_capacity_prompts", "64", "256", "--pooling", "maxpool")
     assert cli.parse_methods(args.method) == ["restkv", "snapkv", "fullkv"]
@@ -30,13 +30,17 @@ def test_defaults_and_original_flag_names():
 
 def test_method_configs_grid_and_unset_knobs():
     configs = grid.method_configs(parse("--method", "restkv,fullkv", "snapkv", "--max_capacity_prompts", "64",
-                                          "256", "--window_size", "16", "--use_norm", "1"))
-    suffix = "-use_norm=True-window_size=16"
-    assert [label for label, _ in configs] == [f"restkv_64{suffix}", f"restkv_256{suffix}", "fullkv",
+                                          "256", "--window_size", "16", "--kernel_size", "5", "--scale", "50"))
+    suffix = "-kernel_size=5-window_size=16"
+    assert [label for label, _ in configs] == ["restkv_64-kernel_size=5-scale=50.0-window_size=16",
+                                               "restkv_256-kernel_size=5-scale=50.0-window_size=16", "fullkv",
                                                f"snapkv_64{suffix}", f"snapkv_256{suffix}"]
     assert dict(configs)["fullkv"] == {"method": "fullkv"}
+    # each config gets the flags its method reads: SnapKV has no adaptive pooling scale
     assert dict(configs)[f"snapkv_256{suffix}"] == {"method": "snapkv", "max_capacity_prompt": 256,
-                                                    "window_size": 16, "use_norm": True}
+                                                    "window_size": 16, "kernel_size": 5}
+    with pytest.raises(ValueError, match="--use_norm: no config of this run reads it"):
+        grid.method_configs(parse("--method", "restkv", "snapkv", "--use_norm", "1"))  # restkv reads it in before mode
     assert dict(grid.method_configs(parse()))["restkv_128"] == {"method": "restkv", "max_capacity_prompt": 128}
     with pytest.raises(ValueError, match="method.*quest"):
         grid.method_configs(parse("--method", "restkv,quest"))
@@ -92,12 +96,13 @@ def test_variants_extend_the_grid_with_their_own_labels():
     assert grid.resolved_knobs(flags["restkv_64-use_ema=True-window_size=16"]) == grid.resolved_knobs(
         configs["restkv_paper_64"])
     # variants alone: no default method (the needle runner's own default list included)
-    assert [label for label, _ in grid.method_configs(parse("--variant", "a", "alpha=0.1"))] == ["a_128"]
+    assert [label for label, _ in grid.method_configs(parse("--variant", "a", "use_ema=1,alpha=0.1"))] == ["a_128"]
     needle = add_needle_args(cli.add_common_args(argparse.ArgumentParser()))
     assert [label for label, _ in grid.method_configs(needle.parse_args([]))] == ["restkv_128", "snapkv_128", "fullkv"]
-    assert [label for label, _ in grid.method_configs(needle.parse_args(["--variant", "a", "alpha=0.1"]))] == ["a_128"]
-    for argv, what in ((("--variant", "a/b", "alpha=0.1"), "plain file name"),
-                       (("--variant", "a", "alpha=0.1", "--variant", "a", "alpha=0.2"), "repeat"),
+    assert [label for label, _ in grid.method_configs(needle.parse_args(["--variant", "a", "tau=2"]))] == ["a_128"]
+    for argv, what in ((("--variant", "a/b", "tau=2"), "plain file name"),
+                       (("--variant", "a", "tau=2", "--variant", "a", "tau=3"), "repeat"),
+                       (("--variant", "a", "alpha=0.1"), "variant a: a_128: alpha is read by method restkv only when"),
                        (("--method", "restkv", "--variant", "restkv", "use_ema=1"), "repeat"),
                        (("--variant", "w", "window_size=200"), "variant w: w_128: .*window_size")):
         with pytest.raises(ValueError, match=what):
@@ -107,7 +112,7 @@ def test_variants_extend_the_grid_with_their_own_labels():
 @pytest.mark.parametrize("argv,field", [
     (("--method", "headkv"), "head_importance"),
     (("--quant_method", "quanto", "--nbits", "3"), "nbits"),
-    (("--floor", "1.5"), "floor"),
+    (("--head_budget", "adakv", "--floor", "1.5"), "floor"),
     (("--window_size", "128"), "window_size"),
     (("--method", "adakv", "--quant_method", "hqq"), "quant_method"),
 ])

@@ -28,7 +28,7 @@ def test_write_metadata_refuses_a_label_whose_knobs_changed(tmp_path):
     written = json.loads((tmp_path / "run_meta.json").read_text())
     assert set(written["configs"]) == {"restkv_128", "snapkv_128"}  # the earlier label stays on record
     # the same label resolving to other knobs (as after a default changed) must not resume into old records
-    changed = [("restkv_128", {"method": "restkv", "max_capacity_prompt": 128, "alpha": 0.5})]
+    changed = [("restkv_128", {"method": "restkv", "max_capacity_prompt": 128, "kernel_size": 5})]
     current = grid.configs_meta(changed)
-    with pytest.raises(ValueError, match=r"run_meta.json: results for restkv_128 .*alpha=0.3 then, 0.5 now"):
+    with pytest.raises(ValueError, match=r"run_meta.json: results for restkv_128 .*kernel_size=7 then, 5 now"):
         meta.write_metadata(str(tmp_path), parse(), {"configs": current})
