@@ -39,6 +39,10 @@ KNOBS = (
 def check(values: dict) -> None:
     if values.get("head_budget") == "headkv" and not values.get("head_importance"):
         raise ValueError("head_importance (a JSON file of head scores) is required for head_budget='headkv'")
+    if values.get("head_budget") == "headkv" and values.get("max_capacity_prompt_ratio") is not None:
+        raise ValueError("head_budget='headkv' needs max_capacity_prompt (its table is sized by it), not a ratio")
+    if values.get("gqa_agg") == "none" and (values.get("head_budget") == "headkv" or values.get("varlen") is False):
+        raise ValueError("gqa_agg='none' (one set per query head) works with head_budget uniform or adakv, varlen=True")
 
 
 def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prompt_len: int) -> list[int]:
@@ -67,11 +71,21 @@ def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prom
     return [max(0, s) + window for s in sizes]
 
 
-def layer_budgets(cfg, num_layers: int, prompt_len: int) -> list[int]:
-    """Budget of each evicted layer for a prompt of ``prompt_len`` tokens."""
+def layer_budgets(cfg, num_layers: int, prompt_len: int, budget: int | None = None) -> list[int]:
+    """Budget of each evicted layer for a prompt of ``prompt_len`` tokens (``budget``: the config's by default)."""
+    budget = cfg.max_capacity_prompt if budget is None else budget
     if cfg.get("use_pyramid"):
-        return pyramid_budgets(cfg.max_capacity_prompt, cfg.window_size, num_layers, cfg.beta, prompt_len)
-    return [cfg.max_capacity_prompt] * num_layers
+        return pyramid_budgets(budget, cfg.window_size, num_layers, cfg.beta, prompt_len)
+    return [budget] * num_layers
+
+
+def sample_budgets(cfg, real_lengths) -> list[int]:
+    """The budget of each sample: the config's, or ``round(L * max_capacity_prompt_ratio)`` of its real
+    length L (Python's rounding, as the original; at least ``window_size + 1``)."""
+    ratio = cfg.get("max_capacity_prompt_ratio")
+    if ratio is None:
+        return [cfg.max_capacity_prompt] * len(real_lengths)
+    return [max(cfg.window_size + 1, round(int(n) * ratio)) for n in real_lengths]
 
 
 def largest_remainder(exact, total: int):

@@ -162,7 +162,9 @@ def cache_layer(kept: Kept, seen: int, cfg):
         return quantized_layer(kept, seen, cfg.quant_method, cfg.nbits, cfg.residual_length, cfg.q_group_size)
     if kept.keys.shape[-2] == seen and not kept.per_head:
         return None
-    return (VarlenLayer if kept.per_head and cfg.varlen else CompressedLayer)(kept, seen=seen)
+    if kept.kv_heads is not None:  # one kept set per query head: the packed layout, one segment per query head
+        return VarlenLayer(kept, seen=seen)
+    return (VarlenLayer if kept.per_head and cfg.get("varlen", True) else CompressedLayer)(kept, seen=seen)
 
 
 _QUANTIZED_BACKENDS = {"quanto": QuantoQuantizedLayer, "hqq": HQQQuantizedLayer}
@@ -184,22 +186,25 @@ def quantized_layer(kept: Kept, seen: int, method: str, nbits: int, residual_len
 
 
 class VarlenLayer(DynamicLayer):
-    """Per-head budgets: the kept entries of every (sample, KV head) packed back to back.
+    """Per-head budgets: the kept entries of every (sample, head) packed back to back.
 
     Holds ``keys`` / ``values`` [N, d] with N the sum of the per-head lengths (padding dropped), so
-    memory follows what each head keeps, not the longest head. Decoding appends one entry per head.
+    memory follows what each head keeps, not the longest head. The heads are the KV heads, or the
+    query heads when each keeps its own set (``gqa_agg="none"``: new entries are repeated for the
+    query heads of their KV head). Decoding appends one entry per head.
     """
 
     is_croppable = False
 
     def __init__(self, kept: Kept, seen: int):
         super().__init__()
-        b, hkv, _, d = kept.keys.shape
+        b, heads, _, d = kept.keys.shape
+        valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand(b, heads, -1)
         self.device = kept.keys.device
-        self.shape = (b, hkv, d)
-        self.keys, self.values = kept.keys[kept.valid], kept.values[kept.valid]  # [N, d], segment order
-        self.lengths = kept.valid.sum(-1).flatten()  # [b * Hkv]
-        self.token_bytes = b * hkv * d * 2 * kept.keys.element_size()
+        self.shape = (b, heads, d)
+        self.keys, self.values = kept.keys[valid], kept.values[valid]  # [N, d], segment order
+        self.lengths = valid.sum(-1).flatten()  # [b * heads]
+        self.token_bytes = b * (kept.kv_heads or heads) * d * 2 * kept.keys.element_size()  # one full-cache token
         self.is_initialized = True
         self.seen = seen
         self.positions = kept.positions
@@ -207,6 +212,8 @@ class VarlenLayer(DynamicLayer):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         b, hkv, q, d = key_states.shape
         segments = self.lengths.numel()
+        if b * hkv != segments:  # one segment per query head: each KV head's entry goes to its query heads
+            key_states, value_states = (x.repeat_interleave(segments // (b * hkv), 1) for x in (key_states, value_states))
         new_lengths = self.lengths + q
         ends = new_lengths.cumsum(0)
         old_seg = torch.arange(segments, device=self.device).repeat_interleave(self.lengths)

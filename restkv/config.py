@@ -23,7 +23,11 @@ _QUANTIZED = {"quant_method": tuple(QUANT_BITS)}
 # Read by every run (fullkv ignores the budget and window).
 GENERAL = (
     Knob("max_capacity_prompt", 512, "entries kept per KV head per layer after prefill (the budget B), window "
-         "included", check=lambda b: b >= 1, rule=">= 1 (and larger than window_size)"),
+         "included", check=lambda b: b >= 1, rule=">= 1 (and larger than window_size)",
+         when={"max_capacity_prompt_ratio": (None,)}),
+    Knob("max_capacity_prompt_ratio", None, "the budget as a fraction of each sample's prompt instead: "
+         "round(L * ratio) entries (window included, at least window_size + 1)", check=lambda r: 0 < r <= 1,
+         rule="in (0, 1]", nullable=True, of=float),
     Knob("window_size", 32, "the last prompt tokens: always kept, and their queries observe the prefix",
          check=lambda w: w >= 1, rule=">= 1"),
     Knob("quant_method", None, "hold the kept entries in transformers' quantized cache layer: quanto (2/4 "
@@ -34,13 +38,16 @@ GENERAL = (
     Knob("q_group_size", 64, "quantization group size", check=lambda n: n >= 1, rule=">= 1", when=_QUANTIZED),
 )
 EVICTION = budgets.KNOBS + merge.KNOBS  # read by every method that evicts
-ALIASES: dict = {}  # old knob name -> (knob, {old value: value})
+# Other names of a knob (the original's flags): name -> (knob, {value: knob's value}).
+ALIASES = {"ss": ("pooling", {p: p for p in ("none", "avgpool", "maxpool", "adaptive")})}
+for _m in REGISTRY.values():
+    ALIASES.update(getattr(_m.module, "ALIASES", {}))
 
 # Named knob sets. "paper": ReST-KV exactly as published (ICLR 2026 paper and its code).
 PRESETS = {
     "paper": dict(
-        method="restkv", window_size=32, kernel_size=7, pooling="adaptive", use_wo=True, use_norm=False,
-        use_ema=True, alpha=0.3, metric_mode="after", tau=1.0, scale=2000.0, gqa_agg="mean",
+        method="restkv", indicator="reconstruction", window_size=32, kernel_size=5, pooling="adaptive", scale=2000.0,
+        temporal="ema", alpha=0.3, metric_mode="after", use_wo=True, tau=1.0,
     ),
 }
 
@@ -177,17 +184,18 @@ def _check_choice(name, value, choices):
         raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
-def _unalias(kwargs: dict) -> dict:
-    out = dict(kwargs)
+def _unalias(kwargs: dict) -> tuple[dict, dict]:
+    """Knobs with every alias replaced by its knob, and {knob: the alias it was given as}."""
+    out, given_as = dict(kwargs), {}
     for old, (new, mapping) in ALIASES.items():
         if old in out:
-            if new in kwargs:
-                raise ValueError(f"{old} and {new} are one knob ({old} is the old name); give one of them")
+            if new in out:
+                raise ValueError(f"{old} and {new} are one knob ({old} is its other name); give one of them")
             value = out.pop(old)
             if value not in mapping:
                 raise ValueError(f"{old} must be one of {', '.join(map(str, mapping))}; got {value!r}")
-            out[new] = mapping[value]
-    return out
+            out[new], given_as[new] = mapping[value], old
+    return out, given_as
 
 
 def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> dict:
@@ -195,7 +203,7 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
 
     ``defaults`` (over the preset, under ``kwargs``) apply only where the config reads them.
     """
-    defaults, given = _unalias(defaults or {}), _unalias(kwargs)
+    defaults, (given, given_as) = _unalias(defaults or {})[0], _unalias(kwargs)
     default_preset = defaults.pop("preset", None)
     preset = given.pop("preset", None) if preset is None else preset
     unknown = sorted(set(given) - _known()) + sorted(set(defaults) - _known())
@@ -208,12 +216,16 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
         raise ValueError(f"preset {preset!r} holds {PRESETS[preset]['method']}'s knobs; method is {method}")
     if default_preset and PRESETS[default_preset]["method"] == method and not preset:
         preset = default_preset  # a runner's --preset reaches the configs of its method only
-    base = {**(_unalias(PRESETS[preset]) if preset else {}), **defaults}
+    base = {**(_unalias(PRESETS[preset])[0] if preset else {}), **defaults}
     _check_choice("method", method, METHODS)
     knobs = declared(method)
+
+    def called(name):
+        return f"{given_as[name]} ({name})" if name in given_as else name
+
     for name in given:
         if name != "method" and name not in knobs:
-            raise ValueError(f"{name} is not a knob of method {method} (its knobs: {', '.join(knobs)})")
+            raise ValueError(f"{called(name)} is not a knob of method {method} (its knobs: {', '.join(knobs)})")
     values = {name: knob.default for name, knob in knobs.items()}
     values.update({k: v for k, v in base.items() if k in knobs})
     values.update({k: v for k, v in given.items() if k != "method"})
@@ -225,9 +237,10 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
         if now == read:
             break
         read = now
+    current = {k: values[k] for k in read}
     for name in given:
         if name in knobs and name not in read:
-            raise ValueError(f"{name} is read by method {method} only when {knobs[name].condition()}")
+            raise ValueError(f"{called(name)} is read by method {method} only when {knobs[name].condition(current)}")
     values = {"method": method, **{k: values[k] for k in knobs if k in read}}
     if REGISTRY[method].evicts:
         _check_general(values)
@@ -238,7 +251,7 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
 
 
 def _check_general(values: dict) -> None:
-    if values["window_size"] >= values["max_capacity_prompt"]:
+    if "max_capacity_prompt" in values and values["window_size"] >= values["max_capacity_prompt"]:
         raise ValueError(f"window_size ({values['window_size']}) must be smaller than max_capacity_prompt "
                          f"({values['max_capacity_prompt']}): the budget holds the window and at least one more entry")
 
@@ -250,6 +263,8 @@ def _check_quant(values: dict) -> None:
     _check_choice("nbits", values["nbits"], QUANT_BITS[method])
     if values.get("head_budget", "uniform") != "uniform" and values.get("varlen"):
         raise ValueError("quant_method needs head_budget='uniform' (or varlen=False)")
+    if values.get("gqa_agg") == "none":
+        raise ValueError("quant_method needs per-KV-head sets: gqa_agg other than 'none'")
     module, package = QUANT_PACKAGES[method]
     if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
         raise ValueError(f"quant_method={method!r} needs the {package} package: pip install {package}")

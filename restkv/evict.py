@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .budgets import layer_budgets
+from .budgets import layer_budgets, sample_budgets
 from .cache import cache_layer
 from .config import CompressionConfig
 from .observe import Observation, relative_positions, wo_factor
-from .select import Kept, select
+from .select import Kept, select, stack_samples
 
 
 @dataclass(frozen=True)
@@ -57,17 +57,28 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
     """
     b, hkv, n, _ = key.shape
     key_valid = _key_valid(attention_mask, b, n, key.device)
-    cfg = plan.cfg
-    if cfg.evicts and n > cfg.max_capacity_prompt:
-        obs = Observation(
-            queries=query, keys=key, values=value, key_valid=key_valid, window=cfg.window_size,
-            budget=layer_budgets(cfg, plan.num_evicted, n)[plan.rank],
+    cfg, memo = plan.cfg, {} if memo is None else memo
+    by_ratio = cfg.get("max_capacity_prompt_ratio") is not None
+    lengths = key_valid.sum(-1).tolist() if by_ratio else [n]  # one host read per layer with a ratio
+    budgets = sample_budgets(cfg, lengths)
+
+    def observe(sample=slice(None), start=0, budget=budgets[0], shared=memo):
+        return Observation(
+            queries=query[sample, :, start:], keys=key[sample, :, start:], values=value[sample, :, start:],
+            key_valid=key_valid[sample, start:], window=cfg.window_size,
+            budget=layer_budgets(cfg, plan.num_evicted, n - start, budget)[plan.rank],
             scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
-            wo_factor=lambda: layer_wo_factor(module, query.device), memo={} if memo is None else memo,
+            wo_factor=lambda: layer_wo_factor(module, query.device), layer=plan.rank, num_layers=plan.num_evicted,
+            memo=shared,
         )
-        kept = select(obs, cfg, plan.table)
-    else:  # nothing to evict: the whole prompt stays
+
+    if not cfg.evicts or all(length <= budget for length, budget in zip(lengths, budgets)):
         kept = Kept(key, value, relative_positions(key_valid)[:, None].expand(-1, hkv, -1), key_valid)
+    elif len(set(budgets)) == 1:
+        kept = select(observe(), cfg, plan.table)
+    else:  # budgets that differ by sample (a ratio): each sample on its own real tokens
+        kept = stack_samples([select(observe(slice(i, i + 1), n - lengths[i], budgets[i], memo.setdefault(i, {})),
+                                     cfg, plan.table) for i in range(b)])
     return cache_layer(kept, n, cfg), kept.positions
 
 

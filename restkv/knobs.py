@@ -35,6 +35,8 @@ class Knob:
         scoring (how scores become a kept set), so configs differing only there share scores.
     nullable : bool
         ``None`` is allowed (it means off).
+    of : type, optional
+        The type of a knob whose default is ``None`` (else ``str``).
     """
 
     name: str
@@ -46,6 +48,7 @@ class Knob:
     when: Any = ()
     stage: str = "score"
     nullable: bool = False
+    of: type | None = None
 
     def __post_init__(self):
         if isinstance(self.when, dict):
@@ -53,7 +56,7 @@ class Knob:
 
     @property
     def kind(self) -> type:
-        return str if self.default is None else type(self.default)
+        return (self.of or str) if self.default is None else type(self.default)
 
     def but(self, **changes) -> "Knob":
         """A copy with other fields (e.g. another method's default)."""
@@ -63,9 +66,11 @@ class Knob:
         """Whether this knob is read, given the other knobs' values."""
         return all(values.get(k) in allowed for k, allowed in self.when)
 
-    def condition(self) -> str:
-        """The ``when`` clause in words: ``"pooling is adaptive"``."""
-        return " and ".join(f"{k} is {' or '.join(map(str, v))}" for k, v in self.when)
+    def condition(self, values: dict | None = None) -> str:
+        """The ``when`` clause in words (``"pooling is adaptive"``); given ``values``, only its unmet parts."""
+        parts = [(k, v) for k, v in self.when if values is None or values.get(k) not in v]
+        return " and ".join(f"{k} is {' or '.join(map(str, v))}" + ("" if values is None else f" (not {values.get(k)!r})")
+                            for k, v in parts)
 
     def validate(self, value):
         """The value, checked (ints accepted for floats); raises ``ValueError`` naming the knob."""
@@ -93,6 +98,7 @@ POOLINGS = ("avgpool", "maxpool", "none")
 POOLING = Knob("pooling", "none", "spatial smoothing of the scores over neighbouring positions", choices=POOLINGS)
 KERNEL_SIZE = Knob("kernel_size", 7, "odd width of the pooling window", check=lambda k: k >= 1 and k % 2 == 1,
                    rule="an odd integer >= 1", when={"pooling": ("avgpool", "maxpool", "adaptive")})
-GQA_AGG = Knob("gqa_agg", "mean", "reduction of per-query-head scores over a GQA group: mean, max, or the "
-               "scale-free sum_norm (each head's scores over their sum) and rank (each head's ranks)",
-               choices=("mean", "max", "sum_norm", "rank"), stage="select")
+GQA_AGG = Knob("gqa_agg", "mean", "reduction of per-query-head scores over a GQA group: mean, max, the scale-free "
+               "sum_norm (each head's scores over their sum) and rank (each head's ranks), or none: one kept set "
+               "per query head, as the original (g times the memory)",
+               choices=("mean", "max", "sum_norm", "rank", "none"), stage="select")

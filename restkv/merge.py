@@ -19,6 +19,8 @@ KNOBS = (Knob("merge", "none", "merge evicted entries into kept ones: pivot (int
 def check(values: dict) -> None:
     if values.get("merge") == "pivot" and values.get("head_budget", "uniform") != "uniform":
         raise ValueError("merge='pivot' needs head_budget='uniform'")
+    if values.get("merge") != "none" and values.get("gqa_agg") == "none":
+        raise ValueError(f"merge={values['merge']!r} needs per-KV-head sets: gqa_agg other than 'none'")
 
 
 def merge(cfg, obs, scores, idx, keys, values):

@@ -34,6 +34,8 @@ class Observation:
     scaling: float
     softcap: float | None = None
     wo_factor: Any = None  # R [Hq, d, d] of the layer's o_proj (``wo``), or a function that computes it
+    layer: int = 0  # index among the model's evicted layers
+    num_layers: int = 1  # evicted layers of the model
     memo: dict = field(default_factory=dict)
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .budgets import head_sizes
@@ -17,21 +18,26 @@ from .observe import Observation, group_view
 class Kept:
     """The entries a layer keeps."""
 
-    keys: Tensor  # [b, Hkv, B, d] (B: the longest head's length when heads differ)
-    values: Tensor  # [b, Hkv, B, d]
-    positions: Tensor  # [b, Hkv, B] position from the sample's first real token, -1 on padding
-    valid: Tensor  # [b, B] bool, False on kept padding (same for every head); [b, Hkv, B] with per-head budgets
+    keys: Tensor  # [b, H, B, d]: H = Hkv (or Hq with gqa_agg="none"); B the longest head's when heads differ
+    values: Tensor  # [b, H, B, d]
+    positions: Tensor  # [b, H, B] position from the sample's first real token, -1 on padding
+    valid: Tensor  # [b, B] bool, False on kept padding (same for every head); [b, H, B] with per-head budgets
     per_head: bool = False  # heads keep different numbers of entries
+    kv_heads: int | None = None  # the model's KV heads when H is the query heads (one kept set per query head)
 
 
-def reduce_groups(scores: Tensor, hkv: int, how: str) -> Tensor:
-    """Per-query-head scores [b, Hq, P] -> per-KV-head [b, Hkv, P].
+def reduce_groups(scores: Tensor, hkv: int, how: str, hq: int | None = None) -> Tensor:
+    """Per-query-head scores [b, Hq, P] -> per-KV-head [b, Hkv, P] (``none``: per query head [b, Hq, P]).
 
-    ``mean`` / ``max`` over each GQA group (``mean`` is the original's behaviour). The scale-free
-    variants first put every query head on one scale, so a head whose scores are larger (for ReST-KV:
-    a larger ``||W_O^h||``) does not decide for its group: ``sum_norm`` divides each head's scores by
-    their sum, ``rank`` replaces them by their rank / P; then the group mean.
+    ``mean`` / ``max`` over each GQA group. The scale-free variants first put every query head on one
+    scale, so a head whose scores are larger (for ReST-KV: a larger ``||W_O^h||``) does not decide for
+    its group: ``sum_norm`` divides each head's scores by their sum, ``rank`` replaces them by their
+    rank / P; then the group mean. ``none`` keeps one set per query head (scores of a KV head, or shared
+    by every head, are repeated for each query head of ``hq``), as the original: it expands the keys and
+    values to the query heads before scoring and keeps one kept set per query head (g times the memory).
     """
+    if how == "none":
+        return scores if scores.shape[1] == hq else scores.repeat_interleave(hq // scores.shape[1], 1)
     if scores.shape[1] in (1, hkv):  # already per KV head, or shared by all heads
         return scores
     if how == "sum_norm":
@@ -59,9 +65,11 @@ def raw_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
 
 
 def head_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
-    """Scores of the prefix entries per KV head [b, Hkv, P]; padding scores -inf."""
-    b, hkv = obs.keys.shape[:2]
-    s = reduce_groups(raw_scores(obs, cfg), hkv, cfg.get("gqa_agg", "mean")).expand(b, hkv, -1)
+    """Scores of the prefix entries per KV head [b, Hkv, P] (per query head with ``gqa_agg="none"``);
+    padding scores -inf."""
+    b, hkv, hq = obs.keys.shape[0], obs.keys.shape[1], obs.queries.shape[1]
+    how = cfg.get("gqa_agg", "mean")
+    s = reduce_groups(raw_scores(obs, cfg), hkv, how, hq).expand(b, hq if how == "none" else hkv, -1)
     return s.masked_fill(~obs.key_valid[:, None, : obs.prefix_len], float("-inf"))
 
 
@@ -70,8 +78,10 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
 
     Each head keeps ``budget - window`` prefix entries, or its own number with per-head budgets
     (``budgets.head_sizes``: AdaKV from the scores, HeadKV from the layer's ``table`` row [Hkv]).
+    With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with its own kept set.
     """
     b, hkv, n, d = obs.keys.shape
+    per_query_head = cfg.get("gqa_agg") == "none" and obs.queries.shape[1] != hkv and n > obs.budget
     if n <= obs.budget:
         idx = torch.arange(n, device=obs.keys.device).expand(b, hkv, n)
         keys, values, sizes = obs.keys, obs.values, None
@@ -81,13 +91,34 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
         sizes = head_sizes(cfg, scores, base, table)
         idx = _top_then_window(scores, base if sizes is None else sizes, obs.window)
         keys, values = merge(cfg, obs, scores, idx, _gather(obs.keys, idx), _gather(obs.values, idx))
-    positions = obs.positions[:, None].expand(b, hkv, n).gather(2, idx)
+    heads = idx.shape[1]
+    positions = obs.positions[:, None].expand(b, heads, n).gather(2, idx)
+    kv_heads = hkv if per_query_head else None
     if sizes is None:
         valid = obs.key_valid.gather(1, idx[:, 0])
-        return Kept(keys, values, positions.masked_fill(~valid[:, None], -1), valid)
+        return Kept(keys, values, positions.masked_fill(~valid[:, None], -1), valid, kv_heads=kv_heads)
     in_head = torch.arange(idx.shape[-1], device=idx.device) < (sizes + obs.window)[..., None]
-    valid = in_head & obs.key_valid[:, None].expand(b, hkv, n).gather(2, idx)
-    return Kept(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True)
+    valid = in_head & obs.key_valid[:, None].expand(b, heads, n).gather(2, idx)
+    return Kept(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True, kv_heads=kv_heads)
+
+
+def stack_samples(parts: list[Kept]) -> Kept:
+    """The kept entries of several samples (one ``Kept`` each, of batch 1) as one batch, per head.
+
+    Shorter ones are padded at the end and marked invalid, so the result has per-head validity.
+    """
+    width = max(p.keys.shape[-2] for p in parts)
+    heads = parts[0].keys.shape[1]
+
+    def pad(t, fill):
+        return F.pad(t, (0, 0, 0, width - t.shape[-2]) if t.dim() == 4 else (0, width - t.shape[-1]), value=fill)
+
+    def per_head(p):
+        return p.valid if p.valid.dim() == 3 else p.valid[:, None].expand(-1, heads, -1)
+
+    return Kept(torch.cat([pad(p.keys, 0) for p in parts]), torch.cat([pad(p.values, 0) for p in parts]),
+                torch.cat([pad(p.positions, -1) for p in parts]), torch.cat([pad(per_head(p), False) for p in parts]),
+                per_head=True, kv_heads=parts[0].kv_heads)
 
 
 def _top_then_window(scores: Tensor, keep, window: int) -> Tensor:
@@ -113,4 +144,8 @@ def _top_then_window(scores: Tensor, keep, window: int) -> Tensor:
 
 
 def _gather(x: Tensor, idx: Tensor) -> Tensor:
-    return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+    """Entries ``idx`` [b, H, K] of x [b, Hkv, L, d] -> [b, H, K, d]; H a multiple of Hkv (query heads)."""
+    b, hkv, _, d = x.shape
+    heads, k = idx.shape[1], idx.shape[2]
+    grouped = idx.reshape(b, hkv, (heads // hkv) * k)  # query heads of one KV head are contiguous
+    return x.gather(2, grouped[..., None].expand(-1, -1, -1, d)).view(b, heads, k, d)

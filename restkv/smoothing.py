@@ -16,11 +16,21 @@ def ema_weights(n: int, alpha: float, device=None) -> "torch.Tensor":
     return w
 
 
-def aggregate_rows(x: "torch.Tensor", use_ema: bool, alpha: float) -> "torch.Tensor":
-    """Reduce the query-row axis (-2) of ``x`` [..., w, P] by EMA or mean -> [..., P]."""
-    if not use_ema:
+TEMPORAL = ("last", "mean", "ema", "inv-ema")
+
+
+def aggregate_rows(x: "torch.Tensor", temporal: str, alpha: float | None = None) -> "torch.Tensor":
+    """Reduce the query-row axis (-2) of ``x`` [..., w, P] (oldest query first) -> [..., P].
+
+    ``last``: the newest query only; ``mean``; ``ema``: the recursion from the oldest query, the newest
+    weighing ``alpha``; ``inv-ema``: the same over the rows in reverse order (the oldest weighs ``alpha``).
+    """
+    if temporal == "last":
+        return x[..., -1, :]
+    if temporal == "mean":
         return x.mean(-2)
-    return torch.matmul(ema_weights(x.shape[-2], alpha, x.device), x)
+    weights = ema_weights(x.shape[-2], alpha, x.device)
+    return torch.matmul(weights if temporal == "ema" else weights.flip(0), x)
 
 
 def pool1d(scores: "torch.Tensor", mode: str, kernel_size: int) -> "torch.Tensor":

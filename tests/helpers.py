@@ -72,7 +72,10 @@ def generate(model, ids, mask=None, n=6, **kw):
 
 
 def masked_reference_logits(model, ids, kept, n_new):
-    """Greedy decoding on the FULL cache with, per layer and head, every prompt entry outside ``kept`` masked."""
+    """Greedy decoding on the FULL cache with, per layer and head, every prompt entry outside ``kept`` masked.
+
+    ``kept`` per layer [b, H, K] with H the KV heads, or the query heads (one kept set per query head).
+    """
     name = "restkv_test_masked"
 
     def masked_eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -84,9 +87,10 @@ def masked_reference_logits(model, ids, kept, n_new):
         if q == 1:
             n = ids.shape[1]
             idx = kept[module.layer_idx].masked_fill(kept[module.layer_idx] < 0, n)  # -1: nothing kept there
-            allowed = torch.ones(b, key.shape[1], key.shape[2], dtype=torch.bool)
-            allowed[..., :n] = torch.zeros(b, key.shape[1], n + 1, dtype=torch.bool).scatter_(2, idx, True)[..., :n]
-            logits = logits.masked_fill(~allowed.repeat_interleave(g, 1)[:, :, None], float("-inf"))
+            heads = idx.shape[1]
+            allowed = torch.ones(b, heads, key.shape[2], dtype=torch.bool)
+            allowed[..., :n] = torch.zeros(b, heads, n + 1, dtype=torch.bool).scatter_(2, idx, True)[..., :n]
+            logits = logits.masked_fill(~allowed.repeat_interleave(hq // heads, 1)[:, :, None], float("-inf"))
         else:
             future = torch.ones(q, key.shape[2], dtype=torch.bool).triu(1 + key.shape[2] - q)
             logits = logits.masked_fill(future, float("-inf"))

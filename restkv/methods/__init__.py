@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import cam, h2o, l2norm, restkv, snapkv, streamingllm
+from . import cam, h2o, l2norm, random, restkv, snapkv, streamingllm
 
 
 @dataclass(frozen=True)
@@ -75,5 +75,6 @@ REGISTRY = _register(
     Method("l2norm", l2norm),
     Method("adakv", snapkv, {"head_budget": "adakv", "pooling": "maxpool"}),
     Method("headkv", snapkv, {"head_budget": "headkv", "pooling": "maxpool"}),
+    Method("random", random),
 )
 METHODS = tuple(REGISTRY)

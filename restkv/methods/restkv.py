@@ -1,12 +1,27 @@
 """ReST-KV: keep the entries whose removal would change the layer's attention output the most.
 
 Paper: "ReST-KV: Robust KV Cache Eviction with Layer-wise Output Reconstruction and
-Spatial-Temporal Smoothing" (ICLR 2026).
+Spatial-Temporal Smoothing" (ICLR 2026); the authors' code: https://github.com/an-yongqi/rest-kv.
 
 For one query with attention ``A`` and output ``o``, removing entry ``n`` changes the head's
 contribution to the layer output by exactly ``A[n] / (1 - A[n]) * ||(o - v_n) W_O^h||``.
-The score of a prefix entry is that change, smoothed over time (EMA over the window queries)
-and over space (an adaptive window that follows how the important positions drift).
+The score of a prefix entry is that change, smoothed over time (the window queries: ``temporal``)
+and over space (``pooling="adaptive"``: a window that follows how the important positions drift).
+
+As the authors' code: ``metric_mode="after"`` aggregates the window's attention over the prefix
+columns first (not renormalised) and scores with the output of that row over the prefix;
+``"before"`` scores each window query with its full output, then aggregates. ``tau`` is applied only
+in after mode with ``use_wo`` (elsewhere it has no effect and is refused); ``use_norm`` only in before
+mode. The drift is computed from each row's own top-(B - w) keys. ``indicator`` and ``temporal``
+give the paper's ablation grid (``attn``: aggregated attention, ``attn-v``: times ``||v_n||``,
+``random``; ``last`` = the last query only, ``inv-ema`` = the EMA in reverse order).
+
+Deliberate differences, each measured or harmless: one kept set per KV head by default (the original
+keeps one per query head, ``gqa_agg="none"``, g times the memory); every score in float32 (the
+original computes in the model's fp16); the drift per sample (the original applies batch element
+0's to every sample); the window is always kept, also with ``indicator="random"`` (the original's
+random ablation draws among all positions); the adaptive shift never exceeds the half-width (with
+kernel 1 and a drift of exactly 0 the original's padding shifts the whole score vector by one).
 """
 
 from __future__ import annotations
@@ -15,32 +30,46 @@ from .. import observe
 from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob, positive
 from ..lazy import torch
 from ..observe import group_view, weighted_values
-from ..smoothing import aggregate_rows, pool1d, shifted_box_filter
+from ..smoothing import TEMPORAL, aggregate_rows, pool1d, shifted_box_filter
+from . import random
 
 _EPS = 1.1920928955078125e-07  # float32 machine epsilon
 
+INDICATORS = ("reconstruction", "attn", "attn-v", "random")
+_SCORED = {"indicator": INDICATORS[:3]}  # not random
+_RECON = {"indicator": ("reconstruction",)}
+
 KNOBS = (
-    POOLING.but(default="adaptive", choices=("adaptive", "avgpool", "maxpool", "none"),
+    Knob("indicator", "reconstruction", "what is scored: reconstruction (the output change, ReST-KV), attn (aggregated "
+         "window attention), attn-v (attention times ||v_n||) or random (the paper's ablation)", choices=INDICATORS),
+    Knob("metric_mode", "after", "after: aggregate the window's attention over time first, then score; before: "
+         "score each window query, then aggregate", choices=("after", "before"), when=_RECON),
+    Knob("use_wo", True, "measure the output change after the head's slice of o_proj (else in value space)",
+         when=_RECON),
+    Knob("use_norm", False, "divide each query's indicator by ||O_q W_O^h||",
+         when={**_RECON, "metric_mode": ("before",)}),
+    Knob("tau", 1.0, "exponent of the output distance ||(o - v_n) W_O^h||", check=positive, rule="> 0",
+         when={**_RECON, "metric_mode": ("after",), "use_wo": (True,)}),
+    Knob("temporal", "mean", "smoothing over the window queries: last (the newest only), mean, ema (the paper: "
+         "the newest weighs alpha) or inv-ema (the oldest weighs alpha)", choices=TEMPORAL, when=_SCORED),
+    Knob("alpha", 0.3, "EMA weight", check=lambda a: 0 < a <= 1, rule="in (0, 1]",
+         when={**_SCORED, "temporal": ("ema", "inv-ema")}),
+    POOLING.but(default="adaptive", choices=("adaptive", "avgpool", "maxpool", "none"), when=_SCORED,
                 help="spatial smoothing: adaptive (a window that follows the drift of the top positions), "
                      "avgpool, maxpool or none"),
     KERNEL_SIZE,
     Knob("scale", 2000.0, "adaptive pooling: positions of drift per pooling step", check=positive, rule="> 0",
          when={"pooling": ("adaptive",)}),
-    Knob("metric_mode", "after", "after: aggregate the window's attention first, then score; before: score each "
-         "window query, then aggregate", choices=("after", "before")),
-    Knob("use_wo", True, "measure the output change after the head's slice of o_proj (else in value space)"),
-    Knob("use_norm", False, "divide each query's indicator by ||O_q W_O^h||", when={"metric_mode": ("before",)}),
-    Knob("use_ema", False, "smooth over the window queries with an EMA (the paper's choice; default: a plain mean)"),
-    Knob("alpha", 0.3, "EMA weight of the newest query", check=lambda a: 0 < a <= 1, rule="in (0, 1]",
-         when={"use_ema": (True,)}),
-    Knob("tau", 1.0, "exponent of the output-distance term", check=positive, rule="> 0"),
+    random.KNOBS[0].but(when={"indicator": ("random",)}),
     GQA_AGG,
 )
+ALIASES = {"use_ema": ("temporal", {True: "ema", False: "mean"}),
+           "ts": ("temporal", {"none": "last", "mean": "mean", "ema": "ema", "inv-ema": "inv-ema"})}
 
 
 def uses_budget(cfg) -> bool:
     """The adaptive window's drift reads the layer's budget (its top-(B - w) positions)."""
-    return cfg.pooling == "adaptive"
+    return cfg.get("pooling") == "adaptive"
 
 
 def odds(a: "torch.Tensor") -> "torch.Tensor":
@@ -130,13 +159,16 @@ def exact_dominant(scores: "torch.Tensor", weights: "torch.Tensor", values: "tor
 
 
 def window_drift(window_attention: "torch.Tensor", top: int) -> "torch.Tensor":
-    """Drift t [b, Hq]: mean position of the top-``top`` keys seen by the window's first half of
-    queries minus that of its second half (all key positions considered)."""
+    """Drift t [b, Hq] of the important positions over the window, as the original defines it.
+
+    Every window query (row) takes its own top-``top`` key positions over all keys; ``t`` is the mean of
+    those positions over the rows of the window's first (older) half and their top keys, minus the
+    same mean over the second half. Per sample (the original uses batch element 0 for every sample).
+    """
     w = window_attention.shape[-2]
     top = max(1, min(top, window_attention.shape[-1]))
-    halves = (window_attention[..., : w // 2, :], window_attention[..., w // 2 :, :])
-    means = [h.sum(-2).topk(top, dim=-1).indices.float().mean(-1) for h in halves]
-    return means[0] - means[1]
+    mean_pos = window_attention.topk(top, dim=-1, sorted=False).indices.float().mean(-1)  # [b, Hq, w]
+    return mean_pos[..., : w // 2].mean(-1) - mean_pos[..., w // 2 :].mean(-1)
 
 
 def adaptive_pool(scores: "torch.Tensor", drift: "torch.Tensor", kernel_size: int, scale: float, n_pad: "torch.Tensor | None" = None) -> "torch.Tensor":
@@ -161,23 +193,31 @@ def adaptive_pool(scores: "torch.Tensor", drift: "torch.Tensor", kernel_size: in
 
 
 def score(obs, cfg):
-    """ReST-KV indicator of every prefix entry, per query head -> [b, Hq, P]."""
+    """ReST-KV's score of every prefix entry, per query head -> [b, Hq, P] ([b, Hkv, P] for ``random``)."""
+    if cfg.indicator == "random":
+        return random.score(obs, cfg)
     P = obs.prefix_len
     A = obs.window_attention  # [b, Hq, w, L]
-    R = obs.wo if cfg.use_wo else None
-    alpha = cfg.get("alpha")
-    if cfg.metric_mode == "after":
-        a = aggregate_rows(A[..., :P], cfg.use_ema, alpha)[:, :, None]  # [b, Hq, 1, P]
-        o = weighted_values(a, obs.values)[:, :, 0]  # [b, Hq, d] output of the aggregated row
-        s = output_distance(o, obs.values, P, R).pow_(cfg.tau).mul_(odds(a[:, :, 0]))
-        window_mass = aggregate_rows(A[..., P:].sum(-1, keepdim=True), cfg.use_ema, alpha)[..., None]
-        s = exact_dominant(s[:, :, None], a, obs.values, R, cfg.tau, window_mass)[:, :, 0]
-    else:
+    temporal, alpha = cfg.temporal, cfg.get("alpha")
+    if cfg.indicator != "reconstruction":
+        s = aggregate_rows(A[..., :P], temporal, alpha)
+        if cfg.indicator == "attn-v":  # times ||v_n||, each query head with its KV head's values
+            norms = torch.linalg.vector_norm(obs.values[:, :, :P], dim=-1, dtype=torch.float32)
+            s = s * norms.repeat_interleave(s.shape[1] // norms.shape[1], 1)
+    elif cfg.metric_mode == "after":
+        R, tau = (obs.wo, cfg.tau) if cfg.use_wo else (None, 1.0)
+        a = aggregate_rows(A[..., :P], temporal, alpha)[:, :, None]  # [b, Hq, 1, P]
+        o = weighted_values(a, obs.values)[:, :, 0]  # [b, Hq, d] output of the aggregated row, prefix only
+        s = output_distance(o, obs.values, P, R).pow_(tau).mul_(odds(a[:, :, 0]))
+        window_mass = aggregate_rows(A[..., P:].sum(-1, keepdim=True), temporal, alpha)[..., None]
+        s = exact_dominant(s[:, :, None], a, obs.values, R, tau, window_mass)[:, :, 0]
+    else:  # before: every window query with its full output, then over time
+        R = obs.wo if cfg.use_wo else None
         dist, o_norm = output_distance_rows(obs.window_output, obs.values, P, R)
-        rows = exact_dominant(dist.pow_(cfg.tau).mul_(odds(A[..., :P])), A, obs.values, R, cfg.tau)
+        rows = exact_dominant(dist.mul_(odds(A[..., :P])), A, obs.values, R, 1.0)
         if cfg.use_norm:
-            rows = rows / o_norm.pow(cfg.tau).clamp_min(_EPS)
-        s = aggregate_rows(rows, cfg.use_ema, alpha)
+            rows = rows / o_norm.clamp_min(_EPS)
+        s = aggregate_rows(rows, temporal, alpha)
     if cfg.pooling == "adaptive":
         drift = window_drift(A, obs.budget - obs.window)
         n_pad = (~obs.key_valid[:, :P]).sum(-1)

@@ -13,7 +13,7 @@ KNOBS = (Knob("sink_tokens", 4, "first tokens always kept", check=lambda n: n >=
 
 
 def check(cfg):
-    if cfg["sink_tokens"] > cfg["max_capacity_prompt"] - cfg["window_size"]:
+    if cfg["sink_tokens"] > cfg.get("max_capacity_prompt", float("inf")) - cfg["window_size"]:
         raise ValueError(f"sink_tokens must be in [0, max_capacity_prompt - window_size], got {cfg['sink_tokens']}")
 
 

@@ -45,7 +45,7 @@ def test_bad_knob_raises_naming_the_field(knobs, field):
         ({"method": "h2o", "pooling": "avgpool"}, "pooling is not a knob of method h2o"),
         ({"method": "l2norm", "gqa_agg": "max"}, "gqa_agg is not a knob of method l2norm"),
         ({"method": "fullkv", "merge": "pivot"}, "merge is not a knob of method fullkv"),
-        ({"method": "restkv", "alpha": 0.1}, "alpha is read by method restkv only when use_ema is True"),
+        ({"method": "restkv", "alpha": 0.1}, "alpha is read by method restkv only when temporal is ema or inv-ema"),
         ({"method": "restkv", "use_norm": True}, "use_norm is read by method restkv only when metric_mode is before"),
         ({"method": "restkv", "pooling": "avgpool", "scale": 50.0}, "scale is read .* only when pooling is adaptive"),
         ({"method": "snapkv", "pooling": "none", "kernel_size": 5}, "kernel_size is read .* only when pooling is"),
@@ -59,7 +59,8 @@ def test_a_knob_the_config_does_not_read_raises(knobs, message):
 
 
 def test_config_holds_exactly_the_knobs_it_reads():
-    assert set(CompressionConfig(method="fullkv")) == {"method", "max_capacity_prompt", "window_size", "quant_method"}
+    assert set(CompressionConfig(method="fullkv")) == {"method", "max_capacity_prompt", "max_capacity_prompt_ratio",
+                                                       "window_size", "quant_method"}
     snap = CompressionConfig(method="snapkv", pooling="none")
     assert "kernel_size" not in snap and "alpha" not in snap and snap.gqa_agg == "mean"
     with pytest.raises(AttributeError, match="alpha is not read by this config"):
@@ -68,13 +69,13 @@ def test_config_holds_exactly_the_knobs_it_reads():
     assert rk.alpha == 0.3 and "use_norm" not in rk
     assert CompressionConfig(method="snapkv", max_capacity_prompt=64) == CompressionConfig(
         method="snapkv", max_capacity_prompt=64, pooling="avgpool")  # a default given explicitly is the same config
-    assert set(rk.score_knobs()) == {"pooling", "kernel_size", "scale", "metric_mode", "use_wo", "use_ema", "alpha",
-                                     "tau"}  # gqa_agg is read after scoring
+    assert set(rk.score_knobs()) == {"indicator", "pooling", "kernel_size", "scale", "metric_mode", "use_wo",
+                                     "temporal", "alpha", "tau"}  # gqa_agg is read after scoring
 
 
 def test_a_preset_drops_what_the_method_does_not_read():
     cfg = CompressionConfig(preset="paper", use_ema=False, pooling="avgpool")
-    assert "alpha" not in cfg and "scale" not in cfg and cfg.kernel_size == 7
+    assert "alpha" not in cfg and "scale" not in cfg and cfg.kernel_size == 5
 
 
 def test_bad_knob_raises_before_any_forward():
@@ -95,10 +96,35 @@ def test_method_defaults():
 
 
 def test_paper_preset_reproduces_the_published_knobs():
+    """The values of the authors' README and of every script of the released code (an-yongqi/rest-kv)."""
     cfg = CompressionConfig.from_kwargs(preset="paper", max_capacity_prompt=128)
-    published = dict(method="restkv", window_size=32, kernel_size=7, pooling="adaptive", use_wo=True,
-                     use_ema=True, alpha=0.3, metric_mode="after", tau=1.0, scale=2000.0, gqa_agg="mean")
-    assert {k: getattr(cfg, k) for k in published} == published
+    published = dict(method="restkv", indicator="reconstruction", window_size=32, kernel_size=5, pooling="adaptive",
+                     scale=2000.0, temporal="ema", alpha=0.3, metric_mode="after", use_wo=True, tau=1.0)
+    assert {k: cfg[k] for k in published} == published
+    assert cfg.gqa_agg == "mean"  # one kept set per KV head; gqa_agg="none" keeps one per query head as the original
     assert CompressionConfig.from_kwargs(preset="paper", alpha=0.5).alpha == 0.5  # knobs override the preset
+    assert CompressionConfig(preset="paper", use_ema=False).temporal == "mean"  # the original's flag is an alias
     with pytest.raises(ValueError, match="preset"):
         CompressionConfig.from_kwargs(preset="fastest")
+
+
+def test_aliases_of_the_original_flags():
+    assert CompressionConfig(ts="none").temporal == "last" and CompressionConfig(ts="inv-ema").temporal == "inv-ema"
+    assert CompressionConfig(ss="maxpool").pooling == "maxpool"
+    with pytest.raises(ValueError, match="use_ema and temporal are one knob"):
+        CompressionConfig(use_ema=True, temporal="mean")
+    with pytest.raises(ValueError, match=r"use_ema \(temporal\) is not a knob of method snapkv"):
+        CompressionConfig(method="snapkv", use_ema=True)
+
+
+@pytest.mark.parametrize("knobs,read", [
+    (dict(metric_mode="after", use_wo=True), True),
+    (dict(metric_mode="after", use_wo=False), False),  # the original applies tau only after W_O, in after mode
+    (dict(metric_mode="before"), False),
+    (dict(indicator="attn"), False),
+])
+def test_tau_is_read_only_where_the_original_applies_it(knobs, read):
+    assert ("tau" in CompressionConfig(**knobs)) == read
+    if not read:
+        with pytest.raises(ValueError, match="tau is read by method restkv only when"):
+            CompressionConfig(tau=2.0, **knobs)

@@ -87,23 +87,16 @@ def test_compressing_restores_an_earlier_configuration():
     assert not any(hasattr(m, "_restkv") for m in model.modules())
 
 
-def _alternative(knob, cfg):
-    """A valid value of ``knob`` other than the config's (None when there is none to try)."""
+def _alternatives(knob, cfg):
+    """Values of ``knob`` other than the config's to try."""
     value = cfg.get(knob.name, knob.default)
     if knob.choices:
-        others = [c for c in knob.choices if c != value]
-        return others[-1] if others else None
+        return [c for c in knob.choices if c != value]
     if isinstance(value, bool):
-        return not value
+        return [not value]
     if isinstance(value, (int, float)) and value is not None:
-        for candidate in (value * 2 + 1, value / 2, value + 0.5):
-            candidate = type(value)(candidate)
-            try:
-                knob.validate(candidate)
-                return candidate
-            except ValueError:
-                continue
-    return None
+        return [type(value)(c) for c in (value * 2 + 1, value / 2, value + 0.5)]
+    return []
 
 
 def _conditions(knob):
@@ -136,19 +129,20 @@ def _changed_scores(method, tmp_path):
     for name, knob in declared(method).items():
         if name in score_knobs or name == "window_size" or (reads_budget and name in BUDGET_KNOBS):
             continue
-        value = _alternative(knob, cfg)
-        knobs = {**base, **{k: v for k, v in _conditions(knob).items() if k not in score_knobs}, name: value}
-        if value is None or knobs.get("quant_method"):
-            continue  # quantization needs an optional package, and only stores the kept entries
-        if knobs.get("head_budget") == "headkv":
-            knobs["head_importance"] = head_table(tmp_path / "heads.json")
-        try:
-            other = CompressionConfig(**knobs)
-        except ValueError:
-            continue  # not a combination this method accepts
-        tried.append(name)
-        if not torch.equal(_scores(other), reference):
-            changed.append(name)
+        for value in _alternatives(knob, cfg):
+            knobs = {**base, **{k: v for k, v in _conditions(knob).items() if k not in score_knobs}, name: value}
+            if knobs.get("quant_method"):
+                continue  # quantization needs an optional package, and only stores the kept entries
+            if knobs.get("head_budget") == "headkv":
+                knobs["head_importance"] = head_table(tmp_path / "heads.json")
+            try:
+                other = CompressionConfig(**knobs)
+            except ValueError:
+                continue  # not a combination this method accepts
+            tried.append(name)
+            if not torch.equal(_scores(other), reference):
+                changed.append(name)
+            break
     return changed, tried
 
 

@@ -57,7 +57,7 @@ def test_indicator_equals_brute_force_output_change():
         keys=k.view(1, 1, n, d), values=v.view(1, 1, n, d), key_valid=torch.ones(1, n, dtype=torch.bool),
         window=1, budget=8, scaling=scale,
     )
-    cfg = CompressionConfig(metric_mode="before", use_ema=False, pooling="none", tau=1.0, max_capacity_prompt=8, window_size=1)
+    cfg = CompressionConfig(metric_mode="before", temporal="mean", pooling="none", max_capacity_prompt=8, window_size=1)
     R = wo_factor(W.float(), num_heads=1)
     got = rk_score(obs, cfg, R)[0, 0]
     torch.testing.assert_close(got.double(), brute, rtol=2e-4, atol=1e-6)
@@ -110,9 +110,14 @@ def test_ema_is_the_recursion():
         c = x[:, 0]
         for i in range(1, 9):
             c = alpha * x[:, i] + (1 - alpha) * c
-        torch.testing.assert_close(aggregate_rows(x, True, alpha), c)
+        torch.testing.assert_close(aggregate_rows(x, "ema", alpha), c)
+        c = x[:, -1]  # inv-ema: the same recursion from the newest row back to the oldest
+        for i in range(7, -1, -1):
+            c = alpha * x[:, i] + (1 - alpha) * c
+        torch.testing.assert_close(aggregate_rows(x, "inv-ema", alpha), c)
     assert abs(float(ema_weights(32, 0.3).sum()) - 1) < 1e-6
-    torch.testing.assert_close(aggregate_rows(x, False, 0.3), x.mean(1))
+    torch.testing.assert_close(aggregate_rows(x, "mean"), x.mean(1))
+    torch.testing.assert_close(aggregate_rows(x, "last"), x[:, -1])
 
 
 def _adaptive_reference(scores, drift, kernel_size, scale):
