@@ -146,6 +146,8 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
     evicted = [m.layer_idx for m in modules if not _is_sliding(config, m.layer_idx)]
     if cfg.evicts and not evicted:
         raise ValueError("the model has no full-attention layer to evict from (every layer is sliding-window)")
+    if cfg.evicts:
+        cfg.scorer.check_layers(cfg, len(evicted))
     table = None
     if cfg.get("head_budget") == "headkv":
         importance = load_head_importance(cfg.head_importance, len(modules), config.num_attention_heads,

@@ -25,6 +25,14 @@ from transformers import (
 import restkv
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
+SMALL_MODEL = {"lacache": dict(span=2)}  # knobs a method needs on the 3-layer models below
+
+
+def small(method, family="llama", **knobs):
+    """``configure`` knobs of ``method`` on a tiny model of ``family`` (None: the method cannot run there)."""
+    if method == "lacache" and family == "gemma3":
+        return None  # its ladder needs more than one evicted layer; the tiny Gemma 3 has one global layer
+    return dict(method=method, **SMALL_MODEL.get(method, {}), **knobs)
 
 COMMON = dict(
     vocab_size=97,

@@ -5,8 +5,9 @@ A method is a module of this folder with
 - ``KNOBS``: the knobs its score reads (``restkv.knobs.Knob``), with their defaults;
 - ``score(obs, cfg)``: ``restkv.observe.Observation`` -> float32 scores [b, Hq or Hkv, P] (or [b, 1, P],
   shared by every head); ``cfg`` holds only the declared knobs (and the layer's budget is ``obs.budget``);
-- optionally ``uses_budget(cfg) -> bool`` (the score reads ``obs.budget``) and ``check(values)`` (a
-  cross-knob check that raises ``ValueError``).
+- optionally ``uses_budget(cfg) -> bool`` (the score reads ``obs.budget``), ``check(values)`` (a
+  cross-knob check that raises ``ValueError``) and ``check_layers(values, num_layers)`` (a check
+  against the model's number of evicted layers, run by ``configure``).
 
 A registry line may give other defaults, for the method's knobs or for the strategies (budgets,
 merging): PyramidKV is SnapKV's score with ``use_pyramid=True``.
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import cam, h2o, l2norm, random, restkv, snapkv, streamingllm
+from . import cam, h2o, l2norm, lacache, random, restkv, snapkv, streamingllm, tova
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class Method:
         if check is not None:
             check(values)
 
+    def check_layers(self, values, num_layers: int) -> None:
+        check = getattr(self.module, "check_layers", None)
+        if check is not None:
+            check(values, num_layers)
+
 
 def _register(*methods: Method) -> dict:
     return {m.name: m for m in methods}
@@ -76,5 +82,7 @@ REGISTRY = _register(
     Method("adakv", snapkv, {"head_budget": "adakv", "pooling": "maxpool"}),
     Method("headkv", snapkv, {"head_budget": "headkv", "pooling": "maxpool"}),
     Method("random", random),
+    Method("tova", tova),
+    Method("lacache", lacache),
 )
 METHODS = tuple(REGISTRY)

@@ -10,7 +10,7 @@ import restkv
 from restkv.budgets import layer_budgets
 from restkv.cache import CompressedLayer
 from restkv.attach import attention_modules
-from helpers import FAMILIES, generate, masked_reference_logits, prompt, tiny_model
+from helpers import FAMILIES, generate, masked_reference_logits, prompt, small, tiny_model
 
 BACKENDS = ["eager", "sdpa"]
 CASES = [(f, b) for f in FAMILIES for b in BACKENDS]
@@ -29,7 +29,10 @@ def test_budget_above_prompt_is_identical_to_plain_model(family, backend):
     ids = prompt(40)
     ref_tokens, ref_logits = generate(model, ids)
     for method in UNIFORM + ["adakv"]:
-        restkv.configure(model, method=method, max_capacity_prompt=64, window_size=8)
+        knobs = small(method, family, max_capacity_prompt=64, window_size=8)
+        if knobs is None:
+            continue
+        restkv.configure(model, **knobs)
         tokens, logits = generate(model, ids)
         assert torch.equal(tokens, ref_tokens), method
         torch.testing.assert_close(logits, ref_logits)
@@ -41,7 +44,10 @@ def test_cache_shape_window_and_positions(family, backend):
     ids = prompt(80)
     budget, window = 24, 8
     for method in EVICTING:
-        cfg = restkv.configure(model, method=method, max_capacity_prompt=budget, window_size=window)
+        knobs = small(method, family, max_capacity_prompt=budget, window_size=window)
+        if knobs is None:
+            continue
+        cfg = restkv.configure(model, **knobs)
         evicted = [i for i, m in enumerate(attention_modules(model)) if m._restkv.plan.evicts]
         budgets = dict(zip(evicted, layer_budgets(cfg, len(evicted), 80)))
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
@@ -66,7 +72,7 @@ def test_cache_shape_window_and_positions(family, backend):
 def test_decoding_on_evicted_cache_equals_masked_full_cache(family, method):
     model = tiny_model(family, "eager")
     ids = prompt(70)
-    restkv.configure(model, method=method, max_capacity_prompt=30, window_size=6, use_pyramid=method == "restkv")
+    restkv.configure(model, **small(method, max_capacity_prompt=30, window_size=6), use_pyramid=method == "restkv")
     _, logits = generate(model, ids, n=5)
     kept = restkv.kept_positions(model)
     ref = masked_reference_logits(model, ids, kept, 5)

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import FAMILIES, generate, prompt, tiny_model
+from helpers import FAMILIES, SMALL_MODEL, generate, prompt, small, tiny_model
 
 import restkv
 from restkv.budgets import layer_budgets
@@ -36,7 +36,7 @@ def knobs_for(method, tmp_path, **extra):
     """Small-budget knobs any method accepts (HeadKV gets a table)."""
     if not REGISTRY[method].evicts:
         return dict(method=method)
-    knobs = dict(method=method, max_capacity_prompt=20, window_size=4, **extra)
+    knobs = dict(method=method, max_capacity_prompt=20, window_size=4, **SMALL_MODEL.get(method, {}), **extra)
     if declared(method)["head_budget"].default == "headkv":
         knobs["head_importance"] = head_table(tmp_path / "heads.json")
     return knobs
@@ -54,6 +54,8 @@ def _attributes(model):
 @pytest.mark.parametrize("method", list(restkv.METHODS))
 def test_every_method_on_every_family_in_a_with_block(family, method, tmp_path):
     model = tiny_model(family, "sdpa")
+    if small(method, family) is None:
+        pytest.skip(f"{method} cannot run on the tiny {family} model")
     ids = prompt(48)
     plain_tokens, plain_logits = generate(model, ids, n=3)
     hooks, attributes = _hooks(model), _attributes(model)
@@ -109,7 +111,7 @@ def _scores(cfg, n=40, seed=0):
     q, k, v = (torch.randn(1, h, n, 8, generator=g) for h in (4, 2, 2))
     budget = layer_budgets(cfg, 3, n)[0]
     obs = Observation(q, k, v, torch.ones(1, n, dtype=torch.bool), window=cfg.window_size, budget=budget,
-                      scaling=8**-0.5, wo_factor=wo_factor(torch.randn(16, 32, generator=g), 4))
+                      scaling=8**-0.5, wo_factor=wo_factor(torch.randn(16, 32, generator=g), 4), num_layers=3)
     return raw_scores(obs, cfg)
 
 
@@ -118,7 +120,7 @@ BUDGET_KNOBS = ("max_capacity_prompt", "use_pyramid", "beta")  # change obs.budg
 
 def _changed_scores(method, tmp_path):
     """(knobs outside the method's score declaration whose change changed its raw scores, knobs tried)."""
-    base = dict(method=method, max_capacity_prompt=16, window_size=4)
+    base = dict(method=method, max_capacity_prompt=16, window_size=4, **SMALL_MODEL.get(method, {}))
     if declared(method)["head_budget"].default == "headkv":
         base["head_importance"] = head_table(tmp_path / "heads.json")
     cfg = CompressionConfig(**base)

@@ -169,3 +169,46 @@ def test_budget_as_a_fraction_of_each_sample():
     torch.testing.assert_close(logits[1], alone_logits[0], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="max_capacity_prompt is read .* only when max_capacity_prompt_ratio is None"):
         CompressionConfig(max_capacity_prompt=64, max_capacity_prompt_ratio=0.5)
+
+
+def test_tova_keeps_what_the_last_query_attends_to_averaged_over_heads():
+    obs = _obs(hq=4, hkv=2, n=30, window=3, budget=8)
+    A = obs.window_attention
+    kept = select(obs, CompressionConfig(method="tova", max_capacity_prompt=8, window_size=3))
+    mean_last = sum(A[0, h, -1, :27] for h in range(4)) / 4  # the paper: one row, the heads' mean
+    expect = sorted(sorted(range(27), key=lambda j: -float(mean_last[j]))[:5]) + [27, 28, 29]
+    assert kept.positions[0, 0].tolist() == kept.positions[0, 1].tolist() == expect  # every head alike
+
+
+def test_lacache_ladder_on_a_hand_made_case():
+    """4 layers, span 2: groups of 2 tokens, each layer keeps one, successive layers alternate (the ladder)."""
+    from restkv.methods.lacache import ladder
+
+    for layer in range(4):
+        kept = ladder(40, cache=24, start=4, layers=4, layer=layer, span=2, overlap=0)
+        assert kept == [0, 1, 2, 3] + [4 + layer % 2 + 2 * j for j in range(16)] + list(range(36, 40))
+    assert ladder(20, cache=24, start=4, layers=4, layer=0, span=2, overlap=0) == list(range(20))
+
+
+def test_lacache_compacts_again_when_one_ladder_pass_does_not_fit():
+    from restkv.methods.lacache import ladder
+
+    layers = [ladder(100, cache=24, start=4, layers=4, layer=i, span=2, overlap=0) for i in range(4)]
+    for kept in layers:
+        assert len(kept) == 24 and kept[:4] == [0, 1, 2, 3] and kept[-5:] == list(range(95, 100))
+        gaps = [b - a for a, b in zip(kept[4:-5], kept[5:-4])]
+        assert max(gaps) > 2 and gaps == sorted(gaps, reverse=True)  # older entries sparser than newer
+    assert len({tuple(k) for k in layers}) > 1  # the layers' ladders differ
+
+
+def test_lacache_on_a_model_keeps_the_budget_and_checks_the_span():
+    import restkv
+    from helpers import generate, prompt, tiny_model
+
+    model = tiny_model("llama", "sdpa", num_hidden_layers=4)
+    restkv.configure(model, method="lacache", span=2, max_capacity_prompt=24, window_size=4, sink_tokens=4)
+    generate(model, prompt(60), n=2)
+    kept = restkv.kept_positions(model)
+    assert all(k.shape == (1, 2, 24) for k in kept) and not torch.equal(kept[0], kept[1])
+    with pytest.raises(ValueError, match="span .* must be smaller than the model's evicted layers"):
+        restkv.configure(model, method="lacache", span=16, max_capacity_prompt=24, window_size=4)
