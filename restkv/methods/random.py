@@ -1,7 +1,7 @@
 """Random: every prefix entry scored uniformly at random (seeded), the floor any method must beat.
 
 As kvpress's ``RandomPress``; here the draws are independent per layer and reproducible: they
-depend only on ``seed`` and the layer (never on the global random state).
+depend only on ``random_seed`` and the layer (never on the global random state).
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from __future__ import annotations
 from ..knobs import Knob
 from ..lazy import torch
 
-KNOBS = (Knob("seed", 0, "seed of the random scores (draws differ per layer)", check=lambda s: s >= 0, rule=">= 0"),)
+KNOBS = (Knob("random_seed", 0, "seed of the random scores (draws differ per layer)", check=lambda s: s >= 0,
+              rule=">= 0"),)
 
 
 def score(obs, cfg):
     """Uniform scores -> [b, Hkv, P] (the same draws for a layer whatever the device)."""
     b, hkv = obs.keys.shape[:2]
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + obs.layer)
+    g = torch.Generator().manual_seed(cfg.random_seed * 1_000_003 + obs.layer)
     return torch.rand(b, hkv, obs.prefix_len, generator=g).to(obs.keys.device)

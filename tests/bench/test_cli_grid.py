@@ -64,7 +64,7 @@ def test_new_knob_flags_are_forwarded_only_when_set():
     assert meta["quant"]["nbits"] == 2 and meta["knobs"]["floor"] == 0.3
     # a preset shows in the label by the knobs it sets away from the method's defaults (the paper's EMA)
     ((label, kwargs),) = grid.method_configs(parse("--preset", "paper"))
-    assert label == "restkv_128-use_ema=True" and kwargs["preset"] == "paper"
+    assert label == "restkv_128-kernel_size=5-temporal=ema" and kwargs["preset"] == "paper"
     args = parse("--method", "headkv", "--head_importance", "/data/heads/llama3.json", "--headkv_beta", "1.5")
     assert grid.method_configs(args)[0][0] == "headkv_128-head_importance=llama3-headkv_beta=1.5"
     with pytest.raises(SystemExit):
@@ -93,7 +93,7 @@ def test_variants_extend_the_grid_with_their_own_labels():
     assert configs["snap_max_64"] == {"method": "snapkv", "max_capacity_prompt": 64, "window_size": 8, "gqa_agg": "max"}
     # same knobs as flags resolve to the same config under another label
     flags = dict(grid.method_configs(parse("--max_capacity_prompts", "64", "--window_size", "16", "--preset", "paper")))
-    assert grid.resolved_knobs(flags["restkv_64-use_ema=True-window_size=16"]) == grid.resolved_knobs(
+    assert grid.resolved_knobs(flags["restkv_64-kernel_size=5-temporal=ema-window_size=16"]) == grid.resolved_knobs(
         configs["restkv_paper_64"])
     # variants alone: no default method (the needle runner's own default list included)
     assert [label for label, _ in grid.method_configs(parse("--variant", "a", "use_ema=1,alpha=0.1"))] == ["a_128"]

@@ -49,6 +49,6 @@ def test_needle_variant_equals_the_same_knobs_as_flags(tmp_path):
     by_label = {r["label"]: r for r in both}
     assert set(by_label) == {"restkv_96", "rk_paper_96"}
     (flag,) = flags
-    assert flag["label"] == "restkv_96-use_ema=True-window_size=16"
+    assert flag["label"] == "restkv_96-kernel_size=5-temporal=ema-window_size=16"
     same = ("response", "score", "needle_kept", "config_id")
     assert {k: by_label["rk_paper_96"][k] for k in same} == {k: flag[k] for k in same}

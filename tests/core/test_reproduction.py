@@ -94,10 +94,10 @@ def test_ablation_indicators_and_temporal_modes_against_loops(indicator, tempora
 
 
 def test_random_indicator_is_seeded_and_differs_per_layer():
-    first = _score(_obs(layer=0), indicator="random", seed=3)
-    assert torch.equal(first, _score(_obs(layer=0, seed=9), indicator="random", seed=3))  # inputs do not matter
-    assert not torch.equal(first, _score(_obs(layer=1), indicator="random", seed=3))
-    assert not torch.equal(first, _score(_obs(layer=0), indicator="random", seed=4))
+    first = _score(_obs(layer=0), indicator="random", random_seed=3)
+    assert torch.equal(first, _score(_obs(layer=0, seed=9), indicator="random", random_seed=3))  # inputs do not matter
+    assert not torch.equal(first, _score(_obs(layer=1), indicator="random", random_seed=3))
+    assert not torch.equal(first, _score(_obs(layer=0), indicator="random", random_seed=4))
     assert first.shape == (1, 2, 34) and 0 <= float(first.min()) and float(first.max()) < 1
 
 
