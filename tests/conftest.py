@@ -16,3 +16,7 @@ def smollm2():
     from restkv.bench.models import load_model
 
     return load_model("smollm2-135m")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end runs on the packaged model (the quick subset: -m 'not slow')")
