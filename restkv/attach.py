@@ -11,9 +11,11 @@ or each family's module-level ``eager_attention_forward``. restkv wraps those fu
   per-head layout itself).
 
 An attachment is one ``LayerState`` per attention module (``module._restkv``), the model's
-``model._restkv`` and two hooks per module that hand the state the forward's cache; ``detach``
-removes all of it. ``configure`` attaches until the next ``configure``/``detach``; ``compressing``
-attaches for a ``with`` block and restores what was there before.
+``model._restkv``, two hooks per module that hand the state the forward's cache and one on the
+decoder that finishes deferred selections once the prefill forward has returned (``restkv.deferred``:
+a cross-layer budget, passes after the prefill); ``detach`` removes all of it. ``configure``
+attaches until the next ``configure``/``detach``; ``compressing`` attaches for a ``with`` block and
+restores what was there before.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from transformers.modeling_utils import AttentionInterface
 from .budgets import headkv_budgets, load_head_importance
 from .cache import KeptLayer, VarlenLayer
 from .config import CompressionConfig
+from .deferred import decoder_of, finish
 from .evict import LayerPlan, evict_layer
+from .think import pruned_channels
 
 SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 FAMILIES = {
@@ -48,6 +52,10 @@ FAMILIES = {
 
 def _attention_with_eviction(backend, implementation, module, query, key, value, attention_mask, **kwargs):
     state: LayerState | None = getattr(module, "_restkv", None)
+    if state is not None and state.replay is not None:  # a pass after the prefill that a deferred selection reads
+        out = backend(module, query, key, value, attention_mask, **kwargs)
+        state.replay(query, key)
+        return out
     if state is None or state.cache is None or not state.plan.evicts:
         return backend(module, query, key, value, attention_mask, **kwargs)
     layer = state.cache.layers[module.layer_idx]
@@ -63,8 +71,13 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
 
 
 def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -> None:
-    """The default prefill step: evict, and put the kept entries in place of the layer's full cache."""
-    layer, state.kept = evict_layer(state.plan, module, query, key, value, attention_mask, kwargs)
+    """The default prefill step: evict, and put the kept entries in place of the layer's full cache
+    (a deferred plan leaves its layer in ``state.pending`` for the decoder's hook)."""
+    if state.pending and state.pending[-1][1] is not state.cache:  # left by a prefill that did not return
+        del state.pending[:]
+    deferred = []
+    layer, state.kept = evict_layer(state.plan, module, query, key, value, attention_mask, kwargs, pending=deferred)
+    state.pending.extend((prefill, state.cache) for prefill in deferred)
     if layer is not None:
         state.cache.layers[module.layer_idx] = layer
 
@@ -77,6 +90,8 @@ class LayerState:
     on_prefill: Callable = evict_into_cache
     cache: object = None
     kept: torch.Tensor | None = None  # [b, Hkv, kept] positions of the last prefill
+    pending: list | None = None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
+    replay: Callable | None = None  # ``replay(query, key)`` after the attention of a pass (``restkv.deferred``)
 
 
 def _wrap(backend, implementation):
@@ -148,6 +163,9 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
         raise ValueError("the model has no full-attention layer to evict from (every layer is sliding-window)")
     if cfg.evicts:
         cfg.scorer.check_layers(cfg, len(evicted))
+        cfg.scorer.check_model(cfg, model)
+    if cfg.get("pruning_ratio") is not None:
+        pruned_channels(cfg.pruning_ratio, modules[0].head_dim)
     table = None
     if cfg.get("head_budget") == "headkv":
         importance = load_head_importance(cfg.head_importance, len(modules), config.num_attention_heads,
@@ -181,7 +199,8 @@ class Attachment:
     def __init__(self, model: nn.Module, plans: list[LayerPlan], on_prefill: Callable | None = None):
         self.model, self.modules = model, attention_modules(model)
         self.cfg = plans[0].cfg
-        self.states = [LayerState(p, on_prefill or evict_into_cache) for p in plans]
+        self.pending: list = []  # deferred layers of the prefill in flight, shared by the states
+        self.states = [LayerState(p, on_prefill or evict_into_cache, pending=self.pending) for p in plans]
         self._hooks: list = []
 
     def attach(self) -> "Attachment":
@@ -192,8 +211,21 @@ class Attachment:
             m._restkv = state
             self._hooks += [m.register_forward_pre_hook(_capture_cache, with_kwargs=True),
                             m.register_forward_hook(_release_cache, with_kwargs=True)]
+        self._hooks.append(decoder_of(self.model).register_forward_hook(self._finish, with_kwargs=True))
         self.model._restkv = self
         return self
+
+    def _finish(self, decoder, args, kwargs, output) -> None:
+        """After a forward of the decoder: finish the deferred layers of its prefill, if any."""
+        if not self.pending:
+            return
+        (_, cache), prefills = self.pending[0], [p for p, _ in self.pending]
+        del self.pending[:]  # the passes' own forwards find nothing to finish
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        for prefill, layer, positions in finish(self.model, cache, prefills, input_ids):
+            prefill.module._restkv.kept = positions
+            if layer is not None:
+                cache.layers[prefill.module.layer_idx] = layer
 
     def detach(self) -> None:
         for hook in self._hooks:

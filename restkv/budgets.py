@@ -1,8 +1,16 @@
 """How many entries each layer and each KV head keeps.
 
-Layers: uniform, or the PyramidKV schedule (``use_pyramid``, same total). KV heads of a layer:
-uniform, AdaKV (shared by one top-k over all heads' scores) or HeadKV (from a head-importance table).
-Both combine with any scorer.
+Layers (``layer_budget``): uniform, the PyramidKV schedule (same total; ``use_pyramid=True`` is its
+other name) or global. KV heads of a layer (``head_budget``): uniform, AdaKV (shared by one top-k over
+all heads' scores) or HeadKV (from a head-importance table). All combine with any scorer.
+
+``global`` shares ``num_layers * Hkv * (B - window)`` prefix entries among every evicted layer and KV
+head by one top-k over all their scores (``global_sizes``); each (layer, head) keeps its share plus the
+window, which is always kept and never competes, so no layer gets fewer than 0: a layer or head whose
+scores lose everywhere keeps its window only. Inside a layer the heads split their entries as that top-k
+says (AdaKV's split without a floor, ``head_budget`` is not read), in the packed per-head layout. The
+selection waits for every layer's prefill (``restkv.deferred``); the full cache is held until then.
+This is Layer-DefensiveKV's allocation and KVzip's non-layerwise one.
 """
 
 from __future__ import annotations
@@ -16,13 +24,18 @@ from .lazy import torch
 
 HEAD_BUDGETS = ("uniform", "adakv", "headkv")
 PER_HEAD = HEAD_BUDGETS[1:]
+LAYER_BUDGETS = ("uniform", "pyramid", "global")
+PER_LAYER = LAYER_BUDGETS[:2]  # the layer's budget is known before the other layers' prefill
 
 KNOBS = (
-    Knob("use_pyramid", False, "give lower layers larger budgets (PyramidKV schedule, same total)"),
+    Knob("layer_budget", "uniform", "how the budget is shared by the layers: uniform, pyramid (PyramidKV: lower "
+         "layers get more, same total) or global (one top-k over every layer's and head's scores)",
+         choices=LAYER_BUDGETS),
     Knob("beta", 20.0, "PyramidKV: the largest layer budget is about 2 * beta times the smallest",
-         check=lambda b: b >= 1, rule=">= 1", when={"use_pyramid": (True,)}),
+         check=lambda b: b >= 1, rule=">= 1", when={"layer_budget": ("pyramid",)}),
     Knob("head_budget", "uniform", "how a layer's budget is shared by its KV heads: uniform, adakv (one top-k "
-         "over all heads' scores) or headkv (a head-importance table)", choices=HEAD_BUDGETS),
+         "over all heads' scores) or headkv (a head-importance table)", choices=HEAD_BUDGETS,
+         when={"layer_budget": PER_LAYER}),
     Knob("floor", 0.2, "AdaKV: each head keeps at least this share of the per-head budget",
          check=lambda f: 0.0 <= f <= 1.0, rule="in [0, 1]", when={"head_budget": ("adakv",)}),
     Knob("normalize", False, "AdaKV: weight each head's scores by the share of its mass inside its top-B",
@@ -34,9 +47,15 @@ KNOBS = (
     Knob("varlen", True, "per-head budgets: pack each head's entries (memory = the sum of head lengths); false: "
          "pad to the longest head and mask", when={"head_budget": PER_HEAD}),
 )
+ALIASES = {"use_pyramid": ("layer_budget", {True: "pyramid", False: "uniform"})}  # the original's flag
 
 
 def check(values: dict) -> None:
+    if values.get("layer_budget") == "global":
+        for knob, bad, need in (("gqa_agg", "none", "per-KV-head sets: gqa_agg other than 'none'"),
+                                ("merge", "pivot", "merge other than 'pivot'")):
+            if values.get(knob) == bad:
+                raise ValueError(f"layer_budget='global' needs {need}")
     if values.get("head_budget") == "headkv" and not values.get("head_importance"):
         raise ValueError("head_importance (a JSON file of head scores) is required for head_budget='headkv'")
     if values.get("head_budget") == "headkv" and values.get("max_capacity_prompt_ratio") is not None:
@@ -74,7 +93,7 @@ def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prom
 def layer_budgets(cfg, num_layers: int, prompt_len: int, budget: int | None = None) -> list[int]:
     """Budget of each evicted layer for a prompt of ``prompt_len`` tokens (``budget``: the config's by default)."""
     budget = cfg.max_capacity_prompt if budget is None else budget
-    if cfg.get("use_pyramid"):
+    if cfg.get("layer_budget") == "pyramid":
         return pyramid_budgets(budget, cfg.window_size, num_layers, cfg.beta, prompt_len)
     return [budget] * num_layers
 
@@ -116,6 +135,21 @@ def adakv_budgets(scores, base: int, floor: float, normalize: bool):
     chosen = pool.topk(hkv * (base - guaranteed), dim=-1).indices // (P - guaranteed)
     extra = torch.zeros(b, hkv, dtype=torch.long, device=scores.device).scatter_add_(1, chosen, torch.ones_like(chosen))
     return guaranteed + extra
+
+
+def global_sizes(scores, total: int):
+    """Prefix entries each (layer, KV head) keeps under ``layer_budget="global"``.
+
+    ``scores`` one [b, Hkv, P] per evicted layer (-inf on padding), ``total`` the entries shared by them all
+    per sample (window excluded). One top-k over the layers x heads x positions of each sample; -inf
+    entries are never counted. Returns one [b, Hkv] per layer.
+    """
+    b, hkv, P = scores[0].shape
+    flat = torch.stack(scores, 1).reshape(b, -1)  # [b, layers * Hkv * P], layer-major
+    top = flat.topk(min(total, flat.shape[1]), dim=-1)
+    counts = torch.zeros(b, len(scores) * hkv, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(1, top.indices // P, torch.isfinite(top.values).long())
+    return list(counts.view(b, len(scores), hkv).unbind(1))
 
 
 def head_sizes(cfg, scores, base: int, table=None):

@@ -30,7 +30,8 @@ def tensor_bytes(obj) -> int:
 
 def held_bytes(layer) -> int:
     """Bytes of the keys and values a cache layer stores (quantized parts included)."""
-    parts = [layer.keys, layer.values, getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)]
+    extra = ("_quantized_keys", "_quantized_values", "pruned_keys", "channels")  # quantized parts, ThinK's older keys
+    parts = [layer.keys, layer.values, *(getattr(layer, name, None) for name in extra)]
     return sum(tensor_bytes(p) for p in parts)
 
 
@@ -153,18 +154,22 @@ class CompressedLayer(KeptLayer, DynamicLayer):
         return self.keys, self.values
 
 
-def cache_layer(kept: Kept, seen: int, cfg):
+def cache_layer(kept: Kept, seen: int, cfg, channels: Tensor | None = None):
     """The cache layer that holds a layer's kept entries, or None when the full cache stays as it is.
 
-    Quantized (``quant_method``), packed per head (per-head budgets with ``varlen``) or dense.
+    Quantized (``quant_method``), packed per head (per-head budgets with ``varlen``) or dense; with
+    ThinK's ``channels`` [b, H, c] the older keys hold only those channels (``restkv.pruned``).
     """
     if cfg.quant_method:
         return quantized_layer(kept, seen, cfg.quant_method, cfg.nbits, cfg.residual_length, cfg.q_group_size)
+    packed = kept.kv_heads is not None or (kept.per_head and cfg.get("varlen", True))  # one segment per head
+    if channels is not None:
+        from .pruned import PrunedLayer, PrunedVarlenLayer
+
+        return (PrunedVarlenLayer if packed else PrunedLayer)(kept, seen, channels, cfg.window_size)
     if kept.keys.shape[-2] == seen and not kept.per_head:
         return None
-    if kept.kv_heads is not None:  # one kept set per query head: the packed layout, one segment per query head
-        return VarlenLayer(kept, seen=seen)
-    return (VarlenLayer if kept.per_head and cfg.get("varlen", True) else CompressedLayer)(kept, seen=seen)
+    return (VarlenLayer if packed else CompressedLayer)(kept, seen=seen)
 
 
 _QUANTIZED_BACKENDS = {"quanto": QuantoQuantizedLayer, "hqq": HQQQuantizedLayer}
@@ -210,26 +215,25 @@ class VarlenLayer(DynamicLayer):
         self.positions = kept.positions
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        b, hkv, q, d = key_states.shape
-        segments = self.lengths.numel()
-        if b * hkv != segments:  # one segment per query head: each KV head's entry goes to its query heads
-            key_states, value_states = (x.repeat_interleave(segments // (b * hkv), 1) for x in (key_states, value_states))
-        new_lengths = self.lengths + q
-        ends = new_lengths.cumsum(0)
-        old_seg = torch.arange(segments, device=self.device).repeat_interleave(self.lengths)
-        old_dest = torch.arange(self.keys.shape[0], device=self.device) + old_seg * q
-        new_dest = (ends[:, None] - q + torch.arange(q, device=self.device)).flatten()
-
-        def grow(packed, new):
-            out = packed.new_empty(packed.shape[0] + segments * q, d)
-            out[old_dest] = packed
-            out[new_dest] = new.reshape(segments * q, d).to(packed.dtype)
-            return out
-
-        self.keys, self.values = grow(self.keys, key_states), grow(self.values, value_states)
-        self.lengths = new_lengths
-        self.seen += q
+        key_states, value_states = self.per_segment(key_states), self.per_segment(value_states)
+        self.keys = grow(self.keys, key_states, self.lengths)
+        self.values = grow(self.values, value_states, self.lengths)
+        self.lengths = self.lengths + key_states.shape[1]
+        self.seen += key_states.shape[1]
         return self.keys, self.values
+
+    def per_segment(self, x: Tensor) -> Tensor:
+        """New entries [b, Hkv, q, d] -> one row per segment [S, q, d] (repeated for the query heads of a KV head
+        when each query head has its own segment)."""
+        b, hkv, q, d = x.shape
+        segments = self.lengths.numel()
+        if b * hkv != segments:
+            x = x.repeat_interleave(segments // (b * hkv), 1)
+        return x.reshape(segments, q, d)
+
+    def attended_keys(self) -> Tensor:
+        """The packed keys [N, d] attention reads."""
+        return self.keys
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -248,5 +252,17 @@ class VarlenLayer(DynamicLayer):
         from .varlen import varlen_attention
 
         b, hq, q, d = query.shape
-        out = varlen_attention(query.view(self.lengths.numel(), -1, q, d), self.keys, self.values, self.lengths, scaling)
+        out = varlen_attention(query.view(self.lengths.numel(), -1, q, d), self.attended_keys(), self.values,
+                               self.lengths, scaling)
         return out.view(b, hq, q, d).transpose(1, 2)
+
+
+def grow(packed: Tensor, new: Tensor, lengths: Tensor) -> Tensor:
+    """Packed segments [N, d] of ``lengths`` [S] with ``new`` [S, q, d] appended to each -> [N + S q, d]."""
+    segments, q, d = new.shape
+    seg = torch.arange(segments, device=packed.device).repeat_interleave(lengths)
+    ends = (lengths + q).cumsum(0)
+    out = packed.new_empty(packed.shape[0] + segments * q, d)
+    out[torch.arange(packed.shape[0], device=packed.device) + seg * q] = packed
+    out[(ends[:, None] - q + torch.arange(q, device=packed.device)).flatten()] = new.reshape(-1, d).to(packed.dtype)
+    return out

@@ -12,7 +12,7 @@ import functools
 import importlib.util
 from collections.abc import Mapping
 
-from . import budgets, merge
+from . import budgets, merge, think
 from .knobs import Knob
 from .methods import METHODS, REGISTRY
 
@@ -36,10 +36,10 @@ GENERAL = (
     Knob("residual_length", 32, "decoded entries kept in full precision before they are quantized in one go",
          check=lambda n: n >= 0, rule=">= 0", when=_QUANTIZED),
     Knob("q_group_size", 64, "quantization group size", check=lambda n: n >= 1, rule=">= 1", when=_QUANTIZED),
-)
+) + think.KNOBS
 EVICTION = budgets.KNOBS + merge.KNOBS  # read by every method that evicts
 # Other names of a knob (the original's flags): name -> (knob, {value: knob's value}).
-ALIASES = {"ss": ("pooling", {p: p for p in ("none", "avgpool", "maxpool", "adaptive")})}
+ALIASES = {"ss": ("pooling", {p: p for p in ("none", "avgpool", "maxpool", "adaptive")}), **budgets.ALIASES}
 for _m in REGISTRY.values():
     ALIASES.update(getattr(_m.module, "ALIASES", {}))
 
@@ -166,7 +166,7 @@ class CompressionConfig(Knobs):
 
     @property
     def pyramid(self) -> bool:
-        return bool(self.get("use_pyramid"))
+        return self.get("layer_budget") == "pyramid"
 
     @property
     def scorer(self):
@@ -260,6 +260,8 @@ def _check_quant(values: dict) -> None:
     method = values.get("quant_method")
     if method is None:
         return
+    if values.get("pruning_ratio") is not None:
+        raise ValueError("pruning_ratio (ThinK) holds its own key layout: quant_method must be none with it")
     _check_choice("nbits", values["nbits"], QUANT_BITS[method])
     if values.get("head_budget", "uniform") != "uniform" and values.get("varlen"):
         raise ValueError("quant_method needs head_budget='uniform' (or varlen=False)")

@@ -65,12 +65,14 @@ class Observation:
         """Softmax attention of queries ``start:stop`` over all keys, causal and padding-masked.
 
         Returns [b, Hq, stop - start, L] float32. Rows of padding queries are zero. Built in place in
-        one float32 buffer; low-precision keys are converted one KV head at a time.
+        one float32 buffer; low-precision keys are converted one KV head at a time. Queries fewer than
+        the keys are those of the last positions (a pass after the prefill: its keys follow the cache's).
         """
-        b, hq, _, d = self.queries.shape
+        b, hq, n_queries, d = self.queries.shape
         hkv, n_keys = self.keys.shape[1], self.keys.shape[2]
         rows = hq // hkv * (stop - start)
-        q = self.queries[:, :, start:stop].float().reshape(b, hkv, rows, d)  # group-major rows
+        shift = n_keys - n_queries
+        q = self.queries[:, :, start - shift : stop - shift].float().reshape(b, hkv, rows, d)  # group-major rows
         logits = torch.empty(b, hkv, rows, n_keys, device=self.keys.device)
         if self.keys.dtype == torch.float32:
             torch.matmul(q, self.keys.transpose(-1, -2), out=logits)

@@ -64,20 +64,23 @@ def raw_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
     return obs.memo[key]
 
 
-def head_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
+def head_scores(obs: Observation, cfg: CompressionConfig, raw: Tensor | None = None) -> Tensor:
     """Scores of the prefix entries per KV head [b, Hkv, P] (per query head with ``gqa_agg="none"``);
-    padding scores -inf."""
+    padding scores -inf. ``raw``: the method's scores [b, Hq or Hkv or 1, P] when computed elsewhere."""
     b, hkv, hq = obs.keys.shape[0], obs.keys.shape[1], obs.queries.shape[1]
     how = cfg.get("gqa_agg", "mean")
-    s = reduce_groups(raw_scores(obs, cfg), hkv, how, hq).expand(b, hq if how == "none" else hkv, -1)
+    raw = raw_scores(obs, cfg) if raw is None else raw
+    s = reduce_groups(raw, hkv, how, hq).expand(b, hq if how == "none" else hkv, -1)
     return s.masked_fill(~obs.key_valid[:, None, : obs.prefix_len], float("-inf"))
 
 
-def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None) -> Kept:
+def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None, sizes: Tensor | None = None,
+           scores: Tensor | None = None) -> Kept:
     """Keep the top prefix entries of each KV head, plus the window, in position order, then merge.
 
     Each head keeps ``budget - window`` prefix entries, or its own number with per-head budgets
-    (``budgets.head_sizes``: AdaKV from the scores, HeadKV from the layer's ``table`` row [Hkv]).
+    (``budgets.head_sizes``: AdaKV from the scores, HeadKV from the layer's ``table`` row [Hkv]; or
+    ``sizes`` [b, Hkv] given, from a cross-layer budget). ``scores``: ``head_scores`` already computed.
     With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with its own kept set.
     """
     b, hkv, n, d = obs.keys.shape
@@ -86,9 +89,9 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
         idx = torch.arange(n, device=obs.keys.device).expand(b, hkv, n)
         keys, values, sizes = obs.keys, obs.values, None
     else:
-        scores = head_scores(obs, cfg)
+        scores = head_scores(obs, cfg) if scores is None else scores
         base = obs.budget - obs.window
-        sizes = head_sizes(cfg, scores, base, table)
+        sizes = head_sizes(cfg, scores, base, table) if sizes is None else sizes
         idx = _top_then_window(scores, base if sizes is None else sizes, obs.window)
         keys, values = merge(cfg, obs, scores, idx, _gather(obs.keys, idx), _gather(obs.values, idx))
     heads = idx.shape[1]

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from .attach import attached, attention_modules, plan_layers
 from .cache import CompressedLayer, KeptLayer, VarlenLayer
 from .config import CompressionConfig
+from .deferred import finish
 from .evict import evict_layer
 from .select import Kept
 
@@ -146,17 +147,21 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
 
     At every layer the eviction step of each config runs on the same prefill tensors, with one memo
     per layer, so configs that read the same window attention or the same scores compute them once.
+    Deferred configs (``restkv.deferred``) are finished after the prefill, configs with the same
+    method and score knobs on one set of passes (KVzip's reconstruction runs once per prompt).
     """
     plans = [plan_layers(model, CompressionConfig.from_kwargs(**c)) for c in configs]
     modules = attention_modules(model)
     index = {m: i for i, m in enumerate(modules)}
     kept = [[None] * len(modules) for _ in plans]
     layers: list[dict] = [{} for _ in plans]
+    deferred: list[list] = [[] for _ in plans]
 
     def evict_each(state, module, query, key, value, attention_mask, kwargs):
         i, memo = index[module], {}
         for c, plan in enumerate(plans):
-            layer, kept[c][i] = evict_layer(plan[i], module, query, key, value, attention_mask, kwargs, memo)
+            layer, kept[c][i] = evict_layer(plan[i], module, query, key, value, attention_mask, kwargs, memo,
+                                            deferred[c])
             if layer is not None:
                 layers[c][module.layer_idx] = layer
 
@@ -166,7 +171,13 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
     with attached(model, _full(model), on_prefill=evict_each):
         out = model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=True,
                     logits_to_keep=1)
-    full = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        full = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        shared: dict = {}
+        for c, prefills in enumerate(deferred):
+            for prefill, layer, positions in finish(model, full, prefills, input_ids, shared) if prefills else ():
+                kept[c][index[prefill.module]] = positions
+                if layer is not None:
+                    layers[c][prefill.module.layer_idx] = layer
     caches = []
     for own in layers:
         cache = copy.copy(full)

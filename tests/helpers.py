@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,7 +26,29 @@ from transformers import (
 import restkv
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
-SMALL_MODEL = {"lacache": dict(span=2)}  # knobs a method needs on the 3-layer models below
+
+
+def tiny_tokenizer() -> str:
+    """Folder of a character-level tokenizer whose ids fit the tiny models' vocabulary (built once)."""
+    path = Path(tempfile.gettempdir()) / f"restkv-tiny-tokenizer-{os.getuid()}"
+    if not (path / "tokenizer.json").is_file():
+        from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(["\n", *map(chr, range(32, 127))])}}  # 97 ids
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")  # every character, "\n" too
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + "."))
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process made it first
+            pass
+    return str(path)
+
+
+# knobs a method needs on the 3-layer models below
+SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer(), chunk_size=24)}
 
 
 def small(method, family="llama", **knobs):
@@ -79,10 +102,12 @@ def generate(model, ids, mask=None, n=6, **kw):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
 
 
-def masked_reference_logits(model, ids, kept, n_new):
+def masked_reference_logits(model, ids, kept, n_new, channels=None, recent=0):
     """Greedy decoding on the FULL cache with, per layer and head, every prompt entry outside ``kept`` masked.
 
     ``kept`` per layer [b, H, K] with H the KV heads, or the query heads (one kept set per query head).
+    ``channels`` per layer [b, H, c] (or None): the key channels kept by the prompt entries before the last
+    ``recent``; their other channels read as zeros.
     """
     name = "restkv_test_masked"
 
@@ -91,6 +116,10 @@ def masked_reference_logits(model, ids, kept, n_new):
         g = hq // key.shape[1]
         k = key.repeat_interleave(g, 1).float()
         v = value.repeat_interleave(g, 1).float()
+        if q == 1 and channels is not None and channels[module.layer_idx] is not None:
+            c = channels[module.layer_idx]
+            on = torch.zeros(b, c.shape[1], d).scatter_(-1, c, 1.0).repeat_interleave(hq // c.shape[1], 1)
+            k[:, :, : ids.shape[1] - recent] *= on[:, :, None, :]
         logits = query.float() @ k.transpose(-1, -2) * scaling
         if q == 1:
             n = ids.shape[1]
@@ -119,6 +148,29 @@ def masked_reference_logits(model, ids, kept, n_new):
     finally:
         model.config._attn_implementation = previous
     return torch.stack(steps, 1)
+
+
+def capture(model, ids) -> dict:
+    """{layer: (queries, keys, scaling)} in float64 of a plain causal forward of ``ids`` (restkv detached)."""
+    got, name = {}, "restkv_test_capture"
+
+    def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        got[module.layer_idx] = (query.double(), key.double(), scaling)
+        g = query.shape[1] // key.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1), is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attend)
+    restkv.detach(model)
+    previous, model.config._attn_implementation = model.config._attn_implementation, name
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        model.config._attn_implementation = previous
+    return got
+
 
 
 ZH = {"multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh"}

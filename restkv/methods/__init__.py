@@ -10,7 +10,11 @@ A method is a module of this folder with
   against the model's number of evicted layers, run by ``configure``).
 
 A registry line may give other defaults, for the method's knobs or for the strategies (budgets,
-merging): PyramidKV is SnapKV's score with ``use_pyramid=True``.
+merging): PyramidKV is SnapKV's score with ``layer_budget="pyramid"``.
+
+A method whose scores come from forward passes of its own after the prefill (KVzip) also has
+``passes(context_ids, cfg)`` (see ``restkv.deferred``) and ``check_model(values, model)`` (run by
+``configure`` before any work).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import cam, h2o, l2norm, lacache, random, restkv, snapkv, streamingllm, tova
+from . import cam, h2o, kvzip, l2norm, lacache, random, restkv, snapkv, streamingllm, tova
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,16 @@ class Method:
         if check is not None:
             check(values, num_layers)
 
+    def check_model(self, values, model) -> None:
+        check = getattr(self.module, "check_model", None)
+        if check is not None:
+            check(values, model)
+
+    @property
+    def replays(self) -> bool:
+        """Its scores come from forward passes of its own after the prefill (``passes``)."""
+        return hasattr(self.module, "passes")
+
 
 def _register(*methods: Method) -> dict:
     return {m.name: m for m in methods}
@@ -74,7 +88,7 @@ REGISTRY = _register(
     Method("fullkv"),
     Method("restkv", restkv),
     Method("snapkv", snapkv),
-    Method("pyramidkv", snapkv, {"use_pyramid": True}),
+    Method("pyramidkv", snapkv, {"layer_budget": "pyramid"}),
     Method("h2o", h2o),
     Method("streamingllm", streamingllm),
     Method("cam", cam, {"merge": "cam"}),
@@ -84,5 +98,6 @@ REGISTRY = _register(
     Method("random", random),
     Method("tova", tova),
     Method("lacache", lacache),
+    Method("kvzip", kvzip, {"layer_budget": "global"}),
 )
 METHODS = tuple(REGISTRY)

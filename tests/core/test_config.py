@@ -60,7 +60,7 @@ def test_a_knob_the_config_does_not_read_raises(knobs, message):
 
 def test_config_holds_exactly_the_knobs_it_reads():
     assert set(CompressionConfig(method="fullkv")) == {"method", "max_capacity_prompt", "max_capacity_prompt_ratio",
-                                                       "window_size", "quant_method"}
+                                                       "window_size", "quant_method", "pruning_ratio"}
     snap = CompressionConfig(method="snapkv", pooling="none")
     assert "kernel_size" not in snap and "alpha" not in snap and snap.gqa_agg == "mean"
     with pytest.raises(AttributeError, match="alpha is not read by this config"):

@@ -14,7 +14,7 @@ from helpers import FAMILIES, generate, masked_reference_logits, prompt, small, 
 
 BACKENDS = ["eager", "sdpa"]
 CASES = [(f, b) for f in FAMILIES for b in BACKENDS]
-PER_HEAD = ("adakv", "headkv")  # per-head budgets: tests/test_head_budgets.py
+PER_HEAD = ("adakv", "headkv", "kvzip")  # per-head budgets: tests/core/test_head_budgets.py, test_deferred.py
 UNIFORM = [m for m in restkv.METHODS if m not in PER_HEAD]
 EVICTING = [m for m in UNIFORM if m != "fullkv"]
 
@@ -28,7 +28,7 @@ def test_budget_above_prompt_is_identical_to_plain_model(family, backend):
     model = tiny_model(family, backend)
     ids = prompt(40)
     ref_tokens, ref_logits = generate(model, ids)
-    for method in UNIFORM + ["adakv"]:
+    for method in UNIFORM + ["adakv", "kvzip"]:  # kvzip: a prompt within the budget runs no passes
         knobs = small(method, family, max_capacity_prompt=64, window_size=8)
         if knobs is None:
             continue

@@ -115,7 +115,7 @@ def _scores(cfg, n=40, seed=0):
     return raw_scores(obs, cfg)
 
 
-BUDGET_KNOBS = ("max_capacity_prompt", "use_pyramid", "beta")  # change obs.budget
+BUDGET_KNOBS = ("max_capacity_prompt", "layer_budget", "beta")  # change obs.budget
 
 
 def _changed_scores(method, tmp_path):
@@ -160,7 +160,7 @@ def test_an_undeclared_read_of_the_budget_is_caught(monkeypatch, tmp_path):
     honest = snapkv.score
     monkeypatch.setattr(snapkv, "score", lambda obs, cfg: honest(obs, cfg) + obs.budget)
     changed, _ = _changed_scores("snapkv", tmp_path)
-    assert "max_capacity_prompt" in changed and "use_pyramid" in changed
+    assert "max_capacity_prompt" in changed and "layer_budget" in changed
 
 
 @pytest.mark.parametrize("method", EVICTING)

@@ -1,0 +1,137 @@
+"""Cost of the selections finished after the prefill, and the bytes ThinK saves, on the packaged SmolLM2-135M.
+
+Two tables, on one prompt of ``--length`` tokens of Paul Graham essays:
+
+1. Prefill: wall time of ``model(ids)`` (the prefill forward plus every layer's selection, deferred or
+   not), the median of ``--reps`` runs taken round robin, its ratio to the full-cache prefill; for
+   KVzip the extra tokens its passes feed the model (relative to the prompt) and the time of the
+   passes alone (relative to the full-cache prefill).
+2. Memory: ``restkv.memory_report`` after the prefill, summed over the layers: the bytes a full cache
+   would hold and the bytes held, with and without ThinK's ``pruning_ratio``.
+
+Usage::
+
+    python benchmarks/deferred_cost.py --length 2048 --budget 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import restkv
+from restkv import deferred
+from restkv.bench.models import essays_dir, load_model
+from restkv.methods import kvzip
+
+CONFIGS = {
+    "fullkv": dict(method="fullkv"),
+    "snapkv": dict(method="snapkv"),
+    "snapkv global": dict(method="snapkv", layer_budget="global"),
+    "kvzip": dict(method="kvzip"),
+}
+
+
+def essay_prompt(tokenizer, length: int) -> torch.Tensor:
+    text = "\n\n".join(p.read_text() for p in sorted(essays_dir().glob("*.txt"))[:20])
+    return torch.tensor([tokenizer.encode(text, add_special_tokens=False)[:length]])
+
+
+class PassClock:
+    """Tokens fed to the model by KVzip's passes, their wall time (``deferred.replay_scores``) and the part of
+    it spent scoring (``kvzip.score``: the reconstruction attention of every layer)."""
+
+    def __init__(self, decoder):
+        self.tokens, self.seconds, self.scoring, self.first = 0, 0.0, 0.0, True
+        self._replay, self._score = deferred.replay_scores, kvzip.score
+        deferred.replay_scores, kvzip.score = self._timed(self._replay, "seconds"), self._timed(self._score, "scoring")
+        self._hook = decoder.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _timed(self, fn, field):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
+        return timed
+
+    def _count(self, module, args, kwargs):
+        if self.first:  # the prefill itself
+            self.first = False
+        else:
+            self.tokens += kwargs["input_ids"].shape[1]
+
+    def close(self):
+        deferred.replay_scores, kvzip.score = self._replay, self._score
+        self._hook.remove()
+
+
+@torch.no_grad()
+def prefill(model, ids, knobs):
+    """One prefill -> (wall s, pass tokens, pass s, scoring s, memory report)."""
+    restkv.configure(model, **knobs)
+    clock = PassClock(deferred.decoder_of(model))
+    try:
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        seconds = time.perf_counter() - t0
+    finally:
+        clock.close()
+    return seconds, clock.tokens, clock.seconds, clock.scoring, restkv.memory_report(out.past_key_values)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--pruning-ratio", type=float, default=0.4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--methods", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                   help="methods of the prefill table (fullkv, the reference, always runs)")
+    p.add_argument("--memory", nargs="+", default=["fullkv", "snapkv", "snapkv global", "kvzip"], choices=list(CONFIGS),
+                   help="methods of the memory table (each one more prefill with ThinK)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model("smollm2-135m")
+    ids = essay_prompt(tokenizer, args.length)
+    L = ids.shape[1]
+    base = dict(max_capacity_prompt=args.budget, window_size=args.window)
+
+    def knobs(name, ratio=None):
+        cfg = dict(CONFIGS[name], window_size=args.window, pruning_ratio=ratio)
+        return cfg if name == "fullkv" else {**base, **cfg}
+
+    print(f"SmolLM2-135M float32 sdpa, CPU {args.threads} threads; prompt {L} tokens, budget {args.budget}, "
+          f"window {args.window}\n")
+    runs = {name: [] for name in dict.fromkeys(["fullkv", *args.methods])}
+    prefill(model, ids[:, :64], knobs("fullkv"))  # warm-up
+    for _ in range(args.reps):
+        for name in runs:
+            runs[name].append(prefill(model, ids, knobs(name)))
+    full = statistics.median(r[0] for r in runs["fullkv"])
+    print("| method | prefill wall (s) | x full | pass tokens | x prompt | passes (s) | x full | of which scoring (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, rs in runs.items():
+        wall, tokens, passes, scoring = (statistics.median(r[i] for r in rs) for i in range(4))
+        print(f"| {name} | {wall:.2f} | {wall / full:.2f} | {tokens} | {tokens / L:.3f} | {passes:.2f} | "
+              f"{passes / full:.2f} | {scoring:.2f} |")
+    print(f"\nKV cache after the prefill (MiB), pruning_ratio {args.pruning_ratio} (head_dim "
+          f"{model.config.head_dim}: {int(model.config.head_dim * args.pruning_ratio)} key channels dropped)\n")
+    print("| method | full cache | held | held with ThinK | ThinK / without |")
+    print("|---|---|---|---|---|")
+    for name in args.memory:
+        plain = (runs[name][0] if name in runs else prefill(model, ids, knobs(name)))[4]
+        pruned = prefill(model, ids, knobs(name, args.pruning_ratio))[4]
+        full_b, held, thin = (sum(r[k] for r in rows) for rows, k in ((plain, "full_bytes"), (plain, "held_bytes"),
+                                                                         (pruned, "held_bytes")))
+        print(f"| {name} | {full_b / 2**20:.2f} | {held / 2**20:.2f} | {thin / 2**20:.2f} | {thin / held:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
