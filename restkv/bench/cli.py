@@ -35,8 +35,12 @@ def add_common_args(parser):
                         "command line's knobs; method restkv unless given), e.g. restkv_paper preset=paper (repeatable)")
     g.add_argument("--model_path", default="smollm2-135m",
                    help="registry name (smollm2-135m, gemma3-270m), local path or hub id")
-    g.add_argument("--max_capacity_prompts", nargs="+", type=int, default=[128],
-                   help="KV budgets per head and layer; one run per budget")
+    g.add_argument("--max_capacity_prompts", nargs="+", type=int, default=None,
+                   help="KV budgets per head and layer (window included); one run per budget (default: 128, or "
+                        "none with --max_capacity_prompts_ratio)")
+    g.add_argument("--max_capacity_prompts_ratio", nargs="+", type=float, default=None,
+                   help="budgets as a fraction of each prompt instead: round(L * ratio) (window included); one run "
+                        "per ratio, labelled <method>_r<ratio>")
     g.add_argument("--attn_implementation", default="sdpa")
     g.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     g.add_argument("--device", default="cpu")
@@ -90,7 +94,8 @@ def knob_flags():
     ``(knob versions [(owners, Knob)], alias target or None)``."""
     from restkv import config
 
-    flags = {name: (versions, None) for name, versions in config.all_knobs().items() if name != "max_capacity_prompt"}
+    flags = {name: (versions, None) for name, versions in config.all_knobs().items()
+             if name not in ("max_capacity_prompt", "max_capacity_prompt_ratio")}  # the runners take lists of them
     flags.update({alias: ([], target) for alias, target in config.ALIASES.items()})
     return flags
 

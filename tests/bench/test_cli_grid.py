@@ -17,7 +17,7 @@ def parse(*argv):
 
 def test_defaults_and_original_flag_names():
     args = parse()
-    assert args.model_path == "smollm2-135m" and args.max_capacity_prompts == [128]
+    assert args.model_path == "smollm2-135m" and args.max_capacity_prompts is None  # 128 unless ratios are given
     assert args.attn_implementation == "sdpa" and args.dtype == "float32" and args.chat_template == "auto"
     assert args.max_length is None and all(getattr(args, k) is None for k in cli.knob_flags())
     args = parse("--method", "restkv,snapkv", "fullkv", "--use_wo", "0", "--use_ema", "true", "--alpha", "0.5",

@@ -98,6 +98,8 @@ def run(args):
         n, L, d = cell
         return {"needle": n.name, "label": out.label, "config_id": ids[out.label], "length": L, "depth": d,
                 "method": out.kwargs["method"], "budget": out.kwargs.get("max_capacity_prompt"),
+                **({"budget_ratio": out.kwargs["max_capacity_prompt_ratio"]}
+                   if "max_capacity_prompt_ratio" in out.kwargs else {}),
                 "quant": predictor.quant[out.label], "model": model, "prompt_tokens": len(case.ids),
                 "needle_span": case.needle_span, "truncated": case.truncated, "answer": case.answer,
                 "response": out.text, **score(out.text, case.needle_text, case.answer),
