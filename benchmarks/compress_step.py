@@ -2,7 +2,8 @@
 
 The step is ``restkv.select.select``: scoring, GQA reduction, top-B and the gather of the kept
 entries, from the prefill's queries, keys and values (random, no download). The W_O factor of
-ReST-KV is computed once per model and cached, so it is built before the clock starts.
+ReST-KV is computed once per model and cached, so it is built before the clock starts (as are the
+prompt's RoPE cos/sin, which the model computes anyway; Expected Attention's future RoPE is timed).
 
 Each length runs in two subprocesses, one for time and one for memory; every method gets one
 warm-up call. Time: median of ``--reps`` calls, each on a fresh ``Observation`` (nothing cached
@@ -31,7 +32,8 @@ import time
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
 DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mode=before", "cam", "streamingllm",
-                   "l2norm"]
+                   "l2norm", "expected_attention", "keydiff", "criticalkv", "criticalkv:value_norm=l2", "critical_adakv",
+                   "chunkkv", "defensivekv"]
 
 
 def parse_method(spec: str) -> dict:
@@ -62,8 +64,12 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
     """
     import torch
 
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     from restkv.config import CompressionConfig
     from restkv.observe import Observation, wo_factor
+    from restkv.rope import Rope, rotary_function
     from restkv.select import select
 
     torch.set_num_threads(threads)
@@ -73,12 +79,17 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
     k = torch.randn(1, HKV, length, D, dtype=dt)
     v = torch.randn(1, HKV, length, D, dtype=dt)
     valid = torch.ones(1, length, dtype=torch.bool)
-    wo = wo_factor(torch.randn(HIDDEN, HQ * D, dtype=dt) / HIDDEN**0.5, HQ)
+    o_proj = torch.randn(HIDDEN, HQ * D, dtype=dt) / HIDDEN**0.5
+    wo = wo_factor(o_proj, HQ)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HQ, head_dim=D,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    rope = Rope.of(rotary_function(rotary), torch.arange(length)[None])
     cfgs = [CompressionConfig.from_kwargs(max_capacity_prompt=budget, window_size=window, **parse_method(s))
             for s in specs]
 
     def run(cfg):
-        obs = Observation(q, k, v, valid, window=window, budget=budget, scaling=D**-0.5, wo_factor=wo)
+        obs = Observation(q, k, v, valid, window=window, budget=budget, scaling=D**-0.5, wo_factor=wo,
+                          wo_weight=o_proj, rope=rope)
         return select(obs, cfg)
 
     peaks, times, cpu = [], [[] for _ in cfgs], [[] for _ in cfgs]

@@ -11,7 +11,7 @@ or each family's module-level ``eager_attention_forward``. restkv wraps those fu
   per-head layout itself).
 
 An attachment is one ``LayerState`` per attention module (``module._restkv``), the model's
-``model._restkv`` and two hooks per module that hand the state the forward's cache; ``detach``
+``model._restkv`` and two hooks per module that hand the state the forward's cache and RoPE; ``detach``
 removes all of it. ``configure`` attaches until the next ``configure``/``detach``; ``compressing``
 attaches for a ``with`` block and restores what was there before.
 """
@@ -34,6 +34,7 @@ from .budgets import headkv_budgets, load_head_importance
 from .cache import KeptLayer, VarlenLayer
 from .config import CompressionConfig
 from .evict import LayerPlan, evict_layer
+from .rope import Rope, capture, rotary_function, rotary_module
 
 SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 FAMILIES = {
@@ -64,19 +65,21 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
 
 def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -> None:
     """The default prefill step: evict, and put the kept entries in place of the layer's full cache."""
-    layer, state.kept = evict_layer(state.plan, module, query, key, value, attention_mask, kwargs)
+    layer, state.kept = evict_layer(state.plan, module, query, key, value, attention_mask, kwargs, rope=state.rope)
     if layer is not None:
         state.cache.layers[module.layer_idx] = layer
 
 
 @dataclass
 class LayerState:
-    """An attached layer: its plan, what to do at prefill, the cache of the forward in flight, what it kept."""
+    """An attached layer: its plan, what to do at prefill, the cache and RoPE of the forward in flight, what it kept."""
 
     plan: LayerPlan
     on_prefill: Callable = evict_into_cache
     cache: object = None
     kept: torch.Tensor | None = None  # [b, Hkv, kept] positions of the last prefill
+    embed: Callable | None = None  # positions -> (cos, sin) of the layer's RoPE (``restkv.rope.rotary_function``)
+    rope: Rope | None = None
 
 
 def _wrap(backend, implementation):
@@ -157,12 +160,15 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
                       None if table is None else table[m.layer_idx]) for m in modules]
 
 
-def _capture_cache(module, args, kwargs):
-    module._restkv.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+def _capture(module, args, kwargs):
+    state = module._restkv
+    state.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    state.rope = None if hidden is None else capture(state.embed, kwargs, hidden.shape[0])
 
 
-def _release_cache(module, args, kwargs, output):
-    module._restkv.cache = None
+def _release(module, args, kwargs, output):
+    module._restkv.cache = module._restkv.rope = None
 
 
 class Attachment:
@@ -181,7 +187,9 @@ class Attachment:
     def __init__(self, model: nn.Module, plans: list[LayerPlan], on_prefill: Callable | None = None):
         self.model, self.modules = model, attention_modules(model)
         self.cfg = plans[0].cfg
-        self.states = [LayerState(p, on_prefill or evict_into_cache) for p in plans]
+        rotary = [rotary_module(model, m) for m in self.modules]
+        self.states = [LayerState(p, on_prefill or evict_into_cache, embed=None if r is None else rotary_function(r, m))
+                       for p, m, r in zip(plans, self.modules, rotary)]
         self._hooks: list = []
 
     def attach(self) -> "Attachment":
@@ -190,8 +198,8 @@ class Attachment:
         install(*{sys.modules[type(m).__module__] for m in self.modules})
         for m, state in zip(self.modules, self.states):
             m._restkv = state
-            self._hooks += [m.register_forward_pre_hook(_capture_cache, with_kwargs=True),
-                            m.register_forward_hook(_release_cache, with_kwargs=True)]
+            self._hooks += [m.register_forward_pre_hook(_capture, with_kwargs=True),
+                            m.register_forward_hook(_release, with_kwargs=True)]
         self.model._restkv = self
         return self
 

@@ -16,6 +16,7 @@ from .budgets import layer_budgets, sample_budgets
 from .cache import cache_layer
 from .config import CompressionConfig
 from .observe import Observation, relative_positions, wo_factor
+from .rope import Rope
 from .select import Kept, select, stack_samples
 
 
@@ -34,7 +35,8 @@ class LayerPlan:
 
 
 @torch.no_grad()
-def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo: dict | None = None):
+def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo: dict | None = None,
+                rope: Rope | None = None):
     """Select what the layer keeps from its prefill tensors.
 
     Parameters
@@ -48,6 +50,8 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
         The backend's mask and keyword arguments (``scaling``, ``softcap``).
     memo : dict, optional
         Shared by every config evaluated on this layer and prompt (window attention, scores).
+    rope : Rope, optional
+        The layer's RoPE over the prompt (``restkv.rope``), for scores that need the queries before RoPE.
 
     Returns
     -------
@@ -68,7 +72,9 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
             key_valid=key_valid[sample, start:], window=cfg.window_size,
             budget=layer_budgets(cfg, plan.num_evicted, n - start, budget)[plan.rank],
             scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
-            wo_factor=lambda: layer_wo_factor(module, query.device), layer=plan.rank, num_layers=plan.num_evicted,
+            wo_factor=lambda: layer_wo_factor(module, query.device),
+            wo_weight=lambda: layer_wo_weight(module, query.device),
+            rope=None if rope is None else rope.part(sample, start), layer=plan.rank, num_layers=plan.num_evicted,
             memo=shared,
         )
 
@@ -96,25 +102,30 @@ def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
 _WO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # o_proj -> (weight tag, R)
 
 
-def layer_wo_factor(module, device) -> torch.Tensor:
-    """The W_O factor R [Hq, d, d] of an attention module (computed once per weight), on ``device``.
+def _weights_on(module, device):
+    """A context in which ``module``'s weights are on ``device``: accelerate keeps an offloaded layer's
+    weights on the meta device between forwards."""
+    if module.weight.device.type != "meta":
+        return contextlib.nullcontext()
+    from accelerate.utils import align_module_device
 
-    A layer offloaded by accelerate keeps its weights on the meta device between forwards; they are
-    brought to ``device`` for the computation.
-    """
+    return align_module_device(module, execution_device=device)
+
+
+def layer_wo_factor(module, device) -> torch.Tensor:
+    """The W_O factor R [Hq, d, d] of an attention module (computed once per weight), on ``device``."""
     o_proj = module.o_proj
     w = o_proj.weight
-    offloaded = w.device.type == "meta"
-    tag = "offloaded" if offloaded else (w.data_ptr(), w._version, w.device, w.dtype)
+    tag = "offloaded" if w.device.type == "meta" else (w.data_ptr(), w._version, w.device, w.dtype)
     cached = _WO.get(o_proj)
     if cached is None or cached[0] != tag:
-        if offloaded:
-            from accelerate.utils import align_module_device
-
-            weights_on = align_module_device(o_proj, execution_device=device)
-        else:
-            weights_on = contextlib.nullcontext()
-        with torch.no_grad(), weights_on:
+        with torch.no_grad(), _weights_on(o_proj, device):
             cached = (tag, wo_factor(o_proj.weight, module.config.num_attention_heads))
         _WO[o_proj] = cached
     return cached[1].to(device)
+
+
+def layer_wo_weight(module, device) -> torch.Tensor:
+    """The o_proj weight W_O [hidden, Hq d] of an attention module, on ``device``."""
+    with torch.no_grad(), _weights_on(module.o_proj, device):
+        return module.o_proj.weight.detach().to(device)

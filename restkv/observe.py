@@ -15,6 +15,7 @@ from .lazy import torch
 NEG = -3.4028234663852886e38  # the most negative float32
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38, the smallest normal float32
 VALUE_BLOCK = 4096  # positions converted to float32 at a time
+PROJECTION_BLOCK = 1 << 22  # float32 elements of a block of W_O-projected values ([b, Hkv, n, hidden])
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Observation:
     scaling: float
     softcap: float | None = None
     wo_factor: Any = None  # R [Hq, d, d] of the layer's o_proj (``wo``), or a function that computes it
+    wo_weight: Any = None  # the layer's o_proj weight [hidden, Hq d] (``o_proj``), or a function that returns it
+    rope: Any = None  # restkv.rope.Rope of the layer's prompt (cos/sin, next position, other positions)
     layer: int = 0  # index among the model's evicted layers
     num_layers: int = 1  # evicted layers of the model
     memo: dict = field(default_factory=dict)
@@ -60,6 +63,22 @@ class Observation:
         if self.wo_factor is None:
             raise ValueError("this observation carries no W_O factor (wo_factor)")
         return self.shared("wo", lambda: self.wo_factor() if callable(self.wo_factor) else self.wo_factor)
+
+    @property
+    def o_proj(self) -> "torch.Tensor":
+        """The layer's o_proj weight W_O [hidden, Hq d] (see ``wo_weight``), on the values' device."""
+        if self.wo_weight is None:
+            raise ValueError("this observation carries no o_proj weight (wo_weight)")
+        return self.shared("wo_weight", lambda: self.wo_weight() if callable(self.wo_weight) else self.wo_weight)
+
+    def projected_value_norms(self, norm: str = "l1") -> "torch.Tensor":
+        """``||W_O^h v_n||`` [b, Hq, P] for every query head h and prefix entry n, float32.
+
+        ``l1``: the L1 norm over the hidden dimension (CriticalKV's), which needs the projection itself,
+        formed a block of positions and one member of every GQA group at a time (``PROJECTION_BLOCK``);
+        ``l2``: the L2 norm, exactly ``||R_h v_n||`` with the d x d factor ``wo`` (hidden / d times cheaper).
+        """
+        return self.shared(f"value_norms_{norm}", lambda: _projected_norms(self, norm))
 
     def attention(self, start: int, stop: int) -> "torch.Tensor":
         """Softmax attention of queries ``start:stop`` over all keys, causal and padding-masked.
@@ -113,6 +132,30 @@ def weighted_values(weights: "torch.Tensor", values: "torch.Tensor") -> "torch.T
     for s in range(0, n, block):
         out = out + w[..., s : s + block] @ values[:, :, s : min(n, s + block)].float()
     return out.view(b, hq, r, -1)
+
+
+def _projected_norms(obs: Observation, norm: str) -> "torch.Tensor":
+    b, hkv, _, d = obs.values.shape
+    hq, P = obs.queries.shape[1], obs.prefix_len
+    g = hq // hkv
+    out = torch.empty(b, hkv, g, P, device=obs.values.device)
+    if norm == "l2":
+        R = group_view(obs.wo[None], hkv)[0]  # [Hkv, g, d, d]
+        block = max(1, VALUE_BLOCK // g)  # the projected block is [b, Hq, block, d]
+        for s in range(0, P, block):
+            v = obs.values[:, :, s : min(P, s + block)].float()
+            out[..., s : s + v.shape[2]] = torch.linalg.vector_norm(v[:, :, None] @ R.transpose(-1, -2), dim=-1)
+        return out.view(b, hq, P)
+    W = obs.o_proj
+    hidden = W.shape[0]
+    block = max(1, PROJECTION_BLOCK // (b * hkv * hidden))
+    heads = W.view(hidden, hkv, g, d)  # query head k g + r of KV head k
+    for r in range(g):
+        w_r = heads[:, :, r].permute(1, 2, 0).float()  # [Hkv, d, hidden]
+        for s in range(0, P, block):
+            v = obs.values[:, :, s : min(P, s + block)].float()
+            out[:, :, r, s : s + v.shape[2]] = torch.linalg.vector_norm(v @ w_r, ord=1, dim=-1)
+    return out.view(b, hq, P)
 
 
 def relative_positions(key_valid: "torch.Tensor") -> "torch.Tensor":

@@ -1,4 +1,5 @@
-"""From scores to the kept entries: GQA reduction, per-head budgets, top-B per KV head, window, merging."""
+"""From scores to the kept entries: GQA reduction, per-head budgets, selection strategy (CriticalKV, ChunkKV),
+top-B per KV head, window, merging."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .budgets import head_sizes
+from .chunks import chunk_order
+from .critical import two_stage, value_norms
 from .config import CompressionConfig
 from .merge import merge
 from .observe import Observation, group_view
@@ -73,11 +76,23 @@ def head_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
     return s.masked_fill(~obs.key_valid[:, None, : obs.prefix_len], float("-inf"))
 
 
+def ranking(obs: Observation, cfg: CompressionConfig, scores: Tensor, keep) -> Tensor:
+    """What the top-k ranks [b, H, P]: the scores, or the selection strategy's key over them
+    (``critical``: CriticalKV's two stages; ``chunk_size``: ChunkKV's chunks). ``keep``: entries per head."""
+    if cfg.get("critical"):
+        norms = value_norms(obs, scores.shape[1], cfg.value_norm)
+        return two_stage(scores, keep, obs.window, norms, cfg.first_stage_ratio, cfg.critical_epsilon)
+    if cfg.get("chunk_size"):
+        return chunk_order(scores, obs.positions[:, : obs.prefix_len], cfg.chunk_size)
+    return scores
+
+
 def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None) -> Kept:
     """Keep the top prefix entries of each KV head, plus the window, in position order, then merge.
 
     Each head keeps ``budget - window`` prefix entries, or its own number with per-head budgets
     (``budgets.head_sizes``: AdaKV from the scores, HeadKV from the layer's ``table`` row [Hkv]).
+    A selection strategy (``ranking``) may rank by another key than the scores; merging reads the scores.
     With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with its own kept set.
     """
     b, hkv, n, d = obs.keys.shape
@@ -89,7 +104,8 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
         scores = head_scores(obs, cfg)
         base = obs.budget - obs.window
         sizes = head_sizes(cfg, scores, base, table)
-        idx = _top_then_window(scores, base if sizes is None else sizes, obs.window)
+        keep = base if sizes is None else sizes
+        idx = _top_then_window(ranking(obs, cfg, scores, keep), keep, obs.window)
         keys, values = merge(cfg, obs, scores, idx, _gather(obs.keys, idx), _gather(obs.values, idx))
     heads = idx.shape[1]
     positions = obs.positions[:, None].expand(b, heads, n).gather(2, idx)

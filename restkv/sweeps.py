@@ -156,7 +156,8 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
     def evict_each(state, module, query, key, value, attention_mask, kwargs):
         i, memo = index[module], {}
         for c, plan in enumerate(plans):
-            layer, kept[c][i] = evict_layer(plan[i], module, query, key, value, attention_mask, kwargs, memo)
+            layer, kept[c][i] = evict_layer(plan[i], module, query, key, value, attention_mask, kwargs, memo,
+                                            rope=state.rope)
             if layer is not None:
                 layers[c][module.layer_idx] = layer
 

@@ -34,6 +34,18 @@ def small(method, family="llama", **knobs):
         return None  # its ladder needs more than one evicted layer; the tiny Gemma 3 has one global layer
     return dict(method=method, **SMALL_MODEL.get(method, {}), **knobs)
 
+def rope_embed(d: int, base: float = 10000.0):
+    """positions [b, n] -> (cos, sin) [b, n, d] float32 of the standard RoPE (transformers' default), in float64."""
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+
+    def embed(positions):
+        angles = positions[..., None].double() * inv_freq
+        angles = torch.cat([angles, angles], -1)
+        return angles.cos().float(), angles.sin().float()
+
+    return embed
+
+
 COMMON = dict(
     vocab_size=97,
     hidden_size=48,

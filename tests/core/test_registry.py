@@ -13,13 +13,14 @@ import json
 
 import pytest
 import torch
-from helpers import FAMILIES, SMALL_MODEL, generate, prompt, small, tiny_model
+from helpers import FAMILIES, SMALL_MODEL, generate, prompt, rope_embed, small, tiny_model
 
 import restkv
 from restkv.budgets import layer_budgets
 from restkv.config import CompressionConfig, declared
 from restkv.methods import REGISTRY
 from restkv.observe import Observation, wo_factor
+from restkv.rope import Rope
 from restkv.select import raw_scores
 
 EVICTING = [m for m in restkv.METHODS if REGISTRY[m].evicts]
@@ -110,8 +111,10 @@ def _scores(cfg, n=40, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, h, n, 8, generator=g) for h in (4, 2, 2))
     budget = layer_budgets(cfg, 3, n)[0]
+    W = torch.randn(16, 32, generator=g)
     obs = Observation(q, k, v, torch.ones(1, n, dtype=torch.bool), window=cfg.window_size, budget=budget,
-                      scaling=8**-0.5, wo_factor=wo_factor(torch.randn(16, 32, generator=g), 4), num_layers=3)
+                      scaling=8**-0.5, wo_factor=wo_factor(W, 4), wo_weight=W, num_layers=3,
+                      rope=Rope.of(rope_embed(8), torch.arange(n)[None]))
     return raw_scores(obs, cfg)
 
 
