@@ -213,8 +213,12 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
         cfg.scorer.check_layers(cfg, len(evicted))
     table = None
     if cfg.get("head_budget") == "headkv":
-        importance = load_head_importance(cfg.head_importance, len(modules), config.num_attention_heads,
-                                          config.num_key_value_heads)
+        path = cfg.head_importance
+        if path is None:  # HeadKV's own scores of this model, computed once and cached
+            from .bench.head_scores import cached_head_importance
+
+            path = cached_head_importance(model)
+        importance = load_head_importance(path, len(modules), config.num_attention_heads, config.num_key_value_heads)
         table = headkv_budgets(importance, cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
     return [LayerPlan(cfg, evicted.index(m.layer_idx) if m.layer_idx in evicted else -1, len(evicted),
                       None if table is None else table[m.layer_idx], windows.get(m.layer_idx)) for m in modules]

@@ -109,7 +109,6 @@ def test_variants_extend_the_grid_with_their_own_labels():
 
 
 @pytest.mark.parametrize("argv,field", [
-    (("--method", "headkv"), "head_importance"),
     (("--quant_method", "quanto", "--nbits", "3"), "nbits"),
     (("--head_budget", "adakv", "--floor", "1.5"), "floor"),
     (("--window_size", "128"), "window_size"),
