@@ -30,6 +30,28 @@ def startup(parser, prepare, args):
         parser.error(str(err))
 
 
+class Runner:
+    """A runner script: its flags (the ``add`` functions), its checks before any work (``prepare(args) ->
+    plan``, see :func:`startup`) and its work (``run(args, plan)``)."""
+
+    def __init__(self, description, adders, prepare, run):
+        self.description, self.adders, self.prepare, self.run = description, adders, prepare, run
+
+    def build_parser(self):
+        parser = ArgumentParser(description=self.description)
+        for add in self.adders:
+            add(parser)
+        return parser
+
+    def parse_args(self, argv=None):
+        return self.build_parser().parse_args(argv)
+
+    def main(self, argv=None):
+        parser = self.build_parser()
+        args = parser.parse_args(argv)
+        return self.run(args, startup(parser, self.prepare, args))
+
+
 def str2bool(text):
     """Parse ``1/0/true/false/yes/no`` (any case) into a bool for argparse."""
     value = str(text).strip().lower()

@@ -43,13 +43,14 @@ def datasets_of(args):
     names = args.datasets or allowed
     unknown = [d for d in names if d not in allowed]
     if unknown:
-        raise ValueError(f"unknown datasets {unknown}; choose from {allowed}")
+        raise ValueError(f"--datasets: unknown {unknown}; choose from {allowed}")
     return names
 
 
 def prepare(args):
-    """Check the flags and load the datasets of ``args`` (checked by :func:`datasets_of`) before any model
-    work (:func:`restkv.bench.datasets.prepare_datasets`)."""
+    """Check the flags (``args.datasets`` by :func:`datasets_of`) and load the datasets of ``args`` before any
+    model work (:func:`restkv.bench.datasets.prepare_datasets`)."""
+    args.datasets = datasets_of(args)
     name = "longbench_e" if args.e else "longbench"
     return prepare_datasets(args, name, lambda: [
         make_task(d, load_records(args.data_dir, d, args.e, args.max_num_examples, args.hub), args.e)
