@@ -27,7 +27,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, Fp8QuantizedLayer, QuantizedLayer,
+                                      StaticLayer)
 from transformers.modeling_utils import AttentionInterface
 
 from .budgets import headkv_budgets, load_head_importance
@@ -47,6 +48,10 @@ FAMILIES = {
 }
 
 
+# The cache layers a prefill is evicted from: the model's own dynamic layers.
+PREFILL_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
 def _attention_with_eviction(backend, implementation, module, query, key, value, attention_mask, **kwargs):
     state: LayerState | None = getattr(module, "_restkv", None)
     if state is None or state.cache is None or not state.plan.evicts:
@@ -55,12 +60,50 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
     if isinstance(layer, VarlenLayer):
         return layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5), None
     if isinstance(layer, KeptLayer):
-        mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1])
+        mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1],
+                                    state.plan.window)
         return backend(module, query, key, value, mask, **kwargs)
     out = backend(module, query, key, value, attention_mask, **kwargs)
-    if type(layer) is DynamicLayer and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
+    if type(layer) in PREFILL_LAYERS and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
         state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
     return out
+
+
+def check_cache(state: "LayerState", cache, layer_idx: int) -> None:
+    """Before a layer's forward: raise if eviction cannot go into the ``cache`` the caller passed (a static,
+    quantized or offloaded cache), so that no full cache is used silently; a fresh cache clears the kept positions."""
+    if cache is None or not state.plan.evicts:
+        return
+    if cache.get_seq_length(layer_idx) == 0:
+        state.kept = None  # a new prefill
+    if not state.plan.cfg.evicts:
+        return
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ValueError(f"past_key_values: restkv evicts into the model's DynamicCache, not a {type(cache).__name__}: "
+                         "pass no cache or a DynamicCache")
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    kind = type(layer) if layer is not None else getattr(cache, "layer_class_to_replicate", None)
+    if getattr(cache, "offloading", False) or not (kind in PREFILL_LAYERS or isinstance(layer, (KeptLayer, VarlenLayer))):
+        raise ValueError(unsupported_cache(cache, kind))
+
+
+def unsupported_cache(cache, kind) -> str:
+    """Why eviction cannot go into ``cache`` (layers of type ``kind``), and what to do instead."""
+    offloaded = bool(getattr(cache, "offloading", False))
+    what = f"{type(cache).__name__} ({getattr(kind, '__name__', kind)} layers{', offloaded' if offloaded else ''})"
+    if offloaded:
+        fix = ("the kept entries are few: pass no cache (nor cache_implementation='offloaded'), or offload the "
+               "model's layers instead (--device_map)")
+    elif isinstance(kind, type) and issubclass(kind, (QuantizedLayer, Fp8QuantizedLayer)):
+        fix = ("eviction quantizes the kept entries itself: pass no cache and set quant_method "
+               "(configure(model, ..., quant_method='quanto' or 'hqq', nbits=...))")
+    elif isinstance(kind, type) and issubclass(kind, StaticLayer):
+        fix = ("a static cache holds a fixed number of entries; pass no cache (or a DynamicCache), "
+               "and do not set cache_implementation='static'")
+    else:
+        fix = "pass no cache or a DynamicCache"
+    return f"past_key_values: restkv evicts into the model's DynamicCache, not a {what}: {fix}"
 
 
 def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -> None:
@@ -135,6 +178,22 @@ def _is_sliding(config, layer_idx: int) -> bool:
     return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
 
 
+def evicted_layers(config, layer_indices) -> dict:
+    """``{layer index: its sliding window or None}`` of the layers eviction applies to.
+
+    The full-attention layers; in a model whose every layer is sliding-window (Mistral v0.1's config,
+    transformers' default ``MistralConfig``) every layer, with its window W: eviction keeps entries among
+    those the first decoded token can still attend (the last W - 1, all of them for a shorter prompt), and
+    decoding never attends an entry more than W - 1 positions back, as the model's own mask. Models that
+    interleave both kinds (Gemma 2/3) keep their sliding-window layers whole.
+    """
+    full = [i for i in layer_indices if not _is_sliding(config, i)]
+    if full:
+        return dict.fromkeys(full)
+    window = getattr(config, "sliding_window", None)
+    return dict.fromkeys(layer_indices, window) if window else {}
+
+
 def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
     """Each attention layer's plan under ``cfg``, checked against the model (backend, layers, HeadKV table)."""
     config = model.config.get_text_config()
@@ -146,18 +205,26 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention module with layer_idx and o_proj")
-    evicted = [m.layer_idx for m in modules if not _is_sliding(config, m.layer_idx)]
+    windows = evicted_layers(config, [m.layer_idx for m in modules])
+    evicted = list(windows)
     if cfg.evicts and not evicted:
-        raise ValueError("the model has no full-attention layer to evict from (every layer is sliding-window)")
+        raise ValueError("the model has no layer to evict from (no full-attention layer, no sliding window size)")
+    if cfg.evicts and cfg.get("gqa_agg") == "none" and any(windows.values()):
+        raise ValueError("gqa_agg='none' (one set per query head, the packed layout) cannot bound decoding by the "
+                         "sliding window of this model's layers; use another gqa_agg")
     if cfg.evicts:
         cfg.scorer.check_layers(cfg, len(evicted))
     table = None
     if cfg.get("head_budget") == "headkv":
-        importance = load_head_importance(cfg.head_importance, len(modules), config.num_attention_heads,
-                                          config.num_key_value_heads)
+        path = cfg.head_importance
+        if path is None:  # HeadKV's own scores of this model, computed once and cached
+            from .bench.head_scores import cached_head_importance
+
+            path = cached_head_importance(model)
+        importance = load_head_importance(path, len(modules), config.num_attention_heads, config.num_key_value_heads)
         table = headkv_budgets(importance, cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
     return [LayerPlan(cfg, evicted.index(m.layer_idx) if m.layer_idx in evicted else -1, len(evicted),
-                      None if table is None else table[m.layer_idx]) for m in modules]
+                      None if table is None else table[m.layer_idx], windows.get(m.layer_idx)) for m in modules]
 
 
 def _capture(module, args, kwargs):
@@ -165,6 +232,7 @@ def _capture(module, args, kwargs):
     state.cache = kwargs.get("cache", kwargs.get("past_key_values"))
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     state.rope = None if hidden is None else capture(state.embed, kwargs, hidden.shape[0])
+    check_cache(state, state.cache, module.layer_idx)
 
 
 def _release(module, args, kwargs, output):

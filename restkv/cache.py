@@ -69,6 +69,7 @@ class KeptLayer:
         self.positions = kept.positions  # [b, Hkv, B] kept prompt positions
         self.valid = kept.valid  # [b, B], or [b, Hkv, B] when heads keep different numbers (masked layout)
         self.all_valid = bool(kept.valid.all())
+        self.prompt_end = kept.positions.amax((1, 2)) + 1  # [b] real prompt tokens (the last one is always kept)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         self.seen += key_states.shape[-2]
@@ -85,6 +86,7 @@ class KeptLayer:
         super().reorder_cache(beam_idx)
         self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
         self.valid = self.valid.index_select(0, beam_idx.to(self.valid.device))
+        self.prompt_end = self.prompt_end.index_select(0, beam_idx.to(self.prompt_end.device))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a compressed cache layer cannot be cropped")
@@ -94,30 +96,48 @@ class KeptLayer:
         extra = self.stored - self.valid.shape[-1]
         return torch.cat([self.valid, self.valid.new_ones(*self.valid.shape[:-1], extra)], -1)
 
-    def attention_mask(self, query_length: int, implementation: str, dtype: torch.dtype, groups: int = 1) -> Tensor | None:
+    def attention_mask(self, query_length: int, implementation: str, dtype: torch.dtype, groups: int = 1,
+                       window: int | None = None) -> Tensor | None:
         """The mask a backend needs for ``query_length`` new queries over the stored entries.
 
         Returns None when nothing is masked (one query, no kept padding), a 2D [b, n] padding mask
         for flash-attention, a bool [b, 1 or Hq, q, n] mask for sdpa, and an additive one for eager.
+        ``window``: the layer's sliding window W; a query at position t then sees only entries at
+        positions > t - W (as the model's sliding-window mask), once the tokens seen exceed W.
         """
-        if self.all_valid and query_length == 1:
+        sliding = window is not None and self.seen > window
+        if self.all_valid and query_length == 1 and not sliding:
             return None
         valid = self.key_valid()
         per_head = valid.dim() == 3
         if implementation.startswith("flash"):
-            if per_head:
-                raise NotImplementedError("flash-attention needs the variable-length layout for per-head budgets")
+            if per_head or sliding:
+                raise NotImplementedError("flash-attention takes one padding mask per sample: per-head budgets need "
+                                          "the variable-length layout, and a sliding window over kept entries needs "
+                                          "attn_implementation='sdpa' or 'eager'")
             return None if self.all_valid else valid.long()
         n = valid.shape[-1]
         q = torch.arange(query_length, device=valid.device)[:, None]
         causal = torch.arange(n, device=valid.device)[None, :] <= (n - query_length) + q  # [q, n]
-        heads = valid.repeat_interleave(groups, 1)[:, :, None, :] if per_head else valid[:, None, None, :]
-        allowed = causal[None, None] & heads
+        heads = valid[:, :, None, :] if per_head else valid[:, None, None, :]  # [b, Hkv or 1, 1, n]
+        if sliding:
+            heads = heads & self.within_window(query_length, window)  # [b, Hkv, q, n]
+        allowed = causal[None, None] & (heads.repeat_interleave(groups, 1) if heads.shape[1] > 1 else heads)
         if implementation == "sdpa":
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(
             ~allowed, torch.finfo(dtype).min
         )
+
+    def within_window(self, query_length: int, window: int) -> Tensor:
+        """[b, Hkv, q, n] bool: which stored entries each of the ``query_length`` newest queries sees under a
+        sliding window (position distance < ``window``); kept prompt entries, then the decoded ones."""
+        decoded = self.stored - self.positions.shape[-1]  # entries appended since prefill (the queries' among them)
+        end = self.prompt_end[:, None]  # [b, 1]
+        step = torch.arange(decoded, device=end.device)
+        entry = torch.cat([self.positions, (end + step).unsqueeze(1).expand(-1, self.positions.shape[1], -1)], -1)
+        query = end + (decoded - query_length) + torch.arange(query_length, device=end.device)  # [b, q]
+        return query[:, None, :, None] - entry[:, :, None, :] < window
 
 
 class CompressedLayer(KeptLayer, DynamicLayer):

@@ -23,7 +23,7 @@ _QUANTIZED = {"quant_method": tuple(QUANT_BITS)}
 # Read by every run (fullkv ignores the budget and window).
 GENERAL = (
     Knob("max_capacity_prompt", 512, "entries kept per KV head per layer after prefill (the budget B), window "
-         "included", check=lambda b: b >= 1, rule=">= 1 (and larger than window_size)",
+         "included", check=lambda b: b >= 1, rule=">= 1 and larger than window_size",
          when={"max_capacity_prompt_ratio": (None,)}),
     Knob("max_capacity_prompt_ratio", None, "the budget as a fraction of each sample's prompt instead: "
          "round(L * ratio) entries (window included, at least window_size + 1)", check=lambda r: 0 < r <= 1,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .budgets import layer_budgets, sample_budgets
-from .cache import cache_layer
+from .cache import CompressedLayer, cache_layer
 from .config import CompressionConfig
 from .observe import Observation, relative_positions, wo_factor
 from .rope import Rope
@@ -28,6 +28,7 @@ class LayerPlan:
     rank: int  # index among the evicted layers; -1: not evicted (sliding-window)
     num_evicted: int
     table: torch.Tensor | None = None  # HeadKV: entries per KV head, window excluded [Hkv]
+    window: int | None = None  # the sliding window of an evicted sliding-window layer (None: full attention)
 
     @property
     def evicts(self) -> bool:
@@ -58,9 +59,18 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
     (layer, positions)
         The cache layer to put in place of the layer's full one (None: keep the full one) and the kept
         positions [b, Hkv, kept] (from each sample's first real token, -1 on kept padding).
+
+    On a sliding-window layer (``plan.window`` W) only the last W - 1 prompt entries can still be
+    attended by the first decoded token; they are the ones scored and kept from (all of them when
+    the prompt is shorter), and when nothing is evicted the model's own sliding-window layer stays.
     """
     b, hkv, n, _ = key.shape
     key_valid = _key_valid(attention_mask, b, n, key.device)
+    seen, start = n, 0 if plan.window is None else max(0, n - plan.window + 1)
+    if start:  # the entries older than the window are out of reach: evict among the visible ones
+        offset = key_valid[:, :start].sum(-1)  # [b] real tokens before them
+        query, key, value, key_valid = query[:, :, start:], key[:, :, start:], value[:, :, start:], key_valid[:, start:]
+        n = n - start
     cfg, memo = plan.cfg, {} if memo is None else memo
     by_ratio = cfg.get("max_capacity_prompt_ratio") is not None
     lengths = key_valid.sum(-1).tolist() if by_ratio else [n]  # one host read per layer with a ratio
@@ -78,23 +88,32 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
             memo=shared,
         )
 
-    if not cfg.evicts or all(length <= budget for length, budget in zip(lengths, budgets)):
+    whole = not cfg.evicts or all(length <= budget for length, budget in zip(lengths, budgets))
+    if whole:
         kept = Kept(key, value, relative_positions(key_valid)[:, None].expand(-1, hkv, -1), key_valid)
     elif len(set(budgets)) == 1:
         kept = select(observe(), cfg, plan.table)
     else:  # budgets that differ by sample (a ratio): each sample on its own real tokens
         kept = stack_samples([select(observe(slice(i, i + 1), n - lengths[i], budgets[i], memo.setdefault(i, {})),
                                      cfg, plan.table) for i in range(b)])
-    return cache_layer(kept, n, cfg), kept.positions
+    if not start:
+        return cache_layer(kept, seen, cfg), kept.positions
+    kept = replace(kept, positions=torch.where(kept.positions >= 0, kept.positions + offset[:, None, None], -1))
+    if whole and not cfg.quant_method:
+        return None, kept.positions  # the model's sliding-window layer holds exactly these
+    if kept.per_head and kept.kv_heads is None:  # the masked layout: its mask also bounds the window
+        return CompressedLayer(kept, seen=seen), kept.positions
+    return cache_layer(kept, seen, cfg), kept.positions
 
 
 def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
-    """[b, n] bool: which keys are real tokens, read off whatever mask the backend received."""
+    """[b, n] bool: which keys are real tokens, read off whatever mask the backend received at prefill."""
     if mask is None:
         return torch.ones(batch, n, dtype=torch.bool, device=device)
     if mask.dim() == 2:  # flash-attention padding mask
         return mask[:, -n:].bool().expand(batch, n)
-    row = mask[:, 0, -1, :n]  # the last query sees every real key
+    # each query sees its own key unless that key is padding (the last row would miss keys beyond a sliding window)
+    row = mask[:, 0, -n:, :n].diagonal(dim1=-2, dim2=-1)
     row = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
     return row.expand(batch, n)
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import AttentionInterface
 from transformers import (
     Gemma3ForCausalLM,
@@ -91,10 +92,11 @@ def generate(model, ids, mask=None, n=6, **kw):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
 
 
-def masked_reference_logits(model, ids, kept, n_new):
+def masked_reference_logits(model, ids, kept, n_new, window=None):
     """Greedy decoding on the FULL cache with, per layer and head, every prompt entry outside ``kept`` masked.
 
     ``kept`` per layer [b, H, K] with H the KV heads, or the query heads (one kept set per query head).
+    ``window``: a sliding window W over every layer, as the model's sliding-window mask (query t sees keys > t - W).
     """
     name = "restkv_test_masked"
 
@@ -104,16 +106,18 @@ def masked_reference_logits(model, ids, kept, n_new):
         k = key.repeat_interleave(g, 1).float()
         v = value.repeat_interleave(g, 1).float()
         logits = query.float() @ k.transpose(-1, -2) * scaling
+        t = torch.arange(key.shape[2] - q, key.shape[2])[:, None]  # the queries' positions
+        too_old = torch.arange(key.shape[2])[None, :] <= t - (window or key.shape[2] + 1)  # [q, kv] beyond the window
         if q == 1:
             n = ids.shape[1]
             idx = kept[module.layer_idx].masked_fill(kept[module.layer_idx] < 0, n)  # -1: nothing kept there
             heads = idx.shape[1]
             allowed = torch.ones(b, heads, key.shape[2], dtype=torch.bool)
             allowed[..., :n] = torch.zeros(b, heads, n + 1, dtype=torch.bool).scatter_(2, idx, True)[..., :n]
-            logits = logits.masked_fill(~allowed.repeat_interleave(hq // heads, 1)[:, :, None], float("-inf"))
+            logits = logits.masked_fill(~allowed.repeat_interleave(hq // heads, 1)[:, :, None] | too_old, float("-inf"))
         else:
             future = torch.ones(q, key.shape[2], dtype=torch.bool).triu(1 + key.shape[2] - q)
-            logits = logits.masked_fill(future, float("-inf"))
+            logits = logits.masked_fill(future | too_old, float("-inf"))
         out = (logits.softmax(-1) @ v).to(query.dtype)
         return out.transpose(1, 2).contiguous(), None
 
@@ -122,7 +126,7 @@ def masked_reference_logits(model, ids, kept, n_new):
     previous = model.config._attn_implementation
     model.config._attn_implementation = name
     try:
-        out = model(ids, use_cache=True)
+        out = model(ids, use_cache=True, cache=DynamicCache())  # full layers, also for a sliding-window model
         cache, steps = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1]]
         for _ in range(n_new - 1):
             nxt = steps[-1].argmax(-1, keepdim=True)

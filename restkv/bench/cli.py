@@ -6,8 +6,50 @@ heavy imports.
 
 import argparse
 
-# ``--dtype`` choices: the keys of ``restkv.bench.models.DTYPES``.
+# ``--dtype`` choices: names of torch dtypes.
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line: ``prog: error: message (see --help)``, exit code 2 (argparse's
+    own print the whole usage first: dozens of lines for a runner)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def startup(parser, prepare, args):
+    """``prepare(args)``: a run's checks before any work. A ``ValueError`` or ``FileNotFoundError`` they raise
+    (bad input, named by its flag or field) or a missing extra (``restkv.lazy.MissingExtra``) ends the program
+    as ``parser.error`` does (one line, exit code 2); any other error keeps its traceback."""
+    from restkv.lazy import MissingExtra
+
+    try:
+        return prepare(args)
+    except (ValueError, FileNotFoundError, MissingExtra) as err:
+        parser.error(str(err))
+
+
+class Runner:
+    """A runner script: its flags (the ``add`` functions), its checks before any work (``prepare(args) ->
+    plan``, see :func:`startup`) and its work (``run(args, plan)``)."""
+
+    def __init__(self, description, adders, prepare, run):
+        self.description, self.adders, self.prepare, self.run = description, adders, prepare, run
+
+    def build_parser(self):
+        parser = ArgumentParser(description=self.description)
+        for add in self.adders:
+            add(parser)
+        return parser
+
+    def parse_args(self, argv=None):
+        return self.build_parser().parse_args(argv)
+
+    def main(self, argv=None):
+        parser = self.build_parser()
+        args = parser.parse_args(argv)
+        return self.run(args, startup(parser, self.prepare, args))
 
 
 def str2bool(text):
@@ -142,6 +184,14 @@ def parse_methods(values):
             if name and name not in out:
                 out.append(name)
     return out
+
+
+def check_common(args):
+    """The checks of the shared flags that argparse does not make (``ValueError`` naming the flag)."""
+    for flag in ("batch_size", "max_length", "max_new_tokens", "max_num_examples"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {value}")
 
 
 def add_dataset_args(parser):

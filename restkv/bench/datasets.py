@@ -5,11 +5,14 @@ record per dataset record (keyed by its id field), through the shared loop of :m
 """
 
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Callable
 
-from .grid import configs_meta, method_configs
+from .cli import check_common
+from .grid import announce, configs_meta, method_configs
 from .loop import Predictor, Task, per_label
+from .models import check_context
 from .prompts import has_chat_template, prompt_ids
 
 
@@ -68,27 +71,55 @@ def dataset_task(predictor, dataset):
                 per_label(os.path.join(predictor.out_dir, dataset.name), predictor.labels, dataset.key))
 
 
-def run_datasets(args, datasets, extra_meta=None):
-    """Predict every dataset for every method x budget of ``args``.
+@dataclass
+class DatasetPlan:
+    """Everything a run over datasets checks before the model loads."""
+
+    configs: list  # (label, configure kwargs)
+    datasets: list  # Dataset
+    meta: dict = field(default_factory=dict)  # stored in run_meta.json
+
+
+def prepare_datasets(args, name, load, meta=None):
+    """Check the flags of a run over datasets, then load them (``load() -> list of Dataset``), before any
+    model work; print the record count (stderr).
+
+    Raises
+    ------
+    ValueError
+        Naming the flag (a config, ``--max_length`` beyond the model's context), or the file and line of
+        malformed data.
+    FileNotFoundError
+        A missing data file (with where to get it) or a registry model that is not installed.
+    """
+    check_common(args)
+    configs = method_configs(args)
+    check_context(args.model_path, [("--max_length", args.max_length, 0)])
+    datasets = load()
+    print(f"{name}: {', '.join(f'{d.name} ({len(d.records)})' for d in datasets)}", file=sys.stderr)
+    announce(name, [("records", sum(len(d.records) for d in datasets))], configs)
+    return DatasetPlan(configs, datasets, dict(meta or {}))
+
+
+def run_datasets(args, plan):
+    """Predict every dataset of ``plan`` (:func:`prepare_datasets`) for every method x budget of ``args``.
 
     Parameters
     ----------
     args : argparse.Namespace
         Parsed :func:`restkv.bench.cli.add_common_args` and :func:`restkv.bench.cli.add_dataset_args` flags.
-    datasets : list of Dataset
-    extra_meta : dict, optional
-        Stored in ``run_meta.json``.
+    plan : DatasetPlan
 
     Returns
     -------
     dict
         ``{(dataset name, label): predictions file}``.
     """
-    configs = method_configs(args)
+    configs, datasets = plan.configs, plan.datasets
     predictor = Predictor(args, configs)
     predictor.write_metadata({"labels": predictor.labels, "configs": configs_meta(configs),
                               "tasks": [d.name for d in datasets], "max_length": predictor.max_length,
-                              "processes": predictor.shard.size, **(extra_meta or {})})
+                              "processes": predictor.shard.size, **plan.meta})
     tasks = [dataset_task(predictor, d) for d in datasets]
     predictor.predict(tasks)
     return {(t.name, label): path for t in tasks for label, path in t.store.paths.items()}

@@ -1,8 +1,8 @@
 """Batched greedy generation: one eviction config at a time, or several on one prefill."""
 
-import torch
-
 import restkv
+
+from ..lazy import torch
 
 from .prompts import left_pad
 
@@ -13,7 +13,6 @@ def input_device(model):
     return torch.device("cpu") if device.type == "meta" else device
 
 
-@torch.inference_mode()
 def generate_batch(model, tokenizer, prompts, max_new_tokens):
     """Greedy-decode a batch of prompts with the model's current eviction config.
 
@@ -25,12 +24,12 @@ def generate_batch(model, tokenizer, prompts, max_new_tokens):
         The generated continuation of each prompt only, special tokens removed.
     """
     input_ids, mask, pad = left_pad(tokenizer, prompts, input_device(model))
-    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
     return tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
 
 
-@torch.inference_mode()
 def sweep_batch(model, tokenizer, prompts, configs, max_new_tokens):
     """Greedy-decode a batch of prompts under several eviction configs with one prefill (``restkv.sweep``).
 
@@ -48,7 +47,8 @@ def sweep_batch(model, tokenizer, prompts, configs, max_new_tokens):
         LongTensor ``[batch, kv_heads, kept]`` or None per layer).
     """
     input_ids, mask, pad = left_pad(tokenizer, prompts, input_device(model))
-    results = restkv.sweep(model, input_ids, mask, configs, max_new_tokens, pad_token_id=pad)
+    with torch.inference_mode():
+        results = restkv.sweep(model, input_ids, mask, configs, max_new_tokens, pad_token_id=pad)
     return [(tokenizer.batch_decode(tokens, skip_special_tokens=True), kept) for tokens, kept in results]
 
 

@@ -5,8 +5,10 @@ Imports no torch itself: ``restkv`` is imported where a config is checked.
 """
 
 import argparse
+import math
 import os
 import re
+import sys
 
 from .cli import knob_flags, parse_methods, str2bool
 
@@ -241,3 +243,18 @@ def check_same_configs(path, previous, current):
             what = ", ".join(f"{k}={a!r} then, {b!r} now" for k, (a, b) in sorted(changed.items()))
             raise ValueError(f"{path}: results for {label} were made with other knobs ({what}); "
                              "rerunning into this folder would mix them: use another --save_dir")
+
+
+def announce(name, counts, configs, file=None):
+    """Print the size of a run before any work (stderr): ``needle: 2 needles x 2 lengths x 3 depths x
+    3 configs = 36 records``, then the config labels.
+
+    ``counts`` is ``[(what, number)]``: the factors of the units of work; ``configs`` as :func:`method_configs`.
+    Returns the number of records.
+    """
+    file = file or sys.stderr
+    total = math.prod(n for _, n in counts) * len(configs)
+    factors = " x ".join(f"{n} {what}" for what, n in [*counts, ("configs", len(configs))])
+    print(f"{name}: {factors} = {total} records", file=file)
+    print(f"{name}: configs {', '.join(label for label, _ in configs)}", file=file)
+    return total

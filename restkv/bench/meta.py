@@ -8,14 +8,11 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
-
-import torch
-import transformers
 
 import restkv  # noqa: F401  (so its version is found when not installed as a distribution)
 
 from .grid import check_same_configs
+from .results import atomic_write
 
 
 def _version(dist, module=None):
@@ -55,16 +52,12 @@ def write_metadata(save_dir, args, extra=None):
     meta = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "restkv": _version("restkv")},
+        "versions": {"python": platform.python_version(), "torch": _version("torch"),
+                     "transformers": _version("transformers"), "restkv": _version("restkv")},
         "git_sha": git_sha(),
         "platform": platform.platform(),
         "config": config,
         **extra,
     }
-    os.makedirs(save_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=save_dir, prefix=".run_meta.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(meta, fh, indent=2, default=str)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(meta, indent=2, default=str))
     return path

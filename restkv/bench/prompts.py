@@ -1,6 +1,6 @@
 """Prompts: the chat template, encoding, middle truncation to a length, and left padding."""
 
-import torch
+from ..lazy import torch
 
 
 def middle_truncate(ids, max_len):
@@ -16,9 +16,9 @@ def middle_truncate(ids, max_len):
     tail = max_len - head
     if tail == 0:
         return ids[:head]
-    if isinstance(ids, torch.Tensor):
-        return torch.cat([ids[:head], ids[-tail:]])
-    return ids[:head] + ids[-tail:]
+    if isinstance(ids, list):
+        return ids[:head] + ids[-tail:]
+    return torch.cat([ids[:head], ids[-tail:]])
 
 
 def has_chat_template(tokenizer):

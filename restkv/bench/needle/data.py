@@ -4,8 +4,6 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..prompts import build_prompt, encode, middle_truncate
 
 PROMPT = ("You are a helpful AI bot that answers questions for a user. Keep your response short and direct.\n\n"
@@ -35,28 +33,6 @@ NEEDLES = {
     "passkey": Needle("passkey", "The pass key is {key}. Remember it. {key} is the pass key.",
                       "What is the pass key?", "{key}"),
 }
-
-
-def parse_range(items, kind=int):
-    """Expand ``["1000", "2000:4000:3"]`` into ``[1000, 2000, 3000, 4000]``.
-
-    Each item is a number or ``start:stop:num`` (``num`` evenly spaced values,
-    both ends included, rounded for ints). Order is kept, repeats dropped.
-    """
-    out = []
-    for item in items:
-        parts = str(item).split(":")
-        if len(parts) == 1:
-            values = [kind(float(parts[0]))]
-        elif len(parts) == 3:
-            start, stop, num = float(parts[0]), float(parts[1]), int(parts[2])
-            if num < 1:
-                raise ValueError(f"range {item!r}: num must be >= 1")
-            values = [kind(round(v)) if kind is int else kind(round(v, 6)) for v in np.linspace(start, stop, num)]
-        else:
-            raise ValueError(f"expected a number or start:stop:num, got {item!r}")
-        out += [v for v in values if v not in out]
-    return out
 
 
 class Haystack:

@@ -6,9 +6,12 @@ Reads folders of ``<task>/validation.jsonl`` and appends predictions to
 """
 
 import os
+from dataclasses import dataclass
 
-from restkv.bench.grid import configs_meta, method_configs
+from restkv.bench.cli import check_common
+from restkv.bench.grid import announce, configs_meta, method_configs
 from restkv.bench.loop import Predictor, Task, per_label
+from restkv.bench.models import check_context
 from restkv.bench.prompts import build_prompt, encode, middle_truncate
 from restkv.bench.ruler.data import find_tasks, load_task
 from restkv.bench.ruler.tasks import FAMILIES, family_of
@@ -96,18 +99,50 @@ def ruler_task(predictor, task, records):
     return Task(f"{length} {task}", records, prompt, record, new_tokens, store, ids=_ids)
 
 
-def run(args):
+@dataclass
+class RulerPlan:
+    """Everything a RULER run checks before the model loads."""
+
+    configs: list  # (label, configure kwargs)
+    data: list  # (task, records)
+
+
+def prepare(args):
+    """Check the flags and the data of a RULER run before any model work; print its record count (stderr).
+
+    Every folder's ``max_seq_length`` (prompt and generation, as RULER sizes its samples) and
+    ``--max_length`` must fit the model's context.
+
+    Raises
+    ------
+    ValueError
+        Naming the flag, or the file and record of malformed data.
+    FileNotFoundError
+        A missing data folder or task file, or a registry model that is not installed.
+    """
+    check_common(args)
+    configs = method_configs(args)
+    data = load_data(args.data_dir, args.tasks, args.num_samples, args.context_length)
+    length, task = max((r["max_seq_length"], task) for task, records in data for r in records)
+    check_context(args.model_path, [("--context_length", args.context_length, 0),
+                                    (f"--data_dir ({task}: max_seq_length)", length, 0),
+                                    ("--max_length", args.max_length, 0)])
+    announce("ruler", [("samples", sum(len(records) for _, records in data))], configs)
+    return RulerPlan(configs, data)
+
+
+def run(args, plan=None):
     """Predict every sample of the data folders of ``args`` for every method x budget.
 
-    The flags are checked before any data or model work, the data before the model loads.
+    The flags and the data are checked (:func:`prepare`, unless its ``plan`` is given) before the model loads.
 
     Returns
     -------
     dict
         ``{(max_seq_length, task, label): predictions file}``.
     """
-    configs = method_configs(args)
-    data = load_data(args.data_dir, args.tasks, args.num_samples, args.context_length)
+    plan = plan or prepare(args)
+    configs, data = plan.configs, plan.data
     predictor = Predictor(args, configs)
     predictor.write_metadata({"benchmark": "ruler", "labels": predictor.labels, "configs": configs_meta(configs),
                               "tasks": sorted({t for t, _ in data}), "max_length": predictor.max_length,
