@@ -47,13 +47,17 @@ def continuation_logprobs(model, ids: torch.Tensor, length: int, configs: list[d
     Returns per config the log-probabilities [continuation, vocab] of every next token from the
     prompt's last one on.
     """
-    pre = restkv.sweep_caches(model, ids[None, :length], None, configs)
-    last, caches = pre.logits, pre.caches
+    return teacher_forced(model, restkv.sweep_caches(model, ids[None, :length], None, configs), ids, length)
+
+
+@torch.no_grad()
+def teacher_forced(model, pre, ids: torch.Tensor, length: int) -> list[torch.Tensor]:
+    """Log-probabilities [continuation, vocab] of ``ids[length:]`` on each cache of ``pre`` (a ``Prefill``)."""
     restkv.configure(model, method="fullkv")  # decoding reads each cache's own layers
     out = []
-    for cache in caches:
+    for cache in pre.caches:
         rest = model(ids[None, length:-1], cache=cache, use_cache=True).logits[0]
-        out.append(torch.cat([last, rest]).float().log_softmax(-1))
+        out.append(torch.cat([pre.logits, rest]).float().log_softmax(-1))
     return out
 
 
