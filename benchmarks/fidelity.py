@@ -47,17 +47,22 @@ def continuation_logprobs(model, ids: torch.Tensor, length: int, configs: list[d
     Returns per config the log-probabilities [continuation, vocab] of every next token from the
     prompt's last one on.
     """
-    return teacher_forced(model, restkv.sweep_caches(model, ids[None, :length], None, configs), ids, length)
+    pre = restkv.sweep_caches(model, ids[None, :length], None, configs)
+    return teacher_forced(model, ids, length, pre.logits, pre.caches)
 
 
 @torch.no_grad()
-def teacher_forced(model, pre, ids: torch.Tensor, length: int) -> list[torch.Tensor]:
-    """Log-probabilities [continuation, vocab] of ``ids[length:]`` on each cache of ``pre`` (a ``Prefill``)."""
+def teacher_forced(model, ids: torch.Tensor, length: int, last: torch.Tensor, caches: list) -> list[torch.Tensor]:
+    """Log-probabilities [continuation, vocab] of ``ids[length:]`` on each prompt cache of ``caches``.
+
+    ``last`` [1, vocab] are the prefill's logits at the prompt's last token; the tokens
+    ``ids[length:-1]`` are teacher-forced on each cache (which they extend).
+    """
     restkv.configure(model, method="fullkv")  # decoding reads each cache's own layers
     out = []
-    for cache in pre.caches:
+    for cache in caches:
         rest = model(ids[None, length:-1], cache=cache, use_cache=True).logits[0]
-        out.append(torch.cat([pre.logits, rest]).float().log_softmax(-1))
+        out.append(torch.cat([last, rest]).float().log_softmax(-1))
     return out
 
 

@@ -209,7 +209,7 @@ def restkv_model_side(model, samples, length: int, pairs, budget: int) -> dict:
     out = {"full": [], **{p.name: [] for p in pairs}}
     for s, ids in enumerate(samples):
         pre = restkv.sweep_caches(model, ids[None, :length], None, configs)
-        full, *evicted = teacher_forced(model, pre, ids, length)
+        full, *evicted = teacher_forced(model, ids, length, pre.logits, pre.caches)
         out["full"].append(full)
         for p, logprobs, kept in zip(pairs, evicted, pre.kept[1:]):
             out[p.name].append({"kept": [k[0] for k in kept], "logprobs": logprobs})
