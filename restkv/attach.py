@@ -8,7 +8,7 @@ or each family's module-level ``eager_attention_forward``. restkv wraps those fu
   hands the layer's tensors to the attachment's ``on_prefill`` (by default ``evict_layer``, whose
   result replaces the layer's cache);
 - when decoding on a layer that holds kept entries: supplies their mask (or attends over the packed
-  per-head layout itself).
+  per-head layout itself), and with ``decode_interval`` evicts again every that many new tokens.
 
 An attachment is one ``LayerState`` per attention module (``module._restkv``), the model's
 ``model._restkv`` and two hooks per module that hand the state the forward's cache and RoPE; ``detach``
@@ -33,6 +33,7 @@ from transformers.modeling_utils import AttentionInterface
 from .budgets import headkv_budgets, load_head_importance
 from .cache import KeptLayer, VarlenLayer
 from .config import CompressionConfig
+from .decode import decode_step
 from .evict import LayerPlan, evict_layer
 from .rope import Rope, capture, rotary_function, rotary_module
 
@@ -52,11 +53,15 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
     if state is None or state.cache is None or not state.plan.evicts:
         return backend(module, query, key, value, attention_mask, **kwargs)
     layer = state.cache.layers[module.layer_idx]
-    if isinstance(layer, VarlenLayer):
-        return layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5), None
-    if isinstance(layer, KeptLayer):
-        mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1])
-        return backend(module, query, key, value, mask, **kwargs)
+    if isinstance(layer, (VarlenLayer, KeptLayer)):
+        if isinstance(layer, VarlenLayer):
+            out = layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5, kwargs.get("softcap")), None
+        else:
+            mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1])
+            out = backend(module, query, key, value, mask, **kwargs)
+        if getattr(layer, "policy", None) is not None:  # eviction during decoding (``decode_interval``)
+            decode_step(state.cache, module, query, kwargs)
+        return out
     out = backend(module, query, key, value, attention_mask, **kwargs)
     if type(layer) is DynamicLayer and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
         state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
