@@ -37,7 +37,8 @@ def variants(budget, interval):
 
 def held_per_head(cache) -> int:
     """The most entries any KV head of any layer holds."""
-    return max(int(layer.lengths.max()) if hasattr(layer, "lengths") else layer.keys.shape[-2] for layer in cache.layers)
+    return max(int(layer.lengths.max()) if hasattr(layer, "lengths") else layer.keys.shape[-2]
+               for layer in cache.layers)
 
 
 @torch.no_grad()

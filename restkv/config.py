@@ -38,7 +38,8 @@ GENERAL = (
          check=lambda n: n >= 0, rule=">= 0", when=_QUANTIZED),
     Knob("q_group_size", 64, "quantization group size", check=lambda n: n >= 1, rule=">= 1", when=_QUANTIZED),
 )
-EVICTION = budgets.KNOBS + merge.KNOBS + critical.KNOBS + chunks.KNOBS + decode.KNOBS  # read by every method that evicts
+# read by every method that evicts
+EVICTION = budgets.KNOBS + merge.KNOBS + critical.KNOBS + chunks.KNOBS + decode.KNOBS
 # Other names of a knob (the original's flags): name -> (knob, {value: knob's value}).
 ALIASES = {"ss": ("pooling", {p: p for p in ("none", "avgpool", "maxpool", "adaptive")})}
 for _m in REGISTRY.values():

@@ -114,8 +114,8 @@ class Observation:
         if self.softcap:
             probs.div_(self.softcap).tanh_().mul_(self.softcap)
         q_pos = torch.arange(start, stop, device=probs.device)
-        valid = self.entry_valid
-        valid = valid.repeat_interleave(hq // valid.shape[1], 1)[:, :, None] if valid.shape[1] > 1 else valid[:, :, None]
+        valid = self.entry_valid  # [b, 1 or H, L] -> [b, 1 or Hq, 1, L]
+        valid = (valid.repeat_interleave(hq // valid.shape[1], 1) if valid.shape[1] > 1 else valid)[:, :, None]
         hidden = ~((torch.arange(n_keys, device=probs.device) <= q_pos[:, None]) & valid)
         probs.masked_fill_(hidden, NEG)
         # exp below EXP_FLOOR underflows to denormals/zero, which CPUs compute many times slower;

@@ -3,11 +3,15 @@ full cache with masks that change as decoding evicts, sweep mode, and the knob's
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import restkv
 from restkv.cache import VarlenLayer
+from restkv.config import CompressionConfig, declared
+from restkv.methods import REGISTRY
 from helpers import generate, masked_reference_logits, prompt, small, tiny_model
 
 B, W = 24, 6
@@ -59,6 +63,25 @@ def test_decoding_equals_full_cache_with_masks_that_change(knobs, per_head):
 
 
 MERGING = [(dict(method="cam"), False), (dict(method="snapkv", merge="pivot"), False)]  # values change: not masking
+
+
+@pytest.mark.parametrize("method", [m for m in restkv.METHODS if REGISTRY[m].evicts])
+def test_every_method_evicts_while_decoding(method, tmp_path):
+    knobs = small(method, max_capacity_prompt=B, window_size=W, decode_interval=3)
+    if declared(method)["head_budget"].default == "headkv":
+        table = torch.rand(3, 6, generator=torch.Generator().manual_seed(0))
+        (tmp_path / "heads.json").write_text(json.dumps(table.tolist()))
+        knobs["head_importance"] = str(tmp_path / "heads.json")
+    model = tiny_model("llama", "eager", seed=1)
+    ids = torch.cat([prompt(50, seed=3), prompt(50, seed=4)])
+    restkv.configure(model, **knobs)
+    logits, held, cache = decode(model, ids, 9, record=True)
+    held_now = torch.stack([torch.stack([(p >= 0).sum(-1) for p in step]) for step in held])  # [steps, layers, b, H]
+    plans = [layer.policy for layer in cache.layers]  # a layer's total: PyramidKV's per layer, HeadKV's table
+    total = torch.tensor([2 * p.budgets[0] if p.plan.table is None else int(p.plan.table.sum()) + 2 * W for p in plans])
+    assert (held_now.sum(-1) <= total[:, None] + 2 * (3 - 1)).all()  # + the steps since the last eviction
+    if CompressionConfig(**knobs).get("merge", "none") == "none":  # merging changes values: not a masking
+        torch.testing.assert_close(logits, masked_reference_logits(model, ids, held, 9), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("knobs,per_head", CASES[:2] + CASES[-4:] + MERGING)

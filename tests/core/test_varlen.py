@@ -80,7 +80,7 @@ def test_low_precision_and_softcap():
     layer, segments = layer_of([9, 4, 13], dtype=torch.bfloat16)
     step(layer, segments)
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(2, G, 2, D, generator=g), torch.randn(2, 1, 6, D, generator=g), torch.randn(2, 1, 6, D, generator=g)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((2, G, 2, D), (2, 1, 6, D), (2, 1, 6, D)))
     visible = torch.ones(2, 1, 2, 6, dtype=torch.bool)
     visible[..., -1] = torch.tensor([False, True])  # causal within the last two
     ref = per_segment_reference(q, [(k[s, 0], v[s, 0]) for s in range(2)], 0.5, softcap=2.0)
