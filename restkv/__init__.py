@@ -1,4 +1,4 @@
-"""restkv: KV-cache eviction at prefill (ReST-KV and baselines) for transformers models.
+"""restkv: KV-cache eviction at prefill and while decoding (ReST-KV and baselines) for transformers models.
 
 The knob declarations (``METHODS``, ``PRESETS``, ``CompressionConfig``, ``knob_table``) import no torch;
 everything that touches a model is imported on first use.
@@ -18,6 +18,7 @@ _LAZY = {
     "kept_positions": "attach", "replace_gemma": "attach", "replace_gemma2": "attach", "replace_gemma3": "attach",
     "replace_llama": "attach", "replace_mistral": "attach", "replace_qwen2": "attach",
     "memory_report": "cache", "sweep": "sweeps", "sweep_caches": "sweeps", "load": "bench.models",
+    "compress_context": "context", "ContextCache": "context",
 }
 _RENAMED = {"sweep_caches": "prefill_caches", "load": "load_model"}
 

@@ -8,7 +8,7 @@ or each family's module-level ``eager_attention_forward``. restkv wraps those fu
   hands the layer's tensors to the attachment's ``on_prefill`` (by default ``evict_layer``, whose
   result replaces the layer's cache);
 - when decoding on a layer that holds kept entries: supplies their mask (or attends over the packed
-  per-head layout itself).
+  per-head layout itself), and with ``decode_interval`` evicts again every that many new tokens.
 
 An attachment is one ``LayerState`` per attention module (``module._restkv``), the model's
 ``model._restkv`` and two hooks per module that hand the state the forward's cache and RoPE; ``detach``
@@ -34,6 +34,7 @@ from transformers.modeling_utils import AttentionInterface
 from .budgets import headkv_budgets, load_head_importance
 from .cache import KeptLayer, VarlenLayer
 from .config import CompressionConfig
+from .decode import decode_step
 from .evict import LayerPlan, evict_layer
 from .rope import Rope, capture, rotary_function, rotary_module
 
@@ -57,12 +58,16 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
     if state is None or state.cache is None or not state.plan.evicts:
         return backend(module, query, key, value, attention_mask, **kwargs)
     layer = state.cache.layers[module.layer_idx]
-    if isinstance(layer, VarlenLayer):
-        return layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5), None
-    if isinstance(layer, KeptLayer):
-        mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1],
-                                    state.plan.window)
-        return backend(module, query, key, value, mask, **kwargs)
+    if isinstance(layer, (VarlenLayer, KeptLayer)):
+        if isinstance(layer, VarlenLayer):
+            out = layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5, kwargs.get("softcap")), None
+        else:
+            mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1],
+                                        state.plan.window)
+            out = backend(module, query, key, value, mask, **kwargs)
+        if getattr(layer, "policy", None) is not None:  # eviction during decoding (``decode_interval``)
+            decode_step(state.cache, module, query, kwargs)
+        return out
     out = backend(module, query, key, value, attention_mask, **kwargs)
     if type(layer) in PREFILL_LAYERS and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
         state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
@@ -212,6 +217,9 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
     if cfg.evicts and cfg.get("gqa_agg") == "none" and any(windows.values()):
         raise ValueError("gqa_agg='none' (one set per query head, the packed layout) cannot bound decoding by the "
                          "sliding window of this model's layers; use another gqa_agg")
+    if cfg.evicts and cfg.get("decode_interval") and any(windows.values()):
+        raise ValueError("decode_interval: eviction while decoding is not supported on a model with sliding-window "
+                         "layers (it evicts among the window's entries at prefill); set decode_interval=0")
     if cfg.evicts:
         cfg.scorer.check_layers(cfg, len(evicted))
     table = None

@@ -96,6 +96,14 @@ class KeptLayer:
         extra = self.stored - self.valid.shape[-1]
         return torch.cat([self.valid, self.valid.new_ones(*self.valid.shape[:-1], extra)], -1)
 
+    def stored_entries(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every stored entry: keys, values [b, H, n, d], validity and positions [b, H, n] (-1 where invalid)."""
+        keys = self.keys
+        b, heads, n, _ = keys.shape
+        valid = self.key_valid()
+        valid = valid if valid.dim() == 3 else valid[:, None].expand(b, heads, n)
+        return keys, self.values, valid, appended_positions(self.positions, n)
+
     def attention_mask(self, query_length: int, implementation: str, dtype: torch.dtype, groups: int = 1,
                        window: int | None = None) -> Tensor | None:
         """The mask a backend needs for ``query_length`` new queries over the stored entries.
@@ -180,7 +188,7 @@ def cache_layer(kept: Kept, seen: int, cfg):
     """
     if cfg.quant_method:
         return quantized_layer(kept, seen, cfg.quant_method, cfg.nbits, cfg.residual_length, cfg.q_group_size)
-    if kept.keys.shape[-2] == seen and not kept.per_head:
+    if kept.keys.shape[-2] == seen and not kept.per_head and not cfg.get("decode_interval"):
         return None
     if kept.kv_heads is not None:  # one kept set per query head: the packed layout, one segment per query head
         return VarlenLayer(kept, seen=seen)
@@ -208,46 +216,77 @@ def quantized_layer(kept: Kept, seen: int, method: str, nbits: int, residual_len
 class VarlenLayer(DynamicLayer):
     """Per-head budgets: the kept entries of every (sample, head) packed back to back.
 
-    Holds ``keys`` / ``values`` [N, d] with N the sum of the per-head lengths (padding dropped), so
-    memory follows what each head keeps, not the longest head. The heads are the KV heads, or the
-    query heads when each keeps its own set (``gqa_agg="none"``: new entries are repeated for the
-    query heads of their KV head). Decoding appends one entry per head.
+    ``keys`` / ``values`` are buffers [N + S * room, d]: the N kept entries (N the sum of the per-head
+    lengths, padding dropped, so memory follows what each head keeps, not the longest head), then the
+    entries appended since, one row per segment and step, with room for more (none after prefill; when it
+    runs out, ``growth`` more steps: a 32nd of the packed segments' mean length or a quarter of the steps
+    appended, whichever is larger, so the buffers are copied O(log steps) times; or what ``reserve`` asked
+    for). The heads are the KV heads, or the query heads when each keeps its own set (``gqa_agg="none"``:
+    new entries are repeated for the query heads of their KV head). See ``restkv.varlen``.
     """
 
     is_croppable = False
 
     def __init__(self, kept: Kept, seen: int):
+        from .varlen import SegmentIndex
+
         super().__init__()
         b, heads, _, d = kept.keys.shape
         valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand(b, heads, -1)
         self.device = kept.keys.device
         self.shape = (b, heads, d)
         self.keys, self.values = kept.keys[valid], kept.values[valid]  # [N, d], segment order
-        self.lengths = valid.sum(-1).flatten()  # [b * heads]
+        self.packed_positions = kept.positions[valid]  # [N]
+        self.index = SegmentIndex(valid.sum(-1).flatten())
+        self.steps = self.capacity = 0  # appended steps, and how many this layer's buffers hold
         self.token_bytes = b * (kept.kv_heads or heads) * d * 2 * kept.keys.element_size()  # one full-cache token
+        self.kv_heads = kept.kv_heads
         self.is_initialized = True
         self.seen = seen
         self.positions = kept.positions
 
+    @property
+    def lengths(self) -> Tensor:
+        """[b * heads] entries held per segment."""
+        return self.index.lengths + self.steps
+
+    def __copy__(self) -> "VarlenLayer":
+        """A copy that shares what is held so far and never writes the buffers again (its first append
+        moves it to buffers of its own), so the original stays as it is."""
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        out.capacity = self.steps
+        return out
+
+    def reserve(self, steps: int) -> None:
+        """Make room for ``steps`` more appended steps (one copy of what is held, when it grows)."""
+        from .varlen import SegmentIndex
+
+        if self.steps + steps <= self.capacity:
+            return
+        room = max(self.steps + steps, self.index.room)
+        segments, used = self.index.lengths.numel(), self.index.packed + self.index.lengths.numel() * self.steps
+        grown = [x.new_empty(self.index.packed + segments * room, x.shape[-1]) for x in (self.keys, self.values)]
+        for buf, x in zip(grown, (self.keys, self.values)):
+            buf[:used] = x[:used]
+        self.keys, self.values, self.capacity = grown[0], grown[1], room
+        if room > self.index.room:
+            self.index = SegmentIndex(self.index.lengths, room)
+
+    def growth(self, q: int) -> int:
+        """Steps of room added when ``q`` more do not fit."""
+        return max(q, self.index.packed // max(1, 32 * self.index.lengths.numel()), (self.steps + q) // 4)
+
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         b, hkv, q, d = key_states.shape
-        segments = self.lengths.numel()
-        if b * hkv != segments:  # one segment per query head: each KV head's entry goes to its query heads
-            key_states, value_states = (x.repeat_interleave(segments // (b * hkv), 1) for x in (key_states, value_states))
-        new_lengths = self.lengths + q
-        ends = new_lengths.cumsum(0)
-        old_seg = torch.arange(segments, device=self.device).repeat_interleave(self.lengths)
-        old_dest = torch.arange(self.keys.shape[0], device=self.device) + old_seg * q
-        new_dest = (ends[:, None] - q + torch.arange(q, device=self.device)).flatten()
-
-        def grow(packed, new):
-            out = packed.new_empty(packed.shape[0] + segments * q, d)
-            out[old_dest] = packed
-            out[new_dest] = new.reshape(segments * q, d).to(packed.dtype)
-            return out
-
-        self.keys, self.values = grow(self.keys, key_states), grow(self.values, value_states)
-        self.lengths = new_lengths
+        segments = self.index.lengths.numel()
+        if self.steps + q > self.capacity:
+            self.reserve(self.growth(q))
+        start = self.index.packed + segments * self.steps
+        for buf, new in ((self.keys, key_states), (self.values, value_states)):  # rows step by step, then segment
+            new = new[:, :, None].expand(b, hkv, segments // (b * hkv), q, d).reshape(segments, q, d)
+            buf[start : start + segments * q] = new.transpose(0, 1).reshape(segments * q, d)
+        self.steps += q
         self.seen += q
         return self.keys, self.values
 
@@ -263,10 +302,37 @@ class VarlenLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a compressed cache layer cannot be cropped")
 
-    def attend(self, query: Tensor, scaling: float) -> Tensor:
+    def attend(self, query: Tensor, scaling: float, softcap: float | None = None) -> Tensor:
         """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout)."""
-        from .varlen import varlen_attention
+        from .varlen import masked_attention
 
         b, hq, q, d = query.shape
-        out = varlen_attention(query.view(self.lengths.numel(), -1, q, d), self.keys, self.values, self.lengths, scaling)
-        return out.view(b, hq, q, d).transpose(1, 2)
+        keys, values, visible = self.index.view(self.keys, self.values, self.steps, q)
+        out = masked_attention(query.reshape(self.index.lengths.numel(), -1, q, d), keys, values, visible, scaling,
+                               softcap)
+        return out.reshape(b, hq, q, d).transpose(1, 2)
+
+    def stored_entries(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every stored entry, each head padded after its packed part: keys, values [b, H, n, d], validity and
+        positions [b, H, n] (-1 where invalid)."""
+        b, heads, d = self.shape
+        S, T, N = self.index.lengths.numel(), self.steps, self.index.packed
+
+        def appended(x):  # [S, T, d]
+            return x[N : N + S * T].view(T, S, d).transpose(0, 1)
+
+        (keys, inside), (values, _) = (self.index.entries(x[:N]) for x in (self.keys, self.values))
+        kept, _ = self.index.entries(self.packed_positions)
+        keys, values = (torch.cat([x, appended(buf)], 1).view(b, heads, -1, d)
+                        for x, buf in ((keys, self.keys), (values, self.values)))
+        valid = torch.cat([inside, inside.new_ones(S, T)], 1).view(b, heads, -1)
+        kept = kept.masked_fill(~inside, -1).view(b, heads, -1)
+        return keys, values, valid, appended_positions(kept, kept.shape[-1] + T)
+
+
+def appended_positions(kept: Tensor, n: int) -> Tensor:
+    """Positions [b, H, n] of n stored entries: the ``kept`` ones [b, H, K] (-1 on padding), then the entries
+    appended since, one position after another from the sample's newest kept entry."""
+    b, heads, k = kept.shape
+    after = kept.amax((1, 2), keepdim=True) + 1 + torch.arange(n - k, device=kept.device)
+    return torch.cat([kept, after.expand(b, heads, n - k)], -1)

@@ -75,35 +75,48 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
     by_ratio = cfg.get("max_capacity_prompt_ratio") is not None
     lengths = key_valid.sum(-1).tolist() if by_ratio else [n]  # one host read per layer with a ratio
     budgets = sample_budgets(cfg, lengths)
+    # this layer's budget per sample (each sample on its own real tokens when budgets differ by sample)
+    starts = [0] if len(set(budgets)) == 1 else [n - length for length in lengths]
+    layer_budget = [layer_budgets(cfg, plan.num_evicted, n - s, B)[plan.rank] for s, B in zip(starts, budgets)]
 
-    def observe(sample=slice(None), start=0, budget=budgets[0], shared=memo):
-        return Observation(
-            queries=query[sample, :, start:], keys=key[sample, :, start:], values=value[sample, :, start:],
-            key_valid=key_valid[sample, start:], window=cfg.window_size,
-            budget=layer_budgets(cfg, plan.num_evicted, n - start, budget)[plan.rank],
-            scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
-            wo_factor=lambda: layer_wo_factor(module, query.device),
-            wo_weight=lambda: layer_wo_weight(module, query.device),
-            rope=None if rope is None else rope.part(sample, start), layer=plan.rank, num_layers=plan.num_evicted,
-            memo=shared,
-        )
+    def observe(sample=slice(None), first=0, i=0, shared=memo):
+        return observation(plan, module, query[sample, :, first:], key[sample, :, first:], value[sample, :, first:],
+                           key_valid[sample, first:], layer_budget[i], kwargs, shared,
+                           rope=None if rope is None else rope.part(sample, first))
 
     whole = not cfg.evicts or all(length <= budget for length, budget in zip(lengths, budgets))
     if whole:
         kept = Kept(key, value, relative_positions(key_valid)[:, None].expand(-1, hkv, -1), key_valid)
-    elif len(set(budgets)) == 1:
+    elif len(starts) == 1:
         kept = select(observe(), cfg, plan.table)
     else:  # budgets that differ by sample (a ratio): each sample on its own real tokens
-        kept = stack_samples([select(observe(slice(i, i + 1), n - lengths[i], budgets[i], memo.setdefault(i, {})),
-                                     cfg, plan.table) for i in range(b)])
+        kept = stack_samples([select(observe(slice(i, i + 1), starts[i], i, memo.setdefault(i, {})), cfg, plan.table)
+                              for i in range(b)])
     if not start:
-        return cache_layer(kept, seen, cfg), kept.positions
+        layer = cache_layer(kept, seen, cfg)
+        if cfg.get("decode_interval"):
+            from .decode import arm
+
+            arm(layer, plan, layer_budget * (b if len(starts) == 1 else 1), query, rope)
+        return layer, kept.positions
     kept = replace(kept, positions=torch.where(kept.positions >= 0, kept.positions + offset[:, None, None], -1))
     if whole and not cfg.quant_method:
         return None, kept.positions  # the model's sliding-window layer holds exactly these
     if kept.per_head and kept.kv_heads is None:  # the masked layout: its mask also bounds the window
         return CompressedLayer(kept, seen=seen), kept.positions
     return cache_layer(kept, seen, cfg), kept.positions
+
+
+def observation(plan: LayerPlan, module, queries, keys, values, key_valid, budget: int, kwargs, memo: dict,
+                rope: Rope | None = None, head_valid=None) -> Observation:
+    """What the layer's scorer sees: queries [b, Hq, Lq, d] of the last Lq positions, keys/values [b, H, L, d],
+    key_valid [b, L] (head_valid [b, H, L] when heads hold different entries), this layer's budget and RoPE."""
+    return Observation(
+        queries=queries, keys=keys, values=values, key_valid=key_valid, window=plan.cfg.window_size, budget=budget,
+        scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
+        wo_factor=lambda: layer_wo_factor(module, keys.device), wo_weight=lambda: layer_wo_weight(module, keys.device),
+        rope=rope, layer=plan.rank, num_layers=plan.num_evicted, memo=memo, head_valid=head_valid,
+    )
 
 
 def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""What a scorer sees of one attention layer at the end of prefill.
+"""What a scorer sees of one attention layer at the end of prefill (or of what it holds, while decoding).
 
 Shapes: ``b`` batch, ``Hq`` query heads, ``Hkv`` key/value heads (``g = Hq // Hkv`` per group),
 ``L`` prompt length, ``w`` observation window, ``P = L - w`` evictable prefix, ``d`` head dim.
-Everything a scorer returns is float32.
+Everything a scorer returns is float32. While decoding (``restkv.decode``) the keys are the entries held,
+only the window's queries are there (``first_query``) and heads may hold different entries (``head_valid``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Observation:
     pass one dict, so the window attention is computed once for all of them.
     """
 
-    queries: "torch.Tensor"  # [b, Hq, L, d] every prefill query, after RoPE
+    queries: "torch.Tensor"  # [b, Hq, Lq, d] the queries of the last Lq positions, after RoPE (Lq = L at prefill)
     keys: "torch.Tensor"  # [b, Hkv, L, d] after RoPE
     values: "torch.Tensor"  # [b, Hkv, L, d]
     key_valid: "torch.Tensor"  # [b, L] bool, False on padding
@@ -40,10 +41,21 @@ class Observation:
     layer: int = 0  # index among the model's evicted layers
     num_layers: int = 1  # evicted layers of the model
     memo: dict = field(default_factory=dict)
+    head_valid: "torch.Tensor | None" = None  # [b, H, L] bool when heads hold different entries (decoding)
 
     @property
     def prefix_len(self) -> int:
         return self.keys.shape[2] - self.window
+
+    @property
+    def first_query(self) -> int:
+        """Position of the first query held: 0 at prefill (every query), ``L - w`` when decoding (the window)."""
+        return self.keys.shape[2] - self.queries.shape[2]
+
+    @property
+    def entry_valid(self) -> "torch.Tensor":
+        """[b, 1 or H, L] bool: which entries each head holds (``key_valid`` for every head unless ``head_valid``)."""
+        return self.key_valid[:, None] if self.head_valid is None else self.head_valid
 
     def shared(self, name: str, compute):
         """``compute()``, once per layer and window (kept in ``memo``)."""
@@ -81,7 +93,8 @@ class Observation:
         return self.shared(f"value_norms_{norm}", lambda: _projected_norms(self, norm))
 
     def attention(self, start: int, stop: int) -> "torch.Tensor":
-        """Softmax attention of queries ``start:stop`` over all keys, causal and padding-masked.
+        """Softmax attention of queries ``start:stop`` (positions >= ``first_query``) over all keys, causal
+        and padding-masked (per head with ``head_valid``).
 
         Returns [b, Hq, stop - start, L] float32. Rows of padding queries are zero. Built in place in
         one float32 buffer; low-precision keys are converted one KV head at a time.
@@ -89,7 +102,8 @@ class Observation:
         b, hq, _, d = self.queries.shape
         hkv, n_keys = self.keys.shape[1], self.keys.shape[2]
         rows = hq // hkv * (stop - start)
-        q = self.queries[:, :, start:stop].float().reshape(b, hkv, rows, d)  # group-major rows
+        first = self.first_query
+        q = self.queries[:, :, start - first : stop - first].float().reshape(b, hkv, rows, d)  # group-major rows
         logits = torch.empty(b, hkv, rows, n_keys, device=self.keys.device)
         if self.keys.dtype == torch.float32:
             torch.matmul(q, self.keys.transpose(-1, -2), out=logits)
@@ -100,7 +114,9 @@ class Observation:
         if self.softcap:
             probs.div_(self.softcap).tanh_().mul_(self.softcap)
         q_pos = torch.arange(start, stop, device=probs.device)
-        hidden = ~((torch.arange(n_keys, device=probs.device) <= q_pos[:, None]) & self.key_valid[:, None, None, :])
+        valid = self.entry_valid  # [b, 1 or H, L] -> [b, 1 or Hq, 1, L]
+        valid = (valid.repeat_interleave(hq // valid.shape[1], 1) if valid.shape[1] > 1 else valid)[:, :, None]
+        hidden = ~((torch.arange(n_keys, device=probs.device) <= q_pos[:, None]) & valid)
         probs.masked_fill_(hidden, NEG)
         # exp below EXP_FLOOR underflows to denormals/zero, which CPUs compute many times slower;
         # those terms are < 1e-37 of the row's largest, and masked entries are set to exactly 0 after.

@@ -27,6 +27,7 @@ class Kept:
     valid: Tensor  # [b, B] bool, False on kept padding (same for every head); [b, H, B] with per-head budgets
     per_head: bool = False  # heads keep different numbers of entries
     kv_heads: int | None = None  # the model's KV heads when H is the query heads (one kept set per query head)
+    index: Tensor | None = None  # [b, H, B] which of the observed entries each slot holds (None: not recorded)
 
 
 def reduce_groups(scores: Tensor, hkv: int, how: str, hq: int | None = None) -> Tensor:
@@ -73,7 +74,7 @@ def head_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
     b, hkv, hq = obs.keys.shape[0], obs.keys.shape[1], obs.queries.shape[1]
     how = cfg.get("gqa_agg", "mean")
     s = reduce_groups(raw_scores(obs, cfg), hkv, how, hq).expand(b, hq if how == "none" else hkv, -1)
-    return s.masked_fill(~obs.key_valid[:, None, : obs.prefix_len], float("-inf"))
+    return s.masked_fill(~obs.entry_valid[..., : obs.prefix_len], float("-inf"))
 
 
 def ranking(obs: Observation, cfg: CompressionConfig, scores: Tensor, keep) -> Tensor:
@@ -112,10 +113,10 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
     kv_heads = hkv if per_query_head else None
     if sizes is None:
         valid = obs.key_valid.gather(1, idx[:, 0])
-        return Kept(keys, values, positions.masked_fill(~valid[:, None], -1), valid, kv_heads=kv_heads)
+        return Kept(keys, values, positions.masked_fill(~valid[:, None], -1), valid, kv_heads=kv_heads, index=idx)
     in_head = torch.arange(idx.shape[-1], device=idx.device) < (sizes + obs.window)[..., None]
-    valid = in_head & obs.key_valid[:, None].expand(b, heads, n).gather(2, idx)
-    return Kept(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True, kv_heads=kv_heads)
+    valid = in_head & obs.entry_valid.expand(b, heads, n).gather(2, idx)
+    return Kept(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True, kv_heads=kv_heads, index=idx)
 
 
 def stack_samples(parts: list[Kept]) -> Kept:

@@ -74,6 +74,7 @@ def _batch_key(cache):
     key = tuple(type(layer) is CompressedLayer for layer in cache.layers)
     shared = all(is_dense or not isinstance(layer, (KeptLayer, VarlenLayer))
                  for is_dense, layer in zip(key, cache.layers))
+    shared = shared and not any(getattr(layer, "policy", None) for layer in cache.layers)  # evicts while decoding
     return key if shared and any(key) else None
 
 

@@ -93,12 +93,17 @@ def generate(model, ids, mask=None, n=6, **kw):
 
 
 def masked_reference_logits(model, ids, kept, n_new, window=None):
-    """Greedy decoding on the FULL cache with, per layer and head, every prompt entry outside ``kept`` masked.
+    """Greedy decoding on the FULL cache with, per layer and head, every entry outside ``kept`` masked.
 
-    ``kept`` per layer [b, H, K] with H the KV heads, or the query heads (one kept set per query head).
+    ``kept`` per layer [b, H, K] prompt positions (-1: nothing), with H the KV heads or the query heads
+    (one kept set per query head); every decoded entry is seen. Or, for a cache that evicts while decoding,
+    a list over the decoding steps of such lists: step t holds the positions (prompt and decoded) held before
+    the t-th fed token, which itself is always seen.
     ``window``: a sliding window W over every layer, as the model's sliding-window mask (query t sees keys > t - W).
     """
     name = "restkv_test_masked"
+    steps = kept if kept and isinstance(kept[0], (list, tuple)) else None
+    step = [0]
 
     def masked_eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
         b, hq, q, d = query.shape
@@ -109,11 +114,13 @@ def masked_reference_logits(model, ids, kept, n_new, window=None):
         t = torch.arange(key.shape[2] - q, key.shape[2])[:, None]  # the queries' positions
         too_old = torch.arange(key.shape[2])[None, :] <= t - (window or key.shape[2] + 1)  # [q, kv] beyond the window
         if q == 1:
-            n = ids.shape[1]
-            idx = kept[module.layer_idx].masked_fill(kept[module.layer_idx] < 0, n)  # -1: nothing kept there
+            n = key.shape[2] if steps else ids.shape[1]  # the masked span: every entry, or the prompt's
+            held = (steps[step[0]] if steps else kept)[module.layer_idx]
+            idx = held.masked_fill(held < 0, n)  # -1: nothing kept there
             heads = idx.shape[1]
             allowed = torch.ones(b, heads, key.shape[2], dtype=torch.bool)
             allowed[..., :n] = torch.zeros(b, heads, n + 1, dtype=torch.bool).scatter_(2, idx, True)[..., :n]
+            allowed[..., -1] = True  # the fed token itself
             logits = logits.masked_fill(~allowed.repeat_interleave(hq // heads, 1)[:, :, None] | too_old, float("-inf"))
         else:
             future = torch.ones(q, key.shape[2], dtype=torch.bool).triu(1 + key.shape[2] - q)
@@ -127,14 +134,15 @@ def masked_reference_logits(model, ids, kept, n_new, window=None):
     model.config._attn_implementation = name
     try:
         out = model(ids, use_cache=True, cache=DynamicCache())  # full layers, also for a sliding-window model
-        cache, steps = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1]]
-        for _ in range(n_new - 1):
-            nxt = steps[-1].argmax(-1, keepdim=True)
+        cache, steps_out = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1]]
+        for t in range(n_new - 1):
+            step[0] = t
+            nxt = steps_out[-1].argmax(-1, keepdim=True)
             out = model(nxt, cache=cache, use_cache=True)
-            steps.append(out.logits[:, -1])
+            steps_out.append(out.logits[:, -1])
     finally:
         model.config._attn_implementation = previous
-    return torch.stack(steps, 1)
+    return torch.stack(steps_out, 1)
 
 
 ZH = {"multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh"}

@@ -95,6 +95,10 @@ def add_common_args(parser):
                    help="prompt length cap in tokens (default: the model's max context)")
     g.add_argument("--no_sweep", action="store_true",
                    help="one prefill per config (configure + generate) instead of one shared prefill")
+    g.add_argument("--query_agnostic", action="store_true",
+                   help="compress each prompt's context (the prompt up to where its question starts) without its "
+                        "question, then read the question and answer on the compressed cache "
+                        "(restkv.compress_context): a context compressed once serves any question")
     g.add_argument("--device_map", default=None,
                    help="load with this device map (e.g. auto: layers spread over the GPUs, then CPU/disk)")
     g.add_argument("--offload_folder", default=None, help="folder of disk-offloaded weights (--device_map)")

@@ -37,6 +37,9 @@ class Dataset:
         Whether the chat template may be applied (the ``--chat_template`` flag decides).
     key : str
         Record field that identifies it in the predictions file.
+    question : callable, optional
+        ``question(record, chat) -> str``: the end of ``text`` that is its question (the template's text
+        after the context), for ``--query_agnostic``.
     """
 
     name: str
@@ -46,6 +49,7 @@ class Dataset:
     max_new_tokens: int
     chat: bool = True
     key: str = "_id"
+    question: Callable | None = None
 
 
 def dataset_task(predictor, dataset):
@@ -60,15 +64,29 @@ def dataset_task(predictor, dataset):
     chat = args.chat_template if dataset.chat else "off"
     wrapped = chat == "on" or (chat == "auto" and has_chat_template(tokenizer))
 
-    def prompt(record):
-        return prompt_ids(tokenizer, dataset.text(record, wrapped), predictor.max_length, chat, reserve)
+    agnostic = predictor.query_agnostic and dataset.question is not None
 
-    def record(rec, ids, out):
-        return {**dataset.output(rec), "pred": out.text, "prompt_tokens": len(ids),
+    def prompt(record):  # (ids, where the question starts: with --query_agnostic only)
+        text = dataset.text(record, wrapped)
+        if not agnostic:
+            return prompt_ids(tokenizer, text, predictor.max_length, chat, reserve), None
+        return prompt_ids(tokenizer, text, predictor.max_length, chat, reserve, dataset.question(record, wrapped))
+
+    def record(rec, prompt, out):
+        return {**dataset.output(rec), "pred": out.text, "prompt_tokens": len(prompt[0]),
                 "quant": predictor.quant[out.label]}
 
     return Task(dataset.name, dataset.records, prompt, record, new_tokens,
-                per_label(os.path.join(predictor.out_dir, dataset.name), predictor.labels, dataset.key))
+                per_label(os.path.join(predictor.out_dir, dataset.name), predictor.labels, dataset.key),
+                ids=_first, question_start=_second if agnostic else None)
+
+
+def _first(pair):
+    return pair[0]
+
+
+def _second(pair):
+    return pair[1]
 
 
 @dataclass

@@ -288,6 +288,24 @@ def essays_dir():
     return path
 
 
+def essays_text():
+    """Every essay of :func:`essays_dir`, in name order, one blank line apart (a long natural text)."""
+    return "\n\n".join(p.read_text() for p in sorted(essays_dir().glob("*.txt")))
+
+
+def add_model_flags(parser):
+    """``--model_path`` and ``--threads`` (CPU threads) of the benchmark scripts; returns ``parser``."""
+    parser.add_argument("--model_path", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1)
+    return parser
+
+
+def model_from_flags(args):
+    """``(model, tokenizer)`` of :func:`add_model_flags`' flags, torch set to ``args.threads`` threads."""
+    torch.set_num_threads(args.threads)
+    return load_model(args.model_path)
+
+
 def load_from_args(args, shard=None):
     """Seed, then load ``args.model_path`` with the dtype/device/backend flags.
 

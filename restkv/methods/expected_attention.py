@@ -43,23 +43,25 @@ KNOBS = (
 )
 
 
-def query_statistics(queries, rope, rows, covariance: bool, block: int):
+def query_statistics(queries, rope, rows, covariance: bool, block: int, first: int = 0):
     """Mean [b, Hq, d] and biased covariance [b, Hq, d, d] (None without ``covariance``) of the queries
-    before RoPE over the positions where ``rows`` [b, L] is True; ``block`` positions at a time."""
+    [b, Hq, n, d] of positions ``first:first + n`` before RoPE over the positions where ``rows`` [b, n] is
+    True; ``block`` positions at a time."""
     n = queries.shape[2]
     w = rows.float()[:, None, :, None]  # [b, 1, L, 1]
     count = w.sum(2).clamp_min(1.0)  # [b, 1, 1]
     total = 0
     for s in range(0, n, block):
         e = min(n, s + block)
-        total = total + rope.unrotate(queries[:, :, s:e], s, e).mul_(w[:, :, s:e]).sum(2)
+        total = total + rope.unrotate(queries[:, :, s:e], first + s, first + e).mul_(w[:, :, s:e]).sum(2)
     mu = total / count
     if not covariance:
         return mu, None
     cov = 0
     for s in range(0, n, block):
         e = min(n, s + block)
-        centred = rope.unrotate(queries[:, :, s:e], s, e).sub_(mu[:, :, None]).mul_(w[:, :, s:e])
+        centred = rope.unrotate(queries[:, :, s:e], first + s, first + e).sub_(mu[:, :, None])
+        centred = centred.mul_(w[:, :, s:e])
         cov = cov + centred.transpose(-1, -2) @ centred
     return mu, cov / count[..., None]
 
@@ -91,7 +93,8 @@ def score(obs, cfg):
     block = max(1, observe.VALUE_BLOCK * hkv // hq)  # [b, Hq, block, d] float32 at a time
     pos = obs.positions  # [b, L], -1 on padding
     counted = pos >= cfg.n_sink  # real tokens after the sinks: query statistics and softmax
-    mu, cov = query_statistics(obs.queries, obs.rope, counted, cfg.use_covariance, block)
+    first = obs.first_query  # the queries held: every prompt position's, or the window's while decoding
+    mu, cov = query_statistics(obs.queries, obs.rope, counted[:, first:], cfg.use_covariance, block, first)
     cos, sin = obs.rope.mean_future(cfg.n_future_positions)
     z = expected_logits(obs.keys, mu, cov, cos, sin, obs.scaling, block)
     z = z.masked_fill_(~counted[:, None], NEG)

@@ -2,7 +2,7 @@
 
 from ..datasets import Dataset, prepare_datasets, run_datasets
 from .data import load_records
-from .tasks import MAX_NEW_TOKENS, TASKS, answers, make_prompt
+from .tasks import MAX_NEW_TOKENS, TASKS, answers, make_prompt, question_text
 
 
 def make_task(task, records, style="auto"):
@@ -14,6 +14,9 @@ def make_task(task, records, style="auto"):
     def text(record, chat):
         return make_prompt(record, task, style if style != "auto" else ("chat" if chat else "base"))
 
+    def question(record, chat):
+        return question_text(record, task, style if style != "auto" else ("chat" if chat else "base"))
+
     return Dataset(
         name=task,
         records=records,
@@ -22,6 +25,7 @@ def make_task(task, records, style="auto"):
         max_new_tokens=MAX_NEW_TOKENS[task],
         chat=True,
         key="id",
+        question=question,
     )
 
 

@@ -17,6 +17,7 @@ def make_task(dataset, records, longbench_e=False):
         max_new_tokens=MAX_NEW_TOKENS[dataset],
         chat=dataset not in NO_CHAT,
         key="_id",
+        question=lambda r, chat: PROMPTS[dataset].split("{context}", 1)[1].format(**r),
     )
 
 

@@ -4,7 +4,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..prompts import build_prompt, encode, middle_truncate
+import numpy as np
+
+from ..prompts import build_prompt, encode, middle_truncate, split_prompt
 
 PROMPT = ("You are a helpful AI bot that answers questions for a user. Keep your response short and direct.\n\n"
           "<document>\n{context}\n</document>\n\n"
@@ -98,6 +100,7 @@ class Case:
     answer: str
     needle_span: tuple  # [start, end) token positions in ``ids``, None if truncated away
     truncated: bool
+    question_start: int = None  # the token of ``ids`` where the question starts (PROMPT's text after {context})
 
 
 def passkey(seed, length, depth):
@@ -126,10 +129,13 @@ def make_case(tokenizer, haystack, needle, length, depth, chat_template="auto", 
     c1 = c0 + len(needle_text)
     inside = [i for i, (a, b) in enumerate(offsets) if b > a and a < c1 and b > c0]
     span = (inside[0], inside[-1] + 1)
+    after = PROMPT.split("{context}")[1].format(question=needle.question)  # the question: the text after the context
+    question = split_prompt(tokenizer, prompt, prompt.rfind(after))[1]
     truncated = bool(max_length) and len(ids) > max_length
     if truncated:
         head, cut = (max_length + 1) // 2, len(ids) - max_length // 2
         moved = [p if p < head else p - cut + head for p in range(*span) if p < head or p >= cut]
         ids = middle_truncate(ids, max_length)
         span = (moved[0], moved[-1] + 1) if moved else None
-    return Case(ids, needle_text, answer, span, truncated)
+        question = question if question < head else max(head, question - cut + head)
+    return Case(ids, needle_text, answer, span, truncated, question)

@@ -145,6 +145,8 @@ def run(args, plan=None):
     settings = {"model": model, "chat_template": args.chat_template, "max_length": cap,
                 "max_new_tokens": args.max_new_tokens, "haystack": str(haystack_dir), "seed": args.seed,
                 "dtype": args.dtype, "attn_implementation": args.attn_implementation, "prompt": PROMPT}
+    if predictor.query_agnostic:
+        settings["query_agnostic"] = True  # records of the two modes never share a config_id
     ids = {label: config_id(kw, settings) for label, kw in configs}
     predictor.write_metadata({"benchmark": "needle", "labels": ids, "configs": configs_meta(configs),
                               "max_length": cap, "lengths": lengths, "depths": depths,
@@ -170,7 +172,7 @@ def run(args, plan=None):
                   lambda cell, label: (cell[0].name, label, ids[label], cell[1], cell[2]))
     cells = plan.cells
     predictor.predict([Task("needle", cells, prompt, record, args.max_new_tokens, store, ids=_case_ids,
-                            progress={"unit": "cell"}, announce=True)])
+                            progress={"unit": "cell"}, announce=True, question_start=_question_start)])
     if not predictor.shard.main:
         return path, []
     grid = {(n.name, L, d) for n, L, d in cells}
@@ -181,3 +183,7 @@ def run(args, plan=None):
 
 def _case_ids(case):
     return case.ids
+
+
+def _question_start(case):
+    return case.question_start

@@ -12,31 +12,39 @@ from restkv.bench.cli import check_common
 from restkv.bench.grid import announce, configs_meta, method_configs
 from restkv.bench.loop import Predictor, Task, per_label
 from restkv.bench.models import check_context
-from restkv.bench.prompts import build_prompt, encode, middle_truncate
+from restkv.bench.prompts import build_prompt, encode, middle_truncate, split_prompt
 from restkv.bench.ruler.data import find_tasks, load_task
-from restkv.bench.ruler.tasks import FAMILIES, family_of
+from restkv.bench.ruler.tasks import FAMILIES, family_of, question_offset
 
 KEPT = ("index", "outputs", "length", "max_seq_length", "answer_prefix")
 
 
-def prompt_ids(tokenizer, record, chat_template, cap):
+def prompt_ids(tokenizer, record, chat_template, cap, task=None):
     """Token ids of chat(input) + answer prefix, the input middle-truncated to fit ``cap``.
 
     Returns
     -------
-    tuple of (list of int, bool)
-        Ids and whether the input was truncated.
+    tuple of (list of int, bool), or (list of int, bool, int) with ``task``
+        Ids, whether the input was truncated, and the token where the question starts
+        (:func:`restkv.bench.ruler.tasks.question_offset`; the answer prefix follows it).
     """
     text = record["input"]
     ids = encode(tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"])
     excess = len(ids) - cap
-    if excess <= 0:
-        return ids, False
-    body = tokenizer(text, add_special_tokens=False).input_ids
-    if excess >= len(body):
-        raise ValueError(f"record {record['index']}: prompt exceeds {cap} tokens even without its input")
-    text = tokenizer.decode(middle_truncate(body, len(body) - excess), skip_special_tokens=True)
-    return encode(tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"]), True
+    if excess > 0:
+        body = tokenizer(text, add_special_tokens=False).input_ids
+        if excess >= len(body):
+            raise ValueError(f"record {record['index']}: prompt exceeds {cap} tokens even without its input")
+        text = tokenizer.decode(middle_truncate(body, len(body) - excess), skip_special_tokens=True)
+        ids = encode(tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"])
+    if task is None:
+        return ids, excess > 0
+    prompt = build_prompt(tokenizer, text, chat_template) + record["answer_prefix"]
+    try:
+        char = prompt.rfind(text) + question_offset(text, task)
+    except ValueError as err:
+        raise ValueError(f"record {record['index']}: {err}") from None
+    return ids, excess > 0, split_prompt(tokenizer, prompt, char)[1]
 
 
 def load_data(data_dirs, tasks, num_samples, context_length):
@@ -81,6 +89,10 @@ def _ids(prompt):
     return prompt[0]
 
 
+def _start(prompt):
+    return prompt[2]
+
+
 def ruler_task(predictor, task, records):
     """The loop's :class:`restkv.bench.loop.Task` of one RULER task at one length."""
     args = predictor.args
@@ -88,15 +100,16 @@ def ruler_task(predictor, task, records):
     length = records[0]["max_seq_length"]
 
     def prompt(record):
-        return prompt_ids(predictor.tokenizer, record, args.chat_template, predictor.max_length - new_tokens)
+        return prompt_ids(predictor.tokenizer, record, args.chat_template, predictor.max_length - new_tokens,
+                          task if predictor.query_agnostic else None)
 
     def record(rec, prompt, out):
-        ids, cut = prompt
+        ids, cut = prompt[:2]
         return {**{k: rec[k] for k in KEPT}, "task": task, "method": out.label, "model": predictor.name,
                 "pred": out.text, "prompt_tokens": len(ids), "truncated": cut}
 
     store = per_label(os.path.join(predictor.out_dir, str(length), task), predictor.labels, "index")
-    return Task(f"{length} {task}", records, prompt, record, new_tokens, store, ids=_ids)
+    return Task(f"{length} {task}", records, prompt, record, new_tokens, store, ids=_ids, question_start=_start)
 
 
 @dataclass
