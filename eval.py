@@ -6,17 +6,19 @@ python eval.py --results_dir results/longbench          # LongBench
 python eval.py --results_dir results/longbench --e      # LongBench-E, with length buckets
 """
 
-import argparse
-
+from restkv.bench.cli import ArgumentParser, startup
 from restkv.bench.longbench.evaluate import evaluate
+from restkv.bench.longbench.metrics import NEEDS
+from restkv.lazy import require
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results_dir", default="results", help="root of <...>/<dataset>/<label>.jsonl files")
     parser.add_argument("--e", "--longbench_e", dest="e", action="store_true", help="score LongBench-E predictions")
     parser.add_argument("--csv", default=None, help="table path (default: <results_dir>/results[_e].csv)")
     args = parser.parse_args(argv)
+    startup(parser, lambda _: require(*NEEDS, needed_by="eval.py"), args)
     return evaluate(args.results_dir, args.e, args.csv)
 
 

@@ -5,16 +5,18 @@ Example
 python eval_infinite.py --results_dir results/infinite_bench
 """
 
-import argparse
-
+from restkv.bench.cli import ArgumentParser, startup
 from restkv.bench.infinitebench.evaluate import evaluate
+from restkv.bench.infinitebench.metrics import NEEDS
+from restkv.lazy import require
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results_dir", default="results", help="root of <...>/<task>/<label>.jsonl files")
     parser.add_argument("--csv", default=None, help="table path (default: <results_dir>/results_infinite.csv)")
     args = parser.parse_args(argv)
+    startup(parser, lambda _: require(*NEEDS, needed_by="eval_infinite.py"), args)
     return evaluate(args.results_dir, args.csv)
 
 

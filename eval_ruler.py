@@ -5,13 +5,12 @@ Example
 python eval_ruler.py --results_dir results/ruler
 """
 
-import argparse
-
+from restkv.bench.cli import ArgumentParser
 from restkv.bench.ruler.evaluate import evaluate
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results_dir", default="results/ruler",
                         help="root of <model>/<length>/<task>/<label>.jsonl prediction files")
     parser.add_argument("--csv", default=None, help="table path (default: <results_dir>/ruler_results.csv)")

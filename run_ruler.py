@@ -18,22 +18,11 @@ python run_ruler.py --data_dir data/ruler/smollm2-135m/4096 --method restkv snap
     --max_capacity_prompts 128 256 512 --save_dir results/ruler
 """
 
-import argparse
+from restkv.bench.cli import Runner, add_common_args
+from restkv.bench.ruler.run import add_ruler_args, prepare, run
 
-from restkv.bench.cli import add_common_args
-from restkv.bench.ruler.run import add_ruler_args, run
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_common_args(parser)
-    add_ruler_args(parser)
-    return parser.parse_args(argv)
-
-
-def main(argv=None):
-    return run(parse_args(argv))
-
+RUNNER = Runner(__doc__.split("\n")[0], (add_common_args, add_ruler_args), prepare, run)
+build_parser, parse_args, main = RUNNER.build_parser, RUNNER.parse_args, RUNNER.main
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,8 @@
 
 The step is ``restkv.select.select``: scoring, GQA reduction, top-B and the gather of the kept
 entries, from the prefill's queries, keys and values (random, no download). The W_O factor of
-ReST-KV is computed once per model and cached, so it is built before the clock starts.
+ReST-KV is computed once per model and cached, so it is built before the clock starts (as are the
+prompt's RoPE cos/sin, which the model computes anyway; Expected Attention's future RoPE is timed).
 
 Each length runs in two subprocesses, one for time and one for memory; every method gets one
 warm-up call. Time: median of ``--reps`` calls, each on a fresh ``Observation`` (nothing cached
@@ -31,17 +32,36 @@ import time
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
 DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mode=before", "cam", "streamingllm",
-                   "l2norm"]
+                   "l2norm", "expected_attention", "keydiff", "criticalkv", "criticalkv:value_norm=l2", "critical_adakv",
+                   "chunkkv", "defensivekv"]
+
+
+def _value(text: str):
+    """A knob value written in a spec: bool, int, float, else the string."""
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def parse_method(spec: str) -> dict:
-    """``"restkv:metric_mode=before,use_wo=False"`` -> knobs dict."""
+    """``"restkv:metric_mode=before,use_wo=False"`` -> knobs dict (a ``window_size`` there overrides ``--window``)."""
     name, _, rest = spec.partition(":")
     knobs = {"method": name}
     for item in filter(None, rest.split(",")):
         key, value = item.split("=")
-        knobs[key] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+        knobs[key] = _value(value)
     return knobs
+
+
+def method_spec(knobs: dict) -> str:
+    """The inverse of ``parse_method``: ``{"method": "snapkv", "window_size": 64}`` -> ``"snapkv:window_size=64"``."""
+    rest = ",".join(f"{k}={v}" for k, v in knobs.items() if k != "method")
+    return knobs["method"] + (":" + rest if rest else "")
 
 
 def _status(field: str) -> int:
@@ -53,17 +73,51 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
+def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = None) -> list[dict]:
+    """Per call (a function of no arguments): ``{"time", "cpu", "reps"}``, medians over ``reps`` calls, or
+    (``memory``) ``{"peak"}``, the peak extra resident memory of one call.
+
+    Every call is warmed up first (one-time initialisation and code pages are not counted). Timed calls go
+    round robin, so that load from other processes affects all of them alike. A call whose warm-up took more
+    than ``slow`` CPU seconds is timed once.
+    """
+    peaks, warm = [], []
+    for call in calls:
+        c0 = time.process_time()
+        call()
+        warm.append(time.process_time() - c0)
+        if memory:
+            before = _status("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            out = call()
+            peaks.append(_status("VmHWM") - before)
+            del out
+    if memory:
+        return [{"peak": p} for p in peaks]
+    times, cpu = [[] for _ in calls], [[] for _ in calls]
+    for i in range(reps):
+        for call, t, c, w in zip(calls, times, cpu, warm):
+            if i and slow is not None and w > slow:
+                continue
+            t0, c0 = time.perf_counter(), time.process_time()
+            call()
+            t.append(time.perf_counter() - t0)
+            c.append(time.process_time() - c0)
+    return [{"time": statistics.median(t), "cpu": statistics.median(c), "reps": len(t)} for t, c in zip(times, cpu)]
+
+
 def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,
             memory: bool) -> list:
-    """Time (``memory=False``) or peak extra memory of ``select`` per method at one length (in a child).
-
-    Every method is warmed up first. Timed calls go round robin over the methods so that load from
-    other processes affects all of them alike; peak memory is read over one call per method.
-    """
+    """Time (``memory=False``) or peak extra memory of ``select`` per method at one length (in a child)."""
     import torch
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from restkv.config import CompressionConfig
     from restkv.observe import Observation, wo_factor
+    from restkv.rope import Rope, rotary_function
     from restkv.select import select
 
     torch.set_num_threads(threads)
@@ -73,37 +127,26 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
     k = torch.randn(1, HKV, length, D, dtype=dt)
     v = torch.randn(1, HKV, length, D, dtype=dt)
     valid = torch.ones(1, length, dtype=torch.bool)
-    wo = wo_factor(torch.randn(HIDDEN, HQ * D, dtype=dt) / HIDDEN**0.5, HQ)
-    cfgs = [CompressionConfig.from_kwargs(max_capacity_prompt=budget, window_size=window, **parse_method(s))
+    o_proj = torch.randn(HIDDEN, HQ * D, dtype=dt) / HIDDEN**0.5
+    wo = wo_factor(o_proj, HQ)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HQ, head_dim=D,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    rope = Rope.of(rotary_function(rotary), torch.arange(length)[None])
+    cfgs = [CompressionConfig.from_kwargs(**{"max_capacity_prompt": budget, "window_size": window, **parse_method(s)})
             for s in specs]
 
     def run(cfg):
-        obs = Observation(q, k, v, valid, window=window, budget=budget, scaling=D**-0.5, wo_factor=wo)
+        obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,
+                          wo_weight=o_proj, rope=rope)
         return select(obs, cfg)
 
-    peaks, times, cpu = [], [[] for _ in cfgs], [[] for _ in cfgs]
     with torch.no_grad():
-        for cfg in cfgs:
-            run(cfg)  # warm-up: one-time initialisation and code pages are not counted
-            if memory:
-                before = _status("VmRSS")
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                out = run(cfg)
-                peaks.append(_status("VmHWM") - before)
-                del out
-        if memory:
-            return [{"peak": p, "kv_bytes": 2 * k.numel() * k.element_size()} for p in peaks]
-        for _ in range(reps):
-            for cfg, t, c in zip(cfgs, times, cpu):
-                t0, c0 = time.perf_counter(), time.process_time()
-                run(cfg)
-                t.append(time.perf_counter() - t0)
-                c.append(time.process_time() - c0)
-    return [{"time": statistics.median(t), "cpu": statistics.median(c)} for t, c in zip(times, cpu)]
+        results = time_and_peak([lambda cfg=cfg: run(cfg) for cfg in cfgs], reps, memory)
+    return [{**r, "kv_bytes": 2 * k.numel() * k.element_size()} for r in results]
 
 
-def _child(args, specs, length, memory):
+def measure_in_child(args, specs, length, memory):
+    """``measure`` in a fresh process (``args``: budget, window, dtype, reps, threads)."""
     cmd = [sys.executable, __file__, "--child", str(length), *specs, "--budget", str(args.budget), "--window",
            str(args.window), "--dtype", args.dtype, "--reps", str(args.reps), "--threads", str(args.threads)]
     env = dict(os.environ)
@@ -118,7 +161,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
-                   help="method[:knob=value,...]; snapkv is always measured as the reference")
+                   help="method[:knob=value,...] (window_size there overrides --window); snapkv is always "
+                   "measured as the reference")
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
@@ -140,7 +184,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for length in args.lengths:
         specs = [m for m in methods if not (m.startswith("h2o") and length > args.h2o_max_length)]
-        results = [{**t, **m} for t, m in zip(_child(args, specs, length, False), _child(args, specs, length, True))]
+        times, peaks = measure_in_child(args, specs, length, False), measure_in_child(args, specs, length, True)
+        results = [{**t, **m} for t, m in zip(times, peaks)]
         ref = results[0]
         for spec, r in zip(specs, results):
             print(f"| {length} | {spec} | {r['cpu'] * 1e3:.0f} | {r['cpu'] / ref['cpu']:.2f} | "

@@ -31,6 +31,7 @@ CONFIGS = {
     "fullkv": dict(method="fullkv"),
     "snapkv": dict(method="snapkv"),
     "snapkv global": dict(method="snapkv", layer_budget="global"),
+    "layer_defensivekv": dict(method="layer_defensivekv"),
     "kvzip": dict(method="kvzip"),
 }
 

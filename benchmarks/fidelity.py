@@ -48,7 +48,16 @@ def continuation_logprobs(model, ids: torch.Tensor, length: int, configs: list[d
     prompt's last one on.
     """
     pre = restkv.sweep_caches(model, ids[None, :length], None, configs)
-    last, caches = pre.logits, pre.caches
+    return teacher_forced(model, ids, length, pre.logits, pre.caches)
+
+
+@torch.no_grad()
+def teacher_forced(model, ids: torch.Tensor, length: int, last: torch.Tensor, caches: list) -> list[torch.Tensor]:
+    """Log-probabilities [continuation, vocab] of ``ids[length:]`` on each prompt cache of ``caches``.
+
+    ``last`` [1, vocab] are the prefill's logits at the prompt's last token; the tokens
+    ``ids[length:-1]`` are teacher-forced on each cache (which they extend).
+    """
     restkv.configure(model, method="fullkv")  # decoding reads each cache's own layers
     out = []
     for cache in caches:

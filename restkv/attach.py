@@ -8,14 +8,14 @@ or each family's module-level ``eager_attention_forward``. restkv wraps those fu
   hands the layer's tensors to the attachment's ``on_prefill`` (by default ``evict_layer``, whose
   result replaces the layer's cache);
 - when decoding on a layer that holds kept entries: supplies their mask (or attends over the packed
-  per-head layout itself).
+  per-head layout itself), and with ``decode_interval`` evicts again every that many new tokens.
 
 An attachment is one ``LayerState`` per attention module (``module._restkv``), the model's
-``model._restkv``, two hooks per module that hand the state the forward's cache and one on the
-decoder that finishes deferred selections once the prefill forward has returned (``restkv.deferred``:
-a cross-layer budget, passes after the prefill); ``detach`` removes all of it. ``configure``
-attaches until the next ``configure``/``detach``; ``compressing`` attaches for a ``with`` block and
-restores what was there before.
+``model._restkv``, two hooks per module that hand the state the forward's cache and RoPE, and one on
+the decoder that finishes deferred selections once the prefill forward has returned (``restkv.deferred``:
+a cross-layer budget, passes after the prefill); ``detach`` removes all of it. ``configure`` attaches
+until the next ``configure``/``detach``; ``compressing`` attaches for a ``with`` block and restores what
+was there before.
 """
 
 from __future__ import annotations
@@ -29,17 +29,18 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, Fp8QuantizedLayer, QuantizedLayer,
+                                      StaticLayer)
 from transformers.modeling_utils import AttentionInterface
 
-from .budgets import headkv_budgets, load_head_importance
 from .cache import KeptLayer, VarlenLayer
 from .config import CompressionConfig
+from .decode import decode_step
 from .deferred import decoder_of, finish
 from .evict import LayerPlan, evict_layer
-from .think import pruned_channels
+from .plans import SUPPORTED_BACKENDS, attention_modules, plan_layers
+from .rope import Rope, capture, rotary_function, rotary_module
 
-SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 FAMILIES = {
     "llama": "transformers.models.llama.modeling_llama",
     "mistral": "transformers.models.mistral.modeling_mistral",
@@ -48,6 +49,10 @@ FAMILIES = {
     "gemma2": "transformers.models.gemma2.modeling_gemma2",
     "gemma3": "transformers.models.gemma3.modeling_gemma3",
 }
+
+
+# The cache layers a prefill is evicted from: the model's own dynamic layers.
+PREFILL_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 def _attention_with_eviction(backend, implementation, module, query, key, value, attention_mask, **kwargs):
@@ -59,15 +64,57 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
     if state is None or state.cache is None or not state.plan.evicts:
         return backend(module, query, key, value, attention_mask, **kwargs)
     layer = state.cache.layers[module.layer_idx]
-    if isinstance(layer, VarlenLayer):
-        return layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5), None
-    if isinstance(layer, KeptLayer):
-        mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1])
-        return backend(module, query, key, value, mask, **kwargs)
+    if isinstance(layer, (VarlenLayer, KeptLayer)):
+        if isinstance(layer, VarlenLayer):
+            out = layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5, kwargs.get("softcap")), None
+        else:
+            mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1],
+                                        state.plan.window)
+            out = backend(module, query, key, value, mask, **kwargs)
+        if getattr(layer, "policy", None) is not None:  # eviction during decoding (``decode_interval``)
+            decode_step(state.cache, module, query, kwargs)
+        return out
     out = backend(module, query, key, value, attention_mask, **kwargs)
-    if type(layer) is DynamicLayer and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
+    if type(layer) in PREFILL_LAYERS and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
         state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
     return out
+
+
+def check_cache(state: "LayerState", cache, layer_idx: int) -> None:
+    """Before a layer's forward: raise if eviction cannot go into the ``cache`` the caller passed (a static,
+    quantized or offloaded cache), so that no full cache is used silently; a fresh cache clears the kept positions."""
+    if cache is None or not state.plan.evicts:
+        return
+    if cache.get_seq_length(layer_idx) == 0:
+        state.kept = None  # a new prefill
+    if not state.plan.cfg.evicts:
+        return
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ValueError(f"past_key_values: restkv evicts into the model's DynamicCache, not a {type(cache).__name__}: "
+                         "pass no cache or a DynamicCache")
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    kind = type(layer) if layer is not None else getattr(cache, "layer_class_to_replicate", None)
+    if getattr(cache, "offloading", False) or not (kind in PREFILL_LAYERS or isinstance(layer, (KeptLayer, VarlenLayer))):
+        raise ValueError(unsupported_cache(cache, kind))
+
+
+def unsupported_cache(cache, kind) -> str:
+    """Why eviction cannot go into ``cache`` (layers of type ``kind``), and what to do instead."""
+    offloaded = bool(getattr(cache, "offloading", False))
+    what = f"{type(cache).__name__} ({getattr(kind, '__name__', kind)} layers{', offloaded' if offloaded else ''})"
+    if offloaded:
+        fix = ("the kept entries are few: pass no cache (nor cache_implementation='offloaded'), or offload the "
+               "model's layers instead (--device_map)")
+    elif isinstance(kind, type) and issubclass(kind, (QuantizedLayer, Fp8QuantizedLayer)):
+        fix = ("eviction quantizes the kept entries itself: pass no cache and set quant_method "
+               "(configure(model, ..., quant_method='quanto' or 'hqq', nbits=...))")
+    elif isinstance(kind, type) and issubclass(kind, StaticLayer):
+        fix = ("a static cache holds a fixed number of entries; pass no cache (or a DynamicCache), "
+               "and do not set cache_implementation='static'")
+    else:
+        fix = "pass no cache or a DynamicCache"
+    return f"past_key_values: restkv evicts into the model's DynamicCache, not a {what}: {fix}"
 
 
 def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -> None:
@@ -76,7 +123,8 @@ def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -
     if state.pending and state.pending[-1][1] is not state.cache:  # left by a prefill that did not return
         del state.pending[:]
     deferred = []
-    layer, state.kept = evict_layer(state.plan, module, query, key, value, attention_mask, kwargs, pending=deferred)
+    layer, state.kept = evict_layer(state.plan, module, query, key, value, attention_mask, kwargs, rope=state.rope,
+                                    pending=deferred)
     state.pending.extend((prefill, state.cache) for prefill in deferred)
     if layer is not None:
         state.cache.layers[module.layer_idx] = layer
@@ -84,12 +132,14 @@ def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -
 
 @dataclass
 class LayerState:
-    """An attached layer: its plan, what to do at prefill, the cache of the forward in flight, what it kept."""
+    """An attached layer: its plan, what to do at prefill, the cache and RoPE of the forward in flight, what it kept."""
 
     plan: LayerPlan
     on_prefill: Callable = evict_into_cache
     cache: object = None
     kept: torch.Tensor | None = None  # [b, Hkv, kept] positions of the last prefill
+    embed: Callable | None = None  # positions -> (cos, sin) of the layer's RoPE (``restkv.rope.rotary_function``)
+    rope: Rope | None = None
     pending: list | None = None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
     replay: Callable | None = None  # ``replay(query, key)`` after the attention of a pass (``restkv.deferred``)
 
@@ -134,53 +184,16 @@ replace_gemma2 = _replace("gemma2")
 replace_gemma3 = _replace("gemma3")
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of a decoder, in layer order."""
-    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
-    return sorted(found, key=lambda m: m.layer_idx)
+def _capture(module, args, kwargs):
+    state = module._restkv
+    state.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    state.rope = None if hidden is None else capture(state.embed, kwargs, hidden.shape[0])
+    check_cache(state, state.cache, module.layer_idx)
 
 
-def _is_sliding(config, layer_idx: int) -> bool:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return layer_types[layer_idx] != "full_attention"
-    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
-
-
-def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
-    """Each attention layer's plan under ``cfg``, checked against the model (backend, layers, HeadKV table)."""
-    config = model.config.get_text_config()
-    implementation = model.config._attn_implementation
-    if implementation not in SUPPORTED_BACKENDS:
-        raise ValueError(
-            f"attn_implementation {implementation!r} is not supported; use one of {', '.join(SUPPORTED_BACKENDS)}"
-        )
-    modules = attention_modules(model)
-    if not modules:
-        raise ValueError(f"{type(model).__name__} has no attention module with layer_idx and o_proj")
-    evicted = [m.layer_idx for m in modules if not _is_sliding(config, m.layer_idx)]
-    if cfg.evicts and not evicted:
-        raise ValueError("the model has no full-attention layer to evict from (every layer is sliding-window)")
-    if cfg.evicts:
-        cfg.scorer.check_layers(cfg, len(evicted))
-        cfg.scorer.check_model(cfg, model)
-    if cfg.get("pruning_ratio") is not None:
-        pruned_channels(cfg.pruning_ratio, modules[0].head_dim)
-    table = None
-    if cfg.get("head_budget") == "headkv":
-        importance = load_head_importance(cfg.head_importance, len(modules), config.num_attention_heads,
-                                          config.num_key_value_heads)
-        table = headkv_budgets(importance, cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
-    return [LayerPlan(cfg, evicted.index(m.layer_idx) if m.layer_idx in evicted else -1, len(evicted),
-                      None if table is None else table[m.layer_idx]) for m in modules]
-
-
-def _capture_cache(module, args, kwargs):
-    module._restkv.cache = kwargs.get("cache", kwargs.get("past_key_values"))
-
-
-def _release_cache(module, args, kwargs, output):
-    module._restkv.cache = None
+def _release(module, args, kwargs, output):
+    module._restkv.cache = module._restkv.rope = None
 
 
 class Attachment:
@@ -199,8 +212,10 @@ class Attachment:
     def __init__(self, model: nn.Module, plans: list[LayerPlan], on_prefill: Callable | None = None):
         self.model, self.modules = model, attention_modules(model)
         self.cfg = plans[0].cfg
+        rotary = [rotary_module(model, m) for m in self.modules]
         self.pending: list = []  # deferred layers of the prefill in flight, shared by the states
-        self.states = [LayerState(p, on_prefill or evict_into_cache, pending=self.pending) for p in plans]
+        self.states = [LayerState(p, on_prefill or evict_into_cache, embed=None if r is None else rotary_function(r, m),
+                                  pending=self.pending) for p, m, r in zip(plans, self.modules, rotary)]
         self._hooks: list = []
 
     def attach(self) -> "Attachment":
@@ -209,8 +224,8 @@ class Attachment:
         install(*{sys.modules[type(m).__module__] for m in self.modules})
         for m, state in zip(self.modules, self.states):
             m._restkv = state
-            self._hooks += [m.register_forward_pre_hook(_capture_cache, with_kwargs=True),
-                            m.register_forward_hook(_release_cache, with_kwargs=True)]
+            self._hooks += [m.register_forward_pre_hook(_capture, with_kwargs=True),
+                            m.register_forward_hook(_release, with_kwargs=True)]
         self._hooks.append(decoder_of(self.model).register_forward_hook(self._finish, with_kwargs=True))
         self.model._restkv = self
         return self

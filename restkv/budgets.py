@@ -40,7 +40,8 @@ KNOBS = (
          check=lambda f: 0.0 <= f <= 1.0, rule="in [0, 1]", when={"head_budget": ("adakv",)}),
     Knob("normalize", False, "AdaKV: weight each head's scores by the share of its mass inside its top-B",
          when={"head_budget": ("adakv",)}),
-    Knob("head_importance", None, "HeadKV: JSON file of per-layer, per-head importance scores",
+    Knob("head_importance", None, "HeadKV: JSON file of per-layer, per-head importance scores (default: HeadKV's "
+         "retrieval-reasoning scores of the model, computed once on needle prompts and cached)",
          when={"head_budget": ("headkv",)}),
     Knob("headkv_beta", 1.2, "HeadKV: each head keeps B - B // headkv_beta, the rest is shared by importance",
          check=lambda b: b > 1.0, rule="> 1", when={"head_budget": ("headkv",)}),
@@ -56,8 +57,6 @@ def check(values: dict) -> None:
                                 ("merge", "pivot", "merge other than 'pivot'")):
             if values.get(knob) == bad:
                 raise ValueError(f"layer_budget='global' needs {need}")
-    if values.get("head_budget") == "headkv" and not values.get("head_importance"):
-        raise ValueError("head_importance (a JSON file of head scores) is required for head_budget='headkv'")
     if values.get("head_budget") == "headkv" and values.get("max_capacity_prompt_ratio") is not None:
         raise ValueError("head_budget='headkv' needs max_capacity_prompt (its table is sized by it), not a ratio")
     if values.get("gqa_agg") == "none" and (values.get("head_budget") == "headkv" or values.get("varlen") is False):

@@ -12,6 +12,7 @@ from torch import Tensor
 from transformers.cache_utils import DynamicLayer, HQQQuantizedLayer, QuantoQuantizedLayer
 
 from .select import Kept
+from .varlen import VarlenLayer, appended_positions  # noqa: F401 (the packed layout, re-exported)
 
 
 def tensor_bytes(obj) -> int:
@@ -70,6 +71,7 @@ class KeptLayer:
         self.positions = kept.positions  # [b, Hkv, B] kept prompt positions
         self.valid = kept.valid  # [b, B], or [b, Hkv, B] when heads keep different numbers (masked layout)
         self.all_valid = bool(kept.valid.all())
+        self.prompt_end = kept.positions.amax((1, 2)) + 1  # [b] real prompt tokens (the last one is always kept)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         self.seen += key_states.shape[-2]
@@ -86,6 +88,7 @@ class KeptLayer:
         super().reorder_cache(beam_idx)
         self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
         self.valid = self.valid.index_select(0, beam_idx.to(self.valid.device))
+        self.prompt_end = self.prompt_end.index_select(0, beam_idx.to(self.prompt_end.device))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a compressed cache layer cannot be cropped")
@@ -95,30 +98,56 @@ class KeptLayer:
         extra = self.stored - self.valid.shape[-1]
         return torch.cat([self.valid, self.valid.new_ones(*self.valid.shape[:-1], extra)], -1)
 
-    def attention_mask(self, query_length: int, implementation: str, dtype: torch.dtype, groups: int = 1) -> Tensor | None:
+    def stored_entries(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every stored entry: keys, values [b, H, n, d], validity and positions [b, H, n] (-1 where invalid)."""
+        keys = self.keys
+        b, heads, n, _ = keys.shape
+        valid = self.key_valid()
+        valid = valid if valid.dim() == 3 else valid[:, None].expand(b, heads, n)
+        return keys, self.values, valid, appended_positions(self.positions, n)
+
+    def attention_mask(self, query_length: int, implementation: str, dtype: torch.dtype, groups: int = 1,
+                       window: int | None = None) -> Tensor | None:
         """The mask a backend needs for ``query_length`` new queries over the stored entries.
 
         Returns None when nothing is masked (one query, no kept padding), a 2D [b, n] padding mask
         for flash-attention, a bool [b, 1 or Hq, q, n] mask for sdpa, and an additive one for eager.
+        ``window``: the layer's sliding window W; a query at position t then sees only entries at
+        positions > t - W (as the model's sliding-window mask), once the tokens seen exceed W.
         """
-        if self.all_valid and query_length == 1:
+        sliding = window is not None and self.seen > window
+        if self.all_valid and query_length == 1 and not sliding:
             return None
         valid = self.key_valid()
         per_head = valid.dim() == 3
         if implementation.startswith("flash"):
-            if per_head:
-                raise NotImplementedError("flash-attention needs the variable-length layout for per-head budgets")
+            if per_head or sliding:
+                raise NotImplementedError("flash-attention takes one padding mask per sample: per-head budgets need "
+                                          "the variable-length layout, and a sliding window over kept entries needs "
+                                          "attn_implementation='sdpa' or 'eager'")
             return None if self.all_valid else valid.long()
         n = valid.shape[-1]
         q = torch.arange(query_length, device=valid.device)[:, None]
         causal = torch.arange(n, device=valid.device)[None, :] <= (n - query_length) + q  # [q, n]
-        heads = valid.repeat_interleave(groups, 1)[:, :, None, :] if per_head else valid[:, None, None, :]
-        allowed = causal[None, None] & heads
+        heads = valid[:, :, None, :] if per_head else valid[:, None, None, :]  # [b, Hkv or 1, 1, n]
+        if sliding:
+            heads = heads & self.within_window(query_length, window)  # [b, Hkv, q, n]
+        allowed = causal[None, None] & (heads.repeat_interleave(groups, 1) if heads.shape[1] > 1 else heads)
         if implementation == "sdpa":
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(
             ~allowed, torch.finfo(dtype).min
         )
+
+    def within_window(self, query_length: int, window: int) -> Tensor:
+        """[b, Hkv, q, n] bool: which stored entries each of the ``query_length`` newest queries sees under a
+        sliding window (position distance < ``window``); kept prompt entries, then the decoded ones."""
+        decoded = self.stored - self.positions.shape[-1]  # entries appended since prefill (the queries' among them)
+        end = self.prompt_end[:, None]  # [b, 1]
+        step = torch.arange(decoded, device=end.device)
+        entry = torch.cat([self.positions, (end + step).unsqueeze(1).expand(-1, self.positions.shape[1], -1)], -1)
+        query = end + (decoded - query_length) + torch.arange(query_length, device=end.device)  # [b, q]
+        return query[:, None, :, None] - entry[:, :, None, :] < window
 
 
 class CompressedLayer(KeptLayer, DynamicLayer):
@@ -157,8 +186,9 @@ class CompressedLayer(KeptLayer, DynamicLayer):
 def cache_layer(kept: Kept, seen: int, cfg, channels: Tensor | None = None):
     """The cache layer that holds a layer's kept entries, or None when the full cache stays as it is.
 
-    Quantized (``quant_method``), packed per head (per-head budgets with ``varlen``) or dense; with
-    ThinK's ``channels`` [b, H, c] the older keys hold only those channels (``restkv.pruned``).
+    Quantized (``quant_method``), packed per head (per-head budgets with ``varlen``, or one kept set per
+    query head) or dense; with ThinK's ``channels`` [b, H, c] the older keys hold only those channels
+    (``restkv.pruned``).
     """
     if cfg.quant_method:
         return quantized_layer(kept, seen, cfg.quant_method, cfg.nbits, cfg.residual_length, cfg.q_group_size)
@@ -167,7 +197,7 @@ def cache_layer(kept: Kept, seen: int, cfg, channels: Tensor | None = None):
         from .pruned import PrunedLayer, PrunedVarlenLayer
 
         return (PrunedVarlenLayer if packed else PrunedLayer)(kept, seen, channels, cfg.window_size)
-    if kept.keys.shape[-2] == seen and not kept.per_head:
+    if kept.keys.shape[-2] == seen and not kept.per_head and not cfg.get("decode_interval"):
         return None
     return (VarlenLayer if packed else CompressedLayer)(kept, seen=seen)
 
@@ -188,81 +218,3 @@ def quantized_layer(kept: Kept, seen: int, method: str, nbits: int, residual_len
     base.update(layer, kept.keys, kept.values)
     layer.keep(kept, seen)
     return layer
-
-
-class VarlenLayer(DynamicLayer):
-    """Per-head budgets: the kept entries of every (sample, head) packed back to back.
-
-    Holds ``keys`` / ``values`` [N, d] with N the sum of the per-head lengths (padding dropped), so
-    memory follows what each head keeps, not the longest head. The heads are the KV heads, or the
-    query heads when each keeps its own set (``gqa_agg="none"``: new entries are repeated for the
-    query heads of their KV head). Decoding appends one entry per head.
-    """
-
-    is_croppable = False
-
-    def __init__(self, kept: Kept, seen: int):
-        super().__init__()
-        b, heads, _, d = kept.keys.shape
-        valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand(b, heads, -1)
-        self.device = kept.keys.device
-        self.shape = (b, heads, d)
-        self.keys, self.values = kept.keys[valid], kept.values[valid]  # [N, d], segment order
-        self.lengths = valid.sum(-1).flatten()  # [b * heads]
-        self.token_bytes = b * (kept.kv_heads or heads) * d * 2 * kept.keys.element_size()  # one full-cache token
-        self.is_initialized = True
-        self.seen = seen
-        self.positions = kept.positions
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        key_states, value_states = self.per_segment(key_states), self.per_segment(value_states)
-        self.keys = grow(self.keys, key_states, self.lengths)
-        self.values = grow(self.values, value_states, self.lengths)
-        self.lengths = self.lengths + key_states.shape[1]
-        self.seen += key_states.shape[1]
-        return self.keys, self.values
-
-    def per_segment(self, x: Tensor) -> Tensor:
-        """New entries [b, Hkv, q, d] -> one row per segment [S, q, d] (repeated for the query heads of a KV head
-        when each query head has its own segment)."""
-        b, hkv, q, d = x.shape
-        segments = self.lengths.numel()
-        if b * hkv != segments:
-            x = x.repeat_interleave(segments // (b * hkv), 1)
-        return x.reshape(segments, q, d)
-
-    def attended_keys(self) -> Tensor:
-        """The packed keys [N, d] attention reads."""
-        return self.keys
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, self.seen
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported with per-head budgets")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a compressed cache layer cannot be cropped")
-
-    def attend(self, query: Tensor, scaling: float) -> Tensor:
-        """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout)."""
-        from .varlen import varlen_attention
-
-        b, hq, q, d = query.shape
-        out = varlen_attention(query.view(self.lengths.numel(), -1, q, d), self.attended_keys(), self.values,
-                               self.lengths, scaling)
-        return out.view(b, hq, q, d).transpose(1, 2)
-
-
-def grow(packed: Tensor, new: Tensor, lengths: Tensor) -> Tensor:
-    """Packed segments [N, d] of ``lengths`` [S] with ``new`` [S, q, d] appended to each -> [N + S q, d]."""
-    segments, q, d = new.shape
-    seg = torch.arange(segments, device=packed.device).repeat_interleave(lengths)
-    ends = (lengths + q).cumsum(0)
-    out = packed.new_empty(packed.shape[0] + segments * q, d)
-    out[torch.arange(packed.shape[0], device=packed.device) + seg * q] = packed
-    out[(ends[:, None] - q + torch.arange(q, device=packed.device)).flatten()] = new.reshape(-1, d).to(packed.dtype)
-    return out

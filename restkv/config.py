@@ -1,9 +1,10 @@
 """One validated config of an eviction run, resolved from the knob declarations.
 
 The knobs a config holds are exactly those its method and strategies read: the general ones below,
-the budget and merging strategies' (``budgets.KNOBS``, ``merge.KNOBS``) and the method's own
-(``methods/<name>.py``), each only when its ``when`` condition holds. Knob names follow the
-original ReST-KV command line, so sweep scripts carry over.
+the budget, merging, selection and decoding strategies' (``budgets.KNOBS``, ``merge.KNOBS``,
+``critical.KNOBS``, ``chunks.KNOBS``, ``decode.KNOBS``) and the method's own (``methods/<name>.py``), each
+only when its ``when`` condition holds. Knob names follow the original ReST-KV command line, so sweep
+scripts carry over.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 import importlib.util
 from collections.abc import Mapping
 
-from . import budgets, merge, think
+from . import budgets, chunks, critical, decode, merge, think
 from .knobs import Knob
 from .methods import METHODS, REGISTRY
 
@@ -23,7 +24,7 @@ _QUANTIZED = {"quant_method": tuple(QUANT_BITS)}
 # Read by every run (fullkv ignores the budget and window).
 GENERAL = (
     Knob("max_capacity_prompt", 512, "entries kept per KV head per layer after prefill (the budget B), window "
-         "included", check=lambda b: b >= 1, rule=">= 1 (and larger than window_size)",
+         "included", check=lambda b: b >= 1, rule=">= 1 and larger than window_size",
          when={"max_capacity_prompt_ratio": (None,)}),
     Knob("max_capacity_prompt_ratio", None, "the budget as a fraction of each sample's prompt instead: "
          "round(L * ratio) entries (window included, at least window_size + 1)", check=lambda r: 0 < r <= 1,
@@ -37,7 +38,8 @@ GENERAL = (
          check=lambda n: n >= 0, rule=">= 0", when=_QUANTIZED),
     Knob("q_group_size", 64, "quantization group size", check=lambda n: n >= 1, rule=">= 1", when=_QUANTIZED),
 ) + think.KNOBS
-EVICTION = budgets.KNOBS + merge.KNOBS  # read by every method that evicts
+# read by every method that evicts
+EVICTION = budgets.KNOBS + merge.KNOBS + critical.KNOBS + chunks.KNOBS + decode.KNOBS
 # Other names of a knob (the original's flags): name -> (knob, {value: knob's value}).
 ALIASES = {"ss": ("pooling", {p: p for p in ("none", "avgpool", "maxpool", "adaptive")}), **budgets.ALIASES}
 for _m in REGISTRY.values():
@@ -244,7 +246,7 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
     values = {"method": method, **{k: values[k] for k in knobs if k in read}}
     if REGISTRY[method].evicts:
         _check_general(values)
-        for part in (budgets, merge, REGISTRY[method]):
+        for part in (budgets, merge, chunks, decode, REGISTRY[method]):
             part.check(values)
     _check_quant(values)
     return values

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from . import think
 from .budgets import layer_budgets, sample_budgets
-from .cache import cache_layer
+from .cache import CompressedLayer, cache_layer
 from .config import CompressionConfig
 from .observe import Observation, relative_positions, wo_factor
+from .rope import Rope
 from .select import Kept, head_scores, select, stack_samples
 
 
@@ -30,6 +31,7 @@ class LayerPlan:
     rank: int  # index among the evicted layers; -1: not evicted (sliding-window)
     num_evicted: int
     table: torch.Tensor | None = None  # HeadKV: entries per KV head, window excluded [Hkv]
+    window: int | None = None  # the sliding window of an evicted sliding-window layer (None: full attention)
 
     @property
     def evicts(self) -> bool:
@@ -38,57 +40,62 @@ class LayerPlan:
     @property
     def deferred(self) -> bool:
         """The selection waits for every layer's prefill: a global layer budget, or passes after the prefill."""
-        cfg = self.cfg
-        return cfg.evicts and (cfg.get("layer_budget") == "global" or cfg.scorer.replays)
+        return is_deferred(self.cfg)
+
+
+def is_deferred(cfg) -> bool:
+    """Whether ``cfg``'s selection waits for every layer's prefill (``restkv.deferred``)."""
+    return cfg.evicts and (cfg.get("layer_budget") == "global" or cfg.scorer.replays)
 
 
 class LayerPrefill:
     """One layer's prefill as the selection reads it: the batch as one observation (one budget for all
     samples) or one per sample (budgets that differ by sample: each on its own real tokens).
 
+    On a sliding-window layer (``plan.window`` W) only the last W - 1 prompt entries can still be
+    attended by the first decoded token: they are the entries it holds (``start`` the first of them).
     ``release()`` drops the queries (a deferred layer keeps only its scores); observations made after
     it carry no query rows.
     """
 
-    def __init__(self, plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo=None):
-        b, hkv, n, _ = key.shape
-        self.plan, self.module, self.key, self.value, self.n = plan, module, key, value, n
-        self.query, self.query_shape = query, (query.shape[1], query.shape[3])
-        self.key_valid = _key_valid(attention_mask, b, n, key.device)
+    def __init__(self, plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo=None, rope=None):
+        b, _, n, _ = key.shape
+        key_valid = _key_valid(attention_mask, b, n, key.device)
+        self.seen, self.start = n, 0 if plan.window is None else max(0, n - plan.window + 1)
+        if self.start:  # the entries older than the window are out of reach: evict among the visible ones
+            self.offset = key_valid[:, : self.start].sum(-1)  # [b] real tokens before them
+            query, key, value = (x[:, :, self.start :] for x in (query, key, value))
+            key_valid = key_valid[:, self.start :]
+            n = n - self.start
+        self.plan, self.module, self.kwargs, self.rope = plan, module, kwargs, rope
+        self.query, self.key, self.value, self.key_valid, self.n = query, key, value, key_valid, n
+        self.query_shape = (query.shape[1], query.shape[3])
         self.scaling, self.softcap = kwargs.get("scaling") or module.head_dim**-0.5, kwargs.get("softcap")
         cfg, self.memo = plan.cfg, {} if memo is None else memo
         by_ratio = cfg.get("max_capacity_prompt_ratio") is not None
-        self.lengths = self.key_valid.sum(-1).tolist() if by_ratio else [n]  # one host read per layer with a ratio
-        self.budgets = sample_budgets(cfg, self.lengths)
-        self.batched = len(set(self.budgets)) == 1
-        self.keeps_all = not cfg.evicts or all(length <= bud for length, bud in zip(self.lengths, self.budgets))
+        self.lengths = key_valid.sum(-1).tolist() if by_ratio else [n]  # one host read per layer with a ratio
+        budgets = sample_budgets(cfg, self.lengths)
+        self.batched = len(set(budgets)) == 1
+        # this layer's budget per sample (each sample on its own real tokens when budgets differ by sample)
+        starts = [0] if self.batched else [n - length for length in self.lengths]
+        self.parts = [(slice(None) if self.batched else slice(i, i + 1), s,
+                       layer_budgets(cfg, plan.num_evicted, n - s, B)[plan.rank])
+                      for i, (s, B) in enumerate(zip(starts, budgets))]  # (samples, first position, budget)
+        self.keeps_all = not cfg.evicts or all(length <= bud for length, bud in zip(self.lengths, budgets))
         ratio = cfg.get("pruning_ratio")
-        self.energy = None if ratio is None else think.query_energy(query, self.key_valid, cfg.window_size)
+        self.energy = None if ratio is None else think.query_energy(query, key_valid, cfg.window_size)
         self.scores = None  # per part, when computed ahead of the selection
 
-    @property
-    def parts(self) -> list[tuple[slice, int, int]]:
-        """(samples, first position, budget) of each observation."""
-        if self.batched:
-            return [(slice(None), 0, self.budgets[0])]
-        return [(slice(i, i + 1), self.n - self.lengths[i], self.budgets[i]) for i in range(len(self.lengths))]
-
     def observation(self, part) -> Observation:
-        sample, start, budget = part
-        plan, cfg = self.plan, self.plan.cfg
+        sample, first, budget = part
         if self.query is None:
-            b = self.key[sample].shape[0]
-            queries = self.key.new_empty(b, self.query_shape[0], 0, self.query_shape[1])
+            queries = self.key.new_empty(self.key[sample].shape[0], self.query_shape[0], 0, self.query_shape[1])
         else:
-            queries = self.query[sample, :, start:]
+            queries = self.query[sample, :, first:]
         memo = self.memo if self.batched else self.memo.setdefault(sample.start, {})
-        return Observation(
-            queries=queries, keys=self.key[sample, :, start:], values=self.value[sample, :, start:],
-            key_valid=self.key_valid[sample, start:], window=cfg.window_size,
-            budget=layer_budgets(cfg, plan.num_evicted, self.n - start, budget)[plan.rank],
-            scaling=self.scaling, softcap=self.softcap, layer=plan.rank, num_layers=plan.num_evicted, memo=memo,
-            wo_factor=lambda: layer_wo_factor(self.module, self.key.device),
-        )
+        return observation(self.plan, self.module, queries, self.key[sample, :, first:],
+                           self.value[sample, :, first:], self.key_valid[sample, first:], budget, self.kwargs, memo,
+                           rope=None if self.rope is None else self.rope.part(sample, first))
 
     def score(self, raw=None) -> None:
         """Keep each part's selection scores [b, H, P] (``raw``: the method's scores of every position [b, H, n])."""
@@ -99,11 +106,11 @@ class LayerPrefill:
             self.scores.append(head_scores(obs, self.plan.cfg, own))
 
     def release(self) -> None:
-        self.query, self.memo = None, {}
+        self.query, self.memo, self.rope = None, {}, None
 
     def select(self, sizes=None) -> Kept:
         """The kept entries; ``sizes`` (per part, [b, Hkv] prefix entries per head) from a cross-layer budget."""
-        cfg, b, hkv = self.plan.cfg, self.key.shape[0], self.key.shape[1]
+        cfg, hkv = self.plan.cfg, self.key.shape[1]
         if self.keeps_all:
             return Kept(self.key, self.value, relative_positions(self.key_valid)[:, None].expand(-1, hkv, -1),
                         self.key_valid)
@@ -113,14 +120,29 @@ class LayerPrefill:
 
     def result(self, kept: Kept):
         """(the cache layer holding ``kept``, or None: keep the full one; the kept positions [b, H, kept])."""
-        ratio = self.plan.cfg.get("pruning_ratio")
+        cfg, seen = self.plan.cfg, self.seen
+        if self.start:
+            positions = torch.where(kept.positions >= 0, kept.positions + self.offset[:, None, None], -1)
+            kept = replace(kept, positions=positions)
+            if self.keeps_all and not cfg.quant_method:
+                return None, kept.positions  # the model's sliding-window layer holds exactly these
+            if kept.per_head and kept.kv_heads is None:  # the masked layout: its mask also bounds the window
+                return CompressedLayer(kept, seen=seen), kept.positions
+            return cache_layer(kept, seen, cfg), kept.positions
+        ratio = cfg.get("pruning_ratio")
         channels = None if ratio is None else think.kept_channels(kept.keys, kept.valid, self.energy, ratio)
-        return cache_layer(kept, self.n, self.plan.cfg, channels), kept.positions
+        layer = cache_layer(kept, seen, cfg, channels)
+        if cfg.get("decode_interval"):
+            from .decode import arm
+
+            b = self.key.shape[0]
+            arm(layer, self.plan, [p[2] for p in self.parts] * (b if self.batched else 1), self.query, self.rope)
+        return layer, kept.positions
 
 
 @torch.no_grad()
 def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo: dict | None = None,
-                pending: list | None = None):
+                pending: list | None = None, rope: Rope | None = None):
     """Select what the layer keeps from its prefill tensors.
 
     Parameters
@@ -137,14 +159,19 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
     pending : list, optional
         Where a deferred plan's ``LayerPrefill`` goes (its scores computed, its queries released) when
         the layer evicts; the result is then (None, None) until ``restkv.deferred.finish``.
+    rope : Rope, optional
+        The layer's RoPE over the prompt (``restkv.rope``), for scores that need the queries before RoPE.
 
     Returns
     -------
     (layer, positions)
         The cache layer to put in place of the layer's full one (None: keep the full one) and the kept
         positions [b, Hkv, kept] (from each sample's first real token, -1 on kept padding).
+
+    On a sliding-window layer (``plan.window`` W) the entries scored and kept from are the last W - 1
+    (``LayerPrefill``), and when nothing is evicted the model's own sliding-window layer stays.
     """
-    prefill = LayerPrefill(plan, module, query, key, value, attention_mask, kwargs, memo)
+    prefill = LayerPrefill(plan, module, query, key, value, attention_mask, kwargs, memo, rope)
     if plan.deferred and not prefill.keeps_all:
         if not plan.cfg.scorer.replays:
             prefill.score()
@@ -154,13 +181,26 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
     return prefill.result(prefill.select())
 
 
+def observation(plan: LayerPlan, module, queries, keys, values, key_valid, budget: int, kwargs, memo: dict,
+                rope: Rope | None = None, head_valid=None) -> Observation:
+    """What the layer's scorer sees: queries [b, Hq, Lq, d] of the last Lq positions, keys/values [b, H, L, d],
+    key_valid [b, L] (head_valid [b, H, L] when heads hold different entries), this layer's budget and RoPE."""
+    return Observation(
+        queries=queries, keys=keys, values=values, key_valid=key_valid, window=plan.cfg.window_size, budget=budget,
+        scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
+        wo_factor=lambda: layer_wo_factor(module, keys.device), wo_weight=lambda: layer_wo_weight(module, keys.device),
+        rope=rope, layer=plan.rank, num_layers=plan.num_evicted, memo=memo, head_valid=head_valid,
+    )
+
+
 def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
-    """[b, n] bool: which keys are real tokens, read off whatever mask the backend received."""
+    """[b, n] bool: which keys are real tokens, read off whatever mask the backend received at prefill."""
     if mask is None:
         return torch.ones(batch, n, dtype=torch.bool, device=device)
     if mask.dim() == 2:  # flash-attention padding mask
         return mask[:, -n:].bool().expand(batch, n)
-    row = mask[:, 0, -1, :n]  # the last query sees every real key
+    # each query sees its own key unless that key is padding (the last row would miss keys beyond a sliding window)
+    row = mask[:, 0, -n:, :n].diagonal(dim1=-2, dim2=-1)
     row = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
     return row.expand(batch, n)
 
@@ -168,25 +208,30 @@ def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
 _WO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # o_proj -> (weight tag, R)
 
 
-def layer_wo_factor(module, device) -> torch.Tensor:
-    """The W_O factor R [Hq, d, d] of an attention module (computed once per weight), on ``device``.
+def _weights_on(module, device):
+    """A context in which ``module``'s weights are on ``device``: accelerate keeps an offloaded layer's
+    weights on the meta device between forwards."""
+    if module.weight.device.type != "meta":
+        return contextlib.nullcontext()
+    from accelerate.utils import align_module_device
 
-    A layer offloaded by accelerate keeps its weights on the meta device between forwards; they are
-    brought to ``device`` for the computation.
-    """
+    return align_module_device(module, execution_device=device)
+
+
+def layer_wo_factor(module, device) -> torch.Tensor:
+    """The W_O factor R [Hq, d, d] of an attention module (computed once per weight), on ``device``."""
     o_proj = module.o_proj
     w = o_proj.weight
-    offloaded = w.device.type == "meta"
-    tag = "offloaded" if offloaded else (w.data_ptr(), w._version, w.device, w.dtype)
+    tag = "offloaded" if w.device.type == "meta" else (w.data_ptr(), w._version, w.device, w.dtype)
     cached = _WO.get(o_proj)
     if cached is None or cached[0] != tag:
-        if offloaded:
-            from accelerate.utils import align_module_device
-
-            weights_on = align_module_device(o_proj, execution_device=device)
-        else:
-            weights_on = contextlib.nullcontext()
-        with torch.no_grad(), weights_on:
+        with torch.no_grad(), _weights_on(o_proj, device):
             cached = (tag, wo_factor(o_proj.weight, module.config.num_attention_heads))
         _WO[o_proj] = cached
     return cached[1].to(device)
+
+
+def layer_wo_weight(module, device) -> torch.Tensor:
+    """The o_proj weight W_O [hidden, Hq d] of an attention module, on ``device``."""
+    with torch.no_grad(), _weights_on(module.o_proj, device):
+        return module.o_proj.weight.detach().to(device)

@@ -1,17 +1,45 @@
-"""Modules imported on first use.
+"""Modules imported on first use, and the optional extras that provide some of them.
 
 The knob declarations (``config``, ``methods/``, ``budgets``, ``merge``) are read by the runners to
 build their command lines before any model work; the modules that declare them use ``torch``
-through these stand-ins, so reading a declaration imports no torch.
+through these stand-ins, so reading a declaration imports no torch. The benchmark modules read their
+scorers' packages (``jieba``, ``rouge``, ...) the same way, so ``--help`` needs none of them.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+
+# module -> the extra of ``setup.py`` that installs it (``pip install -e '.[bench]'``)
+EXTRAS = {"jieba": "bench", "rouge": "bench", "rouge_score": "bench", "fuzzywuzzy": "bench", "wonderwords": "bench",
+          "matplotlib": "bench", "nbclient": "bench", "hqq": "quant", "optimum": "quant", "flash_attn": "flash"}
+
+
+class MissingExtra(ModuleNotFoundError):
+    """A package of one of restkv's extras is not installed; the message says which extra installs it."""
+
+
+def missing_extra(*modules: str, needed_by: str = "this") -> MissingExtra | None:
+    """The error to raise when one of ``modules`` (of ``EXTRAS``) is not importable, else None."""
+    absent = [m for m in modules if importlib.util.find_spec(m.split(".")[0]) is None]
+    if not absent:
+        return None
+    extras = sorted({EXTRAS.get(m.split(".")[0], "bench") for m in absent})
+    names = "".join(f"[{e}]" for e in extras).replace("][", ",")
+    return MissingExtra(f"{needed_by} needs {', '.join(absent)}, of restkv's {' and '.join(extras)} extra: "
+                        f"pip install -e '.{names}' (in a clone) or pip install 'restkv{names}'", name=absent[0])
+
+
+def require(*modules: str, needed_by: str = "this") -> None:
+    """Raise :class:`MissingExtra` (one line: what is missing, which extra installs it) unless every module imports."""
+    error = missing_extra(*modules, needed_by=needed_by)
+    if error is not None:
+        raise error
 
 
 class LazyModule:
-    """Stands for the module ``name``; the first attribute read imports it."""
+    """Stands for the module ``name``; the first attribute read imports it (a missing extra: :class:`MissingExtra`)."""
 
     def __init__(self, name: str):
         self._name = name
@@ -19,6 +47,7 @@ class LazyModule:
 
     def __getattr__(self, attr):
         if self._module is None:
+            require(self._name, needed_by=f"{self._name}.{attr}")
             self._module = importlib.import_module(self._name)
         return getattr(self._module, attr)
 

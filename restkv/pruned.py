@@ -12,9 +12,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from .cache import KeptLayer, VarlenLayer, grow
+from .cache import KeptLayer, VarlenLayer
 from .select import Kept
-from .varlen import segment_offsets
 
 
 def _invalid_first(kept: Kept) -> Kept:
@@ -63,40 +62,33 @@ class PrunedLayer(KeptLayer, DynamicLayer):
 
 
 class PrunedVarlenLayer(VarlenLayer):
-    """The packed per-head layout (``VarlenLayer``) with each segment's older entries as ``pruned_keys``
-    [N_old, c] (its channels in ``channels`` [S, c]); ``keys`` [N_recent, d] holds the rest, segment by segment."""
+    """The packed per-head layout (``VarlenLayer``) with each segment's older packed entries as ``pruned_keys``
+    [N_old, c] (their channels: ``channels`` [S, c] of segment ``old_segment`` [N_old]); the keys buffer
+    holds the other packed keys (``key_rows`` of them, segment by segment), then the appended ones."""
 
     def __init__(self, kept: Kept, seen: int, channels: Tensor, recent: int):
         super().__init__(kept, seen)
+        lengths, N = self.index.lengths, self.index.packed
         self.channels = channels.reshape(-1, channels.shape[-1])  # [S, c], segments in (sample, head) order
-        self.old_lengths = (self.lengths - recent).clamp_min(0)
-        old = self._within(self.lengths) < self.old_lengths.repeat_interleave(self.lengths)
-        seg = self._segments(self.lengths)[old]
-        self.pruned_keys = self.keys[old].gather(1, self.channels[seg])
+        segment = torch.arange(lengths.numel(), device=self.device).repeat_interleave(lengths)
+        starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]
+        within = torch.arange(N, device=self.device) - starts[segment]
+        old = within < (lengths - recent).clamp_min(0)[segment]
+        self.old_rows, self.recent_rows = old.nonzero().squeeze(1), (~old).nonzero().squeeze(1)
+        self.old_segment = segment[old]
+        self.pruned_keys = self.keys[old].gather(1, self.channels[self.old_segment])
         self.keys = self.keys[~old]
-
-    def _segments(self, lengths: Tensor) -> Tensor:
-        return torch.arange(lengths.numel(), device=self.device).repeat_interleave(lengths)
-
-    def _within(self, lengths: Tensor) -> Tensor:
-        """Index of each packed entry inside its segment."""
-        return torch.arange(int(lengths.sum()), device=self.device) - segment_offsets(lengths)[self._segments(lengths)]
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        key_states, value_states = self.per_segment(key_states), self.per_segment(value_states)
-        self.keys = grow(self.keys, key_states, self.lengths - self.old_lengths)
-        self.values = grow(self.values, value_states, self.lengths)
-        self.lengths = self.lengths + key_states.shape[1]
-        self.seen += key_states.shape[1]
-        return self.keys, self.values
+        self.key_rows = self.keys.shape[0]
 
     def attended_keys(self) -> Tensor:
-        """[N, d]: each segment's older keys with zeros in the dropped channels, then its full ones."""
-        start = segment_offsets(self.lengths)
-        recent = self.lengths - self.old_lengths
-        old_seg, new_seg = self._segments(self.old_lengths), self._segments(recent)
-        out = self.keys.new_empty(int(self.lengths.sum()), self.keys.shape[-1])
-        out[start[old_seg] + self._within(self.old_lengths)] = _scatter(self.pruned_keys, self.channels[old_seg],
-                                                                        out.shape[-1])
-        out[start[new_seg] + self.old_lengths[new_seg] + self._within(recent)] = self.keys
+        """[N + S * steps, d]: the older keys with zeros in the dropped channels, the other packed keys and the
+        appended ones, each in its row of the unpruned layout."""
+        N, appended = self.index.packed, self.index.lengths.numel() * self.steps
+        out = self.keys.new_empty(N + appended, self.keys.shape[-1])
+        out[self.old_rows] = _scatter(self.pruned_keys, self.channels[self.old_segment], out.shape[-1])
+        out[self.recent_rows] = self.keys[: self.key_rows]
+        out[N:] = self.keys[self.key_rows : self.key_rows + appended]
         return out
+
+    def stored_entries(self):
+        raise NotImplementedError("pruned key channels are not scored again while decoding (decode_interval)")

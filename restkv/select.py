@@ -1,4 +1,5 @@
-"""From scores to the kept entries: GQA reduction, per-head budgets, top-B per KV head, window, merging."""
+"""From scores to the kept entries: GQA reduction, per-head budgets, selection strategy (CriticalKV, ChunkKV),
+top-B per KV head, window, merging."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .budgets import head_sizes
+from .chunks import chunk_order
+from .critical import two_stage, value_norms
 from .config import CompressionConfig
 from .merge import merge
 from .observe import Observation, group_view
@@ -24,6 +27,7 @@ class Kept:
     valid: Tensor  # [b, B] bool, False on kept padding (same for every head); [b, H, B] with per-head budgets
     per_head: bool = False  # heads keep different numbers of entries
     kv_heads: int | None = None  # the model's KV heads when H is the query heads (one kept set per query head)
+    index: Tensor | None = None  # [b, H, B] which of the observed entries each slot holds (None: not recorded)
 
 
 def reduce_groups(scores: Tensor, hkv: int, how: str, hq: int | None = None) -> Tensor:
@@ -71,7 +75,18 @@ def head_scores(obs: Observation, cfg: CompressionConfig, raw: Tensor | None = N
     how = cfg.get("gqa_agg", "mean")
     raw = raw_scores(obs, cfg) if raw is None else raw
     s = reduce_groups(raw, hkv, how, hq).expand(b, hq if how == "none" else hkv, -1)
-    return s.masked_fill(~obs.key_valid[:, None, : obs.prefix_len], float("-inf"))
+    return s.masked_fill(~obs.entry_valid[..., : obs.prefix_len], float("-inf"))
+
+
+def ranking(obs: Observation, cfg: CompressionConfig, scores: Tensor, keep) -> Tensor:
+    """What the top-k ranks [b, H, P]: the scores, or the selection strategy's key over them
+    (``critical``: CriticalKV's two stages; ``chunk_size``: ChunkKV's chunks). ``keep``: entries per head."""
+    if cfg.get("critical"):
+        norms = value_norms(obs, scores.shape[1], cfg.value_norm)
+        return two_stage(scores, keep, obs.window, norms, cfg.first_stage_ratio, cfg.critical_epsilon)
+    if cfg.get("chunk_size"):
+        return chunk_order(scores, obs.positions[:, : obs.prefix_len], cfg.chunk_size)
+    return scores
 
 
 def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None, sizes: Tensor | None = None,
@@ -81,6 +96,7 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
     Each head keeps ``budget - window`` prefix entries, or its own number with per-head budgets
     (``budgets.head_sizes``: AdaKV from the scores, HeadKV from the layer's ``table`` row [Hkv]; or
     ``sizes`` [b, Hkv] given, from a cross-layer budget). ``scores``: ``head_scores`` already computed.
+    A selection strategy (``ranking``) may rank by another key than the scores; merging reads the scores.
     With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with its own kept set.
     """
     b, hkv, n, d = obs.keys.shape
@@ -92,17 +108,18 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
         scores = head_scores(obs, cfg) if scores is None else scores
         base = obs.budget - obs.window
         sizes = head_sizes(cfg, scores, base, table) if sizes is None else sizes
-        idx = _top_then_window(scores, base if sizes is None else sizes, obs.window)
+        keep = base if sizes is None else sizes
+        idx = _top_then_window(ranking(obs, cfg, scores, keep), keep, obs.window)
         keys, values = merge(cfg, obs, scores, idx, _gather(obs.keys, idx), _gather(obs.values, idx))
     heads = idx.shape[1]
     positions = obs.positions[:, None].expand(b, heads, n).gather(2, idx)
     kv_heads = hkv if per_query_head else None
     if sizes is None:
         valid = obs.key_valid.gather(1, idx[:, 0])
-        return Kept(keys, values, positions.masked_fill(~valid[:, None], -1), valid, kv_heads=kv_heads)
+        return Kept(keys, values, positions.masked_fill(~valid[:, None], -1), valid, kv_heads=kv_heads, index=idx)
     in_head = torch.arange(idx.shape[-1], device=idx.device) < (sizes + obs.window)[..., None]
-    valid = in_head & obs.key_valid[:, None].expand(b, heads, n).gather(2, idx)
-    return Kept(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True, kv_heads=kv_heads)
+    valid = in_head & obs.entry_valid.expand(b, heads, n).gather(2, idx)
+    return Kept(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True, kv_heads=kv_heads, index=idx)
 
 
 def stack_samples(parts: list[Kept]) -> Kept:

@@ -75,6 +75,7 @@ def _batch_key(cache):
     key = tuple(type(layer) is CompressedLayer for layer in cache.layers)
     shared = all(is_dense or not isinstance(layer, (KeptLayer, VarlenLayer))
                  for is_dense, layer in zip(key, cache.layers))
+    shared = shared and not any(getattr(layer, "policy", None) for layer in cache.layers)  # evicts while decoding
     return key if shared and any(key) else None
 
 
@@ -161,7 +162,7 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
         i, memo = index[module], {}
         for c, plan in enumerate(plans):
             layer, kept[c][i] = evict_layer(plan[i], module, query, key, value, attention_mask, kwargs, memo,
-                                            deferred[c])
+                                            deferred[c], rope=state.rope)
             if layer is not None:
                 layers[c][module.layer_idx] = layer
 

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import AttentionInterface
 from transformers import (
     Gemma3ForCausalLM,
@@ -48,7 +49,7 @@ def tiny_tokenizer() -> str:
 
 
 # knobs a method needs on the 3-layer models below
-SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer(), chunk_size=24)}
+SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24)}
 
 
 def small(method, family="llama", **knobs):
@@ -56,6 +57,19 @@ def small(method, family="llama", **knobs):
     if method == "lacache" and family == "gemma3":
         return None  # its ladder needs more than one evicted layer; the tiny Gemma 3 has one global layer
     return dict(method=method, **SMALL_MODEL.get(method, {}), **knobs)
+
+
+def rope_embed(d: int, base: float = 10000.0):
+    """positions [b, n] -> (cos, sin) [b, n, d] float32 of the standard RoPE (transformers' default), in float64."""
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+
+    def embed(positions):
+        angles = positions[..., None].double() * inv_freq
+        angles = torch.cat([angles, angles], -1)
+        return angles.cos().float(), angles.sin().float()
+
+    return embed
+
 
 COMMON = dict(
     vocab_size=97,
@@ -102,14 +116,20 @@ def generate(model, ids, mask=None, n=6, **kw):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
 
 
-def masked_reference_logits(model, ids, kept, n_new, channels=None, recent=0):
-    """Greedy decoding on the FULL cache with, per layer and head, every prompt entry outside ``kept`` masked.
+def masked_reference_logits(model, ids, kept, n_new, window=None, channels=None, recent=0):
+    """Greedy decoding on the FULL cache with, per layer and head, every entry outside ``kept`` masked.
 
-    ``kept`` per layer [b, H, K] with H the KV heads, or the query heads (one kept set per query head).
+    ``kept`` per layer [b, H, K] prompt positions (-1: nothing), with H the KV heads or the query heads
+    (one kept set per query head); every decoded entry is seen. Or, for a cache that evicts while decoding,
+    a list over the decoding steps of such lists: step t holds the positions (prompt and decoded) held before
+    the t-th fed token, which itself is always seen.
+    ``window``: a sliding window W over every layer, as the model's sliding-window mask (query t sees keys > t - W).
     ``channels`` per layer [b, H, c] (or None): the key channels kept by the prompt entries before the last
     ``recent``; their other channels read as zeros.
     """
     name = "restkv_test_masked"
+    steps = kept if kept and isinstance(kept[0], (list, tuple)) else None
+    step = [0]
 
     def masked_eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
         b, hq, q, d = query.shape
@@ -121,16 +141,20 @@ def masked_reference_logits(model, ids, kept, n_new, channels=None, recent=0):
             on = torch.zeros(b, c.shape[1], d).scatter_(-1, c, 1.0).repeat_interleave(hq // c.shape[1], 1)
             k[:, :, : ids.shape[1] - recent] *= on[:, :, None, :]
         logits = query.float() @ k.transpose(-1, -2) * scaling
+        t = torch.arange(key.shape[2] - q, key.shape[2])[:, None]  # the queries' positions
+        too_old = torch.arange(key.shape[2])[None, :] <= t - (window or key.shape[2] + 1)  # [q, kv] beyond the window
         if q == 1:
-            n = ids.shape[1]
-            idx = kept[module.layer_idx].masked_fill(kept[module.layer_idx] < 0, n)  # -1: nothing kept there
+            n = key.shape[2] if steps else ids.shape[1]  # the masked span: every entry, or the prompt's
+            held = (steps[step[0]] if steps else kept)[module.layer_idx]
+            idx = held.masked_fill(held < 0, n)  # -1: nothing kept there
             heads = idx.shape[1]
             allowed = torch.ones(b, heads, key.shape[2], dtype=torch.bool)
             allowed[..., :n] = torch.zeros(b, heads, n + 1, dtype=torch.bool).scatter_(2, idx, True)[..., :n]
-            logits = logits.masked_fill(~allowed.repeat_interleave(hq // heads, 1)[:, :, None], float("-inf"))
+            allowed[..., -1] = True  # the fed token itself
+            logits = logits.masked_fill(~allowed.repeat_interleave(hq // heads, 1)[:, :, None] | too_old, float("-inf"))
         else:
             future = torch.ones(q, key.shape[2], dtype=torch.bool).triu(1 + key.shape[2] - q)
-            logits = logits.masked_fill(future, float("-inf"))
+            logits = logits.masked_fill(future | too_old, float("-inf"))
         out = (logits.softmax(-1) @ v).to(query.dtype)
         return out.transpose(1, 2).contiguous(), None
 
@@ -139,23 +163,25 @@ def masked_reference_logits(model, ids, kept, n_new, channels=None, recent=0):
     previous = model.config._attn_implementation
     model.config._attn_implementation = name
     try:
-        out = model(ids, use_cache=True)
-        cache, steps = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1]]
-        for _ in range(n_new - 1):
-            nxt = steps[-1].argmax(-1, keepdim=True)
+        out = model(ids, use_cache=True, cache=DynamicCache())  # full layers, also for a sliding-window model
+        cache, steps_out = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1]]
+        for t in range(n_new - 1):
+            step[0] = t
+            nxt = steps_out[-1].argmax(-1, keepdim=True)
             out = model(nxt, cache=cache, use_cache=True)
-            steps.append(out.logits[:, -1])
+            steps_out.append(out.logits[:, -1])
     finally:
         model.config._attn_implementation = previous
-    return torch.stack(steps, 1)
+    return torch.stack(steps_out, 1)
 
 
-def capture(model, ids) -> dict:
-    """{layer: (queries, keys, scaling)} in float64 of a plain causal forward of ``ids`` (restkv detached)."""
+def capture(model, ids, values=False) -> dict:
+    """{layer: (queries, keys, scaling)} in float64 of a plain causal forward of ``ids`` (restkv detached);
+    with ``values``: (queries, keys, values, scaling)."""
     got, name = {}, "restkv_test_capture"
 
     def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        got[module.layer_idx] = (query.double(), key.double(), scaling)
+        got[module.layer_idx] = (query.double(), key.double(), *((value.double(),) if values else ()), scaling)
         g = query.shape[1] // key.shape[1]
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1), is_causal=True, scale=scaling)
@@ -170,7 +196,6 @@ def capture(model, ids) -> dict:
     finally:
         model.config._attn_implementation = previous
     return got
-
 
 
 ZH = {"multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh"}

@@ -74,38 +74,83 @@ def line_name(record):
     return record["label"] if budget is None else record["label"].replace(f"_{budget}", "", 1)
 
 
-def budget_curve(records, path, metric="score", ylim=(-0.02, 1.02), log_y=False, title=None):
-    """Mean ``metric`` against the budget, one line per config (:func:`line_name`, so two knob sets of
-    one method are two lines); ``fullkv`` as a dashed level."""
-    fig, ax = plt.subplots(figsize=(5, 3.4))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors)
+def _per_config(records, metric):
+    """``{line name: {budget: [metric values]}}`` of ``records``."""
     lines = defaultdict(lambda: defaultdict(list))
     for r in records:
         lines[line_name(r)][r.get("budget")].append(r[metric])
+    return lines
+
+
+def _prompts_per_config(lines) -> int:
+    return max((len(v) for budgets in lines.values() for v in budgets.values()), default=0)
+
+
+def budget_curve(records, path, metric="score", ylim=(-0.02, 1.02), log_y=False, title=None):
+    """Mean ``metric`` against the budget, one line per config (:func:`line_name`, so two knob sets of
+    one method are two lines); ``fullkv`` as a dashed level.
+
+    With a single budget there is no curve to draw: the configs' means are bars instead (with their
+    standard errors, ``fullkv`` as the dashed level), so a one-budget run still compares its methods.
+    """
+    budgets = sorted({r["budget"] for r in records if r.get("budget") is not None})
+    if len(budgets) < 2:
+        return budget_bars(records, path, metric, ylim=ylim, log_y=log_y, title=title)
+    lines = _per_config(records, metric)
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for name in sorted(set(lines) - {"fullkv"}):
-        budgets = sorted(lines[name])
-        ax.plot(budgets, [np.mean(lines[name][b]) for b in budgets], marker="o", label=name,
+        points = sorted(lines[name])
+        ax.plot(points, [np.mean(lines[name][b]) for b in points], marker="o", label=name,
                 ls="-" if name.startswith("restkv") else "--")
     if "fullkv" in lines:
         ax.axhline(np.mean(lines["fullkv"][None]), color="k", ls=":", lw=1, label="fullkv")
     ax.set_xscale("log", base=2)
-    budgets = sorted({r["budget"] for r in records if r.get("budget") is not None})
     ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.minorticks_off()
     ax.set_xlabel("KV budget per head (max_capacity_prompt)")
     ax.set_ylabel(f"mean {metric}")
-    if log_y:
-        ax.set_yscale("log")
-    elif ylim:
-        ax.set_ylim(*ylim)
-    if title:
-        ax.set_title(title, fontsize=9)
+    _y_axis(ax, ylim, log_y)
+    ax.set_title(title or f"mean {metric} against the KV budget · {_prompts_per_config(lines)} prompts per point",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     if len(lines) > 8:  # beside the axes, off the data
         ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     else:
         ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def budget_bars(records, path, metric="score", ylim=(-0.02, 1.02), log_y=False, title=None):
+    """Mean ``metric`` of each config as a bar with its standard error (one budget, or none), ``fullkv`` last
+    and as a dashed level, each bar labelled with its mean."""
+    lines = _per_config(records, metric)
+    names = sorted(set(lines) - {"fullkv"}) + (["fullkv"] if "fullkv" in lines else [])
+    values = [[v for vs in lines[n].values() for v in vs] for n in names]
+    means = [float(np.mean(v)) for v in values]
+    errors = [float(np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) > 1 else 0.0 for v in values]
+    fig, ax = plt.subplots(figsize=(1.6 + 0.7 * len(names), 3.4))
+    colors = ["#7f7f7f" if n == "fullkv" else plt.cm.tab20.colors[i % 20] for i, n in enumerate(names)]
+    bars = ax.bar(range(len(names)), means, yerr=errors, capsize=3, color=colors)
+    ax.bar_label(bars, [f"{m:.3f}" for m in means], fontsize=7, padding=2)
+    if "fullkv" in lines:
+        ax.axhline(means[-1], color="k", ls=":", lw=1)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(f"mean {metric} (± s.e.)")
+    _y_axis(ax, ylim and (ylim[0], max([ylim[1]] + [1.1 * (m + e) for m, e in zip(means, errors)])), log_y)
+    budgets = sorted({r["budget"] for r in records if r.get("budget") is not None})
+    at = f" at KV budget {budgets[0]}" if budgets else ""
+    ax.set_title(title or f"mean {metric}{at} · {_prompts_per_config(lines)} prompts per config "
+                          "(one budget: no curve)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def _y_axis(ax, ylim, log_y):
+    if log_y:
+        ax.set_yscale("log")
+    elif ylim:
+        ax.set_ylim(*ylim)
 
 
 @torch.inference_mode()

@@ -6,8 +6,50 @@ heavy imports.
 
 import argparse
 
-# ``--dtype`` choices: the keys of ``restkv.bench.models.DTYPES``.
+# ``--dtype`` choices: names of torch dtypes.
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line: ``prog: error: message (see --help)``, exit code 2 (argparse's
+    own print the whole usage first: dozens of lines for a runner)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def startup(parser, prepare, args):
+    """``prepare(args)``: a run's checks before any work. A ``ValueError`` or ``FileNotFoundError`` they raise
+    (bad input, named by its flag or field) or a missing extra (``restkv.lazy.MissingExtra``) ends the program
+    as ``parser.error`` does (one line, exit code 2); any other error keeps its traceback."""
+    from restkv.lazy import MissingExtra
+
+    try:
+        return prepare(args)
+    except (ValueError, FileNotFoundError, MissingExtra) as err:
+        parser.error(str(err))
+
+
+class Runner:
+    """A runner script: its flags (the ``add`` functions), its checks before any work (``prepare(args) ->
+    plan``, see :func:`startup`) and its work (``run(args, plan)``)."""
+
+    def __init__(self, description, adders, prepare, run):
+        self.description, self.adders, self.prepare, self.run = description, adders, prepare, run
+
+    def build_parser(self):
+        parser = ArgumentParser(description=self.description)
+        for add in self.adders:
+            add(parser)
+        return parser
+
+    def parse_args(self, argv=None):
+        return self.build_parser().parse_args(argv)
+
+    def main(self, argv=None):
+        parser = self.build_parser()
+        args = parser.parse_args(argv)
+        return self.run(args, startup(parser, self.prepare, args))
 
 
 def str2bool(text):
@@ -35,8 +77,12 @@ def add_common_args(parser):
                         "command line's knobs; method restkv unless given), e.g. restkv_paper preset=paper (repeatable)")
     g.add_argument("--model_path", default="smollm2-135m",
                    help="registry name (smollm2-135m, gemma3-270m), local path or hub id")
-    g.add_argument("--max_capacity_prompts", nargs="+", type=int, default=[128],
-                   help="KV budgets per head and layer; one run per budget")
+    g.add_argument("--max_capacity_prompts", nargs="+", type=int, default=None,
+                   help="KV budgets per head and layer (window included); one run per budget (default: 128, or "
+                        "none with --max_capacity_prompts_ratio)")
+    g.add_argument("--max_capacity_prompts_ratio", nargs="+", type=float, default=None,
+                   help="budgets as a fraction of each prompt instead: round(L * ratio) (window included); one run "
+                        "per ratio, labelled <method>_r<ratio>")
     g.add_argument("--attn_implementation", default="sdpa")
     g.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     g.add_argument("--device", default="cpu")
@@ -49,6 +95,10 @@ def add_common_args(parser):
                    help="prompt length cap in tokens (default: the model's max context)")
     g.add_argument("--no_sweep", action="store_true",
                    help="one prefill per config (configure + generate) instead of one shared prefill")
+    g.add_argument("--query_agnostic", action="store_true",
+                   help="compress each prompt's context (the prompt up to where its question starts) without its "
+                        "question, then read the question and answer on the compressed cache "
+                        "(restkv.compress_context): a context compressed once serves any question")
     g.add_argument("--device_map", default=None,
                    help="load with this device map (e.g. auto: layers spread over the GPUs, then CPU/disk)")
     g.add_argument("--offload_folder", default=None, help="folder of disk-offloaded weights (--device_map)")
@@ -90,7 +140,8 @@ def knob_flags():
     ``(knob versions [(owners, Knob)], alias target or None)``."""
     from restkv import config
 
-    flags = {name: (versions, None) for name, versions in config.all_knobs().items() if name != "max_capacity_prompt"}
+    flags = {name: (versions, None) for name, versions in config.all_knobs().items()
+             if name not in ("max_capacity_prompt", "max_capacity_prompt_ratio")}  # the runners take lists of them
     flags.update({alias: ([], target) for alias, target in config.ALIASES.items()})
     return flags
 
@@ -137,6 +188,14 @@ def parse_methods(values):
             if name and name not in out:
                 out.append(name)
     return out
+
+
+def check_common(args):
+    """The checks of the shared flags that argparse does not make (``ValueError`` naming the flag)."""
+    for flag in ("batch_size", "max_length", "max_new_tokens", "max_num_examples"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {value}")
 
 
 def add_dataset_args(parser):

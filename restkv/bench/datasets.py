@@ -5,11 +5,14 @@ record per dataset record (keyed by its id field), through the shared loop of :m
 """
 
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Callable
 
-from .grid import configs_meta, method_configs
+from .cli import check_common
+from .grid import announce, configs_meta, method_configs
 from .loop import Predictor, Task, per_label
+from .models import check_context
 from .prompts import has_chat_template, prompt_ids
 
 
@@ -34,6 +37,9 @@ class Dataset:
         Whether the chat template may be applied (the ``--chat_template`` flag decides).
     key : str
         Record field that identifies it in the predictions file.
+    question : callable, optional
+        ``question(record, chat) -> str``: the end of ``text`` that is its question (the template's text
+        after the context), for ``--query_agnostic``.
     """
 
     name: str
@@ -43,6 +49,7 @@ class Dataset:
     max_new_tokens: int
     chat: bool = True
     key: str = "_id"
+    question: Callable | None = None
 
 
 def dataset_task(predictor, dataset):
@@ -57,38 +64,80 @@ def dataset_task(predictor, dataset):
     chat = args.chat_template if dataset.chat else "off"
     wrapped = chat == "on" or (chat == "auto" and has_chat_template(tokenizer))
 
-    def prompt(record):
-        return prompt_ids(tokenizer, dataset.text(record, wrapped), predictor.max_length, chat, reserve)
+    agnostic = predictor.query_agnostic and dataset.question is not None
 
-    def record(rec, ids, out):
-        return {**dataset.output(rec), "pred": out.text, "prompt_tokens": len(ids),
+    def prompt(record):  # (ids, where the question starts: with --query_agnostic only)
+        text = dataset.text(record, wrapped)
+        if not agnostic:
+            return prompt_ids(tokenizer, text, predictor.max_length, chat, reserve), None
+        return prompt_ids(tokenizer, text, predictor.max_length, chat, reserve, dataset.question(record, wrapped))
+
+    def record(rec, prompt, out):
+        return {**dataset.output(rec), "pred": out.text, "prompt_tokens": len(prompt[0]),
                 "quant": predictor.quant[out.label]}
 
     return Task(dataset.name, dataset.records, prompt, record, new_tokens,
-                per_label(os.path.join(predictor.out_dir, dataset.name), predictor.labels, dataset.key))
+                per_label(os.path.join(predictor.out_dir, dataset.name), predictor.labels, dataset.key),
+                ids=_first, question_start=_second if agnostic else None)
 
 
-def run_datasets(args, datasets, extra_meta=None):
-    """Predict every dataset for every method x budget of ``args``.
+def _first(pair):
+    return pair[0]
+
+
+def _second(pair):
+    return pair[1]
+
+
+@dataclass
+class DatasetPlan:
+    """Everything a run over datasets checks before the model loads."""
+
+    configs: list  # (label, configure kwargs)
+    datasets: list  # Dataset
+    meta: dict = field(default_factory=dict)  # stored in run_meta.json
+
+
+def prepare_datasets(args, name, load, meta=None):
+    """Check the flags of a run over datasets, then load them (``load() -> list of Dataset``), before any
+    model work; print the record count (stderr).
+
+    Raises
+    ------
+    ValueError
+        Naming the flag (a config, ``--max_length`` beyond the model's context), or the file and line of
+        malformed data.
+    FileNotFoundError
+        A missing data file (with where to get it) or a registry model that is not installed.
+    """
+    check_common(args)
+    configs = method_configs(args)
+    check_context(args.model_path, [("--max_length", args.max_length, 0)])
+    datasets = load()
+    print(f"{name}: {', '.join(f'{d.name} ({len(d.records)})' for d in datasets)}", file=sys.stderr)
+    announce(name, [("records", sum(len(d.records) for d in datasets))], configs)
+    return DatasetPlan(configs, datasets, dict(meta or {}))
+
+
+def run_datasets(args, plan):
+    """Predict every dataset of ``plan`` (:func:`prepare_datasets`) for every method x budget of ``args``.
 
     Parameters
     ----------
     args : argparse.Namespace
         Parsed :func:`restkv.bench.cli.add_common_args` and :func:`restkv.bench.cli.add_dataset_args` flags.
-    datasets : list of Dataset
-    extra_meta : dict, optional
-        Stored in ``run_meta.json``.
+    plan : DatasetPlan
 
     Returns
     -------
     dict
         ``{(dataset name, label): predictions file}``.
     """
-    configs = method_configs(args)
+    configs, datasets = plan.configs, plan.datasets
     predictor = Predictor(args, configs)
     predictor.write_metadata({"labels": predictor.labels, "configs": configs_meta(configs),
                               "tasks": [d.name for d in datasets], "max_length": predictor.max_length,
-                              "processes": predictor.shard.size, **(extra_meta or {})})
+                              "processes": predictor.shard.size, **plan.meta})
     tasks = [dataset_task(predictor, d) for d in datasets]
     predictor.predict(tasks)
     return {(t.name, label): path for t in tasks for label, path in t.store.paths.items()}

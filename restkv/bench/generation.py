@@ -1,10 +1,11 @@
-"""Batched greedy generation: one eviction config at a time, or several on one prefill."""
-
-import torch
+"""Batched greedy generation: one eviction config at a time, or several on one prefill; with the
+question after compression (query-agnostic) or as part of the compressed prompt."""
 
 import restkv
 
-from .prompts import left_pad
+from ..lazy import F, torch
+
+from .prompts import encode, left_pad
 
 
 def input_device(model):
@@ -13,7 +14,6 @@ def input_device(model):
     return torch.device("cpu") if device.type == "meta" else device
 
 
-@torch.inference_mode()
 def generate_batch(model, tokenizer, prompts, max_new_tokens):
     """Greedy-decode a batch of prompts with the model's current eviction config.
 
@@ -25,12 +25,12 @@ def generate_batch(model, tokenizer, prompts, max_new_tokens):
         The generated continuation of each prompt only, special tokens removed.
     """
     input_ids, mask, pad = left_pad(tokenizer, prompts, input_device(model))
-    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
     return tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
 
 
-@torch.inference_mode()
 def sweep_batch(model, tokenizer, prompts, configs, max_new_tokens):
     """Greedy-decode a batch of prompts under several eviction configs with one prefill (``restkv.sweep``).
 
@@ -48,26 +48,97 @@ def sweep_batch(model, tokenizer, prompts, configs, max_new_tokens):
         LongTensor ``[batch, kv_heads, kept]`` or None per layer).
     """
     input_ids, mask, pad = left_pad(tokenizer, prompts, input_device(model))
-    results = restkv.sweep(model, input_ids, mask, configs, max_new_tokens, pad_token_id=pad)
+    with torch.inference_mode():
+        results = restkv.sweep(model, input_ids, mask, configs, max_new_tokens, pad_token_id=pad)
     return [(tokenizer.batch_decode(tokens, skip_special_tokens=True), kept) for tokens, kept in results]
 
 
-def decode_configs(model, tokenizer, prompts, configs, max_new_tokens, sweep=True):
+def decode_configs(model, tokenizer, prompts, configs, max_new_tokens, sweep=True, question_starts=None):
     """Continuations and kept positions of a batch under each config.
 
     With ``sweep`` one prefill serves every config (:func:`sweep_batch`); without it each config
     is set with ``restkv.configure`` and decoded by :func:`generate_batch` (the reference path).
-    Both give the same result.
+    Both give the same result. With ``question_starts`` (per prompt, the token where its question
+    starts) the question comes after compression: :func:`answer_after_context`.
 
     Returns
     -------
     list of (list of str, list)
         Per config: the continuations and the per-layer kept positions.
     """
+    if question_starts is not None:
+        return answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep)
     if sweep:
         return sweep_batch(model, tokenizer, prompts, configs, max_new_tokens)
     out = []
     for kwargs in configs:
         restkv.configure(model, **kwargs)
         out.append((generate_batch(model, tokenizer, prompts, max_new_tokens), restkv.kept_positions(model)))
+    return out
+
+
+def answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep=True):
+    """Query-agnostic decoding: each prompt's context (its ids before ``question_starts``) is compressed
+    without its question, then the question is read on the compressed cache and answered greedily.
+
+    Prompts whose questions have the same number of tokens go together (contexts left padded). With
+    ``sweep`` one context prefill builds every config's cache (``restkv.sweeps.prefill_caches``) and each
+    config answers on its own (``restkv.context.answer``); without it each config compresses the context
+    (``restkv.compress_context``) and ``generate`` answers. Both give the same result.
+
+    Returns
+    -------
+    list of (list of str, list)
+        Per config: the continuations and the per-layer kept context positions (rows in prompt order,
+        padded with -1 to the longest).
+    """
+    with torch.inference_mode():
+        return _answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep)
+
+
+def _answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep):
+    from restkv.context import ContextCache, answer
+    from restkv.sweeps import prefill_caches
+
+    ids = [encode(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
+    if any(not 1 <= s < len(x) for x, s in zip(ids, question_starts)):
+        raise ValueError("question_starts: each must leave a context and a question of at least one token")
+    groups = {}
+    for row, (x, s) in enumerate(zip(ids, question_starts)):
+        groups.setdefault(len(x) - s, []).append(row)
+    device = input_device(model)
+    texts = [[None] * len(ids) for _ in configs]
+    kept = [[None] * len(ids) for _ in configs]  # per config and row: (per-layer kept, the row's index there)
+    for rows in groups.values():
+        context, mask, pad = left_pad(tokenizer, [ids[r][:question_starts[r]] for r in rows], device)
+        question = torch.tensor([ids[r][question_starts[r]:] for r in rows], device=device)
+        if sweep:
+            pre = prefill_caches(model, context, mask, configs)
+            caches = [ContextCache(c, pre.logits, k) for c, k in zip(pre.caches, pre.kept)]
+        for c, kwargs in enumerate(configs):
+            if sweep:
+                cache, caches[c] = caches[c], None
+                tokens = answer(model, cache, question, mask, max_new_tokens, pad_token_id=pad)
+            else:
+                cache = restkv.compress_context(model, context, mask, **kwargs)
+                full = torch.cat([context, question], 1)
+                out = model.generate(full, attention_mask=torch.cat([mask, torch.ones_like(question)], 1), cache=cache,
+                                     max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
+                                     top_k=None, pad_token_id=pad)
+                tokens = out[:, full.shape[1]:]
+            for j, (r, text) in enumerate(zip(rows, tokenizer.batch_decode(tokens, skip_special_tokens=True))):
+                texts[c][r], kept[c][r] = text, (cache.kept, j)
+    return [(t, _rows_in_order(k)) for t, k in zip(texts, kept)]
+
+
+def _rows_in_order(per_row):
+    """Per layer, the kept positions of every row ([b, H, K], -1 padded) from each row's (kept, index)."""
+    out = []
+    for layer in range(len(per_row[0][0])):
+        parts = [kept[layer][j] if kept[layer] is not None else None for kept, j in per_row]
+        if any(p is None for p in parts):
+            out.append(None)
+            continue
+        width = max(p.shape[-1] for p in parts)
+        out.append(torch.stack([F.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts]))
     return out

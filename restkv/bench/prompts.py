@@ -1,6 +1,6 @@
 """Prompts: the chat template, encoding, middle truncation to a length, and left padding."""
 
-import torch
+from ..lazy import torch
 
 
 def middle_truncate(ids, max_len):
@@ -16,9 +16,9 @@ def middle_truncate(ids, max_len):
     tail = max_len - head
     if tail == 0:
         return ids[:head]
-    if isinstance(ids, torch.Tensor):
-        return torch.cat([ids[:head], ids[-tail:]])
-    return ids[:head] + ids[-tail:]
+    if isinstance(ids, list):
+        return ids[:head] + ids[-tail:]
+    return torch.cat([ids[:head], ids[-tail:]])
 
 
 def has_chat_template(tokenizer):
@@ -79,7 +79,16 @@ def left_pad(tokenizer, prompts, device):
     return input_ids.to(device), mask.to(device), pad
 
 
-def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0):
+def split_prompt(tokenizer, prompt, char):
+    """Token ids of a built prompt and where its question starts: the index of the token holding
+    character ``char`` of ``prompt``, kept in ``[1, len - 1]`` (the context and the question are never empty).
+    """
+    ids, offsets = encode(tokenizer, prompt, offsets=True)
+    start = next((i for i, (_, end) in enumerate(offsets) if end > char), len(ids))
+    return ids, max(1, min(start, len(ids) - 1))
+
+
+def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0, question=None):
     """Token ids of one prompt: middle-truncate ``text``, then apply the chat template.
 
     Parameters
@@ -92,10 +101,18 @@ def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0):
     chat_template : {"auto", "on", "off"}
     reserve : int
         Tokens kept free (for generation).
+    question : str, optional
+        The end of ``text`` that is its question (the template's text after the context); then where it
+        starts is returned too (:func:`split_prompt`).
 
     Returns
     -------
-    list of int
+    list of int, or (list of int, int) with ``question``
+
+    Raises
+    ------
+    ValueError
+        When no room is left, or the truncated text no longer ends with ``question``.
     """
     overhead = len(encode(tokenizer, build_prompt(tokenizer, "", chat_template)))
     cap = max_length - reserve - overhead
@@ -105,4 +122,9 @@ def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0):
     ids = tokenizer(text, add_special_tokens=False).input_ids
     if len(ids) > cap:
         text = tokenizer.decode(middle_truncate(ids, cap), skip_special_tokens=True)
-    return encode(tokenizer, build_prompt(tokenizer, text, chat_template))
+    prompt = build_prompt(tokenizer, text, chat_template)
+    if question is None:
+        return encode(tokenizer, prompt)
+    if not text.endswith(question):
+        raise ValueError(f"the prompt no longer ends with its question after truncation to {max_length} tokens")
+    return split_prompt(tokenizer, prompt, prompt.rfind(text) + len(text) - len(question))

@@ -20,10 +20,9 @@ import glob
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 
-from .results import Closing, JsonlWriter, record_key
+from .results import Closing, JsonlWriter, atomic_write, record_key
 
 # How long the main process waits for the slowest shard before merging.
 BARRIER_TIMEOUT = datetime.timedelta(days=7)
@@ -102,17 +101,6 @@ def _complete_lines(path):
     return out
 
 
-def _atomic_write(path, text):
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 class ResultFile(Closing):
     """The results file of one run as this process writes it: the file itself, or its part.
 
@@ -135,7 +123,7 @@ class ResultFile(Closing):
             self.writer = JsonlWriter(self.path, self.key_fields)
             return
         if shard.main:
-            _atomic_write(plan_path(self.path), json.dumps({"key_fields": self.key_fields,
+            atomic_write(plan_path(self.path), json.dumps({"key_fields": self.key_fields,
                                                             "keys": [list(k) for k in plan]}))
         self.merged = {record_key(self.key_fields, r) for r in _complete_lines(self.path)}
         self.writer = JsonlWriter(part_path(self.path, shard), self.key_fields)
@@ -184,7 +172,7 @@ def merge(path):
                 new.append((order.get(k, len(order)), len(new), r))
     new.sort(key=lambda t: t[:2])
     lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in existing + [r for *_, r in new]]
-    _atomic_write(path, "".join(lines))
+    atomic_write(path, "".join(lines))
     for f in parts + [plan_file]:
         os.remove(f)
     return len(new)

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import cam, h2o, kvzip, l2norm, lacache, random, restkv, snapkv, streamingllm, tova
+from . import (cam, defensivekv, expected_attention, h2o, keydiff, kvzip, l2norm, lacache, random, restkv,
+               snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,10 @@ class Method:
         return hasattr(self.module, "passes")
 
 
+# kvpress's SnapKV where it differs from restkv's (its window of 64 aside: window_size is 32 for every method).
+_KVPRESS_SNAPKV = {"kernel_size": 5, "window_reduce": "mean"}
+
+
 def _register(*methods: Method) -> dict:
     return {m.name: m for m in methods}
 
@@ -98,6 +103,13 @@ REGISTRY = _register(
     Method("random", random),
     Method("tova", tova),
     Method("lacache", lacache),
+    Method("expected_attention", expected_attention),
+    Method("keydiff", keydiff),
+    Method("criticalkv", snapkv, _KVPRESS_SNAPKV | {"critical": True}),
+    Method("critical_adakv", snapkv, _KVPRESS_SNAPKV | {"critical": True, "head_budget": "adakv"}),
+    Method("chunkkv", snapkv, _KVPRESS_SNAPKV | {"chunk_size": 20}),
+    Method("defensivekv", defensivekv, {"head_budget": "adakv", "floor": 0.0}),
+    Method("layer_defensivekv", defensivekv, {"layer_budget": "global"}),
     Method("kvzip", kvzip, {"layer_budget": "global"}),
 )
 METHODS = tuple(REGISTRY)

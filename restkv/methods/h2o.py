@@ -13,13 +13,15 @@ KNOBS = (GQA_AGG,)
 
 
 def score(obs, cfg):
-    """Attention summed over every prefill query, each query only over the keys it can see -> [b, Hq, P].
+    """Attention summed over every query held (the prompt's at prefill, the window's when decoding), each
+    query only over the keys it can see -> [b, Hq, P].
 
     Queries are processed in blocks so the extra memory stays about one key tensor.
     """
-    b, hq, n, d = obs.queries.shape
+    b, hq, _, d = obs.queries.shape
+    n = obs.keys.shape[2]
     block = max(1, (d * obs.keys.shape[1]) // hq)
     total = torch.zeros(b, hq, n, device=obs.keys.device)
-    for start in range(0, n, block):
+    for start in range(obs.first_query, n, block):
         total += obs.attention(start, min(n, start + block)).sum(-2)
     return total[..., : obs.prefix_len]

@@ -5,7 +5,7 @@ https://arxiv.org/abs/2505.23416; code: https://github.com/snu-mllab/KVzip (``mo
 ``self_task``/``scoring``, ``attention/score.py``); kvpress's ``KVzipPress``.
 
 After the prefill the model reads its prompt again as the answer to a request to repeat it, in
-chunks of ``chunk_size`` tokens after the first ``sink_tokens`` (the sinks stand for the original's
+chunks of ``repeat_chunk`` tokens after the first ``sink_tokens`` (the sinks stand for the original's
 system prompt: never evicted, in every chunk's softmax). Chunk 0's pass is ``"\\n\\nRepeat the previous
 context exactly."`` + the assistant header of the chat template (``"\\n"`` without one) + the chunk;
 chunk i > 0's is ``"\\n\\nRepeat the part of the previous context exactly, starting with "`` + the last
@@ -24,14 +24,15 @@ with ``head_budget="adakv", floor=0`` is kvpress's ``layerwise=True``; with ``he
 original's ``level=pair-uniform``.
 
 Cost: one extra forward per chunk, about 20 instruction tokens + the chunk, each token attending over
-the whole prompt: L + ~20 ceil((L - sinks) / chunk_size) tokens in all (1.02 L at 2K tokens), plus at
+the whole prompt: L + ~20 ceil((L - sinks) / repeat_chunk) tokens in all (1.02 L at 2K tokens), plus at
 every layer the reconstruction's attention [pass x (sinks + chunk + pass)] in float32, the full cache
 held meanwhile. ``benchmarks/deferred_cost.py``, SmolLM2-135M at 2,048 tokens (CPU, float32): the passes
 take 3.6 times the full-cache prefill's time, half in their forward and half in the scores (the
 reference warns of 2-3 times on GPU). The passes' tokens never stay in the cache.
 
 Differences: the scores in float32 (the reference's softmax is in the model's dtype); 4 sinks (kvpress's;
-the original uses its whole system prompt) and chunks of 2000 (the original's; kvpress 2048); kvpress's
+the original uses its whole system prompt) and chunks of 2000 (the original's; kvpress's ``chunk_size``, 2048:
+``repeat_chunk`` here, ``chunk_size`` being ChunkKV's selection knob); kvpress's
 later chunks' instruction has no trailing space, the original's has. The tokenizer is the model's
 (``model.config.name_or_path``) unless ``tokenizer`` names one.
 """
@@ -51,7 +52,7 @@ SINK = 2.0  # above any attention probability: the sinks are always kept
 
 KNOBS = (
     streamingllm.KNOBS[0],
-    Knob("chunk_size", 2000, "context tokens reconstructed per extra forward", check=lambda n: n >= 1, rule=">= 1"),
+    Knob("repeat_chunk", 2000, "context tokens reconstructed per extra forward", check=lambda n: n >= 1, rule=">= 1"),
     Knob("tokenizer", None, "tokenizer of the repeat prompt (a path or hub id; none: the model's name_or_path)"),
     GQA_AGG.but(default="max"),
 )
@@ -59,6 +60,8 @@ KNOBS = (
 
 def check(cfg):
     streamingllm.check(cfg)
+    if cfg.get("decode_interval"):
+        raise ValueError("decode_interval is not supported by kvzip (its scores come from passes after the prefill)")
 
 
 @functools.lru_cache(maxsize=8)
@@ -95,9 +98,9 @@ def passes(context_ids: "torch.Tensor", cfg, model) -> tuple[int, list[tuple[int
     first, following, header = (torch.tensor(t, dtype=torch.long) for t in template(_tokenizer_path(cfg, model)))
     n, sinks = context_ids.shape[0], min(cfg.sink_tokens, context_ids.shape[0])
     ids, out = context_ids.cpu(), []
-    for start in range(sinks, n, cfg.chunk_size):
-        stop = min(n, start + cfg.chunk_size)
-        ask = first if start == sinks else torch.cat([following, ids[start - min(PREVIOUS, cfg.chunk_size) : start]])
+    for start in range(sinks, n, cfg.repeat_chunk):
+        stop = min(n, start + cfg.repeat_chunk)
+        ask = first if start == sinks else torch.cat([following, ids[start - min(PREVIOUS, cfg.repeat_chunk) : start]])
         out.append((start, stop, torch.cat([ask, header, ids[start:stop]]).to(context_ids.device)))
     return sinks, out
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Needle arm of the study: the baselines and the main ReST-KV variants on the same needles (one prefill per
 # needle, shared by every config); resumes after an interruption.
-# DEPTHS=0:100:41 LENGTHS="2048" bash scripts/study/needle.sh
+# DEPTHS=0:100/41 LENGTHS="2048" bash scripts/study/needle.sh
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 LENGTHS=${LENGTHS:-2048}
-DEPTHS=${DEPTHS:-0:100:41}
+DEPTHS=${DEPTHS:-0:100/41}
 BUDGETS=${BUDGETS:-"128 256 512"}
 OUT=${OUT:-results/study/needle}
 PY=${PY:-python}

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,13 +18,6 @@ from restkv.bench.needle import data, metrics
 from restkv.bench.needle.run import KEY_FIELDS
 
 METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm")
-
-
-def test_parse_range():
-    assert data.parse_range(["1000", "2000:4000:3", "3000"]) == [1000, 2000, 3000, 4000]
-    assert data.parse_range(["0:100:5"], float) == [0.0, 25.0, 50.0, 75.0, 100.0]
-    with pytest.raises(ValueError, match="start:stop:num"):
-        data.parse_range(["1:2"])
 
 
 def test_insert_needle_at_a_sentence_boundary():
@@ -73,13 +67,15 @@ def test_make_case_places_the_needle(smollm2):
     assert data.make_case(tok, hay, sf, 600, 50, max_length=300).needle_span is None
 
 
-def test_missing_haystack_and_unknown_model_fail_clearly(tmp_path, smollm2):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        cli.main(["--haystack_dir", str(tmp_path / "nope"), "--save_dir", str(tmp_path)])
+def test_missing_haystack_and_unknown_model_fail_clearly(tmp_path, smollm2, capsys):
+    for argv, what in ((["--haystack_dir", str(tmp_path / "nope")], "--haystack_dir: haystack folder .* does not exist"),
+                       (["--model_path", "no-such-model"], "model_path: 'no-such-model'")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv + ["--save_dir", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and re.search(what, err) and len(err.strip().splitlines()) == 1
     with pytest.raises(FileNotFoundError, match="no .txt"):
         data.Haystack(smollm2[1], tmp_path)
-    with pytest.raises(ValueError, match="no-such-model"):
-        cli.main(["--model_path", "no-such-model", "--save_dir", str(tmp_path)])
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +112,7 @@ def test_budget_over_length_equals_fullkv(tmp_path):
 def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
     argv = [sys.executable, "run_needle_in_haystack.py", "--method", "fullkv", "streamingllm",
             "--max_capacity_prompts", "64", "--needles", "passkey", "--context_lengths", "300",
-            "--depth_percents", "0:100:3", "--max_new_tokens", "4", "--no_plots", "--save_dir", str(tmp_path)]
+            "--depth_percents", "0:100:50", "--max_new_tokens", "4", "--no_plots", "--save_dir", str(tmp_path)]
     path = tmp_path / "smollm2-135m" / "results.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -142,12 +138,11 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
     assert "fullkv" in done.stdout and "streamingllm_64" in done.stdout
 
 
-def test_bad_knob_fails_before_the_model_loads(tmp_path, monkeypatch):
+def test_bad_knob_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    with pytest.raises(ValueError, match="headkv_128: head_importance"):
-        cli.main(["--method", "headkv", "--save_dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="restkv_128: alpha"):
+    with pytest.raises(SystemExit) as exit_:
         cli.main(["--alpha", "1.5", "--save_dir", str(tmp_path)])
+    assert exit_.value.code == 2 and "restkv_128: alpha" in capsys.readouterr().err
 
 
 def test_quantized_records_and_metadata(tmp_path):

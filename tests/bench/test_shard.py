@@ -61,7 +61,7 @@ def test_single_process_run_takes_over_left_parts_and_merge_command(tmp_path):
 
 
 ARGS = ["--method", "fullkv", "streamingllm", "--max_capacity_prompts", "64", "--needles", "passkey",
-        "--context_lengths", "300", "--depth_percents", "0:100:6", "--max_new_tokens", "4", "--no_plots"]
+        "--context_lengths", "300", "--depth_percents", "0:100:20", "--max_new_tokens", "4", "--no_plots"]
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "run_needle_in_haystack.py"]
 

@@ -25,7 +25,6 @@ from restkv.config import CompressionConfig
         ({"method": "streamingllm", "sink_tokens": 500}, "sink_tokens"),
         ({"max_capacity_prompt": 0}, "max_capacity_prompt must be >= 1"),
         ({"head_budget": "adakv", "floor": 1.5}, "floor"),
-        ({"head_budget": "headkv"}, "head_importance"),
         ({"head_budget": "adakv", "merge": "pivot"}, "merge"),
         ({"use_wo": "yes"}, "use_wo"),
         ({"max_capacity_prompt": 12.5}, "max_capacity_prompt"),

@@ -217,10 +217,25 @@ def test_kvzip_passes_follow_the_chat_template_of_smollm2():
     path = resolve("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(path)
     ids = torch.tensor(tok.encode("The river Quell runs past old mills. " * 40, add_special_tokens=False))
-    cfg = CompressionConfig(method="kvzip", chunk_size=100, max_capacity_prompt=64, window_size=8).score_knobs()
+    cfg = CompressionConfig(method="kvzip", repeat_chunk=100, max_capacity_prompt=64, window_size=8).score_knobs()
     sinks, passes = kvzip.passes(ids, cfg, SimpleNamespace(config=SimpleNamespace(name_or_path=path)))
     assert sinks == 4 and [p[:2] for p in passes] == [(s, min(len(ids), s + 100)) for s in range(4, len(ids), 100)]
     for i, (start, stop, pass_ids) in enumerate(passes):
         ask = ("\n\nRepeat the previous context exactly." if i == 0 else
                "\n\nRepeat the part of the previous context exactly, starting with " + tok.decode(ids[start - 8 : start]))
         assert tok.decode(pass_ids) == ask + "<|im_end|>\n<|im_start|>assistant\n" + tok.decode(ids[start:stop])
+
+
+def test_a_context_compressed_once_runs_the_passes_as_configure_does():
+    model = tiny_model("llama", "sdpa")
+    ids = prompt(64)
+    knobs = small("kvzip", max_capacity_prompt=20, window_size=4)
+    cache = restkv.compress_context(model, ids, **knobs)
+    restkv.configure(model, **knobs)
+    model(ids, use_cache=True)
+    assert all(torch.equal(a, b) for a, b in zip(cache.kept, restkv.kept_positions(model)))
+    held = [layer.keys.clone() for layer in cache.context_layers]
+    question = prompt(5, seed=9)
+    out = model.generate(torch.cat([ids, question], 1), past_key_values=cache, max_new_tokens=3, do_sample=False,
+                         pad_token_id=0, attention_mask=torch.ones(1, 69, dtype=torch.long))
+    assert out.shape[1] == 72 and all(torch.equal(k, layer.keys) for k, layer in zip(held, cache.context_layers))

@@ -80,12 +80,16 @@ def test_varlen_bytes_follow_the_sum_of_head_lengths():
     restkv.configure(model, method="adakv", max_capacity_prompt=32, window_size=8, floor=0.0)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                          return_dict_in_generate=True, pad_token_id=0)
-    for layer, kept in zip(out.cache.layers, restkv.kept_positions(model)):
+    prefilled = model(ids, use_cache=True).cache
+    for layer, after, kept in zip(out.cache.layers, prefilled.layers, restkv.kept_positions(model)):
         assert isinstance(layer, VarlenLayer)
         per_head = (kept >= 0).sum(-1).flatten()  # after prefill
         assert int(per_head.sum()) == 2 * 2 * 32  # AdaKV keeps the uniform total per layer
+        assert held_bytes(after) == int(per_head.sum()) * 16 * 2 * 4  # sum(len_h) x head_dim x (K+V) x fp32
         assert torch.equal(layer.lengths, per_head + 2)  # two decoded tokens were appended per head
-        assert held_bytes(layer) == int(layer.lengths.sum()) * 16 * 2 * 4  # sum(len_h) x head_dim x (K+V) x fp32
+        room = per_head.numel() * (layer.capacity - layer.steps)  # rows ready for the next appended entries
+        assert held_bytes(layer) == (int(layer.lengths.sum()) + room) * 16 * 2 * 4
+        assert room <= per_head.numel() * layer.growth(1)
         assert per_head.max() * per_head.numel() > per_head.sum()  # a padded layout would hold more
 
 

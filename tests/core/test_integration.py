@@ -9,12 +9,15 @@ from transformers.modeling_utils import AttentionInterface
 import restkv
 from restkv.budgets import layer_budgets
 from restkv.cache import CompressedLayer
+from restkv.config import declared
 from restkv.attach import attention_modules
 from helpers import FAMILIES, generate, masked_reference_logits, prompt, small, tiny_model
 
 BACKENDS = ["eager", "sdpa"]
 CASES = [(f, b) for f in FAMILIES for b in BACKENDS]
-PER_HEAD = ("adakv", "headkv", "kvzip")  # per-head budgets: tests/core/test_head_budgets.py, test_deferred.py
+PER_HEAD = [m for m in restkv.METHODS  # per-head budgets: tests/core/test_head_budgets.py, test_deferred.py
+            if getattr(declared(m).get("head_budget"), "default", "uniform") != "uniform"
+            or getattr(declared(m).get("layer_budget"), "default", "uniform") == "global"]
 UNIFORM = [m for m in restkv.METHODS if m not in PER_HEAD]
 EVICTING = [m for m in UNIFORM if m != "fullkv"]
 

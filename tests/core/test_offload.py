@@ -13,6 +13,8 @@ CONFIGS = [
     dict(method="snapkv", max_capacity_prompt=24, window_size=8),
     dict(method="adakv", max_capacity_prompt=24, window_size=8),
     dict(method="restkv", max_capacity_prompt=24, window_size=8),
+    dict(method="criticalkv", max_capacity_prompt=24, window_size=8),  # reads the o_proj weight itself
+    dict(method="expected_attention", max_capacity_prompt=24, window_size=8),  # reads the rotary module
 ]
 
 

@@ -13,13 +13,14 @@ import json
 
 import pytest
 import torch
-from helpers import FAMILIES, SMALL_MODEL, generate, prompt, small, tiny_model
+from helpers import FAMILIES, SMALL_MODEL, generate, prompt, rope_embed, small, tiny_model
 
 import restkv
 from restkv.budgets import layer_budgets
 from restkv.config import CompressionConfig, declared
 from restkv.methods import REGISTRY
 from restkv.observe import Observation, wo_factor
+from restkv.rope import Rope
 from restkv.select import raw_scores
 
 EVICTING = [m for m in restkv.METHODS if REGISTRY[m].evicts]
@@ -101,17 +102,24 @@ def _alternatives(knob, cfg):
     return []
 
 
-def _conditions(knob):
-    """Values of the knobs that make ``knob`` read (its ``when`` clause)."""
-    return {k: allowed[0] for k, allowed in knob.when}
+def _conditions(knob, knobs=None):
+    """Values of the knobs that make ``knob`` read (its ``when`` clause, and theirs: ``knobs`` the declared ones)."""
+    out = {}
+    for k, allowed in knob.when:
+        if knobs is not None and k in knobs:
+            out.update(_conditions(knobs[k], knobs))
+        out[k] = allowed[0]
+    return out
 
 
 def _scores(cfg, n=40, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, h, n, 8, generator=g) for h in (4, 2, 2))
     budget = layer_budgets(cfg, 3, n)[0]
+    W = torch.randn(16, 32, generator=g)
     obs = Observation(q, k, v, torch.ones(1, n, dtype=torch.bool), window=cfg.window_size, budget=budget,
-                      scaling=8**-0.5, wo_factor=wo_factor(torch.randn(16, 32, generator=g), 4), num_layers=3)
+                      scaling=8**-0.5, wo_factor=wo_factor(W, 4), wo_weight=W, num_layers=3,
+                      rope=Rope.of(rope_embed(8), torch.arange(n)[None]))
     return raw_scores(obs, cfg)
 
 
@@ -132,7 +140,8 @@ def _changed_scores(method, tmp_path):
         if name in score_knobs or name == "window_size" or (reads_budget and name in BUDGET_KNOBS):
             continue
         for value in _alternatives(knob, cfg):
-            knobs = {**base, **{k: v for k, v in _conditions(knob).items() if k not in score_knobs}, name: value}
+            conditions = _conditions(knob, declared(method))
+            knobs = {**base, **{k: v for k, v in conditions.items() if k not in score_knobs}, name: value}
             if knobs.get("quant_method"):
                 continue  # quantization needs an optional package, and only stores the kept entries
             if knobs.get("head_budget") == "headkv":

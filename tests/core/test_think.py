@@ -108,6 +108,21 @@ def test_the_cache_holds_the_fewer_channels():
         assert pruned["held_bytes"] == keys + 24 * 2 * 16 * 4 + 2 * 8 * 8  # + values + the channel indices
 
 
+def test_the_packed_layout_holds_the_fewer_channels():
+    model = tiny_model("llama", "sdpa")
+    ids, window, d, c = prompt(64), 6, 16, 8
+    held = {}
+    for ratio in (None, 0.5):
+        restkv.configure(model, method="adakv", max_capacity_prompt=24, window_size=window, pruning_ratio=ratio)
+        held[ratio] = restkv.memory_report(model(ids, use_cache=True).past_key_values)
+        lengths = [(k >= 0).sum(-1).flatten() for k in restkv.kept_positions(model)]  # per head
+    for plain, pruned, n in zip(held[None], held[0.5], lengths):
+        assert plain["held_bytes"] == int(n.sum()) * d * 2 * 4
+        old = int((n - window).clamp_min(0).sum())  # entries before each head's window: c of d channels
+        keys = (old * c + (int(n.sum()) - old) * d) * 4
+        assert pruned["held_bytes"] == keys + int(n.sum()) * d * 4 + n.numel() * c * 8
+
+
 def test_sweep_with_pruned_channels_equals_configure_and_generate():
     model = tiny_model("llama", "sdpa")
     ids = prompt(64)

@@ -23,6 +23,6 @@ def load_records(data_dir, task, limit=None):
     """
     path = os.path.join(data_dir, f"{task}.jsonl")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found. {WHERE}")
+        raise FileNotFoundError(f"--data_dir: {path} not found. {WHERE}")
     records = read_records(path, FIELDS)
     return records[:limit] if limit else records

@@ -8,6 +8,8 @@ import re
 
 from ..longbench.metrics import f1_score, normalize_zh_answer, qa_f1
 
+NEEDS = ("rouge_score",)  # of restkv's bench extra
+
 
 def first_int(prediction):
     """First run of digits in ``prediction`` ('' when there is none)."""

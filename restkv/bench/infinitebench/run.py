@@ -1,8 +1,8 @@
 """Predicting InfiniteBench: the flags and the run of ``run_infinite_bench.py``."""
 
-from ..datasets import Dataset, run_datasets
+from ..datasets import Dataset, prepare_datasets, run_datasets
 from .data import load_records
-from .tasks import MAX_NEW_TOKENS, TASKS, answers, make_prompt
+from .tasks import MAX_NEW_TOKENS, TASKS, answers, make_prompt, question_text
 
 
 def make_task(task, records, style="auto"):
@@ -14,6 +14,9 @@ def make_task(task, records, style="auto"):
     def text(record, chat):
         return make_prompt(record, task, style if style != "auto" else ("chat" if chat else "base"))
 
+    def question(record, chat):
+        return question_text(record, task, style if style != "auto" else ("chat" if chat else "base"))
+
     return Dataset(
         name=task,
         records=records,
@@ -22,6 +25,7 @@ def make_task(task, records, style="auto"):
         max_new_tokens=MAX_NEW_TOKENS[task],
         chat=True,
         key="id",
+        question=question,
     )
 
 
@@ -36,7 +40,14 @@ def add_infinitebench_args(parser):
     return parser
 
 
-def run(args):
+def prepare(args):
+    """Check the flags and load the tasks of ``args`` before any model work
+    (:func:`restkv.bench.datasets.prepare_datasets`)."""
+    return prepare_datasets(args, "infinite_bench", lambda: [
+        make_task(t, load_records(args.data_dir, t, args.max_num_examples), args.template) for t in args.tasks],
+        {"benchmark": "infinite_bench", "template": args.template})
+
+
+def run(args, plan=None):
     """Predict the tasks of ``args``; returns ``{(task, label): predictions file}``."""
-    tasks = [make_task(t, load_records(args.data_dir, t, args.max_num_examples), args.template) for t in args.tasks]
-    return run_datasets(args, tasks, {"benchmark": "infinite_bench", "template": args.template})
+    return run_datasets(args, plan or prepare(args))

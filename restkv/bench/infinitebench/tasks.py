@@ -151,6 +151,12 @@ def make_prompt(record, task, style="chat"):
     return TEMPLATES[style][task].format(**fields(record, task))
 
 
+def question_text(record, task, style="chat"):
+    """The end of ``make_prompt(record, task, style)`` that is its question: the template's text after
+    the context (empty for the summaries' chat template, which ends with the book)."""
+    return TEMPLATES[style][task].split("{context}", 1)[1].format(**fields(record, task))
+
+
 def answers(record, task):
     """Reference answers of a record as a list.
 

@@ -47,5 +47,5 @@ def load_records(data_dir, dataset, longbench_e=False, limit=None, hub=False):
         name = f"{dataset}_e" if longbench_e else dataset
         records = [dict(r) for r in load_dataset("THUDM/LongBench", name, split="test")]
     else:
-        raise FileNotFoundError(f"{path} not found. {WHERE}")
+        raise FileNotFoundError(f"--data_dir: {path} not found. {WHERE}")
     return records[:limit] if limit else records

@@ -5,22 +5,35 @@ and returns a float in [0, 1]. :func:`score_record` applies the first-line rule
 and takes the maximum over the references.
 """
 
+import functools
 import re
 import string
 import sys
 import warnings
 from collections import Counter
 
-import jieba
-from rouge import Rouge
-
+from ...lazy import require
 from .tasks import FIRST_LINE, METRICS
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # fuzzywuzzy warns when python-Levenshtein is absent
-    from fuzzywuzzy import fuzz
+NEEDS = ("jieba", "rouge", "fuzzywuzzy")  # of restkv's bench extra
 
-jieba.setLogLevel(60)
+
+@functools.lru_cache(maxsize=None)
+def scorers():
+    """``(jieba, rouge.Rouge, fuzzywuzzy.fuzz)``, imported on first use (one-line error without the bench extra)."""
+    require(*NEEDS, needed_by="LongBench scoring")
+    import jieba
+    from rouge import Rouge
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fuzzywuzzy warns when python-Levenshtein is absent
+        from fuzzywuzzy import fuzz
+    jieba.setLogLevel(60)
+    return jieba, Rouge, fuzz
+
+
+def _cut(text):
+    return scorers()[0].cut(text, cut_all=False)
 
 ZH_PUNCTUATION = (
     "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿"
@@ -57,7 +70,7 @@ def qa_f1(prediction, ground_truth, all_classes=None):
 
 
 def _zh_tokens(text):
-    tokens = (normalize_zh_answer(t) for t in jieba.cut(text, cut_all=False))
+    tokens = (normalize_zh_answer(t) for t in _cut(text))
     return [t for t in tokens if t]
 
 
@@ -76,7 +89,7 @@ def rouge(prediction, ground_truth, all_classes=None):
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 2 * (len(prediction.split()) + len(ground_truth.split())) + 1000))
     try:
-        scores = Rouge().get_scores([prediction], [ground_truth], avg=True)
+        scores = scorers()[1]().get_scores([prediction], [ground_truth], avg=True)
     except Exception:
         return 0.0
     finally:
@@ -86,8 +99,7 @@ def rouge(prediction, ground_truth, all_classes=None):
 
 def rouge_zh(prediction, ground_truth, all_classes=None):
     """ROUGE-L F over space-joined jieba words."""
-    return rouge(" ".join(jieba.cut(prediction, cut_all=False)),
-                 " ".join(jieba.cut(ground_truth, cut_all=False)))
+    return rouge(" ".join(_cut(prediction)), " ".join(_cut(ground_truth)))
 
 
 def classification(prediction, ground_truth, all_classes=None):
@@ -136,7 +148,7 @@ def code_sim(prediction, ground_truth, all_classes=None):
         if "`" not in line and "#" not in line and "//" not in line:
             first = line
             break
-    return fuzz.ratio(first, ground_truth) / 100
+    return scorers()[2].ratio(first, ground_truth) / 100
 
 
 def score_record(dataset, prediction, answers, all_classes=None):

@@ -1,6 +1,6 @@
 """Predicting LongBench (or LongBench-E): the flags and the run of ``run_longbench.py``."""
 
-from ..datasets import Dataset, run_datasets
+from ..datasets import Dataset, prepare_datasets, run_datasets
 from .data import load_records
 from .tasks import DATASETS, LONGBENCH_E, MAX_NEW_TOKENS, NO_CHAT, PROMPTS
 
@@ -17,6 +17,7 @@ def make_task(dataset, records, longbench_e=False):
         max_new_tokens=MAX_NEW_TOKENS[dataset],
         chat=dataset not in NO_CHAT,
         key="_id",
+        question=lambda r, chat: PROMPTS[dataset].split("{context}", 1)[1].format(**r),
     )
 
 
@@ -43,12 +44,20 @@ def datasets_of(args):
     names = args.datasets or allowed
     unknown = [d for d in names if d not in allowed]
     if unknown:
-        raise ValueError(f"unknown datasets {unknown}; choose from {allowed}")
+        raise ValueError(f"--datasets: unknown {unknown}; choose from {allowed}")
     return names
 
 
-def run(args):
-    """Predict the datasets of ``args`` (checked by :func:`datasets_of`); returns ``{(dataset, label): file}``."""
-    tasks = [make_task(d, load_records(args.data_dir, d, args.e, args.max_num_examples, args.hub), args.e)
-             for d in args.datasets]
-    return run_datasets(args, tasks, {"benchmark": "longbench_e" if args.e else "longbench"})
+def prepare(args):
+    """Check the flags (``args.datasets`` by :func:`datasets_of`) and load the datasets of ``args`` before any
+    model work (:func:`restkv.bench.datasets.prepare_datasets`)."""
+    args.datasets = datasets_of(args)
+    name = "longbench_e" if args.e else "longbench"
+    return prepare_datasets(args, name, lambda: [
+        make_task(d, load_records(args.data_dir, d, args.e, args.max_num_examples, args.hub), args.e)
+        for d in args.datasets], {"benchmark": name})
+
+
+def run(args, plan=None):
+    """Predict the datasets of ``args``; returns ``{(dataset, label): file}``."""
+    return run_datasets(args, plan or prepare(args))

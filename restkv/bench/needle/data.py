@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..prompts import build_prompt, encode, middle_truncate
+from ..prompts import build_prompt, encode, middle_truncate, split_prompt
 
 PROMPT = ("You are a helpful AI bot that answers questions for a user. Keep your response short and direct.\n\n"
           "<document>\n{context}\n</document>\n\n"
@@ -35,28 +35,6 @@ NEEDLES = {
     "passkey": Needle("passkey", "The pass key is {key}. Remember it. {key} is the pass key.",
                       "What is the pass key?", "{key}"),
 }
-
-
-def parse_range(items, kind=int):
-    """Expand ``["1000", "2000:4000:3"]`` into ``[1000, 2000, 3000, 4000]``.
-
-    Each item is a number or ``start:stop:num`` (``num`` evenly spaced values,
-    both ends included, rounded for ints). Order is kept, repeats dropped.
-    """
-    out = []
-    for item in items:
-        parts = str(item).split(":")
-        if len(parts) == 1:
-            values = [kind(float(parts[0]))]
-        elif len(parts) == 3:
-            start, stop, num = float(parts[0]), float(parts[1]), int(parts[2])
-            if num < 1:
-                raise ValueError(f"range {item!r}: num must be >= 1")
-            values = [kind(round(v)) if kind is int else kind(round(v, 6)) for v in np.linspace(start, stop, num)]
-        else:
-            raise ValueError(f"expected a number or start:stop:num, got {item!r}")
-        out += [v for v in values if v not in out]
-    return out
 
 
 class Haystack:
@@ -122,6 +100,7 @@ class Case:
     answer: str
     needle_span: tuple  # [start, end) token positions in ``ids``, None if truncated away
     truncated: bool
+    question_start: int = None  # the token of ``ids`` where the question starts (PROMPT's text after {context})
 
 
 def passkey(seed, length, depth):
@@ -150,10 +129,13 @@ def make_case(tokenizer, haystack, needle, length, depth, chat_template="auto", 
     c1 = c0 + len(needle_text)
     inside = [i for i, (a, b) in enumerate(offsets) if b > a and a < c1 and b > c0]
     span = (inside[0], inside[-1] + 1)
+    after = PROMPT.split("{context}")[1].format(question=needle.question)  # the question: the text after the context
+    question = split_prompt(tokenizer, prompt, prompt.rfind(after))[1]
     truncated = bool(max_length) and len(ids) > max_length
     if truncated:
         head, cut = (max_length + 1) // 2, len(ids) - max_length // 2
         moved = [p if p < head else p - cut + head for p in range(*span) if p < head or p >= cut]
         ids = middle_truncate(ids, max_length)
         span = (moved[0], moved[-1] + 1) if moved else None
-    return Case(ids, needle_text, answer, span, truncated)
+        question = question if question < head else max(head, question - cut + head)
+    return Case(ids, needle_text, answer, span, truncated, question)

@@ -2,7 +2,7 @@
 
 import re
 
-import torch
+from ...lazy import torch
 
 _ROUGE = None
 

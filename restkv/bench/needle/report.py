@@ -2,7 +2,9 @@
 
 import os
 
-import numpy as np
+from ...lazy import LazyModule
+
+np = LazyModule("numpy")
 
 
 def summary_table(records, metric="score"):

@@ -3,14 +3,18 @@
 import hashlib
 import json
 import os
-from dataclasses import asdict
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..grid import configs_meta, method_configs
+from ...lazy import require
+from ..cli import check_common
+from ..grid import announce, configs_meta, method_configs
 from ..loop import Predictor, Store, Task
-from ..models import essays_dir
+from ..models import check_context, essays_dir
+from ..ranges import SYNTAX, parse_range, shown
 from ..results import read_jsonl
-from .data import NEEDLES, PROMPT, Haystack, Needle, make_case, parse_range
+from .data import NEEDLES, PROMPT, Haystack, Needle, make_case
 from .metrics import needle_kept, score
 
 KEY_FIELDS = ("needle", "label", "config_id", "length", "depth")
@@ -49,21 +53,81 @@ def add_needle_args(parser):
     g.add_argument("--retrieval_question", default=None, help="question of the custom needle")
     g.add_argument("--answer", default=None, help="expected answer of the custom needle (may use {key})")
     g.add_argument("--context_lengths", nargs="+", default=["1024", "2048"],
-                   help="prompt lengths in tokens: numbers or start:stop:num ranges")
-    g.add_argument("--depth_percents", nargs="+", default=["0:100:3"],
-                   help="needle depths in percent: numbers or start:stop:num ranges")
+                   help=f"prompt lengths in tokens (at most the model's context less --max_new_tokens): {SYNTAX}; "
+                        "e.g. 1024:4096:1024 = 1024 2048 3072 4096")
+    g.add_argument("--depth_percents", nargs="+", default=["0:100:50"],
+                   help=f"needle depths in percent (0-100): {SYNTAX}; e.g. 0:100:25 = 0 25 50 75 100 = 0:100/5. "
+                        "The earlier start:stop:num form is an error when stop is off the step grid "
+                        "(0:100:11: write 0:100/11)")
     g.add_argument("--max_new_tokens", type=int, default=32)
     g.add_argument("--no_plots", action="store_true", help="skip the PNGs")
     parser.set_defaults(save_dir=os.path.join("results", "needle"), default_methods=["restkv", "snapkv", "fullkv"])
     return parser
 
 
-def run(args):
+@dataclass
+class NeedlePlan:
+    """Everything a needle run checks before the model loads."""
+
+    configs: list  # (label, configure kwargs)
+    needles: list
+    lengths: list
+    depths: list
+    haystack_dir: Path
+
+    @property
+    def cells(self):
+        return [(n, L, d) for n in self.needles for L in self.lengths for d in self.depths]
+
+
+def prepare(args):
+    """Check the flags of a needle run and expand its grid, before any model work; print the grid and
+    its record count (stderr).
+
+    Raises
+    ------
+    ValueError
+        Naming the flag: a bad config, needle, range, a depth outside 0-100, or a context length
+        (``--max_length``) that does not fit the model's context with ``--max_new_tokens``.
+    FileNotFoundError
+        The haystack folder or the registry model is missing.
+    restkv.lazy.MissingExtra
+        The scorer (or the plots') package is not installed.
+    """
+    check_common(args)
+    require("rouge_score", *(() if args.no_plots else ("matplotlib",)),
+            needed_by="the needle scores" + ("" if args.no_plots else " and plots (--no_plots: none)"))
+    configs = method_configs(args)
+    needles = needles_from_args(args)
+    lengths = parse_range(args.context_lengths, int, "--context_lengths")
+    depths = parse_range(args.depth_percents, float, "--depth_percents")
+    if any(L < 1 for L in lengths):
+        raise ValueError(f"--context_lengths must be >= 1, got {shown(lengths)}")
+    if any(not 0 <= d <= 100 for d in depths):
+        raise ValueError(f"--depth_percents must lie in 0-100, got {shown(depths)}")
+    haystack_dir = Path(args.haystack_dir) if args.haystack_dir else essays_dir()
+    if not haystack_dir.is_dir():
+        raise FileNotFoundError(f"--haystack_dir: haystack folder {haystack_dir} does not exist")
+    check_context(args.model_path, [("--context_lengths", max(lengths), args.max_new_tokens),
+                                    ("--max_length", args.max_length, args.max_new_tokens)])
+    plan = NeedlePlan(configs, needles, lengths, depths, haystack_dir)
+    print(f"needle: context lengths {shown(lengths)}; depths (%) {shown(depths)}", file=sys.stderr)
+    announce("needle", [("needles", len(needles)), ("lengths", len(lengths)), ("depths", len(depths))], configs)
+    return plan
+
+
+def run(args, plan=None):
     """Run every (method x budget, needle, length, depth) record not yet in the results file.
 
     The records of all configs go to one file, ``<save_dir>/<model>/results.jsonl``, cell by cell
     in config order; a record is keyed by its config's :func:`config_id` too, so a rerun with other
     settings adds records instead of resuming into them.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+    plan : NeedlePlan, optional
+        :func:`prepare`'s result (computed here when not given).
 
     Returns
     -------
@@ -71,12 +135,9 @@ def run(args):
         The results file and the records of this configuration (old and new); no records on
         the other processes of a sharded run.
     """
-    configs = method_configs(args)
-    needles = needles_from_args(args)
-    lengths, depths = parse_range(args.context_lengths), parse_range(args.depth_percents, float)
-    haystack_dir = Path(args.haystack_dir) if args.haystack_dir else essays_dir()
-    if not haystack_dir.is_dir():
-        raise FileNotFoundError(f"haystack folder {haystack_dir} does not exist")
+    plan = plan or prepare(args)
+    configs, needles, lengths, depths, haystack_dir = (plan.configs, plan.needles, plan.lengths, plan.depths,
+                                                       plan.haystack_dir)
     predictor = Predictor(args, configs)
     tokenizer, model = predictor.tokenizer, predictor.name
     cap = args.max_length or predictor.max_length - args.max_new_tokens
@@ -84,6 +145,8 @@ def run(args):
     settings = {"model": model, "chat_template": args.chat_template, "max_length": cap,
                 "max_new_tokens": args.max_new_tokens, "haystack": str(haystack_dir), "seed": args.seed,
                 "dtype": args.dtype, "attn_implementation": args.attn_implementation, "prompt": PROMPT}
+    if predictor.query_agnostic:
+        settings["query_agnostic"] = True  # records of the two modes never share a config_id
     ids = {label: config_id(kw, settings) for label, kw in configs}
     predictor.write_metadata({"benchmark": "needle", "labels": ids, "configs": configs_meta(configs),
                               "max_length": cap, "lengths": lengths, "depths": depths,
@@ -98,6 +161,8 @@ def run(args):
         n, L, d = cell
         return {"needle": n.name, "label": out.label, "config_id": ids[out.label], "length": L, "depth": d,
                 "method": out.kwargs["method"], "budget": out.kwargs.get("max_capacity_prompt"),
+                **({"budget_ratio": out.kwargs["max_capacity_prompt_ratio"]}
+                   if "max_capacity_prompt_ratio" in out.kwargs else {}),
                 "quant": predictor.quant[out.label], "model": model, "prompt_tokens": len(case.ids),
                 "needle_span": case.needle_span, "truncated": case.truncated, "answer": case.answer,
                 "response": out.text, **score(out.text, case.needle_text, case.answer),
@@ -105,9 +170,9 @@ def run(args):
 
     store = Store({label: path for label in predictor.labels}, KEY_FIELDS,
                   lambda cell, label: (cell[0].name, label, ids[label], cell[1], cell[2]))
-    cells = [(n, L, d) for n in needles for L in lengths for d in depths]
+    cells = plan.cells
     predictor.predict([Task("needle", cells, prompt, record, args.max_new_tokens, store, ids=_case_ids,
-                            progress={"unit": "cell"}, announce=True)])
+                            progress={"unit": "cell"}, announce=True, question_start=_question_start)])
     if not predictor.shard.main:
         return path, []
     grid = {(n.name, L, d) for n, L, d in cells}
@@ -118,3 +183,7 @@ def run(args):
 
 def _case_ids(case):
     return case.ids
+
+
+def _question_start(case):
+    return case.question_start

@@ -16,8 +16,12 @@ import argparse
 import itertools
 import json
 import re
+import sys
 from pathlib import Path
 from random import Random
+
+from restkv.bench.cli import ArgumentParser, startup
+from restkv.bench.models import check_context
 
 from restkv.bench.ruler import cwe, fwe, niah, qa, vt
 from restkv.bench.ruler.sizing import largest_fitting
@@ -135,15 +139,6 @@ def load_tokenizer(model_path):
     return AutoTokenizer.from_pretrained(resolve(model_path))
 
 
-def model_limit(model_path):
-    """Maximum context of a model, read from its config."""
-    from transformers import AutoConfig
-
-    from restkv.bench.models import max_context, resolve
-
-    return max_context(AutoConfig.from_pretrained(resolve(model_path)))
-
-
 def parse_tasks(values):
     """Expand ``all``/``synthetic`` and comma lists into known task names."""
     names = []
@@ -154,12 +149,42 @@ def parse_tasks(values):
             names += [n for n in group if n and n not in names]
     unknown = [n for n in names if n not in TASKS]
     if unknown:
-        raise ValueError(f"tasks: unknown {unknown}; choose from all, synthetic, {', '.join(TASKS)}")
+        raise ValueError(f"--tasks: unknown {unknown}; choose from all, synthetic, {', '.join(TASKS)}")
     return names
 
 
+def check(args):
+    """The checks of the command line before any work: ``(task names, {dataset: qa file})``.
+
+    Raises
+    ------
+    ValueError
+        Naming the flag: an unknown task, a length below 64 or beyond the model's context (read from its
+        config or GGUF metadata, not its weights), a missing or malformed qa file.
+    """
+    tasks = parse_tasks(args.tasks)
+    if any(n < 64 for n in args.lengths):
+        raise ValueError(f"--lengths must be >= 64, got {min(args.lengths)}")
+    if args.num_samples < 1:
+        raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
+    qa_files = {"squad": args.squad, "hotpotqa": args.hotpotqa}
+    for task in tasks:
+        family, task_args = TASKS[task]
+        if family == "qa":
+            dataset = task_args["dataset"]
+            path = qa_files[dataset]
+            if not path or not Path(path).is_file():
+                raise ValueError(f"--{dataset}: {task} needs a local {qa.FORMATS[dataset]}; pass --{dataset} PATH "
+                                 f"(given: {path or 'nothing'})")
+            qa.READERS[dataset](path)  # a malformed file fails here, before any work
+    check_context(args.model_path, [("--lengths", max(args.lengths), 0)])
+    print(f"ruler data: {len(tasks)} tasks x {len(args.lengths)} lengths x {args.num_samples} samples = "
+          f"{len(tasks) * len(args.lengths) * args.num_samples} records", file=sys.stderr)
+    return tasks, qa_files
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_path", default="smollm2-135m", help="tokenizer source: registry name or path")
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096], help="max_seq_length values")
     parser.add_argument("--tasks", nargs="+", default=["synthetic"], help="task names, 'synthetic' or 'all'")
@@ -169,24 +194,7 @@ def main(argv=None):
     parser.add_argument("--squad", help="local SQuAD JSON for qa_1")
     parser.add_argument("--hotpotqa", help="local HotpotQA JSON for qa_2")
     args = parser.parse_args(argv)
-
-    tasks = parse_tasks(args.tasks)
-    if any(n < 64 for n in args.lengths) or args.num_samples < 1:
-        parser.error("lengths must be >= 64 and num_samples >= 1")
-    qa_files = {"squad": args.squad, "hotpotqa": args.hotpotqa}
-    for task in tasks:
-        family, task_args = TASKS[task]
-        if family == "qa":
-            dataset = task_args["dataset"]
-            path = qa_files[dataset]
-            if not path or not Path(path).is_file():
-                parser.error(f"{task} needs a local {qa.FORMATS[dataset]}; pass --{dataset} PATH "
-                             f"(given: {path or 'nothing'})")
-            qa.READERS[dataset](path)  # a malformed file fails here, before any work
-
-    limit = model_limit(args.model_path)
-    if max(args.lengths) > limit:
-        parser.error(f"lengths: {max(args.lengths)} exceeds the model's maximum context ({limit})")
+    tasks, qa_files = startup(parser, check, args)
     tokenizer = load_tokenizer(args.model_path)
     for length in args.lengths:
         for task in tasks:

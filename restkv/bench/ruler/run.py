@@ -6,34 +6,45 @@ Reads folders of ``<task>/validation.jsonl`` and appends predictions to
 """
 
 import os
+from dataclasses import dataclass
 
-from restkv.bench.grid import configs_meta, method_configs
+from restkv.bench.cli import check_common
+from restkv.bench.grid import announce, configs_meta, method_configs
 from restkv.bench.loop import Predictor, Task, per_label
-from restkv.bench.prompts import build_prompt, encode, middle_truncate
+from restkv.bench.models import check_context
+from restkv.bench.prompts import build_prompt, encode, middle_truncate, split_prompt
 from restkv.bench.ruler.data import find_tasks, load_task
-from restkv.bench.ruler.tasks import FAMILIES, family_of
+from restkv.bench.ruler.tasks import FAMILIES, family_of, question_offset
 
 KEPT = ("index", "outputs", "length", "max_seq_length", "answer_prefix")
 
 
-def prompt_ids(tokenizer, record, chat_template, cap):
+def prompt_ids(tokenizer, record, chat_template, cap, task=None):
     """Token ids of chat(input) + answer prefix, the input middle-truncated to fit ``cap``.
 
     Returns
     -------
-    tuple of (list of int, bool)
-        Ids and whether the input was truncated.
+    tuple of (list of int, bool), or (list of int, bool, int) with ``task``
+        Ids, whether the input was truncated, and the token where the question starts
+        (:func:`restkv.bench.ruler.tasks.question_offset`; the answer prefix follows it).
     """
     text = record["input"]
     ids = encode(tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"])
     excess = len(ids) - cap
-    if excess <= 0:
-        return ids, False
-    body = tokenizer(text, add_special_tokens=False).input_ids
-    if excess >= len(body):
-        raise ValueError(f"record {record['index']}: prompt exceeds {cap} tokens even without its input")
-    text = tokenizer.decode(middle_truncate(body, len(body) - excess), skip_special_tokens=True)
-    return encode(tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"]), True
+    if excess > 0:
+        body = tokenizer(text, add_special_tokens=False).input_ids
+        if excess >= len(body):
+            raise ValueError(f"record {record['index']}: prompt exceeds {cap} tokens even without its input")
+        text = tokenizer.decode(middle_truncate(body, len(body) - excess), skip_special_tokens=True)
+        ids = encode(tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"])
+    if task is None:
+        return ids, excess > 0
+    prompt = build_prompt(tokenizer, text, chat_template) + record["answer_prefix"]
+    try:
+        char = prompt.rfind(text) + question_offset(text, task)
+    except ValueError as err:
+        raise ValueError(f"record {record['index']}: {err}") from None
+    return ids, excess > 0, split_prompt(tokenizer, prompt, char)[1]
 
 
 def load_data(data_dirs, tasks, num_samples, context_length):
@@ -78,6 +89,10 @@ def _ids(prompt):
     return prompt[0]
 
 
+def _start(prompt):
+    return prompt[2]
+
+
 def ruler_task(predictor, task, records):
     """The loop's :class:`restkv.bench.loop.Task` of one RULER task at one length."""
     args = predictor.args
@@ -85,29 +100,62 @@ def ruler_task(predictor, task, records):
     length = records[0]["max_seq_length"]
 
     def prompt(record):
-        return prompt_ids(predictor.tokenizer, record, args.chat_template, predictor.max_length - new_tokens)
+        return prompt_ids(predictor.tokenizer, record, args.chat_template, predictor.max_length - new_tokens,
+                          task if predictor.query_agnostic else None)
 
     def record(rec, prompt, out):
-        ids, cut = prompt
+        ids, cut = prompt[:2]
         return {**{k: rec[k] for k in KEPT}, "task": task, "method": out.label, "model": predictor.name,
                 "pred": out.text, "prompt_tokens": len(ids), "truncated": cut}
 
     store = per_label(os.path.join(predictor.out_dir, str(length), task), predictor.labels, "index")
-    return Task(f"{length} {task}", records, prompt, record, new_tokens, store, ids=_ids)
+    return Task(f"{length} {task}", records, prompt, record, new_tokens, store, ids=_ids, question_start=_start)
 
 
-def run(args):
+@dataclass
+class RulerPlan:
+    """Everything a RULER run checks before the model loads."""
+
+    configs: list  # (label, configure kwargs)
+    data: list  # (task, records)
+
+
+def prepare(args):
+    """Check the flags and the data of a RULER run before any model work; print its record count (stderr).
+
+    Every folder's ``max_seq_length`` (prompt and generation, as RULER sizes its samples) and
+    ``--max_length`` must fit the model's context.
+
+    Raises
+    ------
+    ValueError
+        Naming the flag, or the file and record of malformed data.
+    FileNotFoundError
+        A missing data folder or task file, or a registry model that is not installed.
+    """
+    check_common(args)
+    configs = method_configs(args)
+    data = load_data(args.data_dir, args.tasks, args.num_samples, args.context_length)
+    length, task = max((r["max_seq_length"], task) for task, records in data for r in records)
+    check_context(args.model_path, [("--context_length", args.context_length, 0),
+                                    (f"--data_dir ({task}: max_seq_length)", length, 0),
+                                    ("--max_length", args.max_length, 0)])
+    announce("ruler", [("samples", sum(len(records) for _, records in data))], configs)
+    return RulerPlan(configs, data)
+
+
+def run(args, plan=None):
     """Predict every sample of the data folders of ``args`` for every method x budget.
 
-    The flags are checked before any data or model work, the data before the model loads.
+    The flags and the data are checked (:func:`prepare`, unless its ``plan`` is given) before the model loads.
 
     Returns
     -------
     dict
         ``{(max_seq_length, task, label): predictions file}``.
     """
-    configs = method_configs(args)
-    data = load_data(args.data_dir, args.tasks, args.num_samples, args.context_length)
+    plan = plan or prepare(args)
+    configs, data = plan.configs, plan.data
     predictor = Predictor(args, configs)
     predictor.write_metadata({"benchmark": "ruler", "labels": predictor.labels, "configs": configs_meta(configs),
                               "tasks": sorted({t for t, _ in data}), "max_length": predictor.max_length,

@@ -4,6 +4,8 @@ The templates, answer prefixes, generation lengths and task arguments follow
 RULER (``scripts/data/synthetic/constants.py`` and ``scripts/synthetic.yaml``).
 """
 
+import re
+
 FAMILIES = {
     "niah": {
         "tokens_to_generate": 128,
@@ -121,3 +123,37 @@ def task_order(tasks):
     """Sort task names: RULER's order first, unknown names after, alphabetically."""
     known = list(TASKS)
     return sorted(tasks, key=lambda t: (known.index(t) if t in known else len(known), t))
+
+
+def question_offset(text, task):
+    """Where the question of a RULER prompt ``text`` (a record's ``input``) starts: the last place from
+    which the rest of ``text`` is the task family's template text after ``{context}`` (for niah also in
+    RULER's singular wording of a single answer).
+
+    Raises
+    ------
+    ValueError
+        When ``text`` does not end with that template text (a prompt built from other templates).
+    """
+    family = family_of(task)
+    after = FAMILIES[family]["template"].split("{context}", 1)[1]
+    variants = [after]
+    if family == "niah":
+        from restkv.bench.ruler.niah import _singular
+
+        variants.append(_singular(after))
+    found = [_last_match(text, variant) for variant in variants]
+    if max(found) < 0:
+        raise ValueError(f"{task}: the prompt does not end with its task's question template")
+    return max(found)
+
+
+def _last_match(text, template):
+    """The last start from which ``text`` ends as ``template`` (``{name}``: any text) does, or -1."""
+    pieces = re.split(r"\{\w+\}", template)
+    pattern = re.compile(".*?".join(re.escape(p) for p in pieces) + r"\Z", re.S)
+    start = len(text)
+    while (start := text.rfind(pieces[0], 0, start)) >= 0:
+        if pattern.match(text, start):
+            return start
+    return -1

