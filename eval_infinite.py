@@ -5,7 +5,7 @@ Example
 python eval_infinite.py --results_dir results/infinite_bench
 """
 
-from restkv.bench.cli import ArgumentParser, startup
+from restkv.bench.cli import ArgumentParser, results_dir, startup
 from restkv.bench.infinitebench.evaluate import evaluate
 from restkv.bench.infinitebench.metrics import NEEDS
 from restkv.lazy import require
@@ -16,8 +16,9 @@ def main(argv=None):
     parser.add_argument("--results_dir", default="results", help="root of <...>/<task>/<label>.jsonl files")
     parser.add_argument("--csv", default=None, help="table path (default: <results_dir>/results_infinite.csv)")
     args = parser.parse_args(argv)
-    startup(parser, lambda _: require(*NEEDS, needed_by="eval_infinite.py"), args)
-    return evaluate(args.results_dir, args.csv)
+    startup(parser, lambda a: (require(*NEEDS, needed_by="eval_infinite.py"), results_dir(a.results_dir)), args)
+    # malformed records: one line naming the file and line
+    return startup(parser, lambda a: evaluate(a.results_dir, a.csv), args)
 
 
 if __name__ == "__main__":

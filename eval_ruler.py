@@ -5,7 +5,7 @@ Example
 python eval_ruler.py --results_dir results/ruler
 """
 
-from restkv.bench.cli import ArgumentParser
+from restkv.bench.cli import ArgumentParser, results_dir, startup
 from restkv.bench.ruler.evaluate import evaluate
 
 
@@ -15,7 +15,9 @@ def main(argv=None):
                         help="root of <model>/<length>/<task>/<label>.jsonl prediction files")
     parser.add_argument("--csv", default=None, help="table path (default: <results_dir>/ruler_results.csv)")
     args = parser.parse_args(argv)
-    return evaluate(args.results_dir, args.csv)
+    startup(parser, lambda a: results_dir(a.results_dir), args)
+    # malformed records: one line naming the file and line
+    return startup(parser, lambda a: evaluate(a.results_dir, a.csv), args)
 
 
 if __name__ == "__main__":

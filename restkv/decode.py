@@ -66,10 +66,14 @@ def decode_step(cache, module, query, kwargs) -> None:
         cache.layers[module.layer_idx] = shrink(layer, module, kwargs)
 
 
-@torch.no_grad()
 def shrink(layer, module, kwargs):
     """The layer scored again over what it holds and cut back to its budget (a new cache layer, armed);
     the layer itself (with its count reset) when nothing exceeds the budget."""
+    with torch.no_grad():
+        return _shrink(layer, module, kwargs)
+
+
+def _shrink(layer, module, kwargs):
     from .cache import cache_layer
     from .select import stack_samples
 

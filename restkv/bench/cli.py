@@ -30,6 +30,17 @@ def startup(parser, prepare, args):
         parser.error(str(err))
 
 
+def results_dir(path: str) -> None:
+    """Raise ``FileNotFoundError`` (naming ``--results_dir``) unless ``path`` is a folder with ``.jsonl`` results."""
+    from pathlib import Path
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--results_dir: {path} is not a folder")
+    if next(root.rglob("*.jsonl"), None) is None:
+        raise FileNotFoundError(f"--results_dir: no .jsonl predictions under {path}")
+
+
 class Runner:
     """A runner script: its flags (the ``add`` functions), its checks before any work (``prepare(args) ->
     plan``, see :func:`startup`) and its work (``run(args, plan)``)."""

@@ -82,7 +82,7 @@ def method_configs(args):
     unread = sorted(set(knobs) - used)
     if unread and configs:
         raise ValueError(f"--{unread[0]}: no config of this run reads it (methods {', '.join(methods) or '-'}); "
-                         f"see --help for which methods read which knobs")
+                         f"--help lists which methods read which knobs")
     labels = [label for label, _ in configs]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
     if repeated:
@@ -99,9 +99,9 @@ def budget_sizes(args):
     if ratios:
         budgets = [b for b in budgets if b != -1]
     if any(b < 1 for b in budgets):
-        raise ValueError(f"max_capacity_prompts: budgets must be >= 1 (and larger than window_size), got {budgets}")
+        raise ValueError(f"--max_capacity_prompts: each budget must be >= 1 and larger than window_size, got {budgets}")
     if any(not 0 < r <= 1 for r in ratios):
-        raise ValueError(f"max_capacity_prompts_ratio: ratios must be in (0, 1], got {ratios}")
+        raise ValueError(f"--max_capacity_prompts_ratio: ratios must be in (0, 1], got {ratios}")
     return ([(str(b), {"max_capacity_prompt": b}) for b in budgets]
             + [(f"r{r:g}", {"max_capacity_prompt_ratio": r}) for r in ratios])
 

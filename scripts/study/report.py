@@ -42,7 +42,8 @@ def load_fidelity(folder: Path) -> dict[str, dict[int, list[float]]]:
     for path in sorted(folder.glob("*.json")):
         for label, values in json.loads(path.read_text())["kl"].items():
             name, budget = split_label(label)
-            table.setdefault(path.stem if name == "restkv" else name, {})[budget] = values
+            own = name == "restkv" and path.stem != "study"  # one file per variant: the file names it
+            table.setdefault(path.stem if own else name, {})[budget] = values
     return table
 
 
@@ -103,11 +104,26 @@ def report(title: str, table: dict, lower_is_better: bool, digits: int = 4) -> s
         best = min if lower_is_better else max
         return best(present, key=lambda n: mean_se(table[n][b])[0]) if present else None
 
+    lines += standing(table, budgets, lower_is_better, digits)
     better = "negative: the variant is closer to the full cache" if lower_is_better else "positive: the variant scores higher"
     lines += paired(table, budgets, best_baseline, "the best baseline at each budget", better, digits)
     if "restkv_paper" in table:
         lines += paired(table, budgets, lambda b: "restkv_paper", "ReST-KV with the paper's knobs", better, digits)
     return "\n".join(lines) + "\n"
+
+
+def standing(table, budgets, lower_is_better: bool, digits: int) -> list[str]:
+    """Per budget: the rank of the default ``restkv`` and of ``restkv_paper`` among every config, and the
+    three best configs."""
+    lines = ["", "Where ReST-KV stands (rank among all configs by mean; ties not resolved by noise):", "",
+             "| budget | configs | `restkv` rank | `restkv_paper` rank | best three |", "|---|---|---|---|---|"]
+    for b in budgets:
+        present = sorted((n for n in table if b in table[n]), key=lambda n: mean_se(table[n][b])[0],
+                         reverse=not lower_is_better)
+        rank = {n: present.index(n) + 1 if n in present else "" for n in ("restkv", "restkv_paper")}
+        best = ", ".join(f"{n} {mean_se(table[n][b])[0]:.{digits}f}" for n in present[:3])
+        lines.append(f"| {b} | {len(present)} | {rank['restkv']} | {rank['restkv_paper']} | {best} |")
+    return lines
 
 
 def paired(table, budgets, reference, what: str, better: str, digits: int) -> list[str]:
@@ -141,6 +157,8 @@ def plot(table: dict, title: str, metric: str, path: Path, log: bool) -> Path:
 ARMS = {  # flag: (loader, title, y label, lower is better, digits)
     "fidelity": (load_fidelity, "fidelity, {name}: KL to the full cache", "KL to full cache", True, 4),
     "needle": (load_needle, "needle, {name}: graded pass-key score", "graded score", False, 3),
+    "needle_query_agnostic": (load_needle, "needle, {name}, the question read after compression (query-agnostic): "
+                              "graded pass-key score", "graded score", False, 3),
     "ruler": (load_ruler, "RULER, {name}: string_match_all x100 over all tasks", "score x100", False, 2),
 }
 

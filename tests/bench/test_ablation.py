@@ -54,7 +54,7 @@ def test_budgets_as_fractions_of_the_prompt():
     assert [label for label, _ in both] == ["restkv_r0.2"]  # the original's -1 means "use the ratio"
     with pytest.raises(ValueError, match="max_capacity_prompts_ratio: ratios must be in"):
         grid.method_configs(parse("--max_capacity_prompts_ratio", "1.5"))
-    with pytest.raises(ValueError, match="max_capacity_prompts: budgets must be >= 1"):
+    with pytest.raises(ValueError, match="--max_capacity_prompts: each budget must be >= 1"):
         grid.method_configs(parse("--max_capacity_prompts", "0"))
 
 

@@ -109,6 +109,7 @@ def test_budget_over_length_equals_fullkv(tmp_path):
         assert r["needle_kept"] == 1.0, r["label"]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
     argv = [sys.executable, "run_needle_in_haystack.py", "--method", "fullkv", "streamingllm",
             "--max_capacity_prompts", "64", "--needles", "passkey", "--context_lengths", "300",

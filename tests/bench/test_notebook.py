@@ -8,6 +8,7 @@ from helpers import ROOT
 VIS = str(ROOT / "visualization")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("RESTKV_NOTEBOOK") == "0", reason="RESTKV_NOTEBOOK=0")
 def test_notebook_executes(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")

@@ -84,6 +84,7 @@ def test_ruler_own_folders_need_a_context_length(tmp_path):
         load_data([str(folder.parent)], None, None, 4096)
 
 
+@pytest.mark.slow
 def test_sweep_equals_one_config_at_a_time(data, tmp_path):
     argv = ["--data_dir", data, "--method", "restkv", "snapkv", "fullkv", "--max_capacity_prompts", "128",
             "--num_samples", "1", "--max_new_tokens", "8"]

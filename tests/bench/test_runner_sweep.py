@@ -1,5 +1,7 @@
 """The runners' sweep mode (one prefill per batch, every config) writes the records of one-config-at-a-time runs."""
 
+import pytest
+
 import json
 
 import run_longbench
@@ -13,6 +15,7 @@ def strip(records):
     return [{k: v for k, v in r.items() if k not in VOLATILE} for r in records]
 
 
+@pytest.mark.slow
 def test_needle_sweep_equals_separate_runs(tmp_path):
     argv = ["--method", "restkv", "snapkv", "fullkv", "--max_capacity_prompts", "96",
             "--needles", "passkey", "--context_lengths", "600", "--depth_percents", "10", "70",
@@ -26,6 +29,7 @@ def test_needle_sweep_equals_separate_runs(tmp_path):
     assert sorted(strip(swept), key=key) == sorted(strip(separate), key=key)
 
 
+@pytest.mark.slow
 def test_longbench_sweep_equals_separate_runs(tmp_path):
     data = write_fixture(tmp_path / "data", ["hotpotqa"], n=2, words=25)
     argv = ["--data_dir", data, "--datasets", "hotpotqa", "--method", "restkv", "snapkv", "fullkv",

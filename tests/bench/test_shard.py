@@ -1,5 +1,7 @@
 """Sharded runs: per-process parts, the merge, and a 2-process ``accelerate launch`` of the needle runner."""
 
+import pytest
+
 import json
 import os
 import re
@@ -83,6 +85,7 @@ def _worker(launcher, rank):
     return None
 
 
+@pytest.mark.slow
 def test_two_process_launch_killed_and_rerun_equals_one_process(tmp_path):
     _, reference, _ = cli.main(ARGS + ["--save_dir", str(tmp_path / "one")])
     assert len(reference) == 12

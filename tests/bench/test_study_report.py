@@ -76,3 +76,12 @@ def test_budget_curve_draws_each_knob_set_of_a_method_as_its_own_line(tmp_path, 
     assert path.is_file()
     assert [name for name, _ in sorted(drawn)] == ["restkv", "restkv_paper"]  # one method, two lines
     assert sorted(drawn)[0][1] == pytest.approx([0.3, 0.5]) and sorted(drawn)[1][1] == pytest.approx([0.1, 0.3])
+
+
+def test_standing_ranks_every_config_by_its_mean():
+    table = {"snapkv": {128: [0.3, 0.1]}, "restkv": {128: [0.1, 0.2]}, "cam": {128: [0.1, 0.1]},
+             "restkv_paper": {128: [0.5, 0.5]}, "h2o": {256: [1.0]}}
+    lines = report.standing(table, [128], lower_is_better=True, digits=2)
+    row = lines[-1].split(" | ")
+    assert row[1:4] == ["4", "2", "4"] and row[4].startswith("cam 0.10, ")  # cam 0.1, restkv 0.15, snapkv 0.2, paper 0.5
+    assert report.standing(table, [128], lower_is_better=False, digits=2)[-1].split(" | ")[3] == "1"

@@ -127,3 +127,12 @@ def test_tau_is_read_only_where_the_original_applies_it(knobs, read):
     if not read:
         with pytest.raises(ValueError, match="tau is read by method restkv only when"):
             CompressionConfig(tau=2.0, **knobs)
+
+
+def test_the_knob_page_is_the_knob_table():
+    """docs/knobs.md is ``restkv.knob_table()`` after its header: regenerate it when a declaration changes."""
+    from helpers import ROOT
+
+    page = (ROOT / "docs" / "knobs.md").read_text(encoding="utf-8")
+    assert page.rstrip("\n").endswith(restkv.knob_table().rstrip("\n"))
+    assert page.count("| knob |") == 1

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The needle arm twice on the same needles: the question inside the compressed prompt (as the paper
+# evaluates) and read only after compression (--query_agnostic: one compressed context, any question).
+# Every method at every budget, one prefill per needle and mode; resumes after an interruption.
+# MODEL=gemma3-270m DEPTHS=0:100/11 bash scripts/study/query_agnostic.sh
+set -euo pipefail
+MODEL=${MODEL:-smollm2-135m}
+LENGTHS=${LENGTHS:-2048}
+DEPTHS=${DEPTHS:-0:100/11}
+BUDGETS=${BUDGETS:-"128 256 512"}
+OUT=${OUT:-results/study}
+PY=${PY:-python}
+METHODS=${METHODS:-"fullkv restkv snapkv adakv pyramidkv streamingllm h2o tova keydiff expected_attention criticalkv
+  defensivekv chunkkv"}
+for mode in question_aware query_agnostic; do
+  flag=$([ "$mode" = query_agnostic ] && echo --query_agnostic || true)
+  "$PY" run_needle_in_haystack.py --model_path "$MODEL" --needles passkey --context_lengths $LENGTHS \
+    --depth_percents $DEPTHS --max_capacity_prompts $BUDGETS --save_dir "$OUT/needle_$mode" --no_plots \
+    --method $METHODS --variant restkv_paper preset=paper $flag
+done
