@@ -11,7 +11,7 @@ Two tables, on one prompt of ``--length`` tokens of Paul Graham essays:
 
 Usage::
 
-    python benchmarks/deferred_cost.py --length 2048 --budget 512
+    PYTHONPATH=. python benchmarks/deferred_cost.py --length 2048 --budget 512
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def prefill(model, ids, knobs):
         seconds = time.perf_counter() - t0
     finally:
         clock.close()
-    return seconds, clock.tokens, clock.seconds, clock.scoring, restkv.memory_report(out.past_key_values)
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    return seconds, clock.tokens, clock.seconds, clock.scoring, restkv.memory_report(cache)
 
 
 def main():

@@ -26,9 +26,9 @@ original's ``level=pair-uniform``.
 Cost: one extra forward per chunk, about 20 instruction tokens + the chunk, each token attending over
 the whole prompt: L + ~20 ceil((L - sinks) / repeat_chunk) tokens in all (1.02 L at 2K tokens), plus at
 every layer the reconstruction's attention [pass x (sinks + chunk + pass)] in float32, the full cache
-held meanwhile. ``benchmarks/deferred_cost.py``, SmolLM2-135M at 2,048 tokens (CPU, float32): the passes
-take 3.6 times the full-cache prefill's time, half in their forward and half in the scores (the
-reference warns of 2-3 times on GPU). The passes' tokens never stay in the cache.
+held meanwhile. ``benchmarks/deferred_cost.py``, SmolLM2-135M at 1,024 tokens (CPU, float32, one thread):
+the passes feed 1.01 L tokens and take 3.2 times the full-cache prefill's time, about half of it in the
+scores (the reference warns of 2-3 times on GPU). The passes' tokens never stay in the cache.
 
 Differences: the scores in float32 (the reference's softmax is in the model's dtype); 4 sinks (kvpress's;
 the original uses its whole system prompt) and chunks of 2000 (the original's; kvpress's ``chunk_size``, 2048:
