@@ -115,12 +115,15 @@ def report(title: str, table: dict, lower_is_better: bool, digits: int = 4) -> s
 def standing(table, budgets, lower_is_better: bool, digits: int) -> list[str]:
     """Per budget: the rank of the default ``restkv`` and of ``restkv_paper`` among every config, and the
     three best configs."""
-    lines = ["", "Where ReST-KV stands (rank among all configs by mean; ties not resolved by noise):", "",
+    lines = ["", "Where ReST-KV stands (rank among all configs by mean, equal means sharing one; differences within the noise are not ties here):", "",
              "| budget | configs | `restkv` rank | `restkv_paper` rank | best three |", "|---|---|---|---|---|"]
     for b in budgets:
         present = sorted((n for n in table if b in table[n]), key=lambda n: mean_se(table[n][b])[0],
                          reverse=not lower_is_better)
-        rank = {n: present.index(n) + 1 if n in present else "" for n in ("restkv", "restkv_paper")}
+        mean = {n: mean_se(table[n][b])[0] for n in present}
+        ahead = (lambda x, y: x < y) if lower_is_better else (lambda x, y: x > y)
+        rank = {n: 1 + sum(ahead(mean[o], mean[n]) for o in present) if n in present else ""
+                for n in ("restkv", "restkv_paper")}  # equal means share a rank
         best = ", ".join(f"{n} {mean_se(table[n][b])[0]:.{digits}f}" for n in present[:3])
         lines.append(f"| {b} | {len(present)} | {rank['restkv']} | {rank['restkv_paper']} | {best} |")
     return lines
