@@ -81,6 +81,8 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
 
             path = cached_head_importance(model)
         importance = load_head_importance(path, len(modules), config.num_attention_heads, config.num_key_value_heads)
-        table = headkv_budgets(importance, cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
+        rows = [m.layer_idx for m in modules if m.layer_idx in evicted]  # the pool is the evicted layers' only
+        shared = headkv_budgets(importance[rows], cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
+        table = dict(zip(rows, shared))
     return [LayerPlan(cfg, evicted.index(m.layer_idx) if m.layer_idx in evicted else -1, len(evicted),
-                      None if table is None else table[m.layer_idx], windows.get(m.layer_idx)) for m in modules]
+                      None if table is None else table.get(m.layer_idx), windows.get(m.layer_idx)) for m in modules]

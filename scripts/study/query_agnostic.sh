@@ -6,12 +6,12 @@
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 LENGTHS=${LENGTHS:-2048}
-DEPTHS=${DEPTHS:-0:100/11}
-BUDGETS=${BUDGETS:-"128 256 512"}
+DEPTHS=${DEPTHS:-0:100/6}
+BUDGETS=${BUDGETS:-"128 256"}
 OUT=${OUT:-results/study}
 PY=${PY:-python}
-METHODS=${METHODS:-"fullkv restkv snapkv adakv pyramidkv streamingllm h2o tova keydiff expected_attention criticalkv
-  defensivekv chunkkv"}
+METHODS=${METHODS:-"fullkv restkv snapkv adakv streamingllm cam expected_attention criticalkv kvzip
+  defensivekv"}
 for mode in question_aware query_agnostic; do
   flag=$([ "$mode" = query_agnostic ] && echo --query_agnostic || true)
   "$PY" run_needle_in_haystack.py --model_path "$MODEL" --needles passkey --context_lengths $LENGTHS \

@@ -163,3 +163,25 @@ def test_varlen_teacher_forcing_several_tokens_equals_masked_layout():
         out = model(ids[:, :80], use_cache=True)
         logits.append(model(ids[:, 80:], cache=out.cache, use_cache=True).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_headkv_shares_the_pool_of_the_evicted_layers_only(tmp_path):
+    """On a model whose sliding-window layers are not evicted, HeadKV's table moves budget among the
+    evicted heads only: their total stays that of a uniform budget, whatever the other layers' importance."""
+    model = tiny_model("gemma3", "eager", num_hidden_layers=4,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    cfg = model.config
+    table = torch.ones(4, cfg.num_attention_heads)
+    table[0] = table[2] = 100.0  # the sliding layers claim nearly all importance
+    table[3, 0] = 5.0
+    (tmp_path / "heads.json").write_text(json.dumps(table.tolist()))
+    budget = 24
+    restkv.configure(model, method="headkv", max_capacity_prompt=budget, window_size=6,
+                     head_importance=str(tmp_path / "heads.json"))
+    with torch.no_grad():
+        model(prompt(80))
+    kept = [k for k in restkv.kept_positions(model) if k is not None]
+    assert len(kept) == 2
+    held = [int((k >= 0).sum()) for k in kept]
+    assert sum(held) == 2 * cfg.num_key_value_heads * budget
+    assert held[1] > held[0]  # layer 3 holds the most important head
