@@ -191,7 +191,8 @@ def test_no_swap_or_no_round_leaves_the_selection_bit_identical(knobs, monkeypat
 
 
 @pytest.mark.parametrize("knobs", [dict(method="snapkv"), dict(method="adakv", floor=0.0),
-                                   dict(method="snapkv", gqa_agg="none"), dict(method="restkv", decode_interval=3)])
+                                   dict(method="adakv", varlen=False), dict(method="snapkv", gqa_agg="none"),
+                                   dict(method="restkv", decode_interval=3)])
 def test_decoding_on_the_refined_cache_equals_the_masked_full_cache(knobs):
     model = tiny_model("llama", "eager")
     ids = prompt(60)
