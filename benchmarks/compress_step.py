@@ -33,7 +33,8 @@ import time
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
 DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mode=before", "cam", "streamingllm",
                    "l2norm", "expected_attention", "keydiff", "criticalkv", "criticalkv:value_norm=l2", "critical_adakv",
-                   "chunkkv", "defensivekv"]
+                   "chunkkv", "defensivekv", "snapkv:refine_rounds=2", "snapkv:refine_rounds=8",
+                   "restkv:refine_rounds=8", "adakv:refine_rounds=8"]
 
 
 def _value(text: str):

@@ -2,9 +2,9 @@
 
 The knobs a config holds are exactly those its method and strategies read: the general ones below,
 the budget, merging, selection and decoding strategies' (``budgets.KNOBS``, ``merge.KNOBS``,
-``critical.KNOBS``, ``chunks.KNOBS``, ``decode.KNOBS``) and the method's own (``methods/<name>.py``), each
-only when its ``when`` condition holds. Knob names follow the original ReST-KV command line, so sweep
-scripts carry over.
+``critical.KNOBS``, ``chunks.KNOBS``, ``refine.KNOBS``, ``decode.KNOBS``) and the method's own
+(``methods/<name>.py``), each only when its ``when`` condition holds. Knob names follow the original ReST-KV
+command line, so sweep scripts carry over.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 import importlib.util
 from collections.abc import Mapping
 
-from . import budgets, chunks, critical, decode, merge, think
+from . import budgets, chunks, critical, decode, merge, refine, think
 from .knobs import Knob
 from .methods import METHODS, REGISTRY
 
@@ -39,7 +39,7 @@ GENERAL = (
     Knob("q_group_size", 64, "quantization group size", check=lambda n: n >= 1, rule=">= 1", when=_QUANTIZED),
 ) + think.KNOBS
 # read by every method that evicts
-EVICTION = budgets.KNOBS + merge.KNOBS + critical.KNOBS + chunks.KNOBS + decode.KNOBS
+EVICTION = budgets.KNOBS + merge.KNOBS + critical.KNOBS + chunks.KNOBS + refine.KNOBS + decode.KNOBS
 # Other names of a knob (the original's flags): name -> (knob, {value: knob's value}).
 ALIASES = {"ss": ("pooling", {p: p for p in ("none", "avgpool", "maxpool", "adaptive")}), **budgets.ALIASES}
 for _m in REGISTRY.values():
@@ -246,7 +246,7 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
     values = {"method": method, **{k: values[k] for k in knobs if k in read}}
     if REGISTRY[method].evicts:
         _check_general(values)
-        for part in (budgets, merge, chunks, decode, REGISTRY[method]):
+        for part in (budgets, merge, chunks, refine, decode, REGISTRY[method]):
             part.check(values)
     _check_quant(values)
     return values

@@ -1,5 +1,5 @@
 """From scores to the kept entries: GQA reduction, per-head budgets, selection strategy (CriticalKV, ChunkKV),
-top-B per KV head, window, merging."""
+top-B per KV head, set-level refinement, window, merging."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .critical import two_stage, value_norms
 from .config import CompressionConfig
 from .merge import merge
 from .observe import Observation, group_view
+from .refine import refined, top_set
 
 
 @dataclass
@@ -80,13 +81,15 @@ def head_scores(obs: Observation, cfg: CompressionConfig, raw: Tensor | None = N
 
 def ranking(obs: Observation, cfg: CompressionConfig, scores: Tensor, keep) -> Tensor:
     """What the top-k ranks [b, H, P]: the scores, or the selection strategy's key over them
-    (``critical``: CriticalKV's two stages; ``chunk_size``: ChunkKV's chunks). ``keep``: entries per head."""
+    (``critical``: CriticalKV's two stages; ``chunk_size``: ChunkKV's chunks), then, with ``refine_rounds``,
+    a key whose top-k is that top-k refined as a set (``refine.refined``). ``keep``: entries per head."""
+    key = scores
     if cfg.get("critical"):
         norms = value_norms(obs, scores.shape[1], cfg.value_norm)
-        return two_stage(scores, keep, obs.window, norms, cfg.first_stage_ratio, cfg.critical_epsilon)
-    if cfg.get("chunk_size"):
-        return chunk_order(scores, obs.positions[:, : obs.prefix_len], cfg.chunk_size)
-    return scores
+        key = two_stage(scores, keep, obs.window, norms, cfg.first_stage_ratio, cfg.critical_epsilon)
+    elif cfg.get("chunk_size"):
+        key = chunk_order(scores, obs.positions[:, : obs.prefix_len], cfg.chunk_size)
+    return refined(obs, cfg, key, keep) if cfg.get("refine_rounds") else key
 
 
 def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None, sizes: Tensor | None = None,
@@ -152,13 +155,11 @@ def _top_then_window(scores: Tensor, keep, window: int) -> Tensor:
     if isinstance(keep, int):
         top = scores.topk(keep, dim=-1).indices.sort(-1).values
         return torch.cat([top, window_idx.expand(b, hkv, -1)], -1)
-    order = scores.argsort(-1, descending=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(P, device=order.device).expand_as(order))
     width = int(keep.max()) + window  # one host read per layer
-    pos = torch.arange(P, device=order.device).expand_as(order)
-    top = torch.where(rank < keep[..., None], pos, P + window - 1).sort(-1).values
+    pos = torch.arange(P, device=scores.device).expand(b, hkv, P)
+    top = torch.where(top_set(scores, keep), pos, P + window - 1).sort(-1).values
     top = torch.nn.functional.pad(top, (0, max(0, width - P)), value=P + window - 1)[..., :width]
-    j = torch.arange(width, device=order.device)
+    j = torch.arange(width, device=scores.device)
     in_window = (j >= keep[..., None]) & (j < keep[..., None] + window)
     return torch.where(in_window, P + j - keep[..., None], top)
 

@@ -116,6 +116,18 @@ def generate(model, ids, mask=None, n=6, **kw):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
 
 
+def sweep_equals_separate_runs(model, ids, configs, n):
+    """``restkv.sweep`` of ``configs`` on ``ids``, checked against configuring and generating each one alone
+    (same tokens, same kept positions); returns the sweep's ``(tokens, kept)`` per config."""
+    swept = restkv.sweep(model, ids, None, configs, n, pad_token_id=0)
+    for cfg, (tokens, kept) in zip(configs, swept):
+        restkv.configure(model, **cfg)
+        ref, _ = generate(model, ids, n=n)
+        assert torch.equal(tokens, ref), cfg
+        assert all(torch.equal(a, b) for a, b in zip(kept, restkv.kept_positions(model)) if a is not None), cfg
+    return swept
+
+
 def masked_reference_logits(model, ids, kept, n_new, window=None, channels=None, recent=0):
     """Greedy decoding on the FULL cache with, per layer and head, every entry outside ``kept`` masked.
 

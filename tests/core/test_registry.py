@@ -13,11 +13,12 @@ import json
 
 import pytest
 import torch
-from helpers import FAMILIES, SMALL_MODEL, generate, prompt, rope_embed, small, tiny_model
+from helpers import FAMILIES, SMALL_MODEL, generate, masked_reference_logits, prompt, rope_embed, small, tiny_model
 
 import restkv
 from restkv.budgets import layer_budgets
 from restkv.config import CompressionConfig, declared
+from restkv.evict import is_deferred
 from restkv.methods import REGISTRY
 from restkv.observe import Observation, wo_factor
 from restkv.rope import Rope
@@ -179,3 +180,23 @@ def test_a_knob_the_method_does_not_read_raises_naming_it(method):
         knob = next(declared(m)[name] for m in restkv.METHODS if name in declared(m))
         with pytest.raises(ValueError, match=rf"{name} is not a knob of method {method}"):
             CompressionConfig(method=method, **{name: knob.default})
+
+
+@pytest.mark.parametrize("method", EVICTING)
+def test_every_method_refines_its_set(method, tmp_path):
+    model = tiny_model("llama", "eager")
+    ids = prompt(48)
+    if is_deferred(CompressionConfig.from_kwargs(**knobs_for(method, tmp_path))):  # a selection across layers
+        with pytest.raises(ValueError, match="refine_rounds"):
+            CompressionConfig.from_kwargs(**knobs_for(method, tmp_path, refine_rounds=2))
+        return
+    with restkv.compressing(model, **knobs_for(method, tmp_path)):
+        generate(model, ids, n=1)
+        plain = restkv.kept_positions(model)
+    with restkv.compressing(model, **knobs_for(method, tmp_path, refine_rounds=2, refine_pool=8)) as cfg:
+        _, logits = generate(model, ids, n=3)
+        kept = restkv.kept_positions(model)
+    for a, b in zip(kept, plain):  # every head keeps its count and the window
+        assert torch.equal((a >= 0).sum(-1), (b >= 0).sum(-1)) and torch.isin(torch.arange(44, 48), a).all()
+    if cfg.merge == "none":  # merged values are not the full cache's
+        torch.testing.assert_close(logits, masked_reference_logits(model, ids, kept, 3), rtol=1e-4, atol=1e-4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate, prompt, tiny_model
+from helpers import generate, prompt, sweep_equals_separate_runs, tiny_model
 from test_methods_2026 import case
 
 import restkv
@@ -220,9 +220,4 @@ def test_sweep_shares_the_scores_and_equals_separate_runs():
                dict(method="chunkkv", max_capacity_prompt=20, window_size=4),
                dict(method="expected_attention", max_capacity_prompt=24, window_size=4, critical=True, use_vnorm=False),
                dict(method="defensivekv", max_capacity_prompt=24, window_size=4)]
-    swept = restkv.sweep(model, ids, None, configs, 4, pad_token_id=0)
-    for cfg, (tokens, kept) in zip(configs, swept):
-        restkv.configure(model, **cfg)
-        ref, _ = generate(model, ids, n=4)
-        assert torch.equal(tokens, ref), cfg
-        assert all(torch.equal(a, b) for a, b in zip(kept, restkv.kept_positions(model)) if a is not None), cfg
+    sweep_equals_separate_runs(model, ids, configs, 4)
