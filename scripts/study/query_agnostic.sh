@@ -6,7 +6,7 @@
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 LENGTHS=${LENGTHS:-2048}
-DEPTHS=${DEPTHS:-0:100/6}
+DEPTHS=${DEPTHS:-0:100/3}
 BUDGETS=${BUDGETS:-"128 256"}
 OUT=${OUT:-results/study}
 PY=${PY:-python}

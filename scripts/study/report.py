@@ -140,8 +140,10 @@ def paired(table, budgets, reference, what: str, better: str, digits: int) -> li
             if b not in table[name] or ref is None or b not in table[ref] or ref == name:
                 cells.append("")
                 continue
-            m, se = mean_se((torch.tensor(table[name][b]) - torch.tensor(table[ref][b])).tolist())
-            text = f"{m:+.{digits}f} ± {se:.{digits}f} vs {ref}"
+            mine, theirs = table[name][b], table[ref][b]
+            n = min(len(mine), len(theirs))  # sample i is the same text in every file of a folder (one seed)
+            m, se = mean_se((torch.tensor(mine[:n]) - torch.tensor(theirs[:n])).tolist())
+            text = f"{m:+.{digits}f} ± {se:.{digits}f} vs {ref}" + (f" (first {n})" if n < max(len(mine), len(theirs)) else "")
             cells.append(f"**{text}**" if abs(m) > 2 * se and round(m, digits) != 0 else text)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
