@@ -168,12 +168,45 @@ ARMS = {  # flag: (loader, title, y label, lower is better, digits)
 }
 
 
+def gap_closed(table: dict, ceiling: dict, reference: str = "streamingllm", digits: int = 2) -> str:
+    """Markdown: per fidelity config and budget, the share of the gap from ``reference`` to each hindsight
+    ceiling it closes, ``(KL_ref - KL_x) / (KL_ref - KL_ceiling)``, from means over the samples both have
+    (``ceiling``: benchmarks/ceiling.py's JSON on the same samples; its ``kl`` {row: {budget: [per sample]}})."""
+    ceilings = [c for c in ("future_attention", "future_restkv", "future_setlevel") if c in ceiling["kl"]]
+    budgets = sorted(b for b in {b for per in table.values() for b in per} if b is not None)
+    lines = [f"Share of the {reference}-to-ceiling gap closed (1: as good as the hindsight selection; "
+             f"ceilings: {', '.join(ceilings)}, the continuation's own queries choosing):", "",
+             "| config | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for c in ceilings:
+        cells = []
+        for b in budgets:
+            kl = ceiling["kl"][c].get(str(b), ceiling["kl"][c].get(b))
+            cells.append("" if kl is None else f"KL {sum(kl) / len(kl):.4f}")
+        lines.append(f"| ({c}) | " + " | ".join(cells) + " |")
+    for name in sorted(n for n in table if None not in table[n]):
+        cells = []
+        for b in budgets:
+            ref, mine = table.get(reference, {}).get(b), table[name].get(b)
+            tops = [ceiling["kl"][c].get(str(b), ceiling["kl"][c].get(b)) for c in ceilings]
+            if ref is None or mine is None or any(t is None for t in tops):
+                cells.append("")
+                continue
+            n = min(len(ref), len(mine), *(len(t) for t in tops))
+            mean = lambda v: sum(v[:n]) / n  # noqa: E731
+            cells.append(" / ".join(f"{(mean(ref) - mean(mine)) / (mean(ref) - mean(t)):.{digits}f}" for t in tops))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for arm in ARMS:
         parser.add_argument(f"--{arm}", nargs="*", default=[], type=Path, help=f"{arm} result folders")
     parser.add_argument("--plots", type=Path, default=None, help="folder for the PNGs")
+    parser.add_argument("--ceiling", nargs="*", default=[], type=Path,
+                        help="benchmarks/ceiling.py JSONs named <model>.json, beside that model's fidelity arm")
     args = parser.parse_args(argv)
+    ceilings = {path.stem: json.loads(path.read_text()) for path in args.ceiling if path.is_file()}
     for arm, (loader, title, ylabel, lower, digits) in ARMS.items():
         for folder in getattr(args, arm):
             try:
@@ -184,6 +217,8 @@ def main(argv=None):
                 continue
             name = folder.name
             print(report(title.format(name=name), table, lower, digits))
+            if arm == "fidelity" and name in ceilings:
+                print(gap_closed(table, ceilings[name]))
             if args.plots:
                 path = plot(table, title.format(name=name), ylabel, args.plots / f"{arm}_{name}.png", log=lower)
                 print(f"![{arm} {name}]({path.name})\n")

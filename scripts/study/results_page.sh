@@ -11,6 +11,6 @@ mkdir -p docs
   cat scripts/study/results_intro.md
   echo
   "$PY" scripts/study/report.py --fidelity "$STUDY"/fidelity/* --needle "$STUDY/needle_question_aware/$MODEL" \
-    --needle_query_agnostic "$STUDY/needle_query_agnostic/$MODEL" --plots docs
+    --needle_query_agnostic "$STUDY/needle_query_agnostic/$MODEL" --ceiling "$STUDY"/ceiling/*.json --plots docs
 } > docs/results.md
 echo "wrote docs/results.md"

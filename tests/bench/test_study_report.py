@@ -85,3 +85,11 @@ def test_standing_ranks_every_config_by_its_mean():
     row = lines[-1].split(" | ")
     assert row[1:4] == ["4", "2", "4"] and row[4].startswith("cam 0.10, ")  # cam 0.1, restkv 0.15, snapkv 0.2, paper 0.5
     assert report.standing(table, [128], lower_is_better=False, digits=2)[-1].split(" | ")[3] == "1"
+
+
+def test_gap_closed_is_the_share_of_the_reference_to_ceiling_gap():
+    table = {"streamingllm": {128: [0.5, 0.3]}, "snapkv": {128: [0.3, 0.1, 9.0]}, "fullkv": {None: [0.0, 0.0]}}
+    ceiling = {"kl": {"future_attention": {"128": [0.1, 0.1]}}}
+    text = report.gap_closed(table, ceiling)
+    # means over the 2 samples all have: ref 0.4, snapkv 0.2, ceiling 0.1 -> (0.4 - 0.2) / (0.4 - 0.1)
+    assert "| snapkv | 0.67 |" in text and "| streamingllm | 0.00 |" in text and "fullkv" not in text
