@@ -6,7 +6,7 @@ cache, its positions continuing from the full context length (as kvpress's pipel
 
     cache = restkv.compress_context(model, context_ids, method="snapkv", max_capacity_prompt=256)
     for question_ids in questions:  # [b, m] each
-        out = model.generate(torch.cat([context_ids, question_ids], 1), past_key_values=cache, max_new_tokens=32)
+        out = model.generate(torch.cat([context_ids, question_ids], 1), cache=cache, max_new_tokens=32)  # or past_key_values=cache
 
 Built from the public pieces: ``sweeps.prefill_caches`` (one prefill, ``evict.evict_layer`` per layer under
 an ``attach.attached`` attachment) and, for greedy answers without ``generate``, sweep mode's decoding loop.
@@ -87,7 +87,7 @@ def compress_context(model: nn.Module, context_ids: Tensor, attention_mask: Tens
     Returns
     -------
     ContextCache
-        ``model.generate(cat([context_ids, question_ids], 1), past_key_values=cache, ...)`` answers
+        ``model.generate(cat([context_ids, question_ids], 1), cache=cache, ...)`` (or ``past_key_values=``) answers
         ``question_ids`` [b, m] (pass ``attention_mask=cat([attention_mask, ones])`` with a padded context)
         and leaves the cache as returned. If the model has no eviction attached, a full-cache one
         (``method="fullkv"``) is attached so its attention reads the compressed layers; a configuration
