@@ -31,9 +31,10 @@ import sys
 import time
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
+LAYER, LAYERS = 15, 32  # a middle layer of Llama-3-8B's 32 (LaCache's ladder depends on the depth)
 DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mode=before", "cam", "streamingllm",
                    "l2norm", "expected_attention", "keydiff", "criticalkv", "criticalkv:value_norm=l2", "critical_adakv",
-                   "chunkkv", "defensivekv", "snapkv:refine_rounds=2", "snapkv:refine_rounds=8",
+                   "chunkkv", "defensivekv", "tova", "lacache", "random", "snapkv:refine_rounds=2", "snapkv:refine_rounds=8",
                    "restkv:refine_rounds=8", "adakv:refine_rounds=8"]
 
 
@@ -138,7 +139,7 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
 
     def run(cfg):
         obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,
-                          wo_weight=o_proj, rope=rope)
+                          wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS)
         return select(obs, cfg)
 
     with torch.no_grad():
