@@ -32,7 +32,8 @@ import time
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
 LAYER, LAYERS = 15, 32  # a middle layer of Llama-3-8B's 32 (LaCache's ladder depends on the depth)
-DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mode=before", "cam", "streamingllm",
+DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mode=before", "restkv:query_window=256",
+                   "restkv:query_proxy=expected", "restkv:query_proxy=both", "cam", "streamingllm",
                    "l2norm", "expected_attention", "keydiff", "criticalkv", "criticalkv:value_norm=l2", "critical_adakv",
                    "chunkkv", "defensivekv", "tova", "lacache", "random", "snapkv:refine_rounds=2", "snapkv:refine_rounds=8",
                    "restkv:refine_rounds=8", "adakv:refine_rounds=8"]

@@ -121,10 +121,10 @@ PAIRS = (
     Pair("Random", dict(method="random", window_size=1), press("RandomPress", compression_ratio=RATIO, seed=0),
          sanity=True),
     Pair("ReST-KV (paper)", dict(PRESETS["paper"]), None),
-    # Compared once restkv registers the method (until then: kvpress's step time only).
+    Pair("ReST-KV (default)", dict(method="restkv"), None),
     Pair("CriticalKV", dict(method="criticalkv", **SNAP), press("CriticalKVPress", press=snapkv_press())),
-    Pair("CriticalAdaKV", dict(method="criticaladakv", **SNAP), press("CriticalAdaKVPress", press=snapkv_press())),
-    Pair("ExpectedAttention", dict(method="expectedattention", window_size=1),
+    Pair("CriticalAdaKV", dict(method="critical_adakv", **SNAP), press("CriticalAdaKVPress", press=snapkv_press())),
+    Pair("ExpectedAttention", dict(method="expected_attention", window_size=1),
          press("ExpectedAttentionPress", compression_ratio=RATIO)),
     Pair("KeyDiff", dict(method="keydiff", window_size=1), press("KeyDiffPress", compression_ratio=RATIO)),
     Pair("ChunkKV", dict(method="chunkkv", **SNAP), press("ChunkKVPress", press=snapkv_press(), chunk_length=20)),

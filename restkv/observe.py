@@ -130,6 +130,15 @@ class Observation:
         n = self.keys.shape[2]
         return self.shared("window_attention", lambda: self.attention(n - self.window, n))
 
+    def recent_attention(self, rows: int) -> "torch.Tensor":
+        """[b, Hq, r, L] attention of the ``rows`` most recent queries (r: at most the queries held); the
+        window's when ``rows`` is 0 or the window size. Queries older than the window see only the keys before them."""
+        n = self.keys.shape[2]
+        rows = min(rows or self.window, self.queries.shape[2])
+        if rows == self.window:
+            return self.window_attention
+        return self.shared(f"recent_attention_{rows}", lambda: self.attention(n - rows, n))
+
     @property
     def window_output(self) -> "torch.Tensor":
         """[b, Hq, w, d] attention output of the window queries (over all keys), float32."""

@@ -16,19 +16,22 @@ def ema_weights(n: int, alpha: float, device=None) -> "torch.Tensor":
     return w
 
 
-TEMPORAL = ("last", "mean", "ema", "inv-ema")
+TEMPORAL = ("last", "mean", "ema", "inv-ema", "max")
 
 
 def aggregate_rows(x: "torch.Tensor", temporal: str, alpha: float | None = None) -> "torch.Tensor":
     """Reduce the query-row axis (-2) of ``x`` [..., w, P] (oldest query first) -> [..., P].
 
     ``last``: the newest query only; ``mean``; ``ema``: the recursion from the oldest query, the newest
-    weighing ``alpha``; ``inv-ema``: the same over the rows in reverse order (the oldest weighs ``alpha``).
+    weighing ``alpha``; ``inv-ema``: the same over the rows in reverse order (the oldest weighs ``alpha``);
+    ``max``: the largest over the rows (the worst case, DefensiveKV's aggregation).
     """
     if temporal == "last":
         return x[..., -1, :]
     if temporal == "mean":
         return x.mean(-2)
+    if temporal == "max":
+        return x.amax(-2)
     weights = ema_weights(x.shape[-2], alpha, x.device)
     return torch.matmul(weights if temporal == "ema" else weights.flip(0), x)
 

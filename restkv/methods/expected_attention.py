@@ -85,24 +85,41 @@ def expected_logits(keys, mu, cov, cos, sin, scaling: float, block: int):
     return out.view(b, hq, n)
 
 
-def score(obs, cfg):
-    """The expected attention of every prefix entry, per query head -> [b, Hq, P] (sinks: the largest + 1)."""
+def expected_attention(obs, n_future_positions: int, n_sink: int, covariance: bool):
+    """Attention expected from the future queries over every key -> ([b, Hq, L] float32, counted [b, L]).
+
+    The queries' mean and covariance before RoPE (over the prompt's real tokens after the first ``n_sink``),
+    rotated by the RoPE averaged over the next ``n_future_positions`` positions; the softmax runs over the
+    counted keys only (the sinks and padding get 0).
+    """
     if obs.rope is None:
-        raise ValueError("expected_attention needs the layer's RoPE (the observation's rope)")
-    hq, hkv, P = obs.queries.shape[1], obs.keys.shape[1], obs.prefix_len
+        raise ValueError("the expected attention needs the layer's RoPE (the observation's rope)")
+    hq, hkv = obs.queries.shape[1], obs.keys.shape[1]
     block = max(1, observe.VALUE_BLOCK * hkv // hq)  # [b, Hq, block, d] float32 at a time
-    pos = obs.positions  # [b, L], -1 on padding
-    counted = pos >= cfg.n_sink  # real tokens after the sinks: query statistics and softmax
+    counted = obs.positions >= n_sink  # [b, L] real tokens after the sinks: query statistics and softmax
     first = obs.first_query  # the queries held: every prompt position's, or the window's while decoding
-    mu, cov = query_statistics(obs.queries, obs.rope, counted[:, first:], cfg.use_covariance, block, first)
-    cos, sin = obs.rope.mean_future(cfg.n_future_positions)
+    mu, cov = query_statistics(obs.queries, obs.rope, counted[:, first:], covariance, block, first)
+    cos, sin = obs.rope.mean_future(n_future_positions)
     z = expected_logits(obs.keys, mu, cov, cos, sin, obs.scaling, block)
     z = z.masked_fill_(~counted[:, None], NEG)
     a = z.sub_(z.amax(-1, keepdim=True)).clamp_min_(observe.EXP_FLOOR).exp_().mul_(counted[:, None])
-    a = a.div_(a.sum(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny))[..., :P]
+    return a.div_(a.sum(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)), counted
+
+
+def keep_sinks(scores, obs, counted):
+    """Scores [b, H, P] with the sinks (real tokens not ``counted``) above every other entry."""
+    P = obs.prefix_len
+    sinks = (obs.positions[:, :P] >= 0) & ~counted[:, :P]
+    top = scores.masked_fill(~counted[:, None, :P], 0.0).amax(dim=(1, 2), keepdim=True) + 1.0
+    return torch.where(sinks[:, None], top, scores)
+
+
+def score(obs, cfg):
+    """The expected attention of every prefix entry, per query head -> [b, Hq, P] (sinks: the largest + 1)."""
+    hq, hkv, P = obs.queries.shape[1], obs.keys.shape[1], obs.prefix_len
+    a, counted = expected_attention(obs, cfg.n_future_positions, cfg.n_sink, cfg.use_covariance)
+    a = a[..., :P]
     if cfg.use_vnorm:
         norms = torch.linalg.vector_norm(obs.values[:, :, :P], dim=-1, dtype=torch.float32)
         a = (a + cfg.epsilon) * norms.repeat_interleave(hq // hkv, 1)
-    sinks = (pos[:, :P] >= 0) & ~counted[:, :P]
-    top = a.masked_fill(~counted[:, None, :P], 0.0).amax(dim=(1, 2), keepdim=True) + 1.0
-    return torch.where(sinks[:, None], top, a)
+    return keep_sinks(a, obs, counted)

@@ -31,6 +31,7 @@ from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob, positive
 from ..lazy import torch
 from ..observe import group_view, weighted_values
 from ..smoothing import TEMPORAL, aggregate_rows, pool1d, shifted_box_filter
+from . import expected_attention as expected
 from . import random
 
 _EPS = 1.1920928955078125e-07  # float32 machine epsilon
@@ -38,6 +39,7 @@ _EPS = 1.1920928955078125e-07  # float32 machine epsilon
 INDICATORS = ("reconstruction", "attn", "attn-v", "random")
 _SCORED = {"indicator": INDICATORS[:3]}  # not random
 _RECON = {"indicator": ("reconstruction",)}
+_EXPECTED = ("n_future_positions", "n_sink", "use_covariance")  # ExpectedAttention's knobs that query_proxy reads
 
 KNOBS = (
     Knob("indicator", "reconstruction", "what is scored: reconstruction (the output change, ReST-KV), attn (aggregated "
@@ -51,7 +53,8 @@ KNOBS = (
     Knob("tau", 1.0, "exponent of the output distance ||(o - v_n) W_O^h||", check=positive, rule="> 0",
          when={**_RECON, "metric_mode": ("after",), "use_wo": (True,)}),
     Knob("temporal", "mean", "smoothing over the window queries: last (the newest only), mean, ema (the paper: "
-         "the newest weighs alpha) or inv-ema (the oldest weighs alpha)", choices=TEMPORAL, when=_SCORED),
+         "the newest weighs alpha), inv-ema (the oldest weighs alpha) or max (the worst case over the queries; "
+         "not in after mode, whose row must be a distribution)", choices=TEMPORAL, when=_SCORED),
     Knob("alpha", 0.3, "EMA weight", check=lambda a: 0 < a <= 1, rule="in (0, 1]",
          when={**_SCORED, "temporal": ("ema", "inv-ema")}),
     POOLING.but(default="adaptive", choices=("adaptive", "avgpool", "maxpool", "none"), when=_SCORED,
@@ -62,9 +65,23 @@ KNOBS = (
          when={"pooling": ("adaptive",)}),
     random.KNOBS[0].but(when={"indicator": ("random",)}),
     GQA_AGG,
+    Knob("query_window", 0, "queries observed (scored against): the last query_window positions, only the "
+         "window_size newest kept; older queries see only the keys before them (0: window_size)",
+         check=lambda n: n >= 0, rule=">= 0", when=_SCORED),
+    Knob("query_proxy", "window", "stand-in for the future queries' attention row: window (the observed queries'), "
+         "expected (expected from the prompt's query statistics at future positions, as ExpectedAttention) or "
+         "both (the mean of the two rows)", choices=("window", "expected", "both"),
+         when={**_RECON, "metric_mode": ("after",)}),
+    *(k.but(when={"query_proxy": ("expected", "both")}) for k in expected.KNOBS if k.name in _EXPECTED),
 )
 ALIASES = {"use_ema": ("temporal", {True: "ema", False: "mean"}),
            "ts": ("temporal", {"none": "last", "mean": "mean", "ema": "ema", "inv-ema": "inv-ema"})}
+
+
+def check(values: dict) -> None:
+    if values.get("temporal") == "max" and values.get("metric_mode") == "after":
+        raise ValueError("temporal='max' needs metric_mode='before' (or an attn indicator): in after mode the "
+                         "aggregated row is an attention distribution, and a maximum over queries is not one")
 
 
 def uses_budget(cfg) -> bool:
@@ -192,34 +209,61 @@ def adaptive_pool(scores: "torch.Tensor", drift: "torch.Tensor", kernel_size: in
     return out.view(scores.shape)
 
 
+def over_time(x: "torch.Tensor", obs, cfg) -> "torch.Tensor":
+    """The observed query rows of x [b, H, r, N] reduced by ``temporal`` -> [b, H, N]; rows of padding
+    queries (a query window longer than a sample) are left out by renormalising the weights of the real ones."""
+    s = aggregate_rows(x, cfg.temporal, cfg.get("alpha"))
+    real = obs.key_valid[:, obs.keys.shape[2] - x.shape[-2] :]  # [b, r]
+    if bool(real.all()):
+        return s
+    return s / aggregate_rows(real.float()[:, None, :, None], cfg.temporal, cfg.get("alpha")).clamp_min(_EPS)
+
+
+def proxy_row(obs, cfg, A: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]:
+    """The aggregated attention row standing for the future queries -> (a [b, Hq, 1, P], its mass on the
+    window [b, Hq, 1, 1], counted [b, L] or None): the observed rows A over time, ExpectedAttention's row, or their mean."""
+    P = A.shape[-1] - obs.window
+    rows = []
+    if cfg.query_proxy != "expected":
+        rows.append((over_time(A[..., :P], obs, cfg), over_time(A[..., P:].sum(-1, keepdim=True), obs, cfg)))
+    counted = None
+    if cfg.query_proxy != "window":
+        e, counted = expected.expected_attention(obs, cfg.n_future_positions, cfg.n_sink, cfg.use_covariance)
+        rows.append((e[..., :P], e[..., P:].sum(-1, keepdim=True)))
+    a, mass = (sum(r) / len(rows) for r in zip(*rows))
+    return a[:, :, None], mass[..., None], counted
+
+
 def score(obs, cfg):
     """ReST-KV's score of every prefix entry, per query head -> [b, Hq, P] ([b, Hkv, P] for ``random``)."""
     if cfg.indicator == "random":
         return random.score(obs, cfg)
     P = obs.prefix_len
-    A = obs.window_attention  # [b, Hq, w, L]
-    temporal, alpha = cfg.temporal, cfg.get("alpha")
+    A = obs.recent_attention(cfg.query_window)  # [b, Hq, r, L]
+    counted = None
     if cfg.indicator != "reconstruction":
-        s = aggregate_rows(A[..., :P], temporal, alpha)
+        s = over_time(A[..., :P], obs, cfg)
         if cfg.indicator == "attn-v":  # times ||v_n||, each query head with its KV head's values
             norms = torch.linalg.vector_norm(obs.values[:, :, :P], dim=-1, dtype=torch.float32)
             s = s * norms.repeat_interleave(s.shape[1] // norms.shape[1], 1)
     elif cfg.metric_mode == "after":
         R, tau = (obs.wo, cfg.tau) if cfg.use_wo else (None, 1.0)
-        a = aggregate_rows(A[..., :P], temporal, alpha)[:, :, None]  # [b, Hq, 1, P]
+        a, window_mass, counted = proxy_row(obs, cfg, A)  # [b, Hq, 1, P], [b, Hq, 1, 1]
         o = weighted_values(a, obs.values)[:, :, 0]  # [b, Hq, d] output of the aggregated row, prefix only
         s = output_distance(o, obs.values, P, R).pow_(tau).mul_(odds(a[:, :, 0]))
-        window_mass = aggregate_rows(A[..., P:].sum(-1, keepdim=True), temporal, alpha)[..., None]
         s = exact_dominant(s[:, :, None], a, obs.values, R, tau, window_mass)[:, :, 0]
-    else:  # before: every window query with its full output, then over time
+    else:  # before: every observed query with its full output, then over time
         R = obs.wo if cfg.use_wo else None
-        dist, o_norm = output_distance_rows(obs.window_output, obs.values, P, R)
+        out = obs.window_output if A is obs.window_attention else weighted_values(A, obs.values)
+        dist, o_norm = output_distance_rows(out, obs.values, P, R)
         rows = exact_dominant(dist.mul_(odds(A[..., :P])), A, obs.values, R, 1.0)
         if cfg.use_norm:
             rows = rows / o_norm.clamp_min(_EPS)
-        s = aggregate_rows(rows, temporal, alpha)
+        s = over_time(rows, obs, cfg)
     if cfg.pooling == "adaptive":
         drift = window_drift(A, obs.budget - obs.window)
         n_pad = (~obs.key_valid[:, :P]).sum(-1)
-        return adaptive_pool(s, drift, cfg.kernel_size, cfg.scale, n_pad)
-    return pool1d(s, cfg.pooling, cfg.get("kernel_size", 1))
+        s = adaptive_pool(s, drift, cfg.kernel_size, cfg.scale, n_pad)
+    else:
+        s = pool1d(s, cfg.pooling, cfg.get("kernel_size", 1))
+    return s if counted is None else expected.keep_sinks(s, obs, counted)

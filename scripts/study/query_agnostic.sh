@@ -16,5 +16,5 @@ for mode in question_aware query_agnostic; do
   flag=$([ "$mode" = query_agnostic ] && echo --query_agnostic || true)
   "$PY" run_needle_in_haystack.py --model_path "$MODEL" --needles passkey --context_lengths $LENGTHS \
     --depth_percents $DEPTHS --max_capacity_prompts $BUDGETS --save_dir "$OUT/needle_$mode" --no_plots \
-    --method $METHODS --variant restkv_paper preset=paper $flag
+    --method $METHODS --variant restkv_paper preset=paper --variant restkv_both query_proxy=both $flag
 done

@@ -57,25 +57,66 @@ def _paired_table(rows: dict[str, dict[tuple, float]]) -> dict[str, dict[int | N
     return table
 
 
-def load_needle(folder: Path) -> dict[str, dict[int | None, list[float]]]:
-    """{config: {budget: graded score per needle}} from a needle runner's ``results.jsonl``."""
+def needle_rows(folder: Path) -> dict[str, dict[tuple, float]]:
+    """{label: {(needle, length, depth): graded score}} from a needle runner's ``results.jsonl``."""
     rows = {}
     for line in (folder / "results.jsonl").read_text().splitlines():
         if line.strip():
             r = json.loads(line)
             rows.setdefault(r["label"], {})[(r["needle"], r["length"], r["depth"])] = float(r["score"])
-    return _paired_table(rows)
+    return rows
 
 
-def load_ruler(folder: Path) -> dict[str, dict[int | None, list[float]]]:
-    """{config: {budget: string_match_all x100 per sample}} from a ``run_ruler.py`` model folder."""
+def ruler_rows(folder: Path) -> dict[str, dict[tuple, float]]:
+    """{label: {(length, task, index): string_match_all x100}} from a ``run_ruler.py`` model folder."""
     rows = {}
     for path in sorted(folder.rglob("*.jsonl")):
         for r in read_jsonl(path):
             metric = METRICS[FAMILIES[family_of(r["task"])]["metric"]]
             rows.setdefault(r["method"], {})[(r["max_seq_length"], r["task"], r["index"])] = (
                 100.0 * metric(postprocess(r["pred"]), r["outputs"]))
-    return _paired_table(rows)
+    return rows
+
+
+def load_needle(folder: Path) -> dict[str, dict[int | None, list[float]]]:
+    """{config: {budget: graded score per needle}} from a needle runner's ``results.jsonl``."""
+    return _paired_table(needle_rows(folder))
+
+
+def load_ruler(folder: Path) -> dict[str, dict[int | None, list[float]]]:
+    """{config: {budget: string_match_all x100 per sample}} from a ``run_ruler.py`` model folder."""
+    return _paired_table(ruler_rows(folder))
+
+
+def degradation(title: str, aware: dict, agnostic: dict, digits: int) -> str:
+    """Markdown: per config and budget, the score with the question inside the compressed prompt, read
+    after compression, and the paired change (agnostic - aware) over the samples every label of both has."""
+    labels = sorted(set(aware) & set(agnostic))
+    keys = sorted(set.intersection(*(set(aware[lb]) & set(agnostic[lb]) for lb in labels))) if labels else []
+    by_name = {}
+    for lb in labels:
+        name, budget = split_label(lb)
+        by_name.setdefault(name, {})[budget] = ([aware[lb][k] for k in keys], [agnostic[lb][k] for k in keys])
+    budgets = sorted({b for per in by_name.values() for b in per if b is not None})
+    lines = [f"### {title} ({len(keys)} samples, each config on the same ones in both modes)", "",
+             "Question inside the compressed prompt -> read after compression (mean); the paired change, bold "
+             "when beyond 2 s.e.:", "", "| config | " + " | ".join(f"B={b}" for b in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    order = sorted(by_name, key=lambda n: (n != "fullkv", not n.startswith("restkv"), n))
+    for name in order:
+        cells = []
+        for b in budgets:
+            pair = by_name[name].get(None if None in by_name[name] else b)
+            if pair is None:
+                cells.append("")
+                continue
+            before, after = pair
+            m, se = mean_se([y - x for x, y in zip(before, after)])
+            change = f"{m:+.{digits}f} ± {se:.{digits}f}"
+            change = f"**{change}**" if abs(m) > 2 * se and round(m, digits) != 0 else change
+            cells.append(f"{mean_se(before)[0]:.{digits}f} -> {mean_se(after)[0]:.{digits}f} ({change})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def mean_se(values) -> tuple[float, float]:
@@ -165,7 +206,10 @@ ARMS = {  # flag: (loader, title, y label, lower is better, digits)
     "needle_query_agnostic": (load_needle, "needle, {name}, the question read after compression (query-agnostic): "
                               "graded pass-key score", "graded score", False, 3),
     "ruler": (load_ruler, "RULER, {name}: string_match_all x100 over all tasks", "score x100", False, 2),
+    "ruler_query_agnostic": (load_ruler, "RULER, {name}, the question read after compression (query-agnostic): "
+                             "string_match_all x100 over all tasks", "score x100", False, 2),
 }
+MODES = {"needle": (needle_rows, "needle", 3), "ruler": (ruler_rows, "RULER", 2)}  # arms run in both modes
 
 
 def gap_closed(table: dict, ceiling: dict, reference: str = "streamingllm", digits: int = 2) -> str:
@@ -222,6 +266,18 @@ def main(argv=None):
             if args.plots:
                 path = plot(table, title.format(name=name), ylabel, args.plots / f"{arm}_{name}.png", log=lower)
                 print(f"![{arm} {name}]({path.name})\n")
+    for arm, (rows, what, digits) in MODES.items():
+        agnostic = {folder.name: folder for folder in getattr(args, f"{arm}_query_agnostic")}
+        for folder in getattr(args, arm):
+            if folder.name not in agnostic:
+                continue
+            try:
+                aware, after = rows(folder), rows(agnostic[folder.name])
+            except FileNotFoundError:
+                continue  # an arm not run in both modes for this model
+            if aware and after:
+                print(degradation(f"{what}, {folder.name}: what is lost when the question comes after compression",
+                                  aware, after, digits))
 
 
 if __name__ == "__main__":

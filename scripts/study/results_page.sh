@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Regenerate docs/results.md and its plots from the study's results: the fidelity arm
-# (scripts/study/fidelity.sh, per model) and the needle arm with the question before and after compression
-# (scripts/study/query_agnostic.sh). Arms without results are left out.
+# (scripts/study/fidelity.sh, per model), the needle and RULER arms with the question before and after
+# compression (scripts/study/query_agnostic.sh, scripts/study/ruler.sh; per model) and the hindsight ceilings
+# (benchmarks/ceiling.py). Arms without results are left out.
 set -euo pipefail
 PY=${PY:-python}
 STUDY=${STUDY:-results/study}
-MODEL=${MODEL:-smollm2-135m}
+shopt -s nullglob
 mkdir -p docs
 {
   cat scripts/study/results_intro.md
   echo
-  "$PY" scripts/study/report.py --fidelity "$STUDY"/fidelity/* --needle "$STUDY/needle_question_aware/$MODEL" \
-    --needle_query_agnostic "$STUDY/needle_query_agnostic/$MODEL" --ceiling "$STUDY"/ceiling/*.json --plots docs
+  "$PY" scripts/study/report.py --fidelity "$STUDY"/fidelity/* \
+    --needle "$STUDY"/needle_question_aware/* --needle_query_agnostic "$STUDY"/needle_query_agnostic/* \
+    --ruler "$STUDY"/ruler_question_aware/* --ruler_query_agnostic "$STUDY"/ruler_query_agnostic/* \
+    --ceiling "$STUDY"/ceiling/*.json --plots docs
 } > docs/results.md
 echo "wrote docs/results.md"

@@ -124,7 +124,8 @@ def test_pair_table_builds_and_every_registered_row_validates():
             assert classes and all(c.endswith("Press") for c in classes)
             side.build_press(p.kvpress, dict.fromkeys(classes, Fake), 0.75)
             assert compare.RATIO not in compare.describe_press(p.kvpress)
-        if p.restkv is not None and p.restkv["method"] in restkv.METHODS:
+        if p.restkv is not None:
+            assert p.restkv["method"] in restkv.METHODS, p.name  # every row is compared, none is kvpress-only
             for budget in (256, 1024):
                 cfg = CompressionConfig.from_kwargs(**p.restkv_knobs(budget))
                 assert cfg.max_capacity_prompt == budget

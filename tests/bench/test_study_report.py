@@ -93,3 +93,22 @@ def test_gap_closed_is_the_share_of_the_reference_to_ceiling_gap():
     text = report.gap_closed(table, ceiling)
     # means over the 2 samples all have: ref 0.4, snapkv 0.2, ceiling 0.1 -> (0.4 - 0.2) / (0.4 - 0.1)
     assert "| snapkv | 0.67 |" in text and "| streamingllm | 0.00 |" in text and "fullkv" not in text
+
+
+def test_degradation_pairs_each_config_across_the_two_modes(tmp_path):
+    def needles(folder, scores):
+        folder.mkdir()
+        (folder / "results.jsonl").write_text("".join(
+            json.dumps({"label": label, "needle": "passkey", "length": 2048, "depth": 10.0 * d, "score": v}) + "\n"
+            for label, values in scores.items() for d, v in enumerate(values)))
+        return folder
+
+    aware = needles(tmp_path / "aware", {"fullkv": [1, 1, 1], "snapkv_128": [1, 1, 0.5], "restkv_128": [1, 0.5, 1]})
+    after = needles(tmp_path / "after", {"fullkv": [1, 1, 1], "snapkv_128": [0, 0, 0.5], "restkv_128": [1, 0.5, 0],
+                                         "kvzip_128": [1, 1, 1]})  # a config only one mode has is left out
+    text = report.degradation("needle", report.needle_rows(aware), report.needle_rows(after), 3)
+    assert "(3 samples" in text and "kvzip" not in text
+    # snapkv: changes [-1, -1, 0]: mean -0.667, s.e. 0.333 -> within 2 s.e.
+    assert "| snapkv | 0.833 -> 0.167 (-0.667 ± 0.333) |" in text
+    assert "| fullkv | 1.000 -> 1.000 (+0.000 ± 0.000) |" in text
+    assert "| restkv | 0.833 -> 0.500 (-0.333 ± 0.333) |" in text

@@ -69,7 +69,8 @@ def test_config_holds_exactly_the_knobs_it_reads():
     assert CompressionConfig(method="snapkv", max_capacity_prompt=64) == CompressionConfig(
         method="snapkv", max_capacity_prompt=64, pooling="avgpool")  # a default given explicitly is the same config
     assert set(rk.score_knobs()) == {"indicator", "pooling", "kernel_size", "scale", "metric_mode", "use_wo",
-                                     "temporal", "alpha", "tau"}  # gqa_agg is read after scoring
+                                     "temporal", "alpha", "tau", "query_window",
+                                     "query_proxy"}  # gqa_agg is read after scoring
 
 
 def test_a_preset_drops_what_the_method_does_not_read():
