@@ -36,8 +36,8 @@ kvpress runs as documented (``with press(model): model(prompt)``, the continuati
 as its pipeline does), except that the presses share one prefill per window: after each layer's attention,
 each press's own forward hook runs on its own copy of that layer's cache. The prefill's outputs do not depend
 on the compression, so each press sees what its own prefill would show it; the first window's first 512
-tokens check it, bit for bit, against one prefill per press. Rows whose restkv method is not registered yet are
-timed on the kvpress side only and listed as such.
+tokens check it, bit for bit, against one prefill per press. Rows without a kvpress press (ReST-KV, the
+DefensiveKV fork) are restkv's side only.
 
 Usage::
 
@@ -228,8 +228,8 @@ def compare(restkv_side: list, kvpress_side: list, restkv_full: list, kvpress_fu
         return row
     row["kl_k"] = [kl(f, k["logprobs"]) for f, k in zip(kvpress_full, kvpress_side)]
     row["kl_rk"] = [kl(r["logprobs"], k["logprobs"]) for r, k in zip(restkv_side, kvpress_side)]
-    row["kept_k"] = statistics.mean(float((k >= 0).sum(-1).float().mean()) for s in kvpress_side
-                                    for k in s["kept"] if k is not None)
+    kept = [float((k >= 0).sum(-1).float().mean()) for s in kvpress_side for k in s["kept"] if k is not None]
+    row["kept_k"] = statistics.mean(kept) if kept else None  # None: a press that changes keys (ThinK) in every layer
     per_sample = []
     for r, k in zip(restkv_side, kvpress_side):
         if any(x is None for x in k["kept"]):

@@ -150,6 +150,8 @@ def report(title: str, table: dict, lower_is_better: bool, digits: int = 4) -> s
     lines += paired(table, budgets, best_baseline, "the best baseline at each budget", better, digits)
     if "restkv_paper" in table:
         lines += paired(table, budgets, lambda b: "restkv_paper", "ReST-KV with the paper's knobs", better, digits)
+    if "restkv" in table and len([n for n in table if n.startswith("restkv")]) > 2:
+        lines += paired(table, budgets, lambda b: "restkv", "the default ReST-KV", better, digits)
     return "\n".join(lines) + "\n"
 
 

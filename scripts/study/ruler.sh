@@ -2,7 +2,7 @@
 # The RULER arm twice on the same samples: the question inside the compressed prompt (as the paper evaluates)
 # and read only after compression (--query_agnostic). Every method, data generated here (offline, sized with
 # the model's tokenizer), one prefill per sample and mode; resumes after an interruption.
-# MODEL=gemma3-270m NUM_SAMPLES=3 BUDGETS="128 256" bash scripts/study/ruler.sh
+# MODEL=gemma3-270m NUM_SAMPLES=3 BUDGETS="128 256" TASKS="niah_single_1 vt" bash scripts/study/ruler.sh
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 LENGTH=${LENGTH:-2048}
@@ -17,9 +17,11 @@ METHODS=${METHODS:-"fullkv restkv snapkv pyramidkv h2o streamingllm cam l2norm a
   expected_attention keydiff criticalkv critical_adakv chunkkv defensivekv layer_defensivekv kvzip"}
 "$PY" -m restkv.bench.ruler.generate --model_path "$MODEL" --lengths "$LENGTH" --tasks $TASKS \
   --num_samples "$NUM_SAMPLES" --out_dir "$DATA_DIR"
+RUN_TASKS=()
+[[ "$TASKS" != synthetic && "$TASKS" != all ]] && RUN_TASKS=(--tasks $TASKS)
 for mode in question_aware query_agnostic; do
   flag=$([ "$mode" = query_agnostic ] && echo --query_agnostic || true)
-  "$PY" run_ruler.py --model_path "$MODEL" --data_dir "$DATA_DIR/$LENGTH" --num_samples "$NUM_SAMPLES" \
+  "$PY" run_ruler.py --model_path "$MODEL" --data_dir "$DATA_DIR/$LENGTH" "${RUN_TASKS[@]}" --num_samples "$NUM_SAMPLES" \
     --max_new_tokens "$NEW_TOKENS" --max_capacity_prompts $BUDGETS --save_dir "$OUT/ruler_$mode" \
     --method $METHODS --variant restkv_paper preset=paper --variant restkv_both query_proxy=both $flag
 done

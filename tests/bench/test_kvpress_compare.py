@@ -170,3 +170,12 @@ def test_equal_presses_run_once():
     specs = [compare.PAIRS[3].kvpress, compare.PAIRS[0].kvpress, compare.PAIRS[4].kvpress]  # AdaKV twice
     unique, keys = compare.distinct(specs)
     assert len(unique) == 2 and keys[0] == keys[2] != keys[1] and unique[keys[1]] == specs[1]
+
+
+def test_compare_of_a_press_without_kept_sets_still_gives_its_kl():
+    """A press that changes the keys in every layer (ThinK's channels) has no kept set: KLs only, no crash."""
+    logprobs = torch.randn(5, 7).log_softmax(-1)
+    ours = [{"kept": [torch.arange(4).expand(2, -1)], "logprobs": logprobs}]
+    theirs = [{"kept": [None], "logprobs": logprobs}]
+    row = compare.compare(ours, theirs, [logprobs], [logprobs], 10)
+    assert row["kept_k"] is None and "j_mean" not in row and abs(row["kl_rk"][0]) < 1e-6
