@@ -133,6 +133,21 @@ class Task:
     question_start: Callable | None = None
 
 
+def check_against_model(model, configs):
+    """Each config's layer plan on the loaded model (its layers, backend, sliding windows), before any prompt
+    runs: a config the model cannot hold ends the run with one line naming its label (exit code 1)."""
+    from restkv.config import CompressionConfig
+    from restkv.plans import plan_layers
+
+    for label, kwargs in configs:
+        cfg = CompressionConfig.from_kwargs(**kwargs)
+        if cfg.evicts:
+            try:
+                plan_layers(model, cfg)
+            except ValueError as err:
+                raise SystemExit(f"{label}: {err}") from None
+
+
 class Predictor:
     """The model of a run and its output folder: loads the model for the configs of ``args``.
 
@@ -161,6 +176,7 @@ class Predictor:
         self.quant = {label: quant_settings(kw) for label, kw in configs}
         self.shard = current()
         self.model, self.tokenizer, self.max_length = load_from_args(args, self.shard)
+        check_against_model(self.model, configs)
         self.name = model_name(args.model_path)
         self.out_dir = os.path.join(args.save_dir, self.name)
 

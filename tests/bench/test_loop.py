@@ -1,6 +1,8 @@
 """The shared prediction loop: store plans, record order, resume and batching (a stand-in decoder, no model)."""
 
 import json
+
+import pytest
 from argparse import Namespace
 
 from restkv.bench import loop
@@ -25,6 +27,7 @@ def test_one_file_for_every_config_resumes_with_the_missing_configs_only(tmp_pat
         return [([f"{len(p)}:{c['method']}" for p in prompts], None) for c in configs]
 
     monkeypatch.setattr(loop, "load_from_args", lambda args, shard: (None, None, 100))
+    monkeypatch.setattr(loop, "check_against_model", lambda model, configs: None)  # no model here
     monkeypatch.setattr(loop, "decode_configs", decode)
     args = Namespace(model_path="some/model", save_dir=str(tmp_path), batch_size=2, no_sweep=False)
     path = str(tmp_path / "model" / "results.jsonl")
@@ -47,3 +50,15 @@ def test_one_file_for_every_config_resumes_with_the_missing_configs_only(tmp_pat
     assert [(r["unit"], r["label"]) for r in records] == [(1, "full"), (2, "full"), (3, "full"),
                                                           (1, "snap"), (2, "snap"), (3, "snap")]
     assert [r["row"] for r in records] == [0, 1, 0, 0, 1, 0] and records[4]["text"] == "2:snapkv"
+
+
+def test_a_config_the_model_cannot_hold_ends_the_run_naming_its_label():
+    """LaCache's ladder (span 16) needs more evicted layers than the tiny model's 3: one line, before any prompt."""
+    from helpers import tiny_model
+
+    from restkv.bench.loop import check_against_model
+
+    model = tiny_model()
+    check_against_model(model, [("snapkv_64", dict(method="snapkv", max_capacity_prompt=64)), ("fullkv", dict(method="fullkv"))])
+    with pytest.raises(SystemExit, match=r"^lacache_64: span \(16\) must be smaller than the model's evicted layers \(3\)"):
+        check_against_model(model, [("lacache_64", dict(method="lacache", max_capacity_prompt=64))])
