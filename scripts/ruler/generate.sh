@@ -13,5 +13,5 @@ QA_ARGS=()
 [[ -n "${SQUAD:-}" ]] && QA_ARGS+=(--squad "$SQUAD")
 [[ -n "${HOTPOTQA:-}" ]] && QA_ARGS+=(--hotpotqa "$HOTPOTQA")
 
-python -m restkv.bench.ruler.generate --model_path "$MODEL" --lengths $LENGTHS --tasks $TASKS \
+"${PY:-python}" -m restkv.bench.ruler.generate --model_path "$MODEL" --lengths $LENGTHS --tasks $TASKS \
     --num_samples "$NUM_SAMPLES" --seed "$SEED" --out_dir "$DATA_DIR" "${QA_ARGS[@]}"

@@ -15,8 +15,8 @@ PY=${PY:-python}
 DATA_DIR=${DATA_DIR:-data/ruler/$MODEL}
 METHODS=${METHODS:-"fullkv restkv snapkv pyramidkv h2o streamingllm cam l2norm adakv headkv random tova lacache
   expected_attention keydiff criticalkv critical_adakv chunkkv defensivekv layer_defensivekv kvzip"}
-"$PY" -m restkv.bench.ruler.generate --model_path "$MODEL" --lengths "$LENGTH" --tasks $TASKS \
-  --num_samples "$NUM_SAMPLES" --out_dir "$DATA_DIR"
+MODEL="$MODEL" LENGTHS="$LENGTH" TASKS="$TASKS" NUM_SAMPLES="$NUM_SAMPLES" DATA_DIR="$DATA_DIR" PY="$PY" \
+  bash "$(dirname "$0")/../ruler/generate.sh"
 RUN_TASKS=()
 [[ "$TASKS" != synthetic && "$TASKS" != all ]] && RUN_TASKS=(--tasks $TASKS)
 for mode in question_aware query_agnostic; do
