@@ -213,9 +213,9 @@ def over_time(x: "torch.Tensor", obs, cfg) -> "torch.Tensor":
     """The observed query rows of x [b, H, r, N] reduced by ``temporal`` -> [b, H, N]; rows of padding
     queries (a query window longer than a sample) are left out by renormalising the weights of the real ones."""
     s = aggregate_rows(x, cfg.temporal, cfg.get("alpha"))
-    real = obs.key_valid[:, obs.keys.shape[2] - x.shape[-2] :]  # [b, r]
-    if bool(real.all()):
+    if x.shape[-2] == obs.window:  # the window (as the original): no renormalisation, no host sync
         return s
+    real = obs.key_valid[:, obs.keys.shape[2] - x.shape[-2] :]  # [b, r]
     return s / aggregate_rows(real.float()[:, None, :, None], cfg.temporal, cfg.get("alpha")).clamp_min(_EPS)
 
 
