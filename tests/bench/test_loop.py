@@ -1,9 +1,10 @@
-"""The shared prediction loop: store plans, record order, resume and batching (a stand-in decoder, no model)."""
+"""The shared prediction loop: store plans, record order, resume and batching (a stand-in decoder, no model),
+and the check of every config against the loaded model (a tiny one)."""
 
 import json
+from argparse import Namespace
 
 import pytest
-from argparse import Namespace
 
 from restkv.bench import loop
 

@@ -15,6 +15,17 @@ def test_the_readme_has_python_blocks():
     assert len(python_blocks()) >= 2
 
 
+def test_the_readme_documents_every_entry_point():
+    """Each public function a user calls (and the paper preset) stays in the README when sections are edited."""
+    import restkv
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    entry = [n for n in restkv.__all__ if n[0].islower() and n not in ("sweep_caches",) and not n.startswith("replace_")]
+    missing = [n for n in entry + ["replace_llama", 'preset="paper"', "gqa_agg", "decode_interval", "--query_agnostic"]
+               if n not in text]
+    assert not missing, f"README.md does not mention {missing}"
+
+
 @pytest.mark.slow
 def test_readme_python_blocks_run_verbatim(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
