@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean kvpress-venv
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -24,3 +24,9 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# kvpress (transformers < 5.3) in a venv of its own, for benchmarks/kvpress_compare.py; never a dependency
+kvpress-venv:
+	$(PY) -m venv .venv-kvpress
+	.venv-kvpress/bin/python -m pip install -q torch==2.13.0
+	.venv-kvpress/bin/python -m pip install -q kvpress

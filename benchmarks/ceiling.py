@@ -44,14 +44,15 @@ from pathlib import Path
 import torch
 
 import restkv
-from restkv.attach import attached, attention_modules, plan_layers
+from restkv.eviction.plans import attention_modules, plan_layers
+from restkv.integration.attachment import attached
 from restkv.bench.cli import add_common_args
 from restkv.bench.grid import method_configs, parse_knobs
 from restkv.bench.models import load_from_args
 from restkv.config import CompressionConfig
-from restkv.evict import layer_wo_factor
-from restkv.observe import Observation, weighted_values
-from restkv.select import head_scores
+from restkv.eviction.observation import layer_wo_factor
+from restkv.scoring.observe import Observation, weighted_values
+from restkv.eviction.select import head_scores
 
 import hindsight
 from fidelity import essay_samples, kl, teacher_forced

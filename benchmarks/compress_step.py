@@ -1,6 +1,6 @@
 """Cost of the eviction step, per method, on one Llama-3-8B-shaped attention layer.
 
-The step is ``restkv.select.select``: scoring, GQA reduction, top-B and the gather of the kept
+The step is ``restkv.eviction.select.select``: scoring, GQA reduction, top-B and the gather of the kept
 entries, from the prefill's queries, keys and values (random, no download). The W_O factor of
 ReST-KV is computed once per model and cached, so it is built before the clock starts (as are the
 prompt's RoPE cos/sin, which the model computes anyway; Expected Attention's future RoPE is timed).
@@ -67,7 +67,7 @@ def method_spec(knobs: dict) -> str:
     return knobs["method"] + (":" + rest if rest else "")
 
 
-def _status(field: str) -> int:
+def process_status(field: str) -> int:
     """A ``/proc/self/status`` field in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -90,11 +90,11 @@ def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = Non
         call()
         warm.append(time.process_time() - c0)
         if memory:
-            before = _status("VmRSS")
+            before = process_status("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             out = call()
-            peaks.append(_status("VmHWM") - before)
+            peaks.append(process_status("VmHWM") - before)
             del out
     if memory:
         return [{"peak": p} for p in peaks]
@@ -119,9 +119,9 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from restkv.config import CompressionConfig
-    from restkv.observe import Observation, wo_factor
-    from restkv.rope import Rope, rotary_function
-    from restkv.select import select
+    from restkv.scoring.observe import Observation, wo_factor
+    from restkv.scoring.rope import Rope, rotary_function
+    from restkv.eviction.select import select
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ import time
 import torch
 
 import restkv
-from restkv import deferred
+from restkv.eviction import deferred
 from restkv.bench.models import essays_dir, load_model
 from restkv.methods import kvzip
 

@@ -37,9 +37,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import restkv
 from restkv.cache import CompressedLayer
-from restkv.select import Kept
+from restkv.eviction.select import Kept
 
-from compress_step import _status  # same folder: the process-status reader
+from compress_step import process_status  # same folder: the process-status reader
 
 PRESETS = {  # head shapes are Llama-3-8B's in both: 32 query heads, 8 KV heads, head_dim 128, hidden 4096
     "small": dict(num_hidden_layers=2, intermediate_size=1024, vocab_size=1024),
@@ -83,7 +83,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.before = torch.cuda.memory_allocated()
         else:
-            self.before = _status("VmRSS")
+            self.before = process_status("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
         return self
@@ -93,7 +93,7 @@ class PeakMemory:
             torch.cuda.synchronize()
             self.extra = torch.cuda.max_memory_allocated() - self.before
         else:
-            self.extra = _status("VmHWM") - self.before
+            self.extra = process_status("VmHWM") - self.before
 
 
 def cache_bytes(cache) -> int:

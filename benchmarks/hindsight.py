@@ -1,6 +1,6 @@
 """Hindsight selections of one layer's kept set: the future queries' attention, kept sets as masks and as cache
-layers. The layer-output error they are judged by and the swap search are restkv's (``restkv.output_error``,
-``restkv.refine``), run here on the future queries instead of the window's.
+layers. The layer-output error they are judged by and the swap search are restkv's (``restkv.scoring.output_error``,
+``restkv.strategies.refine``), run here on the future queries instead of the window's.
 
 Shapes: ``b`` batch, ``Hq`` / ``Hkv`` query / KV heads (``g = Hq // Hkv``, the query heads of a KV head
 contiguous), ``r`` observed queries, ``N`` keys they see, ``P`` the evictable prefix (the first ``P``
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from restkv.cache import CompressedLayer
-from restkv.output_error import layer_output_error, layer_terms, output_change  # noqa: F401 (this module's API)
-from restkv.refine import swap_search, top_set  # noqa: F401
-from restkv.select import Kept, reduce_groups
+from restkv.scoring.output_error import layer_output_error, layer_terms, output_change  # noqa: F401 (this module's API)
+from restkv.strategies.refine import swap_search, top_set  # noqa: F401
+from restkv.eviction.select import Kept, reduce_groups
 
 
 def future_attention(attention: Tensor, hkv: int, prefix: int) -> Tensor:

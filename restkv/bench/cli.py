@@ -127,7 +127,8 @@ _PLURAL = {"window_size": "--window_sizes", "kernel_size": "--kernel_sizes"}
 
 
 def _group(name):
-    from restkv import budgets, config
+    from restkv import config
+    from restkv.strategies import budgets
 
     if name in {k.name for k in budgets.KNOBS}:
         return "budgets"

@@ -13,7 +13,7 @@ from .cli import check_common
 from .grid import announce, configs_meta, method_configs
 from .loop import Predictor, Task, per_label
 from .models import check_context
-from .prompts import has_chat_template, prompt_ids
+from ..data.prompts import has_chat_template, prompt_ids
 
 
 @dataclass

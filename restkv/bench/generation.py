@@ -5,7 +5,7 @@ import restkv
 
 from ..lazy import F, torch
 
-from .prompts import encode, left_pad
+from ..data.prompts import encode, left_pad
 
 
 def input_device(model):
@@ -17,7 +17,7 @@ def input_device(model):
 def generate_batch(model, tokenizer, prompts, max_new_tokens):
     """Greedy-decode a batch of prompts with the model's current eviction config.
 
-    ``prompts`` (texts or token ids) are left padded by :func:`restkv.bench.prompts.left_pad`.
+    ``prompts`` (texts or token ids) are left padded by :func:`restkv.data.prompts.left_pad`.
 
     Returns
     -------
@@ -82,8 +82,8 @@ def answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, que
     without its question, then the question is read on the compressed cache and answered greedily.
 
     Prompts whose questions have the same number of tokens go together (contexts left padded). With
-    ``sweep`` one context prefill builds every config's cache (``restkv.sweeps.prefill_caches``) and each
-    config answers on its own (``restkv.context.answer``); without it each config compresses the context
+    ``sweep`` one context prefill builds every config's cache (``restkv.integration.sweeps.prefill_caches``) and each
+    config answers on its own (``restkv.integration.context.answer``); without it each config compresses the context
     (``restkv.compress_context``) and ``generate`` answers. Both give the same result.
 
     Returns
@@ -97,8 +97,8 @@ def answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, que
 
 
 def _answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep):
-    from restkv.context import ContextCache, answer
-    from restkv.sweeps import prefill_caches
+    from restkv.integration.context import ContextCache, answer
+    from restkv.integration.sweeps import prefill_caches
 
     ids = [encode(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
     if any(not 1 <= s < len(x) for x, s in zip(ids, question_starts)):

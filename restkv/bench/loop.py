@@ -137,7 +137,7 @@ def check_against_model(model, configs):
     """Each config's layer plan on the loaded model (its layers, backend, sliding windows), before any prompt
     runs: a config the model cannot hold ends the run with one line naming its label (exit code 1)."""
     from restkv.config import CompressionConfig
-    from restkv.plans import plan_layers
+    from restkv.eviction.plans import plan_layers
 
     for label, kwargs in configs:
         cfg = CompressionConfig.from_kwargs(**kwargs)

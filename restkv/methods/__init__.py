@@ -3,7 +3,7 @@
 A method is a module of this folder with
 
 - ``KNOBS``: the knobs its score reads (``restkv.knobs.Knob``), with their defaults;
-- ``score(obs, cfg)``: ``restkv.observe.Observation`` -> float32 scores [b, Hq or Hkv, P] (or [b, 1, P],
+- ``score(obs, cfg)``: ``restkv.scoring.observe.Observation`` -> float32 scores [b, Hq or Hkv, P] (or [b, 1, P],
   shared by every head); ``cfg`` holds only the declared knobs (and the layer's budget is ``obs.budget``);
 - optionally ``uses_budget(cfg) -> bool`` (the score reads ``obs.budget``), ``check(values)`` (a
   cross-knob check that raises ``ValueError``) and ``check_layers(values, num_layers)`` (a check
@@ -13,7 +13,7 @@ A registry line may give other defaults, for the method's knobs or for the strat
 merging): PyramidKV is SnapKV's score with ``layer_budget="pyramid"``.
 
 A method whose scores come from forward passes of its own after the prefill (KVzip) also has
-``passes(context_ids, cfg)`` (see ``restkv.deferred``) and ``check_model(values, model)`` (run by
+``passes(context_ids, cfg)`` (see ``restkv.eviction.deferred``) and ``check_model(values, model)`` (run by
 ``configure`` before any work).
 """
 

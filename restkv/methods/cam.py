@@ -1,7 +1,7 @@
 """CaM: evict by window attention, then merge each evicted value into the entries that follow it.
 
 Paper: "CaM: Cache Merging for Memory-efficient LLMs Inference" (Zhang et al., ICML 2024),
-https://proceedings.mlr.press/v235/zhang24n.html. Registered with ``merge="cam"`` (``restkv.merge``).
+https://proceedings.mlr.press/v235/zhang24n.html. Registered with ``merge="cam"`` (``restkv.strategies.merge``).
 """
 
 from __future__ import annotations

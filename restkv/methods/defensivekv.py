@@ -25,16 +25,15 @@ tie with the entry that has it, and a full first stage leaves the choice to the 
 ``bias``, the means and the layer's largest score are per sample (the reference: over the batch), and a
 padded sample is pooled over its real entries only (each sample scores as it would alone); the attention
 is float32 throughout (the reference casts it to the model dtype); ``value_norm="l2"`` is an exact,
-cheaper alternative to the reference's L1 norm (see ``restkv.critical``).
+cheaper alternative to the reference's L1 norm (see ``restkv.strategies.critical``).
 """
 
 from __future__ import annotations
 
-from ..critical import VALUE_NORM
-from ..knobs import KERNEL_SIZE, Knob
+from ..knobs import KERNEL_SIZE, VALUE_NORM, Knob
 from ..lazy import torch
-from ..observe import group_view
-from ..smoothing import pool1d
+from ..scoring.observe import group_view
+from ..scoring.smoothing import pool1d
 
 _TINY = 1.1754943508222875e-38  # the smallest normal float32
 

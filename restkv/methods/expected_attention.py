@@ -25,11 +25,11 @@ one (the reference: the batch's); the observation window is always kept (the ref
 
 from __future__ import annotations
 
-from .. import observe
+from ..scoring import observe
 from ..knobs import GQA_AGG, Knob
 from ..lazy import torch
-from ..observe import NEG, group_view
-from ..rope import rotate_back
+from ..scoring.observe import NEG, group_view
+from ..scoring.rope import rotate_back
 
 KNOBS = (
     Knob("n_future_positions", 512, "future positions whose RoPE is averaged", check=lambda n: n >= 1, rule=">= 1"),

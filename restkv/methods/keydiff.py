@@ -12,9 +12,9 @@ kept (the reference keeps none).
 
 from __future__ import annotations
 
-from .. import observe
+from ..scoring import observe
 from ..lazy import F, torch
-from ..observe import weighted_values
+from ..scoring.observe import weighted_values
 
 KNOBS = ()
 

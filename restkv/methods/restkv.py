@@ -26,11 +26,11 @@ kernel 1 and a drift of exactly 0 the original's padding shifts the whole score 
 
 from __future__ import annotations
 
-from .. import observe
+from ..scoring import observe
 from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob, positive
 from ..lazy import torch
-from ..observe import group_view, weighted_values
-from ..smoothing import TEMPORAL, aggregate_rows, pool1d, shifted_box_filter
+from ..scoring.observe import group_view, weighted_values
+from ..scoring.smoothing import TEMPORAL, aggregate_rows, pool1d, shifted_box_filter
 from . import expected_attention as expected
 from . import random
 

@@ -10,7 +10,7 @@ added to the scores (CriticalKV's epsilon).
 from __future__ import annotations
 
 from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob
-from ..smoothing import pool1d
+from ..scoring.smoothing import pool1d
 
 KNOBS = (POOLING.but(default="avgpool"), KERNEL_SIZE, GQA_AGG,
          Knob("window_reduce", "sum", "the window queries' attention summed (SnapKV's code) or averaged (kvpress)",

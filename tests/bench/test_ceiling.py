@@ -17,9 +17,9 @@ import hindsight  # noqa: E402
 from fidelity import essay_samples, teacher_forced  # noqa: E402
 
 import restkv  # noqa: E402
-from restkv.attach import attention_modules  # noqa: E402
+from restkv.eviction.plans import attention_modules  # noqa: E402
 from restkv.config import CompressionConfig  # noqa: E402
-from restkv.select import head_scores  # noqa: E402
+from restkv.eviction.select import head_scores  # noqa: E402
 
 FUTURE = CompressionConfig.from_kwargs(method="restkv", pooling="none")
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import restkv
-from restkv.bench import head_scores, models
-from restkv.budgets import load_head_importance
-from restkv.bench.needle.data import Haystack, make_case
+from restkv.bench import models
+from restkv.integration import headkv as head_scores
+from restkv.strategies.budgets import load_head_importance
+from restkv.data.needles import Haystack, make_case
 
 
 def authors_rule(attention, span, answer_tokens):

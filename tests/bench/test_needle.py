@@ -14,7 +14,8 @@ import run_needle_in_haystack as cli
 from helpers import ROOT
 from restkv.bench import models
 from restkv.bench.models import essays_dir
-from restkv.bench.needle import data, metrics
+from restkv.bench.needle import metrics
+from restkv.data import needles as data
 from restkv.bench.needle.run import KEY_FIELDS
 
 METHODS = ("fullkv", "restkv", "snapkv", "h2o", "streamingllm", "pyramidkv", "cam", "l2norm")

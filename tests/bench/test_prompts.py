@@ -5,7 +5,8 @@ import argparse
 import pytest
 import torch
 
-from restkv.bench import generation, prompts
+from restkv.bench import generation
+from restkv.data import prompts
 
 
 def test_middle_truncate():

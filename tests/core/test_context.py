@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import restkv
-from restkv.context import ContextCache, answer
-from restkv.sweeps import prefill_caches
+from restkv.integration.context import ContextCache, answer
+from restkv.integration.sweeps import prefill_caches
 from helpers import prompt, tiny_model
 
 KNOBS = [dict(method="snapkv"), dict(method="adakv", floor=0.0), dict(method="restkv", gqa_agg="none"),

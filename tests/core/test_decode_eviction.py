@@ -11,7 +11,7 @@ import torch
 import restkv
 from restkv.cache import VarlenLayer
 from restkv.config import CompressionConfig, declared
-from restkv.evict import is_deferred
+from restkv.eviction.plans import is_deferred
 from restkv.methods import REGISTRY
 from helpers import generate, masked_reference_logits, prompt, small, tiny_model
 

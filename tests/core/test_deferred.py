@@ -1,4 +1,4 @@
-"""Selections finished after the prefill (``restkv.deferred``): the cross-layer budget and KVzip.
+"""Selections finished after the prefill (``restkv.eviction.deferred``): the cross-layer budget and KVzip.
 
 Each against a reference written from its definition (float64 loops over entries a plain forward of the
 model gives, no restkv code); decoding on the result equals the masked full cache; the passes leave
@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 import restkv
-from restkv.budgets import global_sizes
+from restkv.strategies.budgets import global_sizes
 from restkv.config import CompressionConfig
 from helpers import capture, generate, masked_reference_logits, prompt, small, tiny_model, tiny_tokenizer
 

@@ -11,7 +11,7 @@ import torch
 
 import restkv
 from restkv.config import CompressionConfig
-from restkv.observe import Observation
+from restkv.scoring.observe import Observation
 from helpers import capture, generate, masked_reference_logits, prompt, small, tiny_model
 from test_deferred import HKV, LAYERS, assert_global_top
 from test_methods_2026 import defensive_loops

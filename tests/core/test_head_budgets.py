@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import restkv
-from restkv.budgets import adakv_budgets, headkv_budgets, load_head_importance
+from restkv.strategies.budgets import adakv_budgets, headkv_budgets, load_head_importance
 from restkv.cache import VarlenLayer, held_bytes
-from restkv.varlen import varlen_attention
+from restkv.cache.packed import varlen_attention
 from helpers import generate, masked_reference_logits, prompt, tiny_model
 
 

@@ -7,10 +7,10 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 import restkv
-from restkv.budgets import layer_budgets
+from restkv.strategies.budgets import layer_budgets
 from restkv.cache import CompressedLayer
 from restkv.config import declared
-from restkv.attach import attention_modules
+from restkv.eviction.plans import attention_modules
 from helpers import FAMILIES, generate, masked_reference_logits, prompt, small, tiny_model
 
 BACKENDS = ["eager", "sdpa"]

@@ -9,9 +9,9 @@ import torch
 from helpers import rope_embed
 
 from restkv.config import CompressionConfig
-from restkv.observe import Observation, wo_factor
-from restkv.rope import Rope
-from restkv.select import raw_scores
+from restkv.scoring.observe import Observation, wo_factor
+from restkv.scoring.rope import Rope
+from restkv.eviction.select import raw_scores
 
 D = 8
 

@@ -12,11 +12,11 @@ from helpers import generate, masked_reference_logits, prompt, sweep_equals_sepa
 from test_methods_2026 import case
 
 import restkv
-from restkv import refine
+from restkv.strategies import refine
 from restkv.config import CompressionConfig
-from restkv.output_error import layer_output_error, layer_terms, output_change, single_errors, state_terms, swap_errors
-from restkv.refine import swap_search, top_set
-from restkv.select import select
+from restkv.scoring.output_error import layer_output_error, layer_terms, output_change, single_errors, state_terms, swap_errors
+from restkv.strategies.refine import swap_search, top_set
+from restkv.eviction.select import select
 
 
 def direct_error(attention, values, keep, w_o):

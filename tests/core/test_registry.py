@@ -16,13 +16,13 @@ import torch
 from helpers import FAMILIES, SMALL_MODEL, generate, masked_reference_logits, prompt, rope_embed, small, tiny_model
 
 import restkv
-from restkv.budgets import layer_budgets
+from restkv.strategies.budgets import layer_budgets
 from restkv.config import CompressionConfig, declared
-from restkv.evict import is_deferred
+from restkv.eviction.plans import is_deferred
 from restkv.methods import REGISTRY
-from restkv.observe import Observation, wo_factor
-from restkv.rope import Rope
-from restkv.select import raw_scores
+from restkv.scoring.observe import Observation, wo_factor
+from restkv.scoring.rope import Rope
+from restkv.eviction.select import raw_scores
 
 EVICTING = [m for m in restkv.METHODS if REGISTRY[m].evicts]
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from restkv.config import CompressionConfig
 from restkv.methods import restkv as rk
-from restkv.observe import Observation, wo_factor
-from restkv.select import select
+from restkv.scoring.observe import Observation, wo_factor
+from restkv.eviction.select import select
 
 
 def _obs(b=1, hq=4, hkv=2, n=40, d=8, window=6, budget=16, seed=0, layer=0):

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from restkv.budgets import pyramid_budgets
+from restkv.strategies.budgets import pyramid_budgets
 from restkv.config import CompressionConfig
-from restkv.merge import cam_values, pivot_merge
+from restkv.strategies.merge import cam_values, pivot_merge
 from restkv.methods import restkv as rk
-from restkv.observe import Observation, wo_factor
-from restkv.select import reduce_groups, select
-from restkv.smoothing import aggregate_rows, ema_weights
+from restkv.scoring.observe import Observation, wo_factor
+from restkv.eviction.select import reduce_groups, select
+from restkv.scoring.smoothing import aggregate_rows, ema_weights
 
 
 def rk_score(obs, cfg, R=None):
@@ -247,7 +247,7 @@ def test_scale_free_gqa_reductions_ignore_a_loud_head():
 
 @pytest.mark.parametrize("mode", ["after", "before"])
 def test_blockwise_values_give_the_same_scores(mode, monkeypatch):
-    import restkv.observe as observation
+    import restkv.scoring.observe as observation
 
     obs = _obs(b=2, n=50, window=6, dtype=torch.bfloat16)
     norm = dict(use_norm=True) if mode == "before" else {}

@@ -8,12 +8,13 @@ from helpers import generate, prompt, sweep_equals_separate_runs, tiny_model
 from test_methods_2026 import case
 
 import restkv
-from restkv import observe
-from restkv.attach import attached, plan_layers
-from restkv.budgets import adakv_budgets
-from restkv.chunks import chunk_order
+from restkv.scoring import observe
+from restkv.eviction.plans import plan_layers
+from restkv.integration.attachment import attached
+from restkv.strategies.budgets import adakv_budgets
+from restkv.strategies.chunks import chunk_order
 from restkv.config import CompressionConfig
-from restkv.select import head_scores, select
+from restkv.eviction.select import head_scores, select
 
 
 def kept_sets(obs, **knobs):

@@ -12,7 +12,7 @@ import torch
 
 import restkv
 from restkv.config import CompressionConfig
-from restkv.think import kept_channels, query_energy
+from restkv.strategies.think import kept_channels, query_energy
 from helpers import capture, generate, masked_reference_logits, prompt, small, tiny_model
 
 

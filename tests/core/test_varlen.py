@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from restkv.cache import VarlenLayer
-from restkv.select import Kept
-from restkv.varlen import SegmentIndex, masked_attention
+from restkv.eviction.select import Kept
+from restkv.cache.packed import SegmentIndex, masked_attention
 
 D, G = 8, 3
 

@@ -14,7 +14,7 @@ from ..loop import Predictor, Store, Task
 from ..models import check_context, essays_dir
 from ..ranges import SYNTAX, parse_range, shown
 from ..results import read_jsonl
-from .data import NEEDLES, PROMPT, Haystack, Needle, make_case
+from ...data.needles import NEEDLES, PROMPT, Haystack, Needle, make_case
 from .metrics import needle_kept, score
 
 KEY_FIELDS = ("needle", "label", "config_id", "length", "depth")

@@ -3,7 +3,7 @@
 import numpy as np
 
 from restkv.bench.ruler.sources import distinct_values, essay_words, random_value, split_sentences
-from restkv.bench.ruler.tasks import FAMILIES
+from restkv.bench.ruler.tasks import FAMILIES, singular
 
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -20,18 +20,11 @@ def maximum_size(haystack):
     return len(essay_words()) if haystack == "essay" else None
 
 
-def _singular(text):
-    """RULER's rewording of the question for a single answer."""
-    for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
-        text = text.replace(old, new)
-    return text
-
-
 def _templates(value_type, single):
     """Question template and answer prefix, in singular form for a single answer."""
     texts = [FAMILIES["niah"]["template"], FAMILIES["niah"]["answer_prefix"]]
     if single:
-        texts, value_type = [_singular(t) for t in texts], value_type[:-1]
+        texts, value_type = [singular(t) for t in texts], value_type[:-1]
     return [t.replace("{type_needle_v}", value_type) for t in texts]
 
 

@@ -12,7 +12,7 @@ from restkv.bench.cli import check_common
 from restkv.bench.grid import announce, configs_meta, method_configs
 from restkv.bench.loop import Predictor, Task, per_label
 from restkv.bench.models import check_context
-from restkv.bench.prompts import build_prompt, encode, middle_truncate, split_prompt
+from restkv.data.prompts import build_prompt, encode, middle_truncate, split_prompt
 from restkv.bench.ruler.data import find_tasks, load_task
 from restkv.bench.ruler.tasks import FAMILIES, family_of, question_offset
 

@@ -139,13 +139,18 @@ def question_offset(text, task):
     after = FAMILIES[family]["template"].split("{context}", 1)[1]
     variants = [after]
     if family == "niah":
-        from restkv.bench.ruler.niah import _singular
-
-        variants.append(_singular(after))
+        variants.append(singular(after))
     found = [_last_match(text, variant) for variant in variants]
     if max(found) < 0:
         raise ValueError(f"{task}: the prompt does not end with its task's question template")
     return max(found)
+
+
+def singular(text):
+    """RULER's rewording of the question for a single answer."""
+    for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
+        text = text.replace(old, new)
+    return text
 
 
 def _last_match(text, template):

@@ -1,0 +1,49 @@
+"""``Kept``: the entries a layer keeps, the contract between the selection and the cache layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class Kept:
+    """The entries a layer keeps."""
+
+    keys: Tensor  # [b, H, B, d]: H = Hkv (or Hq with gqa_agg="none"); B the longest head's when heads differ
+    values: Tensor  # [b, H, B, d]
+    positions: Tensor  # [b, H, B] position from the sample's first real token, -1 on padding
+    valid: Tensor  # [b, B] bool, False on kept padding (same for every head); [b, H, B] with per-head budgets
+    per_head: bool = False  # heads keep different numbers of entries
+    kv_heads: int | None = None  # the model's KV heads when H is the query heads (one kept set per query head)
+    index: Tensor | None = None  # [b, H, B] which of the observed entries each slot holds (None: not recorded)
+
+
+def stack_samples(parts: list[Kept]) -> Kept:
+    """The kept entries of several samples (one ``Kept`` each, of batch 1) as one batch, per head.
+
+    Shorter ones are padded at the end and marked invalid, so the result has per-head validity.
+    """
+    width = max(p.keys.shape[-2] for p in parts)
+    heads = parts[0].keys.shape[1]
+
+    def pad(t, fill):
+        return F.pad(t, (0, 0, 0, width - t.shape[-2]) if t.dim() == 4 else (0, width - t.shape[-1]), value=fill)
+
+    def per_head(p):
+        return p.valid if p.valid.dim() == 3 else p.valid[:, None].expand(-1, heads, -1)
+
+    return Kept(torch.cat([pad(p.keys, 0) for p in parts]), torch.cat([pad(p.values, 0) for p in parts]),
+                torch.cat([pad(p.positions, -1) for p in parts]), torch.cat([pad(per_head(p), False) for p in parts]),
+                per_head=True, kv_heads=parts[0].kv_heads)
+
+
+def appended_positions(kept: Tensor, n: int) -> Tensor:
+    """Positions [b, H, n] of n stored entries: the ``kept`` ones [b, H, K] (-1 on padding), then the entries
+    appended since, one position after another from the sample's newest kept entry."""
+    b, heads, k = kept.shape
+    after = kept.amax((1, 2), keepdim=True) + 1 + torch.arange(n - k, device=kept.device)
+    return torch.cat([kept, after.expand(b, heads, n - k)], -1)

@@ -1,0 +1,228 @@
+"""Exact attention over a variable-length, packed KV cache (one segment per sample and head).
+
+A ``VarlenLayer`` holds its entries in one buffer [N + S * room, d]: the N entries kept at the last
+eviction, packed segment by segment (no padding), then the entries appended since, one row per segment
+and step (every segment gains one entry per token), with room for ``room`` steps. A ``SegmentIndex``,
+built once per packed part (and again only when the room grows), holds the buffer row behind every slot
+of a padded [S, width + room] view and which slots are held, so a decoding step does no index arithmetic:
+it gathers the segments into the padded view (O(held) copying, what a dense cache's append costs) and
+attends with one call of the backend's fused kernel (sdpa) and that mask; with a logit softcap the
+attention is computed in float32 instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention
+from transformers.cache_utils import DynamicLayer
+
+from .kept import Kept, appended_positions
+
+
+class SegmentIndex:
+    """Where each segment's entries lie in a buffer [N + S * room, d]; built once per packed part.
+
+    Parameters
+    ----------
+    lengths : Tensor
+        [S] int64 lengths of the packed segments, summing to N.
+    room : int
+        Steps of appended entries (S rows each) the buffer holds after the packed part.
+
+    Attributes
+    ----------
+    packed, width : int
+        N, and the longest packed segment.
+    rows : Tensor
+        [S, width + room] the buffer row behind each slot of the padded view (0 on padding).
+    visible : Tensor
+        [S, 1, 1, width + room] bool, True on the slots a segment holds.
+    """
+
+    def __init__(self, lengths: Tensor, room: int = 0):
+        S, device = lengths.numel(), lengths.device
+        self.lengths, self.room = lengths, room
+        sizes = torch.stack([lengths.sum(), lengths.max()]).tolist() if S else [0, 0]  # one host read per index
+        self.packed, self.width = sizes
+        starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]
+        j = torch.arange(self.width, device=device)
+        inside = j < lengths[:, None]
+        appended = self.packed + torch.arange(room, device=device) * S + torch.arange(S, device=device)[:, None]
+        self.rows = torch.cat([(starts[:, None] + j).masked_fill_(~inside, 0), appended], 1)
+        self.visible = torch.cat([inside, inside.new_ones(S, room)], 1)[:, None, None]
+
+    def view(self, keys: Tensor, values: Tensor, steps: int, q: int):
+        """Keys and values [S, 1, width + steps, d] gathered from the buffers [>= N + S * steps, d], and
+        visible [S, 1, q or 1, width + steps]: ``steps`` appended steps, the last ``q`` the queries' own."""
+        S, n = self.lengths.numel(), self.width + steps
+        rows = self.rows[:, :n].reshape(-1)
+        visible = self.visible[..., :n]
+        if q > 1:  # appended slot width + t is seen by query i iff t <= steps - q + i
+            slot = torch.arange(n, device=rows.device) - self.width
+            visible = visible & (slot <= steps - q + torch.arange(q, device=rows.device)[:, None])
+        return (keys.index_select(0, rows).view(S, 1, n, -1), values.index_select(0, rows).view(S, 1, n, -1),
+                visible)
+
+    def entries(self, packed: Tensor) -> tuple[Tensor, Tensor]:
+        """The packed part [N, ...] per segment, padded: [S, width, ...], and [S, width] bool (held)."""
+        rows = self.rows[:, : self.width].reshape(-1)
+        padded = packed.index_select(0, rows).view(self.lengths.numel(), self.width, *packed.shape[1:])
+        return padded, self.visible[:, 0, 0, : self.width]
+
+
+def masked_attention(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scaling: float,
+                     softcap: float | None = None) -> Tensor:
+    """query [B, H, q, d] over keys/values [B, 1, L, d] where ``visible`` [B, H or 1, q or 1, L] -> [B, H, q, d].
+
+    The fused kernel (sdpa) in the input dtype; with ``softcap`` the logits are capped, in float32.
+    """
+    if not softcap:
+        return scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True)
+    logits = (query.float() @ keys.float().transpose(-1, -2)).mul_(scaling).div_(softcap).tanh_().mul_(softcap)
+    probs = logits.masked_fill_(~visible, float("-inf")).softmax(-1)
+    return (probs @ values.float()).to(query.dtype)
+
+
+def varlen_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, scaling: float) -> Tensor:
+    """The newest ``q`` entries of each packed segment attend causally to their segment.
+
+    Parameters
+    ----------
+    query : Tensor
+        [S, g, q, d]: the g query heads of each segment, for its last q entries.
+    keys, values : Tensor
+        [N, d] packed segments.
+    lengths : Tensor
+        [S] int64 segment lengths (each >= q), summing to N.
+
+    Returns
+    -------
+    [S, g, q, d] attention outputs in the query dtype; query i sees its segment up to entry
+    ``length - q + i``.
+    """
+    q = query.shape[2]
+    index = SegmentIndex(lengths)
+    k, v, visible = index.view(keys, values, 0, 1)
+    i = torch.arange(q, device=keys.device)[:, None]
+    visible = visible & (torch.arange(index.width, device=keys.device) <= (lengths - q)[:, None, None, None] + i)
+    return masked_attention(query, k, v, visible, scaling)
+
+
+class VarlenLayer(DynamicLayer):
+    """Per-head budgets: the kept entries of every (sample, head) packed back to back.
+
+    ``keys`` / ``values`` are buffers [N + S * room, d]: the N kept entries (N the sum of the per-head
+    lengths, padding dropped, so memory follows what each head keeps, not the longest head), then the
+    entries appended since, one row per segment and step, with room for more (none after prefill; when it
+    runs out, ``growth`` more steps: a 32nd of the packed segments' mean length or a quarter of the steps
+    appended, whichever is larger, so the buffers are copied O(log steps) times; or what ``reserve`` asked
+    for). The heads are the KV heads, or the query heads when each keeps its own set (``gqa_agg="none"``:
+    new entries are repeated for the query heads of their KV head). See ``restkv.cache.packed``. ``key_rows``:
+    the rows of the keys buffer before its appended part (N here; fewer when older keys live elsewhere,
+    ``restkv.cache.pruned``).
+    """
+
+    is_croppable = False
+
+    def __init__(self, kept: Kept, seen: int):
+        super().__init__()
+        b, heads, _, d = kept.keys.shape
+        valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand(b, heads, -1)
+        self.device = kept.keys.device
+        self.shape = (b, heads, d)
+        self.keys, self.values = kept.keys[valid], kept.values[valid]  # [N, d], segment order
+        self.packed_positions = kept.positions[valid]  # [N]
+        self.index = SegmentIndex(valid.sum(-1).flatten())
+        self.key_rows = self.index.packed
+        self.steps = self.capacity = 0  # appended steps, and how many this layer's buffers hold
+        self.token_bytes = b * (kept.kv_heads or heads) * d * 2 * kept.keys.element_size()  # one full-cache token
+        self.kv_heads = kept.kv_heads
+        self.is_initialized = True
+        self.seen = seen
+        self.positions = kept.positions
+
+    @property
+    def lengths(self) -> Tensor:
+        """[b * heads] entries held per segment."""
+        return self.index.lengths + self.steps
+
+    def __copy__(self) -> "VarlenLayer":
+        """A copy that shares what is held so far and never writes the buffers again (its first append
+        moves it to buffers of its own), so the original stays as it is."""
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        out.capacity = self.steps
+        return out
+
+    def reserve(self, steps: int) -> None:
+        """Make room for ``steps`` more appended steps (one copy of what is held, when it grows)."""
+        if self.steps + steps <= self.capacity:
+            return
+        room = max(self.steps + steps, self.index.room)
+        segments = self.index.lengths.numel()
+        grown = []
+        for x, head in ((self.keys, self.key_rows), (self.values, self.index.packed)):
+            grown.append(x.new_empty(head + segments * room, x.shape[-1]))
+            grown[-1][: head + segments * self.steps] = x[: head + segments * self.steps]
+        self.keys, self.values, self.capacity = grown[0], grown[1], room
+        if room > self.index.room:
+            self.index = SegmentIndex(self.index.lengths, room)
+
+    def growth(self, q: int) -> int:
+        """Steps of room added when ``q`` more do not fit."""
+        return max(q, self.index.packed // max(1, 32 * self.index.lengths.numel()), (self.steps + q) // 4)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        b, hkv, q, d = key_states.shape
+        segments = self.index.lengths.numel()
+        if self.steps + q > self.capacity:
+            self.reserve(self.growth(q))
+        for buf, new, head in ((self.keys, key_states, self.key_rows), (self.values, value_states, self.index.packed)):
+            start = head + segments * self.steps  # rows step by step, then segment
+            new = new[:, :, None].expand(b, hkv, segments // (b * hkv), q, d).reshape(segments, q, d)
+            buf[start : start + segments * q] = new.transpose(0, 1).reshape(segments * q, d)
+        self.steps += q
+        self.seen += q
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported with per-head budgets")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a compressed cache layer cannot be cropped")
+
+    def attend(self, query: Tensor, scaling: float, softcap: float | None = None) -> Tensor:
+        """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout)."""
+        b, hq, q, d = query.shape
+        keys, values, visible = self.index.view(self.attended_keys(), self.values, self.steps, q)
+        out = masked_attention(query.reshape(self.index.lengths.numel(), -1, q, d), keys, values, visible, scaling,
+                               softcap)
+        return out.reshape(b, hq, q, d).transpose(1, 2)
+
+    def attended_keys(self) -> Tensor:
+        """The keys buffer attention reads [>= N + S * steps, d]."""
+        return self.keys
+
+    def stored_entries(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every stored entry, each head padded after its packed part: keys, values [b, H, n, d], validity and
+        positions [b, H, n] (-1 where invalid)."""
+        b, heads, d = self.shape
+        S, T, N = self.index.lengths.numel(), self.steps, self.index.packed
+
+        def appended(x):  # [S, T, d]
+            return x[N : N + S * T].view(T, S, d).transpose(0, 1)
+
+        (keys, inside), (values, _) = (self.index.entries(x[:N]) for x in (self.keys, self.values))
+        kept, _ = self.index.entries(self.packed_positions)
+        keys, values = (torch.cat([x, appended(buf)], 1).view(b, heads, -1, d)
+                        for x, buf in ((keys, self.keys), (values, self.values)))
+        valid = torch.cat([inside, inside.new_ones(S, T)], 1).view(b, heads, -1)
+        kept = kept.masked_fill(~inside, -1).view(b, heads, -1)
+        return keys, values, valid, appended_positions(kept, kept.shape[-1] + T)

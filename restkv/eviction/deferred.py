@@ -1,0 +1,126 @@
+"""Selections that need every layer's prefill first: one top-k over all layers, passes after the prefill.
+
+A deferred plan (``LayerPlan.deferred``: ``layer_budget="global"``, or a method with ``passes`` such as
+KVzip) keeps each layer's full cache during the prefill; the layer leaves a ``LayerPrefill`` (its
+selection scores, or none when they come from passes; its queries released). Once the model's prefill
+forward has returned, ``finish``
+
+1. runs the method's passes, if it has any, and scores every such layer from them (one set of passes
+   per prompt, shared by every config with the same score knobs in sweep mode);
+2. shares the budget: one top-k over every layer's and head's scores (``budgets.global_sizes``), or
+   the per-layer strategies as at once;
+3. selects each layer's kept entries; the caller puts the cache layers in place.
+
+The attachment calls it from a forward hook on the decoder (``decoder_of``): in ``generate()`` that is
+before the first new token is chosen, and a plain ``model(...)`` returns the finished cache. Sweep mode
+calls it after its one prefill.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..strategies.budgets import global_sizes
+from .step import LayerPrefill
+from ..scoring.observe import Observation
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The module that runs the decoder layers (``model.model`` of a causal LM); the model itself if none."""
+    for m in model.modules():
+        layers = getattr(m, "layers", None)
+        if isinstance(layers, nn.ModuleList) and any(hasattr(x, "o_proj") for x in layers.modules()):
+            return m
+    return model
+
+
+@torch.no_grad()
+def finish(model, cache, prefills: list[LayerPrefill], input_ids, shared: dict | None = None) -> list:
+    """Finish one config's deferred layers of a prefill -> ``[(prefill, cache layer or None, positions)]``.
+
+    ``cache`` the prefill's (full) cache, ``input_ids`` [b, n] its prompt, ``shared`` the passes' scores of
+    the other configs finished on this prompt.
+    """
+    cfg = prefills[0].plan.cfg
+    if cfg.scorer.replays:
+        key = (cfg.scorer.scorer, cfg.score_knobs(), tuple(p.module.layer_idx for p in prefills))
+        shared = {} if shared is None else shared
+        if key not in shared:
+            shared[key] = replay_scores(model, cache, prefills, input_ids)
+        for p in prefills:
+            p.score(shared[key][p.module.layer_idx])
+    sizes = [None] * len(prefills)
+    if cfg.get("layer_budget") == "global":  # every evicted layer is deferred: len(prefills) layers share it
+        heads = prefills[0].key.shape[1]
+        parts = [global_sizes([p.scores[i] for p in prefills], len(prefills) * heads * (budget - cfg.window_size))
+                 for i, (_, _, budget) in enumerate(prefills[0].parts)]
+        sizes = [[part[layer] for part in parts] for layer in range(len(prefills))]
+    return [(p, *p.result(p.select(s))) for p, s in zip(prefills, sizes)]
+
+
+def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict:
+    """The method's scores of every prompt position from its passes: {layer_idx: [b, H, n] float32}.
+
+    Each sample (its real tokens only, batch 1 as the reference) runs every pass on a shallow copy of
+    the cache, so no pass's tokens stay in it: at each scored layer the pass's queries observe
+    [sinks | the pass's positions | the pass's own keys].
+    """
+    if input_ids is None:
+        raise ValueError(f"method {prefills[0].plan.cfg.method} reads the prompt's token ids: call the model "
+                         "with input_ids (not inputs_embeds)")
+    cfg = prefills[0].plan.cfg
+    knobs, decoder = cfg.score_knobs(), decoder_of(model)
+    lengths = prefills[0].key_valid.sum(-1).tolist()
+    b, n = input_ids.shape
+    out: dict = {}
+    for s, length in enumerate(lengths):
+        pad = n - length
+        sinks, passes = cfg.scorer.module.passes(input_ids[s, pad:], knobs, model)
+        base = [_sample_view(layer, s, length) for layer in cache.layers]
+        for start, stop, ids in passes:
+            def score(prefill, query, key):
+                context = key[:, :, :length]
+                keys = torch.cat([context[:, :, :sinks], context[:, :, start:stop], key[:, :, length:]], 2)
+                obs = Observation(queries=query, keys=keys, values=keys, window=query.shape[2], budget=keys.shape[2],
+                                  key_valid=torch.ones(1, keys.shape[2], dtype=torch.bool, device=keys.device),
+                                  scaling=prefill.scaling, softcap=prefill.softcap, layer=prefill.plan.rank,
+                                  num_layers=prefill.plan.num_evicted)
+                r = cfg.scorer.score(obs, knobs)
+                if prefill.module.layer_idx not in out:
+                    out[prefill.module.layer_idx] = r.new_zeros(b, r.shape[1], n)
+                row = out[prefill.module.layer_idx][s]
+                row[:, pad : pad + sinks], row[:, pad + start : pad + stop] = r[0, :, :sinks], r[0, :, sinks:]
+
+            view = copy.copy(cache)
+            view.layers = [copy.copy(layer) for layer in base]
+            position_ids = torch.arange(length, length + ids.shape[0], device=ids.device)[None]
+            with _scoring(prefills, score):
+                decoder(input_ids=ids[None], position_ids=position_ids, cache=view, use_cache=True)
+    return out
+
+
+def _sample_view(layer, sample: int, length: int):
+    """A shallow copy of a full (or sliding-window) cache layer holding sample ``sample``'s real tokens only."""
+    view = copy.copy(layer)
+    held = layer.keys.shape[2]
+    drop = held - min(held, length)  # left padding
+    view.keys, view.values = layer.keys[sample : sample + 1, :, drop:], layer.values[sample : sample + 1, :, drop:]
+    if hasattr(layer, "cumulative_length"):
+        view.cumulative_length = length
+    return view
+
+
+@contextmanager
+def _scoring(prefills, score):
+    """Each prefill's attention module calls ``score(prefill, query, key)`` after its attention, in the block."""
+    for p in prefills:
+        p.module._restkv.replay = lambda query, key, p=p: score(p, query, key)
+    try:
+        yield
+    finally:
+        for p in prefills:
+            p.module._restkv.replay = None

@@ -1,0 +1,54 @@
+"""What a layer's scorer sees (``Observation``), built from the layer's tensors, and the layer's W_O."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from accelerate.utils import align_module_device
+
+from ..scoring.observe import Observation, wo_factor
+from ..scoring.rope import Rope
+
+
+def observation(plan, module, queries, keys, values, key_valid, budget: int, kwargs, memo: dict,
+                rope: Rope | None = None, head_valid=None) -> Observation:
+    """What the layer's scorer sees: queries [b, Hq, Lq, d] of the last Lq positions, keys/values [b, H, L, d],
+    key_valid [b, L] (head_valid [b, H, L] when heads hold different entries), this layer's budget and RoPE."""
+    return Observation(
+        queries=queries, keys=keys, values=values, key_valid=key_valid, window=plan.cfg.window_size, budget=budget,
+        scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
+        wo_factor=lambda: layer_wo_factor(module, keys.device), wo_weight=lambda: layer_wo_weight(module, keys.device),
+        rope=rope, layer=plan.rank, num_layers=plan.num_evicted, memo=memo, head_valid=head_valid,
+    )
+
+
+_WO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # o_proj -> (weight tag, R)
+
+
+def _weights_on(module, device):
+    """A context in which ``module``'s weights are on ``device``: accelerate keeps an offloaded layer's
+    weights on the meta device between forwards."""
+    if module.weight.device.type != "meta":
+        return contextlib.nullcontext()
+    return align_module_device(module, execution_device=device)
+
+
+def layer_wo_factor(module, device) -> torch.Tensor:
+    """The W_O factor R [Hq, d, d] of an attention module (computed once per weight), on ``device``."""
+    o_proj = module.o_proj
+    w = o_proj.weight
+    tag = "offloaded" if w.device.type == "meta" else (w.data_ptr(), w._version, w.device, w.dtype)
+    cached = _WO.get(o_proj)
+    if cached is None or cached[0] != tag:
+        with torch.no_grad(), _weights_on(o_proj, device):
+            cached = (tag, wo_factor(o_proj.weight, module.config.num_attention_heads))
+        _WO[o_proj] = cached
+    return cached[1].to(device)
+
+
+def layer_wo_weight(module, device) -> torch.Tensor:
+    """The o_proj weight W_O [hidden, Hq d] of an attention module, on ``device``."""
+    with torch.no_grad(), _weights_on(module.o_proj, device):
+        return module.o_proj.weight.detach().to(device)

@@ -1,0 +1,117 @@
+"""Which layers a config evicts and how: ``plan_layers`` checks a config against a model (backend, layers,
+sliding windows, HeadKV table) before any work and gives each attention layer its ``LayerPlan``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..strategies.budgets import headkv_budgets, load_head_importance
+from ..config import CompressionConfig
+from ..strategies.think import pruned_channels
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one attention layer does at prefill under a config."""
+
+    cfg: CompressionConfig
+    rank: int  # index among the evicted layers; -1: not evicted (sliding-window)
+    num_evicted: int
+    table: torch.Tensor | None = None  # HeadKV: entries per KV head, window excluded [Hkv]
+    window: int | None = None  # the sliding window of an evicted sliding-window layer (None: full attention)
+
+    @property
+    def evicts(self) -> bool:
+        return self.rank >= 0
+
+    @property
+    def deferred(self) -> bool:
+        """The selection waits for every layer's prefill: a global layer budget, or passes after the prefill."""
+        return is_deferred(self.cfg)
+
+
+def is_deferred(cfg) -> bool:
+    """Whether ``cfg``'s selection waits for every layer's prefill (``restkv.eviction.deferred``)."""
+    return cfg.evicts and (cfg.get("layer_budget") == "global" or cfg.scorer.replays)
+
+
+SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a decoder, in layer order."""
+    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def _is_sliding(config, layer_idx: int) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer_idx] != "full_attention"
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def evicted_layers(config, layer_indices) -> dict:
+    """``{layer index: its sliding window or None}`` of the layers eviction applies to.
+
+    The full-attention layers; in a model whose every layer is sliding-window (Mistral v0.1's config,
+    transformers' default ``MistralConfig``) every layer, with its window W: eviction keeps entries among
+    those the first decoded token can still attend (the last W - 1, all of them for a shorter prompt), and
+    decoding never attends an entry more than W - 1 positions back, as the model's own mask. Models that
+    interleave both kinds (Gemma 2/3) keep their sliding-window layers whole.
+    """
+    full = [i for i in layer_indices if not _is_sliding(config, i)]
+    if full:
+        return dict.fromkeys(full)
+    window = getattr(config, "sliding_window", None)
+    return dict.fromkeys(layer_indices, window) if window else {}
+
+
+def plan_layers(model: nn.Module, cfg: CompressionConfig, head_importance: str | None = None) -> list[LayerPlan]:
+    """Each attention layer's plan under ``cfg``, checked against the model (backend, layers, HeadKV table).
+
+    ``head_importance``: the HeadKV table file to use when ``cfg`` names none.
+    """
+    config = model.config.get_text_config()
+    implementation = model.config._attn_implementation
+    if implementation not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"attn_implementation {implementation!r} is not supported; use one of {', '.join(SUPPORTED_BACKENDS)}"
+        )
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention module with layer_idx and o_proj")
+    windows = evicted_layers(config, [m.layer_idx for m in modules])
+    evicted = list(windows)
+    if cfg.evicts and not evicted:
+        raise ValueError("the model has no layer to evict from (no full-attention layer, no sliding window size)")
+    if cfg.evicts and cfg.get("gqa_agg") == "none" and any(windows.values()):
+        raise ValueError("gqa_agg='none' (one set per query head, the packed layout) cannot bound decoding by the "
+                         "sliding window of this model's layers; use another gqa_agg")
+    if cfg.evicts and cfg.get("decode_interval") and any(windows.values()):
+        raise ValueError("decode_interval: eviction while decoding is not supported on a model with sliding-window "
+                         "layers (it evicts among the window's entries at prefill); set decode_interval=0")
+    if cfg.evicts and any(windows.values()) and (is_deferred(cfg) or cfg.get("pruning_ratio") is not None):
+        knob = "pruning_ratio" if cfg.get("pruning_ratio") is not None else (
+            "layer_budget" if cfg.get("layer_budget") == "global" else "method")
+        raise ValueError(f"{knob}={cfg.get(knob)!r} is not supported on a model whose evicted layers are "
+                         "sliding-window (it evicts among the window's entries at prefill)")
+    if cfg.evicts:
+        cfg.scorer.check_layers(cfg, len(evicted))
+        cfg.scorer.check_model(cfg, model)
+    if cfg.get("pruning_ratio") is not None:
+        pruned_channels(cfg.pruning_ratio, modules[0].head_dim)
+    table = None
+    if cfg.get("head_budget") == "headkv":
+        path = cfg.head_importance or head_importance
+        if path is None:
+            raise ValueError("head_importance: HeadKV budgets need a head-importance file; "
+                             "restkv.configure computes the model's own (restkv.integration.headkv)")
+        importance = load_head_importance(path, len(modules), config.num_attention_heads, config.num_key_value_heads)
+        rows = [m.layer_idx for m in modules if m.layer_idx in evicted]  # the pool is the evicted layers' only
+        shared = headkv_budgets(importance[rows], cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
+        table = dict(zip(rows, shared))
+    return [LayerPlan(cfg, evicted.index(m.layer_idx) if m.layer_idx in evicted else -1, len(evicted),
+                      None if table is None else table.get(m.layer_idx), windows.get(m.layer_idx)) for m in modules]

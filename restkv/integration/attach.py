@@ -1,0 +1,83 @@
+"""The public calls that attach eviction to a model: ``configure`` (until the next ``configure``/``detach``),
+``compressing`` (for a ``with`` block, restoring what was there before), ``kept_positions``, and
+``replace_<family>()`` for code written for the original's per-family patches. The mechanism is
+``restkv.integration.attachment``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+from torch import nn
+
+from ..config import CompressionConfig
+from ..eviction.plans import attention_modules
+from .attachment import Attachment, attached, detach, install
+from .headkv import layer_plans
+
+__all__ = ["FAMILIES", "Attachment", "attached", "compressing", "configure", "detach", "install", "kept_positions",
+           "replace_gemma", "replace_gemma2", "replace_gemma3", "replace_llama", "replace_mistral", "replace_qwen2"]
+
+FAMILIES = {
+    "llama": "transformers.models.llama.modeling_llama",
+    "mistral": "transformers.models.mistral.modeling_mistral",
+    "qwen2": "transformers.models.qwen2.modeling_qwen2",
+    "gemma": "transformers.models.gemma.modeling_gemma",
+    "gemma2": "transformers.models.gemma2.modeling_gemma2",
+    "gemma3": "transformers.models.gemma3.modeling_gemma3",
+}
+
+
+def _replace(family: str):
+    def replace():
+        install(importlib.import_module(FAMILIES[family]))
+
+    replace.__name__ = f"replace_{family}"
+    replace.__doc__ = f"Enable KV eviction for {family} models on every backend (idempotent)."
+    return replace
+
+
+replace_llama = _replace("llama")
+replace_mistral = _replace("mistral")
+replace_qwen2 = _replace("qwen2")
+replace_gemma = _replace("gemma")
+replace_gemma2 = _replace("gemma2")
+replace_gemma3 = _replace("gemma3")
+
+
+def configure(model: nn.Module, **knobs) -> CompressionConfig:
+    """Set the eviction method and knobs of ``model`` (see ``CompressionConfig``) until the next call.
+
+    Every knob is validated before anything changes; the next prefill (a fresh ``generate()``) uses it.
+    """
+    cfg = CompressionConfig.from_kwargs(**knobs)
+    plans = layer_plans(model, cfg)
+    detach(model)
+    Attachment(model, plans).attach()
+    return cfg
+
+
+@contextlib.contextmanager
+def compressing(model: nn.Module, **knobs):
+    """``with restkv.compressing(model, method=..., ...) as cfg:`` eviction inside the block only.
+
+    On exit the model is as it was: the hooks and attributes are removed (or the configuration from an
+    earlier ``configure`` comes back).
+    """
+    cfg = CompressionConfig.from_kwargs(**knobs)
+    with attached(model, layer_plans(model, cfg)):
+        yield cfg
+
+
+def kept_positions(model: nn.Module) -> list[torch.Tensor | None]:
+    """Per layer, the prompt positions kept by the last prefill: LongTensor [batch, kv_heads, kept].
+
+    Positions count from each sample's first real token; -1 marks kept padding. None for layers
+    that are not evicted (sliding-window), before any prefill, or without eviction attached.
+    """
+    attachment = getattr(model, "_restkv", None)
+    if attachment is None:
+        return [None] * len(attention_modules(model))
+    return [state.kept for state in attachment.states]

@@ -1,0 +1,245 @@
+"""Attaching eviction to a model: the one integration path for every family and backend.
+
+transformers 5 dispatches attention through ``ALL_ATTENTION_FUNCTIONS`` (sdpa, flash-attention)
+or each family's module-level ``eager_attention_forward``. restkv wraps those functions once
+(``install``); the wrapper passes through for modules without an attachment. On an attached layer it
+
+- at prefill (an empty cache receiving the whole prompt): runs the backend on the full cache, then
+  hands the layer's tensors to the attachment's ``on_prefill`` (by default ``evict_layer``, whose
+  result replaces the layer's cache);
+- when decoding on a layer that holds kept entries: supplies their mask (or attends over the packed
+  per-head layout itself), and with ``decode_interval`` evicts again every that many new tokens.
+
+An attachment is one ``LayerState`` per attention module (``module._restkv``), the model's
+``model._restkv``, two hooks per module that hand the state the forward's cache and RoPE, and one on
+the decoder that finishes deferred selections once the prefill forward has returned (``restkv.eviction.deferred``:
+a cross-layer budget, passes after the prefill); ``detach`` removes all of it. ``restkv.integration.attach``
+builds the public calls on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, Fp8QuantizedLayer, QuantizedLayer,
+                                      StaticLayer)
+from transformers.modeling_utils import AttentionInterface
+
+from ..cache import KeptLayer, VarlenLayer
+from ..eviction.decode import decode_step
+from ..eviction.deferred import decoder_of, finish
+from ..eviction.step import evict_layer
+from ..eviction.plans import SUPPORTED_BACKENDS, LayerPlan, attention_modules
+from ..scoring.rope import Rope, capture, rotary_function, rotary_module
+
+# The cache layers a prefill is evicted from: the model's own dynamic layers.
+PREFILL_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def _attention_with_eviction(backend, implementation, module, query, key, value, attention_mask, **kwargs):
+    state: LayerState | None = getattr(module, "_restkv", None)
+    if state is not None and state.replay is not None:  # a pass after the prefill that a deferred selection reads
+        out = backend(module, query, key, value, attention_mask, **kwargs)
+        state.replay(query, key)
+        return out
+    if state is None or state.cache is None or not state.plan.evicts:
+        return backend(module, query, key, value, attention_mask, **kwargs)
+    layer = state.cache.layers[module.layer_idx]
+    if isinstance(layer, (VarlenLayer, KeptLayer)):
+        if isinstance(layer, VarlenLayer):
+            out = layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5, kwargs.get("softcap")), None
+        else:
+            mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1],
+                                        state.plan.window)
+            out = backend(module, query, key, value, mask, **kwargs)
+        if getattr(layer, "policy", None) is not None:  # eviction during decoding (``decode_interval``)
+            decode_step(state.cache, module, query, kwargs)
+        return out
+    out = backend(module, query, key, value, attention_mask, **kwargs)
+    if type(layer) in PREFILL_LAYERS and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
+        state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
+    return out
+
+
+def check_cache(state: "LayerState", cache, layer_idx: int) -> None:
+    """Before a layer's forward: raise if eviction cannot go into the ``cache`` the caller passed (a static,
+    quantized or offloaded cache), so that no full cache is used silently; a fresh cache clears the kept positions."""
+    if cache is None or not state.plan.evicts:
+        return
+    if cache.get_seq_length(layer_idx) == 0:
+        state.kept = None  # a new prefill
+    if not state.plan.cfg.evicts:
+        return
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ValueError(f"past_key_values: restkv evicts into the model's DynamicCache, not a {type(cache).__name__}: "
+                         "pass no cache or a DynamicCache")
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    kind = type(layer) if layer is not None else getattr(cache, "layer_class_to_replicate", None)
+    if getattr(cache, "offloading", False) or not (kind in PREFILL_LAYERS or isinstance(layer, (KeptLayer, VarlenLayer))):
+        raise ValueError(unsupported_cache(cache, kind))
+
+
+def unsupported_cache(cache, kind) -> str:
+    """Why eviction cannot go into ``cache`` (layers of type ``kind``), and what to do instead."""
+    offloaded = bool(getattr(cache, "offloading", False))
+    what = f"{type(cache).__name__} ({getattr(kind, '__name__', kind)} layers{', offloaded' if offloaded else ''})"
+    if offloaded:
+        fix = ("the kept entries are few: pass no cache (nor cache_implementation='offloaded'), or offload the "
+               "model's layers instead (--device_map)")
+    elif isinstance(kind, type) and issubclass(kind, (QuantizedLayer, Fp8QuantizedLayer)):
+        fix = ("eviction quantizes the kept entries itself: pass no cache and set quant_method "
+               "(configure(model, ..., quant_method='quanto' or 'hqq', nbits=...))")
+    elif isinstance(kind, type) and issubclass(kind, StaticLayer):
+        fix = ("a static cache holds a fixed number of entries; pass no cache (or a DynamicCache), "
+               "and do not set cache_implementation='static'")
+    else:
+        fix = "pass no cache or a DynamicCache"
+    return f"past_key_values: restkv evicts into the model's DynamicCache, not a {what}: {fix}"
+
+
+def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -> None:
+    """The default prefill step: evict, and put the kept entries in place of the layer's full cache
+    (a deferred plan leaves its layer in ``state.pending`` for the decoder's hook)."""
+    if state.pending and state.pending[-1][1] is not state.cache:  # left by a prefill that did not return
+        del state.pending[:]
+    deferred = []
+    layer, state.kept = evict_layer(state.plan, module, query, key, value, attention_mask, kwargs, rope=state.rope,
+                                    pending=deferred)
+    state.pending.extend((prefill, state.cache) for prefill in deferred)
+    if layer is not None:
+        state.cache.layers[module.layer_idx] = layer
+
+
+@dataclass
+class LayerState:
+    """An attached layer: its plan, what to do at prefill, the cache and RoPE of the forward in flight, what it kept."""
+
+    plan: LayerPlan
+    on_prefill: Callable = evict_into_cache
+    cache: object = None
+    kept: torch.Tensor | None = None  # [b, Hkv, kept] positions of the last prefill
+    embed: Callable | None = None  # positions -> (cos, sin) of the layer's RoPE (``restkv.scoring.rope.rotary_function``)
+    rope: Rope | None = None
+    pending: list | None = None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
+    replay: Callable | None = None  # ``replay(query, key)`` after the attention of a pass (``restkv.eviction.deferred``)
+
+
+def _wrap(backend, implementation):
+    if getattr(backend, "_restkv_wrapped", False):
+        return backend
+    wrapped = functools.partial(_attention_with_eviction, backend, implementation)
+    wrapped = functools.wraps(backend)(wrapped)
+    wrapped._restkv_wrapped = True
+    return wrapped
+
+
+def install(*modeling_modules) -> None:
+    """Route sdpa / flash-attention and the given families' eager attention through restkv.
+
+    Idempotent, and a pass-through for models without an attachment.
+    """
+    for name in SUPPORTED_BACKENDS[1:]:
+        backend = AttentionInterface._global_mapping.get(name)
+        if backend is not None:
+            AttentionInterface.register(name, _wrap(backend, name))
+    for mod in modeling_modules:
+        if hasattr(mod, "eager_attention_forward"):
+            mod.eager_attention_forward = _wrap(mod.eager_attention_forward, "eager")
+
+
+def _capture(module, args, kwargs):
+    state = module._restkv
+    state.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    state.rope = None if hidden is None else capture(state.embed, kwargs, hidden.shape[0])
+    check_cache(state, state.cache, module.layer_idx)
+
+
+def _release(module, args, kwargs, output):
+    module._restkv.cache = module._restkv.rope = None
+
+
+class Attachment:
+    """Eviction attached to a model: a ``LayerState`` per attention module and two hooks each.
+
+    Parameters
+    ----------
+    model : nn.Module
+    plans : list of LayerPlan
+        One per attention module (``plan_layers``).
+    on_prefill : callable, optional
+        ``on_prefill(state, module, query, key, value, attention_mask, kwargs)`` at each layer's prefill;
+        default ``evict_into_cache``. Sweep mode passes one that evaluates many configs.
+    """
+
+    def __init__(self, model: nn.Module, plans: list[LayerPlan], on_prefill: Callable | None = None):
+        self.model, self.modules = model, attention_modules(model)
+        self.cfg = plans[0].cfg
+        rotary = [rotary_module(model, m) for m in self.modules]
+        self.pending: list = []  # deferred layers of the prefill in flight, shared by the states
+        self.states = [LayerState(p, on_prefill or evict_into_cache, embed=None if r is None else rotary_function(r, m),
+                                  pending=self.pending) for p, m, r in zip(plans, self.modules, rotary)]
+        self._hooks: list = []
+
+    def attach(self) -> "Attachment":
+        if getattr(self.model, "_restkv", None) is not None:
+            raise RuntimeError("the model already has an attachment; detach it first")
+        install(*{sys.modules[type(m).__module__] for m in self.modules})
+        for m, state in zip(self.modules, self.states):
+            m._restkv = state
+            self._hooks += [m.register_forward_pre_hook(_capture, with_kwargs=True),
+                            m.register_forward_hook(_release, with_kwargs=True)]
+        self._hooks.append(decoder_of(self.model).register_forward_hook(self._finish, with_kwargs=True))
+        self.model._restkv = self
+        return self
+
+    def _finish(self, decoder, args, kwargs, output) -> None:
+        """After a forward of the decoder: finish the deferred layers of its prefill, if any."""
+        if not self.pending:
+            return
+        (_, cache), prefills = self.pending[0], [p for p, _ in self.pending]
+        del self.pending[:]  # the passes' own forwards find nothing to finish
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        for prefill, layer, positions in finish(self.model, cache, prefills, input_ids):
+            prefill.module._restkv.kept = positions
+            if layer is not None:
+                cache.layers[prefill.module.layer_idx] = layer
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for m in self.modules:
+            if getattr(m, "_restkv", None) is not None:
+                del m._restkv
+        if getattr(self.model, "_restkv", None) is self:
+            del self.model._restkv
+
+
+def detach(model: nn.Module) -> None:
+    """Remove eviction from ``model`` (its hooks and attributes); a no-op when none is attached."""
+    attachment = getattr(model, "_restkv", None)
+    if attachment is not None:
+        attachment.detach()
+
+
+@contextlib.contextmanager
+def attached(model: nn.Module, plans: list[LayerPlan], on_prefill: Callable | None = None):
+    """Attach ``plans`` for the block, then restore whatever was attached before (or nothing)."""
+    previous = getattr(model, "_restkv", None)
+    if previous is not None:
+        previous.detach()
+    attachment = Attachment(model, plans, on_prefill).attach()
+    try:
+        yield attachment
+    finally:
+        attachment.detach()
+        if previous is not None:
+            previous.attach()

@@ -1,0 +1,131 @@
+"""A context compressed once, many questions: ``compress_context``.
+
+The context is prefilled on the full cache and evicted without knowing the question (question-agnostic:
+the observation window is the context's last tokens); every question then reads the same compressed
+cache, its positions continuing from the full context length (as kvpress's pipeline does)::
+
+    cache = restkv.compress_context(model, context_ids, method="snapkv", max_capacity_prompt=256)
+    for question_ids in questions:  # [b, m] each
+        out = model.generate(torch.cat([context_ids, question_ids], 1), cache=cache, max_new_tokens=32)  # or past_key_values=cache
+
+Built from the public pieces: ``sweeps.prefill_caches`` (one prefill, ``evict.evict_layer`` per layer under
+an ``attach.attached`` attachment) and, for greedy answers without ``generate``, sweep mode's decoding loop.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import DynamicCache
+
+from .attach import configure
+from .attachment import attached
+from .generation import ABSENT, eos_and_pad, full_plans, greedy_decode
+from .sweeps import prefill_caches
+
+
+class ContextCache(DynamicCache):
+    """A compressed context that ``generate()`` reads without changing it.
+
+    ``generate()`` grows the cache it is given in place; this one keeps the compressed layers as returned
+    (``context_layers``) and decodes on shallow copies of them (``layers``), made afresh at the start of
+    every ``generate()`` (transformers marks a cache passed to it, and the mark rewinds this one) or by
+    ``rewind()``. No tensor is copied then: a layer's first new entry concatenates its tensors into new ones,
+    as transformers' dynamic layers do at every step, so the context's tensors are never written. The cost
+    per question: one copy of the compressed layer's bytes at its first decoding step (work decoding on
+    any dynamic cache does anyway) and a Python object per layer.
+
+    Attributes
+    ----------
+    context_layers : list
+        The compressed layers (evicted layers, and the full ones of layers that keep everything).
+    context_length : int
+        Tokens of the context (padding included): the position after it is where a question starts.
+    logits : Tensor
+        [b, vocab] the model's next-token logits after the context.
+    kept : list
+        Per layer, the kept context positions (as ``restkv.kept_positions``).
+    """
+
+    def __init__(self, cache: DynamicCache, logits: Tensor, kept: list):
+        self.__dict__.update(cache.__dict__)
+        self.context_layers = list(cache.layers)
+        self.context_length = cache.get_seq_length()
+        self.logits, self.kept = logits, kept
+        self.rewind()
+
+    def rewind(self) -> "ContextCache":
+        """Back to the compressed context: drop whatever was appended (and evicted) since."""
+        self.layers = [copy.copy(layer) for layer in self.context_layers]
+        return self
+
+    @property
+    def _is_user_defined(self) -> bool:  # read by generate(): this cache outlives it
+        return True
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value) -> None:  # set by every generate() that is given this cache
+        self.rewind()
+
+
+@torch.no_grad()
+def compress_context(model: nn.Module, context_ids: Tensor, attention_mask: Tensor | None = None,
+                     **knobs) -> ContextCache:
+    """Prefill ``context_ids`` on the full cache, evict as ``restkv.configure(model, **knobs)`` would, and
+    return the compressed cache for any number of questions.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A causal LM of a supported family and backend.
+    context_ids : Tensor
+        [b, n] the context, left padded when ``attention_mask`` [b, n] marks padding.
+    **knobs
+        As ``restkv.configure`` takes them (validated before any work); the observation window is the
+        context's last ``window_size`` tokens.
+
+    Returns
+    -------
+    ContextCache
+        ``model.generate(cat([context_ids, question_ids], 1), cache=cache, ...)`` (or ``past_key_values=``) answers
+        ``question_ids`` [b, m] (pass ``attention_mask=cat([attention_mask, ones])`` with a padded context)
+        and leaves the cache as returned. If the model has no eviction attached, a full-cache one
+        (``method="fullkv"``) is attached so its attention reads the compressed layers; a configuration
+        set earlier stays (it does not touch a cache that is already compressed).
+    """
+    if context_ids.dim() != 2 or context_ids.shape[1] < 1:
+        raise ValueError(f"context_ids must be [batch, n] with n >= 1, got shape {tuple(context_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != context_ids.shape:
+        raise ValueError(f"attention_mask must match context_ids {tuple(context_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    pre = prefill_caches(model, context_ids, attention_mask, [knobs])
+    if getattr(model, "_restkv", None) is None:
+        configure(model, method="fullkv")
+    return ContextCache(pre.caches[0], pre.logits, pre.kept[0])
+
+
+@torch.no_grad()
+def answer(model: nn.Module, cache: ContextCache, question_ids: Tensor, attention_mask: Tensor | None,
+           max_new_tokens: int, eos_token_id=ABSENT, pad_token_id: int | None = None) -> Tensor:
+    """Greedy answer to ``question_ids`` [b, m] on a compressed context (rewound first).
+
+    ``attention_mask`` [b, n] is the context's (None: no padding). Returns the generated ids
+    [b, <= max_new_tokens], as ``model.generate(cat([context, question], 1), past_key_values=cache,
+    do_sample=False, ...)`` gives them (``pad_token_id`` after EOS).
+    """
+    if question_ids.shape[1] < 1:
+        raise ValueError("question_ids must hold at least one token")
+    eos, pad = eos_and_pad(model, eos_token_id, pad_token_id, question_ids.device)
+    b, m = question_ids.shape
+    context = attention_mask if attention_mask is not None else question_ids.new_ones(b, cache.context_length)
+    mask = torch.cat([context, context.new_ones(b, m)], -1)
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -m:]
+    model_mask = None if bool((mask == 1).all()) else mask
+    cache.rewind()
+    with attached(model, full_plans(model)):  # decoding reads each cache's own layers
+        out = model(input_ids=question_ids, attention_mask=model_mask, position_ids=position_ids, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        first = out.logits[:, -1].float().argmax(-1).to(question_ids.device)
+        return greedy_decode(model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad)[0]

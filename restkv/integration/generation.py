@@ -1,0 +1,69 @@
+"""Greedy decoding over a given cache, as ``generate(do_sample=False)`` does it (sweep mode and compressed
+contexts decode with it), and the plans that evict nothing that such decoding reads through."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import CompressionConfig
+from ..eviction.plans import plan_layers
+
+
+ABSENT = object()  # an argument not given (None means something)
+
+
+def greedy_decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tensor | None, steps: int,
+            eos: Tensor | None, pad: int, compact: bool = False) -> tuple[Tensor, Tensor]:
+    """Greedy decoding as ``generate(do_sample=False)`` does it, from the token chosen at prefill.
+
+    With ``compact``, rows that reached EOS leave the batch (and the cache) once they are half of it.
+    Returns the tokens [b, <= steps] and, per row, the number of tokens up to its EOS (``steps`` if none).
+    """
+    b, device = first.shape[0], first.device
+    tok, pos = first, position_ids[:, -1:]
+    out = torch.full((b, steps), pad, dtype=first.dtype, device=device)
+    rows = torch.arange(b, device=device)  # original row of each row still in the batch
+    unfinished = torch.ones(b, dtype=torch.bool, device=device)
+    length = torch.full((b,), steps, dtype=torch.long, device=device)
+    for step in range(steps):
+        if step:
+            pos = pos + 1
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
+            logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache,
+                           use_cache=True, logits_to_keep=1).logits
+            tok = logits[:, -1].float().argmax(-1).to(device)
+        if eos is not None:
+            tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
+            stops = unfinished & torch.isin(tok, eos)
+            length[rows[stops]] = step + 1
+            unfinished &= ~stops
+        out[rows, step] = tok
+        if eos is None:
+            continue
+        if not bool(unfinished.any()):
+            return out[:, : step + 1], length
+        if compact and 2 * int(unfinished.sum()) <= unfinished.numel():
+            keep = unfinished.nonzero().squeeze(1)
+            for layer in cache.layers:
+                layer.reorder_cache(keep)
+            tok, pos, rows, unfinished = tok[keep], pos[keep], rows[keep], unfinished[keep]
+            mask = None if mask is None else mask[keep]
+    return out, length
+
+
+def eos_and_pad(model, eos_token_id, pad_token_id, device):
+    """The EOS ids [k] (None: never stop) and the pad id of a greedy decode, by default the generation config's."""
+    gen = getattr(model, "generation_config", None)
+    eos = eos_token_id if eos_token_id is not ABSENT else getattr(gen, "eos_token_id", None)
+    if eos is None:
+        return None, 0
+    eos = torch.as_tensor([eos] if isinstance(eos, int) else list(eos), device=device)
+    pad = pad_token_id if pad_token_id is not None else getattr(gen, "pad_token_id", None)
+    return eos, int(eos[0]) if pad is None else pad
+
+
+def full_plans(model):
+    """Plans that evict nothing: decoding reads each cache's own layers through them."""
+    return plan_layers(model, CompressionConfig(method="fullkv"))

@@ -1,0 +1,128 @@
+"""The layer attention-output error of a kept set, and its exact change under single changes and swaps.
+
+The error is ReST-KV's objective (ICLR 2026, Def. 3.1; https://github.com/an-yongqi/rest-kv): for a query,
+``|| sum_h W_O^h (o_h - o_h^S) ||`` with ``o_h`` head h's attention output over every key, ``o_h^S`` its
+output over the kept keys (the attention renormalised over them) and ``W_O^h`` the head's column block of
+``o_proj`` [D, d]: the change of the layer's output that evicting the rest causes.
+
+Shapes: ``b`` batch, ``Hq`` query heads, ``H`` the heads that keep a set (``g = Hq // H`` query heads each,
+contiguous), ``r`` observed queries, ``N`` keys they see, ``P`` the evictable prefix (keys from ``P`` on
+are always kept), ``d`` head dim, ``D`` hidden size. A kept set is a bool mask ``keep`` [b, H, P].
+"""
+
+from __future__ import annotations
+
+from ..lazy import F, torch
+from .observe import group_view, weighted_values
+
+
+def kept_keys(keep: "torch.Tensor", n_keys: int, hq: int) -> "torch.Tensor":
+    """Prefix mask [b, H, P] -> mask of every key [b, Hq, 1, N] (keys from P on kept)."""
+    full = F.pad(keep, (0, n_keys - keep.shape[-1]), value=True)
+    return full.repeat_interleave(hq // keep.shape[1], 1)[:, :, None]
+
+
+def output_change(attention, values, keep, o_proj_weight):
+    """The layer-output change of a kept set and the kept outputs.
+
+    Parameters
+    ----------
+    attention : [b, Hq, r, N] softmax attention of the queries over every key they see (rows sum to 1)
+    values : [b, H, N, d]
+    keep : [b, H, P] bool
+    o_proj_weight : [D, Hq * d]
+
+    Returns
+    -------
+    (delta [b, r, D] = sum_h W_O^h (o_h - o_h^S), kept outputs o^S [b, Hq, r, d], kept mass z [b, Hq, r]), float32.
+    """
+    b, hq, r, n = attention.shape
+    kept = attention * kept_keys(keep, n, hq)
+    z = kept.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    o_kept = weighted_values(kept / z, values)
+    diff = weighted_values(attention - kept / z, values)  # o - o^S in one pass (no difference of two outputs)
+    delta = diff.transpose(1, 2).reshape(b, r, -1) @ o_proj_weight.float().T
+    return delta, o_kept, z[..., 0]
+
+
+def layer_output_error(attention, values, keep, o_proj_weight) -> "torch.Tensor":
+    """``|| sum_h W_O^h (o_h - o_h^S) ||`` per query -> [b, r] float32 (arguments as ``output_change``)."""
+    return output_change(attention, values, keep, o_proj_weight)[0].norm(dim=-1)
+
+
+def layer_terms(values, o_proj_weight, prefix: int) -> tuple:
+    """What the swap errors of a layer read that no swap changes: W_O^h by group [H, g, D, d],
+    ``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d], the prefix values v [b, H, P, d] and ``v_n^T M_ac v_n``
+    [g, g, b, H, P] (a, c: query heads of one group). Cost O(b H g^2 P d^2)."""
+    hkv, d = values.shape[1], values.shape[-1]
+    g = o_proj_weight.shape[1] // d // hkv
+    W = o_proj_weight.float().view(-1, hkv, g, d).permute(1, 2, 0, 3)
+    M = torch.einsum("kaex,kcey->kacxy", W, W)
+    v = values[:, :, :prefix].float()
+    return W, M, v, torch.einsum("bknx,kacxy,bkny->acbkn", v, M, v)
+
+
+def state_terms(attention, layer: tuple, delta, o_kept, z) -> tuple:
+    """Per prefix entry n of the current set (``output_change``'s delta, o^S = u, z), over the group's heads:
+    attention a [g, b, H, r, P], ``c = <delta, W_O^a (v_n - u_a)>`` [g, b, H, r, P], ``u_a^T M_ac v_n``
+    [g, g, b, H, r, P], ``u_a^T M_ac u_c`` [g, g, b, H, r, 1] and z [g, b, H, r, 1]. Cost O(b H g^2 r P d)."""
+    W, M, v, _ = layer
+    hkv, prefix = v.shape[1], v.shape[2]
+    a = group_view(attention[..., :prefix], hkv).movedim(2, 0)
+    u = group_view(o_kept, hkv).movedim(2, 0)  # [g, b, H, r, d]
+    t = torch.einsum("bqe,kaex->abkqx", delta, W)  # W_O^a^T delta
+    c = torch.einsum("abkqx,bknx->abkqn", t, v) - (t * u).sum(-1, keepdim=True)
+    uM = torch.einsum("abkqx,kacxy->acbkqy", u, M)  # (u_a^T M_ac) [g, g, b, H, r, d]
+    uMv = torch.einsum("acbkqy,bkny->acbkqn", uM, v)
+    uMu = torch.einsum("acbkqy,cbkqy->acbkq", uM, u)[..., None]
+    return a, c, uMv, uMu, group_view(z, hkv).movedim(2, 0)[..., None]
+
+
+def _take(x, idx, rows: bool = True):
+    """x [..., b, H, r, P] (without r: ``rows=False``) at the entries idx [b, H, n] -> [..., b, H, (r,) n]."""
+    return x.gather(-1, (idx[:, :, None] if rows else idx).expand(*x.shape[:-1], idx.shape[-1]))
+
+
+def _quadratic(delta, pairs):
+    """||delta||^2 [b, r] + pairs [b, H, r, ...] -> mean error over the queries [b, H, ...]."""
+    sq = delta.pow(2).sum(-1).view(delta.shape[0], 1, delta.shape[1], *[1] * (pairs.dim() - 3)) + pairs
+    return sq.clamp_min(0).sqrt().mean(2)
+
+
+def single_errors(terms: tuple, layer: tuple, delta, keep) -> "torch.Tensor":
+    """Mean error over the queries after one entry alone changes side, exactly: [b, H, P] float32.
+
+    A kept entry n is evicted (``o_h - o_h^S' = (o_h - u_h) + x_h (v_n - u_h)``, ``x_h = a_hn / (z_h - a_hn)``),
+    an evicted one kept (``- y_h (v_n - u_h)``, ``y_h = a_hn / (z_h + a_hn)``).
+    """
+    a, c, uMv, uMu, z = terms
+    side = torch.where(keep, 1.0, -1.0)[:, :, None]  # [b, H, 1, P]
+    coef = side * a / (z - side * a)
+    K = layer[3][..., None, :] - uMv.transpose(0, 1) - uMv + uMu  # (v_n - u_a)^T M_ac (v_n - u_c)
+    return _quadratic(delta, 2 * (coef * c).sum(0) + (coef[:, None] * coef * K).sum((0, 1)))
+
+
+def swap_errors(terms: tuple, layer: tuple, delta, removals, additions) -> "torch.Tensor":
+    """Mean error over the queries after each single swap, exactly: [b, H, R, A] float32.
+
+    Swap (i, j) in head k evicts the kept entry ``removals[..., i]`` and keeps ``additions[..., j]``
+    instead (every other head unchanged). With ``a_h`` the attention of query head h and ``u_h = o_h^S``,
+    ``o_h - o_h^S' = (o_h - u_h) + x_h (v_i - u_h) - y_h (v_j - u_h)``, ``x_h = a_hi / z'_h``,
+    ``y_h = a_hj / z'_h``, ``z'_h = z_h - a_hi + a_hj``, so the new change is ``delta + sum_h W_O^h (...)``
+    and its squared norm a quadratic form in (x, y) over ``M_ac`` (``layer_terms``, ``state_terms``): no
+    [R, A, D] tensor is formed. Cost O(b H g^2 r R A + b H g^2 R A d).
+    """
+    a, c, uMv, uMu, z = terms
+    _, M, v, vMv = layer
+    d = v.shape[-1]
+    a_i, a_j, c_i, c_j, uMv_i, uMv_j = (_take(x, idx) for x in (a, c, uMv) for idx in (removals, additions))
+    K_i = _take(vMv, removals, rows=False)[..., None, :] - uMv_i.transpose(0, 1) - uMv_i + uMu
+    K_j = _take(vMv, additions, rows=False)[..., None, :] - uMv_j.transpose(0, 1) - uMv_j + uMu
+    v_i, v_j = (v.gather(2, idx[..., None].expand(-1, -1, -1, d)) for idx in (removals, additions))
+    K_ij = (torch.einsum("bkix,kacxy,bkjy->acbkij", v_i, M, v_j)[..., None, :, :]
+            - uMv_i.transpose(0, 1)[..., None] - uMv_j[..., None, :] + uMu[..., None])  # [g, g, b, H, r, R, A]
+    z_new = z[..., None] - a_i[..., None] + a_j[..., None, :]
+    x, y = a_i[..., None] / z_new, a_j[..., None, :] / z_new  # [g, b, H, r, R, A]
+    linear = (x * c_i[..., None] - y * c_j[..., None, :]).sum(0)
+    quad = (x[:, None] * x * K_i[..., None] + y[:, None] * y * K_j[..., None, :] - 2 * x[:, None] * y * K_ij).sum((0, 1))
+    return _quadratic(delta, 2 * linear + quad)

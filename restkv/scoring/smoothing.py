@@ -1,0 +1,66 @@
+"""Smoothing over time (the window's query rows) and over space (neighbouring key positions)."""
+
+from __future__ import annotations
+
+from ..lazy import F, torch
+
+
+def ema_weights(n: int, alpha: float, device=None) -> "torch.Tensor":
+    """Weights of an EMA over ``n`` rows as one sum: ``c_0 = x_0``, ``c_i = alpha x_i + (1 - alpha) c_{i-1}``.
+
+    Returns [n] float32 that sums to 1; the last row (the newest query) weighs ``alpha``.
+    """
+    i = torch.arange(n, device=device, dtype=torch.float32)
+    w = alpha * (1.0 - alpha) ** (n - 1 - i)
+    w[0] = (1.0 - alpha) ** (n - 1)
+    return w
+
+
+TEMPORAL = ("last", "mean", "ema", "inv-ema", "max")
+
+
+def aggregate_rows(x: "torch.Tensor", temporal: str, alpha: float | None = None) -> "torch.Tensor":
+    """Reduce the query-row axis (-2) of ``x`` [..., w, P] (oldest query first) -> [..., P].
+
+    ``last``: the newest query only; ``mean``; ``ema``: the recursion from the oldest query, the newest
+    weighing ``alpha``; ``inv-ema``: the same over the rows in reverse order (the oldest weighs ``alpha``);
+    ``max``: the largest over the rows (the worst case, DefensiveKV's aggregation).
+    """
+    if temporal == "last":
+        return x[..., -1, :]
+    if temporal == "mean":
+        return x.mean(-2)
+    if temporal == "max":
+        return x.amax(-2)
+    weights = ema_weights(x.shape[-2], alpha, x.device)
+    return torch.matmul(weights if temporal == "ema" else weights.flip(0), x)
+
+
+def pool1d(scores: "torch.Tensor", mode: str, kernel_size: int) -> "torch.Tensor":
+    """Stride-1 pooling along the last axis with ``kernel_size // 2`` padding (SnapKV's smoothing)."""
+    if mode == "none" or kernel_size == 1:
+        return scores
+    shape = scores.shape
+    x = scores.reshape(-1, 1, shape[-1])
+    if mode == "avgpool":
+        x = F.avg_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
+    elif mode == "maxpool":
+        x = F.max_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
+    else:
+        raise ValueError(f"pooling {mode!r} is not a fixed-window pooling")
+    return x.view(shape)
+
+
+def shifted_box_filter(x: "torch.Tensor", left: "torch.Tensor", right: "torch.Tensor", max_pad: int) -> "torch.Tensor":
+    """Per-row average of ``x[j - left : j + right + 1]`` with replicate padding at the edges.
+
+    ``x`` [R, P] float32, ``left`` / ``right`` [R] non-negative ints (each <= ``max_pad``).
+    One grouped convolution for all rows; no host synchronisation.
+    """
+    rows, n = x.shape
+    padded = F.pad(x[:, None], (max_pad, max_pad), mode="replicate")  # [R, 1, P + 2 max_pad]
+    taps = torch.arange(2 * max_pad + 1, device=x.device) - max_pad  # offsets -max_pad..max_pad
+    inside = (taps >= -left[:, None]) & (taps <= right[:, None])  # [R, K]
+    kernel = inside.float() / (left + right + 1).float()[:, None]
+    out = F.conv1d(padded.view(1, rows, -1), kernel[:, None, :], groups=rows)
+    return out.view(rows, n)

@@ -1,0 +1,211 @@
+"""How many entries each layer and each KV head keeps.
+
+Layers (``layer_budget``): uniform, the PyramidKV schedule (same total; ``use_pyramid=True`` is its
+other name) or global. KV heads of a layer (``head_budget``): uniform, AdaKV (shared by one top-k over
+all heads' scores) or HeadKV (from a head-importance table). All combine with any scorer.
+
+``global`` shares ``num_layers * Hkv * (B - window)`` prefix entries among every evicted layer and KV
+head by one top-k over all their scores (``global_sizes``); each (layer, head) keeps its share plus the
+window, which is always kept and never competes, so no layer gets fewer than 0: a layer or head whose
+scores lose everywhere keeps its window only. Inside a layer the heads split their entries as that top-k
+says (AdaKV's split without a floor, ``head_budget`` is not read), in the packed per-head layout. The
+selection waits for every layer's prefill (``restkv.eviction.deferred``); the full cache is held until then.
+This is Layer-DefensiveKV's allocation and KVzip's non-layerwise one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from ..knobs import Knob
+from ..lazy import torch
+
+HEAD_BUDGETS = ("uniform", "adakv", "headkv")
+PER_HEAD = HEAD_BUDGETS[1:]
+LAYER_BUDGETS = ("uniform", "pyramid", "global")
+PER_LAYER = LAYER_BUDGETS[:2]  # the layer's budget is known before the other layers' prefill
+
+KNOBS = (
+    Knob("layer_budget", "uniform", "how the budget is shared by the layers: uniform, pyramid (PyramidKV: lower "
+         "layers get more, same total) or global (one top-k over every layer's and head's scores)",
+         choices=LAYER_BUDGETS),
+    Knob("beta", 20.0, "PyramidKV: the largest layer budget is about 2 * beta times the smallest",
+         check=lambda b: b >= 1, rule=">= 1", when={"layer_budget": ("pyramid",)}),
+    Knob("head_budget", "uniform", "how a layer's budget is shared by its KV heads: uniform, adakv (one top-k "
+         "over all heads' scores) or headkv (a head-importance table)", choices=HEAD_BUDGETS,
+         when={"layer_budget": PER_LAYER}),
+    Knob("floor", 0.2, "AdaKV: each head keeps at least this share of the per-head budget",
+         check=lambda f: 0.0 <= f <= 1.0, rule="in [0, 1]", when={"head_budget": ("adakv",)}),
+    Knob("normalize", False, "AdaKV: weight each head's scores by the share of its mass inside its top-B",
+         when={"head_budget": ("adakv",)}),
+    Knob("head_importance", None, "HeadKV: JSON file of per-layer, per-head importance scores (default: HeadKV's "
+         "retrieval-reasoning scores of the model, computed once on needle prompts and cached)",
+         when={"head_budget": ("headkv",)}),
+    Knob("headkv_beta", 1.2, "HeadKV: each head keeps B - B // headkv_beta, the rest is shared by importance",
+         check=lambda b: b > 1.0, rule="> 1", when={"head_budget": ("headkv",)}),
+    Knob("varlen", True, "per-head budgets: pack each head's entries (memory = the sum of head lengths); false: "
+         "pad to the longest head and mask", when={"head_budget": PER_HEAD}),
+)
+ALIASES = {"use_pyramid": ("layer_budget", {True: "pyramid", False: "uniform"})}  # the original's flag
+
+
+def check(values: dict) -> None:
+    if values.get("layer_budget") == "global":
+        for knob, bad, need in (("gqa_agg", "none", "per-KV-head sets: gqa_agg other than 'none'"),
+                                ("merge", "pivot", "merge other than 'pivot'")):
+            if values.get(knob) == bad:
+                raise ValueError(f"layer_budget='global' needs {need}")
+    if values.get("head_budget") == "headkv" and values.get("max_capacity_prompt_ratio") is not None:
+        raise ValueError("head_budget='headkv' needs max_capacity_prompt (its table is sized by it), not a ratio")
+    if values.get("gqa_agg") == "none" and (values.get("head_budget") == "headkv" or values.get("varlen") is False):
+        raise ValueError("gqa_agg='none' (one set per query head) works with head_budget uniform or adakv, varlen=True")
+
+
+def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prompt_len: int) -> list[int]:
+    """Per-layer budgets (window included) that fall linearly from the first layer to the last.
+
+    PyramidKV: the non-window part goes from ``max_num`` down to ``min_num = (budget - window) / beta``
+    with ``max_num + min_num = 2 (budget - window)``, so the layers keep ``num_layers * budget`` in all
+    (exactly: rounding leftovers go to the layers with the largest fractions). ``max_num`` is capped
+    at the prefix length, as in the original.
+    """
+    if num_layers == 1:
+        return [budget]
+    base = budget - window
+    min_num = base / beta
+    max_num = 2 * base - min_num
+    if max_num > prompt_len - window:
+        max_num = prompt_len - window
+        min_num = 2 * base - max_num
+    step = (max_num - min_num) / (num_layers - 1)
+    exact = [max_num - i * step for i in range(num_layers)]
+    sizes = [math.floor(x) for x in exact]
+    leftover = num_layers * base - sum(sizes)
+    by_fraction = sorted(range(num_layers), key=lambda i: exact[i] - sizes[i], reverse=True)
+    for i in by_fraction[: max(0, leftover)]:
+        sizes[i] += 1
+    return [max(0, s) + window for s in sizes]
+
+
+def layer_budgets(cfg, num_layers: int, prompt_len: int, budget: int | None = None) -> list[int]:
+    """Budget of each evicted layer for a prompt of ``prompt_len`` tokens (``budget``: the config's by default)."""
+    budget = cfg.max_capacity_prompt if budget is None else budget
+    if cfg.get("layer_budget") == "pyramid":
+        return pyramid_budgets(budget, cfg.window_size, num_layers, cfg.beta, prompt_len)
+    return [budget] * num_layers
+
+
+def sample_budgets(cfg, real_lengths) -> list[int]:
+    """The budget of each sample: the config's, or ``round(L * max_capacity_prompt_ratio)`` of its real
+    length L (Python's rounding, as the original; at least ``window_size + 1``)."""
+    ratio = cfg.get("max_capacity_prompt_ratio")
+    if ratio is None:
+        return [cfg.max_capacity_prompt] * len(real_lengths)
+    return [max(cfg.window_size + 1, round(int(n) * ratio)) for n in real_lengths]
+
+
+def largest_remainder(exact, total: int):
+    """Round non-negative reals (a torch tensor) to ints that sum to ``total``."""
+    sizes = exact.floor().long()
+    leftover = int(total - sizes.sum())
+    if leftover > 0:
+        frac = (exact - sizes).flatten()
+        sizes.view(-1)[frac.topk(leftover).indices] += 1
+    return sizes
+
+
+def adakv_budgets(scores, base: int, floor: float, normalize: bool):
+    """AdaKV: share ``base * heads`` entries among the KV heads of a layer by their scores.
+
+    Each head first keeps its top ``floor * base``; the other slots go to the best remaining
+    entries over all heads (one top-k). ``scores`` [b, Hkv, P] -> budgets [b, Hkv] (window excluded).
+    With ``normalize``, each head's scores are weighted by the share of its mass inside its top-``base``.
+    """
+    b, hkv, P = scores.shape
+    base = min(base, P)
+    ranked = scores.sort(-1, descending=True).values
+    if normalize:
+        mass = ranked.clamp_min(0)
+        ranked = ranked * (mass[..., :base].sum(-1, keepdim=True) / mass.sum(-1, keepdim=True).clamp_min(1e-30))
+    guaranteed = int(base * floor)
+    pool = ranked[..., guaranteed:].reshape(b, -1)
+    chosen = pool.topk(hkv * (base - guaranteed), dim=-1).indices // (P - guaranteed)
+    extra = torch.zeros(b, hkv, dtype=torch.long, device=scores.device).scatter_add_(1, chosen, torch.ones_like(chosen))
+    return guaranteed + extra
+
+
+def global_sizes(scores, total: int):
+    """Prefix entries each (layer, KV head) keeps under ``layer_budget="global"``.
+
+    ``scores`` one [b, Hkv, P] per evicted layer (-inf on padding), ``total`` the entries shared by them all
+    per sample (window excluded). One top-k over the layers x heads x positions of each sample; -inf
+    entries are never counted. Returns one [b, Hkv] per layer.
+    """
+    b, hkv, P = scores[0].shape
+    flat = torch.stack(scores, 1).reshape(b, -1)  # [b, layers * Hkv * P], layer-major
+    top = flat.topk(min(total, flat.shape[1]), dim=-1)
+    counts = torch.zeros(b, len(scores) * hkv, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(1, top.indices // P, torch.isfinite(top.values).long())
+    return list(counts.view(b, len(scores), hkv).unbind(1))
+
+
+def head_sizes(cfg, scores, base: int, table=None):
+    """Entries each KV head keeps [b, Hkv] (window excluded), or None when heads share the budget evenly.
+
+    ``scores`` [b, Hkv, P] of the layer, ``base`` the per-head budget, ``table`` the layer's HeadKV row [Hkv].
+    """
+    if cfg.get("head_budget") == "adakv":
+        return adakv_budgets(scores, base, cfg.floor, cfg.normalize)
+    if cfg.get("head_budget") == "headkv":
+        return table.to(scores.device).clamp(max=scores.shape[-1]).expand(*scores.shape[:2])
+    return None
+
+
+def headkv_budgets(importance, base: int, beta: float):
+    """HeadKV: per-head budgets [layers, Hkv] from importance [layers, Hkv] (window excluded).
+
+    Every head keeps ``base - base // beta``; the pool ``base // beta`` per head, over all layers, is
+    shared in proportion to importance. The total is exactly ``layers * Hkv * base``.
+    """
+    pool = (base // beta) * importance.numel()
+    share = importance / importance.sum()
+    return largest_remainder(share * pool, int(pool)) + int(base - base // beta)
+
+
+def load_head_importance(path: str, num_layers: int, num_heads: int, num_kv_heads: int):
+    """Read a head-importance table and return it per KV head [layers, Hkv] (float64, mean over a GQA group).
+
+    Accepts ``{"layer-head": [scores...] or score}`` (the HeadKV authors' format) or ``[[...], ...]``
+    (layers x heads). A missing file or a shape that does not fit the model raises a ValueError.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"head_importance file not found: {path}")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if isinstance(data, dict):
+        table = torch.full((num_layers, num_heads), float("nan"), dtype=torch.float64)
+        for key, value in data.items():
+            try:
+                layer, head = (int(x) for x in key.split("-"))
+                table[layer, head] = float(sum(value) / len(value)) if isinstance(value, list) else float(value)
+            except (ValueError, IndexError, TypeError, ZeroDivisionError):
+                raise ValueError(f"{path}: entry {key!r} does not fit a model of {num_layers} layers x {num_heads} heads") from None
+        if torch.isnan(table).any():
+            raise ValueError(f"{path}: {int(torch.isnan(table).sum())} of {num_layers}x{num_heads} heads have no score")
+    else:
+        table = torch.tensor(data, dtype=torch.float64)
+        if table.shape not in ((num_layers, num_heads), (num_layers, num_kv_heads)):
+            raise ValueError(
+                f"{path}: table of shape {tuple(table.shape)} does not fit a model of {num_layers} layers x "
+                f"{num_heads} heads ({num_kv_heads} KV heads)"
+            )
+    if (table < 0).any():
+        raise ValueError(f"{path}: head scores must be non-negative")
+    if table.shape[1] != num_kv_heads:
+        table = table.view(num_layers, num_kv_heads, -1).mean(-1)
+    return table
