@@ -1,5 +1,6 @@
 """The library without its benchmark layer: with ``restkv.bench`` unimportable, every method configures and
-generates, and HeadKV without a file reaches its own calibration (``restkv.integration.headkv``)."""
+generates, ``restkv.load`` loads the packaged model, and HeadKV without a file computes its own head
+scores (``restkv.integration.headkv``) as ``configure`` does."""
 
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ except ValueError as error:  # the tiny model has no checkpoint to load a tokeni
     assert "head_importance" in str(error) and "checkpoint" in str(error), error
 else:
     raise AssertionError("HeadKV without a file on a model without a checkpoint must say so")
+from restkv.integration import headkv  # HeadKV's own calibration on the packaged model, as configure runs it
+
+headkv.LENGTHS, headkv.DEPTHS = (384,), (25.0, 75.0)
+headkv.table_path = lambda model: __import__("pathlib").Path({calibrated!r})
+smol, tokenizer = restkv.load("smollm2-135m")
+restkv.configure(smol, method="headkv", max_capacity_prompt=64, window_size=8)
+ids = tokenizer("The pass key is 71432. " * 40, return_tensors="pt").input_ids
+out = smol.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id)
+assert out.shape[1] == ids.shape[1] + 2
+assert int((restkv.kept_positions(smol)[0] >= 0).sum(-1).max()) <= 64
+with open({calibrated!r}) as fh:
+    assert len(json.load(fh)) == 30 * 9
 assert not [m for m in sys.modules if m.startswith("restkv.bench")]
 print(json.dumps(done))
 '''
@@ -63,7 +77,8 @@ print(json.dumps(done))
 def test_every_method_runs_without_the_benchmark_layer(tmp_path):
     import restkv
 
-    script = SCRIPT.format(tests=str(ROOT / "tests"), root=str(ROOT), table=str(tmp_path / "heads.json"))
+    script = SCRIPT.format(tests=str(ROOT / "tests"), root=str(ROOT), table=str(tmp_path / "heads.json"),
+                           calibrated=str(tmp_path / "calibrated.json"))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == str(list(restkv.METHODS)).replace("'", '"')
