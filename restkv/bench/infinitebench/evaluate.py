@@ -3,6 +3,7 @@
 import json
 import os
 
+from ..cli import other_results
 from ..longbench.results import find_predictions, load_predictions, write_table
 from .metrics import score_record
 from .tasks import TASKS
@@ -24,7 +25,7 @@ def evaluate(root, csv_path=None):
     """
     found = find_predictions(root, set(TASKS))
     if not found:
-        raise FileNotFoundError(f"no InfiniteBench predictions under {root}")
+        raise FileNotFoundError(f"no InfiniteBench predictions under {root}{other_results(root, 'infinite_bench')}")
     rows, per_folder = {}, {}
     for label, files in found.items():
         rows[label] = {}

@@ -3,6 +3,7 @@
 import json
 import os
 
+from ..cli import other_results
 from .metrics import score_record
 from .results import find_predictions, load_predictions, write_table
 from .tasks import DATASETS, LONGBENCH_E
@@ -44,7 +45,7 @@ def evaluate(root, longbench_e=False, csv_path=None):
     names = {f"{d}_e": d for d in LONGBENCH_E} if longbench_e else {d: d for d in DATASETS}
     found = find_predictions(root, names)
     if not found:
-        raise FileNotFoundError(f"no LongBench{'-E' if longbench_e else ''} predictions under {root}")
+        raise FileNotFoundError(f"no LongBench{'-E' if longbench_e else ''} predictions under {root}{other_results(root, 'longbench_e' if longbench_e else 'longbench')}")
     rows, per_folder = {}, {}
     for label, files in found.items():
         rows[label] = {}

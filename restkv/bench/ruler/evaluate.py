@@ -5,6 +5,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from restkv.bench.cli import other_results
 from restkv.bench.results import read_jsonl
 from restkv.bench.ruler.metrics import score
 from restkv.bench.ruler.tasks import FAMILIES, family_of, task_order
@@ -21,13 +22,14 @@ def collect(results_dir):
     """``{(model, length, method, task): (preds, refs)}`` of every ``*.jsonl`` under ``results_dir``."""
     files = sorted(Path(results_dir).rglob("*.jsonl"))
     if not files:
-        raise FileNotFoundError(f"results_dir: no *.jsonl under {results_dir}")
+        raise FileNotFoundError(f"--results_dir: no *.jsonl under {results_dir}")
     cells = defaultdict(lambda: ([], []))
     for path in files:
         for n, rec in enumerate(read_jsonl(path), 1):
             missing = [f for f in REQUIRED if f not in rec]
             if missing:
-                raise ValueError(f"{path} record {n}: missing field(s) {missing}")
+                raise ValueError(f"{path} record {n}: missing field(s) {missing} of a RULER prediction"
+                                 f"{other_results(results_dir, 'ruler')}")
             preds, refs = cells[(rec.get("model", ""), int(rec["max_seq_length"]), rec["method"], rec["task"])]
             preds.append(rec["pred"])
             refs.append(rec["outputs"])
