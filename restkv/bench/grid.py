@@ -30,7 +30,8 @@ def method_configs(args):
     ``-attn_implementation=...`` / ``-dtype=...`` when those are not sdpa / float32, so
     runs with different knobs or backends never share a label. ``fullkv`` appears once, labelled ``fullkv``,
     with no budget and no knobs. A knob given on the command line reaches the configs whose method
-    reads it (``--alpha`` reaches ReST-KV with an EMA, not SnapKV); one that no config reads is an error.
+    reads it (``--alpha`` reaches ReST-KV with an EMA, not SnapKV); one that no config reads is an error
+    (with ``fullkv`` alone, as the original's scripts pass ``--window_size`` to it, a one-line note).
     Only the knobs given on the command line are in the kwargs.
     A variant ``NAME KNOBS`` is labelled ``NAME_<budget>``; its knobs override the command line's.
     Without ``--method`` the methods are ``args.default_methods`` (if set, else ``restkv``), or none when
@@ -81,6 +82,9 @@ def method_configs(args):
                 label += "".join(f"-{k}={_short(k, v)}" for k, v in diff.items())
             configs.append((label, kwargs))
     unread = sorted(set(knobs) - used)
+    if unread and methods == ["fullkv"] and not variants:  # as the original's scripts: FullKV 128 32
+        print(f"fullkv: {', '.join('--' + k for k in unread)} not read (no eviction); ignored", file=sys.stderr)
+        unread = []
     if unread and configs:
         raise ValueError(f"--{unread[0]}: no config of this run reads it (methods {', '.join(methods) or '-'}); "
                          f"--help lists which methods read which knobs")
