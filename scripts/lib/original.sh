@@ -1,7 +1,14 @@
 # Shared by the scripts that keep the original ReST-KV scripts' names and arguments (sourced, not run).
-# PY: the python to run (default python3); DEVICE=cpu: run on CPU even with a GPU.
+# PY: the python to run (default python3); DEVICE=cpu: run on CPU even with a GPU;
+# DRY_RUN=1: print each run's command line (shell-quoted) instead of running it.
 
 PY=${PY:-python3}
+
+dry_run() {
+    printf '%q ' python3 "$@"
+    echo
+}
+[[ "${DRY_RUN:-}" == 1 ]] && PY=dry_run
 
 has_cuda() {
     [[ "${DEVICE:-}" != cpu ]] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1
