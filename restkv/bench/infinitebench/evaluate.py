@@ -9,6 +9,10 @@ from .metrics import score_record
 from .tasks import TASKS
 
 
+ABOUT = ("score: each task's official scorer x 100 (exact match, accuracy or ROUGE, as InfiniteBench's "
+         "compute_scores.py), mean over its prompts; avg: mean over the columns, avg s.e. its standard error")
+
+
 def score_task(task, records):
     """Mean score x 100 (2 decimals) of one task's prediction records."""
     scores = [score_record(task, r["pred"], r["answers"]) for r in records]
@@ -26,11 +30,13 @@ def evaluate(root, csv_path=None):
     found = find_predictions(root, set(TASKS))
     if not found:
         raise FileNotFoundError(f"no InfiniteBench predictions under {root}{other_results(root, 'infinite_bench')}")
-    rows, per_folder = {}, {}
+    rows, per_folder, stats = {}, {}, {}
     for label, files in found.items():
         rows[label] = {}
+        stats[label] = {}
         for task, path in files.items():
             records = load_predictions(path)
+            stats[label][task] = [100 * score_record(task, r["pred"], r["answers"]) for r in records]
             rows[label][task] = score_task(task, records)
             per_folder.setdefault(os.path.dirname(path), {})[os.path.basename(path)[:-len(".jsonl")]] = {
                 "score": rows[label][task], "n": len(records)}
@@ -38,4 +44,5 @@ def evaluate(root, csv_path=None):
         with open(os.path.join(folder, "metrics.json"), "w", encoding="utf-8") as fh:
             json.dump(scores, fh, ensure_ascii=False, indent=2)
     order = [t for t in TASKS if any(t in files for files in found.values())]
-    return write_table(rows, order, csv_path or os.path.join(root, "results_infinite.csv"), "InfiniteBench")
+    return write_table(rows, order, csv_path or os.path.join(root, "results_infinite.csv"), "InfiniteBench",
+                       stats=stats, about=ABOUT)

@@ -74,6 +74,9 @@ def evaluate(results_dir, csv_path=None):
     with open(csv_path, "w", newline="") as fh:
         csv.writer(fh).writerows([header, *rows])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    print("score: RULER's string_match_all (niah, vt, cwe, fwe: share of the expected strings in the answer) or "
+          "string_match_part (qa: any one of them) x 100, mean over the task's samples; samples: the fewest of "
+          "any task in the row")
     for line in [header, *rows]:
         print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
     print(f"written {csv_path}")
