@@ -14,7 +14,8 @@ from restkv.lazy import require
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results_dir", "--output_dir", default="results",
-                        help="root of <...>/<task>/<label>.jsonl files (--output_dir: the original's name)")
+                        help="root of <...>/<task>/<label>.jsonl files (--output_dir: the "
+                             "original's name)")
     parser.add_argument("--task", default="all", choices=("all",),
                         help="the original's flag: every task found is scored")
     parser.add_argument("--csv", default=None, help="table path (default: <results_dir>/results_infinite.csv)")

@@ -9,12 +9,12 @@ import argparse
 # ``--dtype`` choices: names of torch dtypes.
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 BACKENDS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-# Run settings that change a record, with their defaults: one that differs is in every label of the run.
+# Run settings that change a record, with their defaults: one that differs is in every label.
 SETTINGS = {"attn_implementation": "sdpa", "dtype": "float32"}
 
 
 def typed(convert, name):
-    """``convert`` (an argparse ``type``) marked with the type name ``--help`` shows (``INT``, ``FLOAT``...)."""
+    """``convert`` (an argparse ``type``) marked with the type name that ``--help`` shows."""
     def parse(text):
         return convert(text)
 
@@ -26,7 +26,8 @@ def _type_name(action):
     kind = action.type
     if kind is None:
         return "text"
-    return getattr(kind, "type_name", None) or {int: "int", float: "float", str: "text"}.get(kind, "value")
+    named = getattr(kind, "type_name", None)
+    return named or {int: "int", float: "float", str: "text"}.get(kind, "value")
 
 
 def _example(action):
@@ -44,8 +45,8 @@ def _example(action):
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """``--help`` that shows each flag's type (``--alpha FLOAT``), an example value, and switches as switches
-    (``--use_wo``: on when given; a value, ``--use_wo false``, still accepted)."""
+    """``--help`` that shows each flag's type (``--alpha FLOAT``), an example value, and switches as
+    switches (``--use_wo``: on when given; a value, ``--use_wo false``, still accepted)."""
 
     def _get_default_metavar_for_optional(self, action):
         return _type_name(action).upper()
@@ -74,8 +75,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def add_switch(group, *names, help="", **kwargs):
-    """A boolean flag as the original's switches: ``--use_wo`` sets it, ``--use_wo false`` (1/0/true/false)
-    still gives a value. Returns the action."""
+    """A boolean flag as the original's switches: ``--use_wo`` sets it, ``--use_wo false``
+    (1/0/true/false) still gives a value. Returns the action."""
     action = group.add_argument(*names, nargs="?", const=True, type=str2bool, help=help, **kwargs)
     action.switch = True
     return action
@@ -83,7 +84,8 @@ def add_switch(group, *names, help="", **kwargs):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, its errors one line: ``prog: error: message (see --help)``, exit code 2 (argparse's
-    own print the whole usage first: dozens of lines for a runner); ``--help`` by :class:`HelpFormatter`."""
+    own print the whole usage first: dozens of lines for a runner); ``--help`` by
+    :class:`HelpFormatter`."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -116,9 +118,11 @@ def results_dir(path: str) -> None:
         raise FileNotFoundError(f"--results_dir: no .jsonl predictions under {path}")
 
 
-# How each benchmark's results are tabulated ({path}: its results folder or, for needles, results file).
-TABULATE = {"needle": "python -m restkv.bench.needle.report {path}", "ruler": "python eval_ruler.py --results_dir {path}",
-            "longbench": "python eval.py --results_dir {path}", "longbench_e": "python eval.py --e --results_dir {path}",
+# How each benchmark's results are tabulated ({path}: its results folder; needles: its results file).
+TABULATE = {"needle": "python -m restkv.bench.needle.report {path}",
+            "ruler": "python eval_ruler.py --results_dir {path}",
+            "longbench": "python eval.py --results_dir {path}",
+            "longbench_e": "python eval.py --e --results_dir {path}",
             "infinite_bench": "python eval_infinite.py --results_dir {path}"}
 
 
@@ -190,26 +194,30 @@ def add_common_args(parser):
                            help="registry name (smollm2-135m, gemma3-270m), local path or hub id "
                                 "(--model_name: the original needle runner's name)")
     model.example = "meta-llama/Llama-3.1-8B-Instruct"
-    budgets = g.add_argument("--max_capacity_prompts", "--max_capacity_prompt", nargs="+", type=int, default=None,
-                             help="KV budgets per head and layer (window included); one run per budget (default: "
-                                  "128, or none with --max_capacity_prompts_ratio)")
+    budgets = g.add_argument("--max_capacity_prompts", "--max_capacity_prompt", nargs="+", type=int,
+                             help="KV budgets per head and layer (window included); one run per "
+                                  "budget (default: 128, or none with --max_capacity_prompts_ratio)")
     budgets.example = "128 512"
-    ratios = g.add_argument("--max_capacity_prompts_ratio", nargs="+", type=float, default=None,
-                            help="budgets as a fraction of each prompt instead: round(L * ratio) (window included); "
-                                 "one run per ratio, labelled <method>_r<ratio>")
+    ratios = g.add_argument("--max_capacity_prompts_ratio", nargs="+", type=float,
+                            help="budgets as a fraction of each prompt instead: round(L * ratio) "
+                                 "(window included); one run per ratio, labelled <method>_r<ratio>")
     ratios.example = "0.1 0.2"
-    g.add_argument("--attn_implementation", default=SETTINGS["attn_implementation"], choices=BACKENDS,
-                   help="attention backend (flash_attention_2: CUDA and the flash-attn package, pip install -e "
-                        "'.[flash]'); a backend other than sdpa is in each label")
+    g.add_argument("--attn_implementation", default=SETTINGS["attn_implementation"],
+                   choices=BACKENDS,
+                   help="attention backend (flash_attention_2: CUDA and the flash-attn package, "
+                        "pip install -e '.[flash]'); not sdpa: in each label")
     g.add_argument("--dtype", default=SETTINGS["dtype"], choices=DTYPE_NAMES,
-                   help="model weights and activations; a dtype other than float32 is in each label")
+                   help="model weights and activations; not float32: in each label")
     g.add_argument("--device", default="cpu",
-                   help="cpu, cuda, cuda:N, or auto (cuda when there is one, else cpu with a one-line note)")
-    g.add_argument("--batch_size", "--eval_batch_size", type=int, default=1, help="prompts per forward")
+                   help="cpu, cuda, cuda:N, or auto (cuda when there is one, else cpu with a note)")
+    g.add_argument("--batch_size", "--eval_batch_size", type=int, default=1,
+                   help="prompts per forward")
     g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--save_dir", default="results", help="results folder (records of other settings never mix)")
+    g.add_argument("--save_dir", default="results",
+                   help="results folder (records of other settings never mix)")
     add_switch(g, "--use_cache", default=True,
-               help="the original's flag: decoding always runs on the (evicted) KV cache; only true is accepted")
+               help="the original's flag: decoding always runs on the (evicted) KV cache; only "
+                    "true is accepted")
     g.add_argument("--chat_template", default="auto", choices=("auto", "on", "off"),
                    help="apply the model's chat template (auto: when it has one)")
     g.add_argument("--max_length", type=int, default=None,
@@ -254,7 +262,10 @@ def _parser_of(knob):
     name = {bool: "bool", str: "text"}.get(knob.kind, knob.kind.__name__)
     if not (knob.nullable or knob.default is None):
         return typed(convert, name)
-    return typed(lambda text: None if str(text).lower() == "none" else convert(text), f"{name}|none")
+    def maybe(text):
+        return None if str(text).lower() == "none" else convert(text)
+
+    return typed(maybe, f"{name}|none")
 
 
 def _knob_example(versions):
@@ -291,8 +302,8 @@ def add_knob_args(parser):
         if alias is not None:
             target, mapping = alias
             if all(isinstance(v, bool) for v in mapping):
-                add_switch(groups["method"], *names, dest=name,
-                           help=f"the original's name of --{target} {mapping[True]} (false: {mapping[False]})")
+                text = f"the original's name of --{target} {mapping[True]} (false: {mapping[False]})"
+                add_switch(groups["method"], *names, dest=name, help=text)
             else:
                 groups["method"].add_argument(*names, dest=name, choices=tuple(mapping),
                                               help=f"the original's name of --{target}")
@@ -310,7 +321,8 @@ def add_knob_args(parser):
             add_switch(groups[_group(name)], *names, dest=name, help=text)
             continue
         action = groups[_group(name)].add_argument(
-            *names, dest=name, type=_parser_of(knob), choices=list(dict.fromkeys(choices)) or None, help=text)
+            *names, dest=name, type=_parser_of(knob), choices=list(dict.fromkeys(choices)) or None,
+            help=text)
         action.example = None if choices else _knob_example(versions)
     return parser
 
@@ -320,8 +332,8 @@ METHOD_ALIASES = {"full": "fullkv"}
 
 
 def parse_methods(values):
-    """Flatten ``["restkv,snapkv", "fullkv"]`` into ``["restkv", "snapkv", "fullkv"]`` (order kept, no repeats;
-    any case, and the original's ``full`` for ``fullkv``)."""
+    """Flatten ``["restkv,snapkv", "fullkv"]`` into ``["restkv", "snapkv", "fullkv"]`` (order kept, no
+    repeats; any case, and the original's ``full`` for ``fullkv``)."""
     out = []
     for value in values:
         for name in str(value).split(","):
@@ -354,17 +366,18 @@ def add_dataset_args(parser):
 
 # The package each flash-attention backend needs.
 FLASH_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
-                  "flash_attention_3": ("flash_attn_interface", "flash-attn 3 (flash_attn_interface)")}
+                  "flash_attention_3": ("flash_attn_interface", "flash-attn 3")}
 
 
 def check_backend(args, file=None):
-    """Resolve ``--device auto`` and refuse a device or backend this machine cannot run, before any model work.
+    """Resolve ``--device auto``; refuse a device or backend this machine cannot run, before any work.
 
     Raises
     ------
     ValueError
         One line naming the flag and what to do instead: ``--device cuda`` without a CUDA device,
-        ``--attn_implementation flash_attention_2`` without flash-attn (the ``.[flash]`` extra) or off CUDA.
+        ``--attn_implementation flash_attention_2`` without flash-attn (the ``.[flash]`` extra) or off
+        CUDA.
     """
     import importlib.util
     import os
@@ -382,15 +395,18 @@ def check_backend(args, file=None):
     if device.startswith("cuda") and not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-        raise ValueError(f"--device {device}: no CUDA device here{shown}; use --device cpu (or auto)")
+        raise ValueError(f"--device {device}: no CUDA device here{shown}; use --device cpu "
+                         "(or auto)")
     if backend in FLASH_PACKAGES:
         module, package = FLASH_PACKAGES[backend]
         if importlib.util.find_spec(module) is None:
-            raise ValueError(f"--attn_implementation {backend}: {package} is not installed; install restkv's flash "
-                             "extra (pip install -e '.[flash]', on a CUDA machine) or use --attn_implementation sdpa")
+            raise ValueError(f"--attn_implementation {backend}: {package} is not installed; install "
+                             "restkv's flash extra (pip install -e '.[flash]', on a CUDA machine) or use "
+                             "--attn_implementation sdpa")
         on_cuda = device.startswith("cuda") or getattr(args, "device_map", None)
         if not on_cuda:
-            raise ValueError(f"--attn_implementation {backend} runs on CUDA only (--device {device}); "
+            raise ValueError(f"--attn_implementation {backend} runs on CUDA only "
+                             f"(--device {device}); "
                              "add --device cuda, or use --attn_implementation sdpa")
 
 
@@ -400,12 +416,12 @@ def run_settings(args):
 
 
 def settings_suffix(args):
-    """Label suffix of the settings that differ from their defaults: ``-attn_implementation=eager``..."""
+    """Label suffix of the settings that differ from their defaults (``-attn_implementation=eager``)."""
     return "".join(f"-{k}={v}" for k, v in run_settings(args).items() if v != SETTINGS[k])
 
 
 def prompt_settings(args):
-    """The settings besides the labels' that change a record of a run with one file per label (what a rerun into
-    the same folder must match): chat template, prompt cap, new tokens, template set."""
+    """The settings besides the labels' that change a record of a run with one file per label (what a
+    rerun into the same folder must match): chat template, prompt cap, new tokens, template set."""
     names = ("chat_template", "max_length", "max_new_tokens", "template", "context_length")
     return {name: getattr(args, name) for name in names if hasattr(args, name)}

@@ -90,7 +90,7 @@ def _second(pair):
 
 
 def default_data_dir(ours, original):
-    """``--data_dir``'s default: ``ours``, or the original's folder name when only that one exists."""
+    """``--data_dir``'s default: ``ours``, or the original's folder when only that one exists."""
     return original if not os.path.isdir(ours) and os.path.isdir(original) else ours
 
 
@@ -143,7 +143,8 @@ def run_datasets(args, plan):
     predictor = Predictor(args, configs)
     predictor.write_metadata({"labels": predictor.labels, "configs": configs_meta(configs),
                               "tasks": [d.name for d in datasets], "max_length": predictor.max_length,
-                              "processes": predictor.shard.size, "settings": prompt_settings(args), **plan.meta})
+                              "processes": predictor.shard.size, "settings": prompt_settings(args),
+                              **plan.meta})
     tasks = [dataset_task(predictor, d) for d in datasets]
     predictor.predict(tasks)
     return {(t.name, label): path for t in tasks for label, path in t.store.paths.items()}

@@ -82,8 +82,9 @@ def method_configs(args):
                 label += "".join(f"-{k}={_short(k, v)}" for k, v in diff.items())
             configs.append((label, kwargs))
     unread = sorted(set(knobs) - used)
-    if unread and methods == ["fullkv"] and not variants:  # as the original's scripts: FullKV 128 32
-        print(f"fullkv: {', '.join('--' + k for k in unread)} not read (no eviction); ignored", file=sys.stderr)
+    if unread and methods == ["fullkv"] and not variants:  # the original's scripts: "FullKV 128 32"
+        flags = ", ".join(f"--{k}" for k in unread)
+        print(f"fullkv: {flags} not read (no eviction); ignored", file=sys.stderr)
         unread = []
     if unread and configs:
         raise ValueError(f"--{unread[0]}: no config of this run reads it (methods {', '.join(methods) or '-'}); "

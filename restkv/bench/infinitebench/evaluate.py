@@ -9,8 +9,9 @@ from .metrics import score_record
 from .tasks import TASKS
 
 
-ABOUT = ("score: each task's official scorer x 100 (exact match, accuracy or ROUGE, as InfiniteBench's "
-         "compute_scores.py), mean over its prompts; avg: mean over the columns, avg s.e. its standard error")
+ABOUT = ("score: each task's official scorer x 100 (exact match, accuracy or ROUGE, as "
+         "InfiniteBench's compute_scores.py), mean over its prompts; avg: mean over the columns, "
+         "avg s.e. its standard error")
 
 
 def score_task(task, records):
@@ -29,7 +30,8 @@ def evaluate(root, csv_path=None):
     """
     found = find_predictions(root, set(TASKS))
     if not found:
-        raise FileNotFoundError(f"no InfiniteBench predictions under {root}{other_results(root, 'infinite_bench')}")
+        raise FileNotFoundError(f"no InfiniteBench predictions under {root}"
+                                f"{other_results(root, 'infinite_bench')}")
     rows, per_folder, stats = {}, {}, {}
     for label, files in found.items():
         rows[label] = {}
@@ -44,5 +46,5 @@ def evaluate(root, csv_path=None):
         with open(os.path.join(folder, "metrics.json"), "w", encoding="utf-8") as fh:
             json.dump(scores, fh, ensure_ascii=False, indent=2)
     order = [t for t in TASKS if any(t in files for files in found.values())]
-    return write_table(rows, order, csv_path or os.path.join(root, "results_infinite.csv"), "InfiniteBench",
-                       stats=stats, about=ABOUT)
+    csv_path = csv_path or os.path.join(root, "results_infinite.csv")
+    return write_table(rows, order, csv_path, "InfiniteBench", stats=stats, about=ABOUT)

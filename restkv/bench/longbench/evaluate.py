@@ -9,8 +9,9 @@ from .results import find_predictions, load_predictions, write_table
 from .tasks import DATASETS, LONGBENCH_E
 
 BUCKETS = ("0-4k", "4-8k", "8k+")
-ABOUT = ("score: each dataset's official metric x 100 (qa F1, ROUGE-L, classification/retrieval accuracy, code "
-         "edit similarity), mean over its prompts; avg: mean over the columns, avg s.e. its standard error")
+ABOUT = ("score: each dataset's official metric x 100 (qa F1, ROUGE-L, classification/retrieval "
+         "accuracy, code edit similarity), mean over its prompts; avg: mean over the columns, avg s.e. "
+         "its standard error")
 
 
 def bucket(length):
@@ -47,7 +48,9 @@ def evaluate(root, longbench_e=False, csv_path=None):
     names = {f"{d}_e": d for d in LONGBENCH_E} if longbench_e else {d: d for d in DATASETS}
     found = find_predictions(root, names)
     if not found:
-        raise FileNotFoundError(f"no LongBench{'-E' if longbench_e else ''} predictions under {root}{other_results(root, 'longbench_e' if longbench_e else 'longbench')}")
+        benchmark = "longbench_e" if longbench_e else "longbench"
+        raise FileNotFoundError(f"no LongBench{'-E' if longbench_e else ''} predictions under {root}"
+                                f"{other_results(root, benchmark)}")
     rows, per_folder, stats = {}, {}, {}
     for label, files in found.items():
         rows[label] = {}
@@ -55,8 +58,8 @@ def evaluate(root, longbench_e=False, csv_path=None):
         per_bucket = {b: [] for b in BUCKETS}
         for task, path in files.items():
             dataset, records = names[task], load_predictions(path)
-            stats[label][task] = [100 * score_record(dataset, r["pred"], r["answers"], r.get("all_classes"))
-                                  for r in records]
+            stats[label][task] = [100 * score_record(dataset, r["pred"], r["answers"],
+                                                     r.get("all_classes")) for r in records]
             entry = {"score": score_dataset(dataset, records), "n": len(records)}
             rows[label][task] = entry["score"]
             if longbench_e:
