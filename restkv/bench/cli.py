@@ -30,10 +30,25 @@ def _type_name(action):
     return named or {int: "int", float: "float", str: "text"}.get(kind, "value")
 
 
+# Example values for ``--help`` of flags without a default worth showing, by destination.
+EXAMPLES = {
+    "max_length": "4096", "offload_folder": "offload", "pruning_ratio": "0.5",
+    "head_importance": "heads/Llama-3.1-8B-Instruct.json", "tokenizer": "meta-llama/Llama-3.1-8B-Instruct",
+    "max_num_examples": "10", "max_new_tokens": "64", "datasets": "qasper hotpotqa",
+    "tasks": "niah_single_1 vt", "num_samples": "20", "context_length": "4096",
+    "haystack_dir": "data/PaulGrahamEssays", "needle": "'The secret code is {key}.'",
+    "retrieval_question": "'What is the secret code?'", "answer": "'{key}'", "s_len": "1000",
+    "e_len": "32001", "step": "200", "model_provider": "Mistral", "model_version": "Mistral_restkv_128",
+    "variant": "restkv_paper preset=paper", "device_map": "auto", "chunk_size": "8",
+}
+
+
 def _example(action):
     """An example value of ``action``'s flag for ``--help`` (None: no example worth showing)."""
     if getattr(action, "example", None) is not None:
         return action.example
+    if action.dest in EXAMPLES:
+        return EXAMPLES[action.dest]
     if action.choices:
         return None  # listed by argparse already
     default = action.default
@@ -70,7 +85,8 @@ class HelpFormatter(argparse.HelpFormatter):
             return text
         example = _example(action)
         kind = _type_name(action)
-        tail = f"{kind}, e.g. {action.option_strings[0]} {example}" if example is not None else kind
+        flag = next(f for f in action.option_strings if f.startswith("--"))
+        tail = f"{kind}, e.g. {flag} {example}" if example is not None else kind
         return f"{text} [{tail}]".strip()
 
 

@@ -31,9 +31,10 @@ def make_task(task, records, style="auto"):
 
 def add_infinitebench_args(parser):
     """Flags of the InfiniteBench data (besides :func:`restkv.bench.cli.add_dataset_args`)."""
-    parser.add_argument("--data_dir", default=None,
+    data = parser.add_argument("--data_dir", default=None,
                         help="folder of the released <task>.jsonl files (default: data/infinite_bench, or the "
                              "original's data/InfiniteBench when only that exists)")
+    data.example = "data/infinite_bench"
     parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS, metavar="TASK",
                         help=f"tasks to run (default: all): {' '.join(TASKS)}")
     parser.add_argument("--template", default="auto", choices=("auto", "chat", "base"),

@@ -23,9 +23,10 @@ def make_task(dataset, records, longbench_e=False):
 
 def add_longbench_args(parser):
     """Flags of the LongBench data (besides :func:`restkv.bench.cli.add_dataset_args`)."""
-    parser.add_argument("--data_dir", default=None,
+    data = parser.add_argument("--data_dir", default=None,
                         help="folder of the official <dataset>.jsonl files (default: data/longbench, or the "
                              "original's data/LongBench when only that exists)")
+    data.example = "data/longbench"
     parser.add_argument("--datasets", nargs="+", default=None,
                         help="datasets to run (default: all 21, or the 13 of LongBench-E with --e)")
     parser.add_argument("--e", action="store_true", help="LongBench-E (<dataset>_e.jsonl)")

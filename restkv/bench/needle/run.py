@@ -49,7 +49,10 @@ def add_needle_args(parser):
     """Flags of the needle sweep (besides :func:`restkv.bench.cli.add_common_args`)."""
     g = parser.add_argument_group("needle in a haystack")
     g.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the packaged essays)")
-    g.add_argument("--needles", nargs="+", default=["passkey", "sf"], help=f"presets: {sorted(NEEDLES)}")
+    g.add_argument("--needles", nargs="+", default=["passkey", "sf"],
+                   help="presets: passkey (a random 5-digit pass key) and sf (the San Francisco needle: "
+                        "'The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on "
+                        "a sunny day.')")
     g.add_argument("--needle", default=None, help="custom needle sentence ({key}: a random 5-digit number)")
     g.add_argument("--retrieval_question", default=None, help="question of the custom needle")
     g.add_argument("--answer", default=None, help="expected answer of the custom needle (may use {key})")
