@@ -1,4 +1,4 @@
-"""The README's first example at several budgets: each config's answer and the share of the key kept.
+"""The README's first example at several budgets: each config's answer and the key's share kept.
 
 The README's prompt (a 5-digit pass key, 60 repeats of filler, then the question; 621 tokens on
 SmolLM2) is prefilled once and every config decodes from its own evicted cache (sweep mode, equal
