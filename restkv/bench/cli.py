@@ -19,6 +19,7 @@ def typed(convert, name):
         return convert(text)
 
     parse.type_name = name
+    parse.__name__ = name  # argparse's "invalid float value: 'x'"
     return parse
 
 
@@ -143,7 +144,7 @@ TABULATE = {"needle": "python -m restkv.bench.needle.report {path}",
 
 
 def other_results(root, wanted):
-    """``"; ... are needle results: tabulate them with ..."`` when the runs under ``root`` (their
+    """``"; <folder> holds needle results: tabulate them with ..."`` when runs under ``root`` (their
     ``run_meta.json``) are of another benchmark than ``wanted``, else ``""``."""
     import json
     from pathlib import Path
