@@ -13,7 +13,11 @@ from restkv.lazy import require
 
 def main(argv=None):
     parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--results_dir", default="results", help="root of <...>/<task>/<label>.jsonl files")
+    parser.add_argument("--results_dir", "--output_dir", default="results",
+                        help="root of <...>/<task>/<label>.jsonl files (--output_dir: the "
+                             "original's name)")
+    parser.add_argument("--task", default="all", choices=("all",),
+                        help="the original's flag: every task found is scored")
     parser.add_argument("--csv", default=None, help="table path (default: <results_dir>/results_infinite.csv)")
     args = parser.parse_args(argv)
     startup(parser, lambda a: (require(*NEEDS, needed_by="eval_infinite.py"), results_dir(a.results_dir)), args)

@@ -61,7 +61,7 @@ def needle_heatmaps(records, out_dir, metric="score"):
     paths = []
     for needle, label in sorted({(r["needle"], r["label"]) for r in records}):
         rows = [r for r in records if r["needle"] == needle and r["label"] == label]
-        title = f"{label} · {needle} · {metric} {np.mean([r[metric] for r in rows]):.3f}"
+        title = f"{label} · {needle} · mean {metric} {np.mean([r[metric] for r in rows]):.3f} · {len(rows)} prompts"
         paths.append(depth_length_heatmap(rows, os.path.join(out_dir, f"heatmap_{needle}_{label}.png"),
                                           metric, title))
     return paths
@@ -136,6 +136,7 @@ def budget_bars(records, path, metric="score", ylim=(-0.02, 1.02), log_y=False, 
     if "fullkv" in lines:
         ax.axhline(means[-1], color="k", ls=":", lw=1)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_xlabel("config (run label without its budget)")
     ax.set_ylabel(f"mean {metric} (± s.e.)")
     _y_axis(ax, ylim and (ylim[0], max([ylim[1]] + [1.1 * (m + e) for m, e in zip(means, errors)])), log_y)
     budgets = sorted({r["budget"] for r in records if r.get("budget") is not None})

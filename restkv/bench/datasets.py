@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .cli import check_common
+from .cli import check_backend, check_common, prompt_settings
 from .grid import announce, configs_meta, method_configs
 from .loop import Predictor, Task, per_label
 from .models import check_context
@@ -89,6 +89,11 @@ def _second(pair):
     return pair[1]
 
 
+def default_data_dir(ours, original):
+    """``--data_dir``'s default: ``ours``, or the original's folder when only that one exists."""
+    return original if not os.path.isdir(ours) and os.path.isdir(original) else ours
+
+
 @dataclass
 class DatasetPlan:
     """Everything a run over datasets checks before the model loads."""
@@ -114,6 +119,7 @@ def prepare_datasets(args, name, load, meta=None):
     configs = method_configs(args)
     check_context(args.model_path, [("--max_length", args.max_length, 0)])
     datasets = load()
+    check_backend(args)
     print(f"{name}: {', '.join(f'{d.name} ({len(d.records)})' for d in datasets)}", file=sys.stderr)
     announce(name, [("records", sum(len(d.records) for d in datasets))], configs)
     return DatasetPlan(configs, datasets, dict(meta or {}))
@@ -137,7 +143,8 @@ def run_datasets(args, plan):
     predictor = Predictor(args, configs)
     predictor.write_metadata({"labels": predictor.labels, "configs": configs_meta(configs),
                               "tasks": [d.name for d in datasets], "max_length": predictor.max_length,
-                              "processes": predictor.shard.size, **plan.meta})
+                              "processes": predictor.shard.size, "settings": prompt_settings(args),
+                              **plan.meta})
     tasks = [dataset_task(predictor, d) for d in datasets]
     predictor.predict(tasks)
     return {(t.name, label): path for t in tasks for label, path in t.store.paths.items()}

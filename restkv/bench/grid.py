@@ -10,7 +10,7 @@ import os
 import re
 import sys
 
-from .cli import knob_flags, parse_methods, str2bool
+from .cli import knob_flags, parse_methods, settings_suffix, str2bool
 
 QUANT_FIELDS = ("quant_method", "nbits", "residual_length", "q_group_size")
 
@@ -26,10 +26,12 @@ def method_configs(args):
     each validated.
 
     Labels are ``<method>_<budget>``, followed by ``-<knob>=<value>`` for every knob whose
-    resolved value differs from that of ``method`` and ``budget`` alone (sorted by name), so
-    runs with different knobs never share a label. ``fullkv`` appears once, labelled ``fullkv``,
+    resolved value differs from that of ``method`` and ``budget`` alone (sorted by name), then
+    ``-attn_implementation=...`` / ``-dtype=...`` when those are not sdpa / float32, so
+    runs with different knobs or backends never share a label. ``fullkv`` appears once, labelled ``fullkv``,
     with no budget and no knobs. A knob given on the command line reaches the configs whose method
-    reads it (``--alpha`` reaches ReST-KV with an EMA, not SnapKV); one that no config reads is an error.
+    reads it (``--alpha`` reaches ReST-KV with an EMA, not SnapKV); one that no config reads is an error
+    (with ``fullkv`` alone, as the original's scripts pass ``--window_size`` to it, a one-line note).
     Only the knobs given on the command line are in the kwargs.
     A variant ``NAME KNOBS`` is labelled ``NAME_<budget>``; its knobs override the command line's.
     Without ``--method`` the methods are ``args.default_methods`` (if set, else ``restkv``), or none when
@@ -80,9 +82,15 @@ def method_configs(args):
                 label += "".join(f"-{k}={_short(k, v)}" for k, v in diff.items())
             configs.append((label, kwargs))
     unread = sorted(set(knobs) - used)
+    if unread and methods == ["fullkv"] and not variants:  # the original's scripts: "FullKV 128 32"
+        flags = ", ".join(f"--{k}" for k in unread)
+        print(f"fullkv: {flags} not read (no eviction); ignored", file=sys.stderr)
+        unread = []
     if unread and configs:
         raise ValueError(f"--{unread[0]}: no config of this run reads it (methods {', '.join(methods) or '-'}); "
                          f"--help lists which methods read which knobs")
+    suffix = settings_suffix(args)  # the backend and dtype, when not the defaults
+    configs = [(label + suffix, kwargs) for label, kwargs in configs]
     labels = [label for label, _ in configs]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
     if repeated:

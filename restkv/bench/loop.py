@@ -20,6 +20,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from .cli import run_settings
 from .generation import decode_configs
 from .grid import quant_settings
 from .meta import write_metadata
@@ -167,7 +168,8 @@ class Predictor:
     shard, model, tokenizer, max_length
         This process's shard, the model and tokenizer, and ``args.max_length`` or the model's max context.
     name, out_dir : str
-        The model's folder name and ``<save_dir>/<name>``.
+        The model's folder name and ``<save_dir>/<name>`` (``<save_dir>/<model_version>`` with the needle
+        runner's ``--model_version``).
     """
 
     def __init__(self, args, configs):
@@ -178,7 +180,8 @@ class Predictor:
         self.model, self.tokenizer, self.max_length = load_from_args(args, self.shard)
         check_against_model(self.model, configs)
         self.name = model_name(args.model_path)
-        self.out_dir = os.path.join(args.save_dir, self.name)
+        self.out_dir = os.path.join(args.save_dir, getattr(args, "model_version", None) or self.name)
+        self.settings = run_settings(args)  # in every record (and, when not the defaults, in its label)
 
     @property
     def query_agnostic(self):
@@ -230,7 +233,7 @@ class Predictor:
                     for (label, kw), (texts, kept) in zip(need, results):
                         if not store.done(unit, label):
                             output = Output(label, kw, texts[row], kept, row, seconds)
-                            record = task.record(unit, prompt, output)
+                            record = {**task.record(unit, prompt, output), **self.settings}
                             if agnostic:
                                 record = {**record, "query_agnostic": True, "question_start": starts[row]}
                             store.write(label, record)

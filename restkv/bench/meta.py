@@ -36,19 +36,24 @@ def write_metadata(save_dir, args, extra=None):
     """Write ``save_dir/run_meta.json``: versions, full config, git sha, command line, ``extra``.
 
     When ``extra`` has ``configs`` (``configs_meta``) and the folder already holds a run, every label both
-    runs share must resolve to the same knobs and the question mode (``query_agnostic``; absent: False)
-    must be the same (else ValueError, before any work); the earlier labels stay listed.
+    runs share must resolve to the same knobs, the question mode (``query_agnostic``; absent: False) must be
+    the same, and so must the ``settings`` (prompt settings of runs whose files are per label) when ``extra``
+    has them (else ValueError, before any work); the earlier labels stay listed. Every run is kept in
+    ``runs`` (time, command line, settings, labels), the latest one also at the top level.
 
     Returns the path written.
     """
     config = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     path = os.path.join(save_dir, "run_meta.json")
     extra = dict(extra or {})
-    if "configs" in extra and os.path.exists(path):
+    before = {}
+    if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             before = json.load(fh)
+    if "configs" in extra and before:
         previous = before.get("configs") or {}
         check_same_configs(path, previous, extra["configs"])
+        check_same_settings(path, before, extra, set(previous) & set(extra["configs"]))
         then, now = bool(before.get("query_agnostic", False)), bool(extra.get("query_agnostic", False))
         if then != now:
             raise ValueError(f"{path}: the results there were made {'with' if then else 'without'} --query_agnostic; "
@@ -64,5 +69,36 @@ def write_metadata(save_dir, args, extra=None):
         "config": config,
         **extra,
     }
+    meta["runs"] = _runs(before) + [_run_summary(meta)]
     atomic_write(path, json.dumps(meta, indent=2, default=str))
     return path
+
+
+_SUMMARY = ("time", "argv", "git_sha", "versions", "settings", "query_agnostic")
+
+
+def _run_summary(meta):
+    """What ``runs`` keeps of one run: its time, command line, versions, settings and labels."""
+    labels = meta.get("labels")
+    return {**{k: meta[k] for k in _SUMMARY if k in meta},
+            "labels": list(labels) if labels is not None else list(meta.get("configs") or {})}
+
+
+def _runs(before):
+    """The runs of an earlier ``run_meta.json`` (one written before ``runs`` existed: itself)."""
+    if not before:
+        return []
+    return list(before.get("runs") or [_run_summary(before)])
+
+
+def check_same_settings(path, before, extra, shared):
+    """Raise if labels ``shared`` by the run in ``path`` and this one were made with other prompt ``settings``
+    (their records would be resumed into, mixing the two)."""
+    then, now = before.get("settings"), extra.get("settings")
+    if not shared or then is None or now is None:
+        return
+    changed = {k: (then.get(k), v) for k, v in now.items() if then.get(k) != v}
+    if changed:
+        what = ", ".join(f"{k}={a!r} then, {b!r} now" for k, (a, b) in sorted(changed.items()))
+        raise ValueError(f"{path}: results for {sorted(shared)[0]} were made with other settings ({what}); "
+                         "rerunning into this folder would mix them: use another --save_dir")

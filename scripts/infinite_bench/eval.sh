@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
+# bash scripts/infinite_bench/eval.sh <results_dir>: score a results folder (as the original's script).
 # InfiniteBench sweep: every method x budget on the 12 tasks, then the results table.
 # math_calc (30000 new tokens) is left out of the default TASKS; add it with TASKS="... math_calc".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+
+# The original's usage: bash scripts/infinite_bench/eval.sh <results_dir> scores that folder only.
+if (( $# > 0 )); then
+    exec "${PY:-python3}" eval_infinite.py --results_dir "$1"
+fi
 
 MODEL=${MODEL:-smollm2-135m}
 DATA_DIR=${DATA_DIR:-data/infinite_bench}

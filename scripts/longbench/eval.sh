@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
+# bash scripts/longbench/eval.sh <results_dir>: score a results folder (as the original's script).
 # LongBench sweep: every method x budget on all 21 datasets, then the results table.
 # Override any variable from the environment, e.g.
 #   MODEL=gemma3-270m BUDGETS="128 512" DATASETS="qasper hotpotqa" bash scripts/longbench/eval.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+
+# The original's usage: bash scripts/longbench/eval.sh <results_dir> scores that folder only.
+if (( $# > 0 )); then
+    exec "${PY:-python3}" eval.py --results_dir "$1"
+fi
 
 MODEL=${MODEL:-smollm2-135m}
 DATA_DIR=${DATA_DIR:-data/longbench}

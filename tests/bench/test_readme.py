@@ -8,7 +8,15 @@ from helpers import ROOT
 
 
 def python_blocks():
-    return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+    return [code for code, _ in python_blocks_and_outputs()]
+
+
+def python_blocks_and_outputs():
+    """``(code, printed output or None)`` of every README python block; the output is the ``text`` block
+    right after it (nothing but blank lines between)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.finditer(r"^```python\n(.*?)^```\n(?:\s*\n)*(?:```text\n(.*?)^```)?", text, re.S | re.M)
+    return [(m.group(1), m.group(2)) for m in found]
 
 
 def test_the_readme_has_python_blocks():
@@ -27,12 +35,19 @@ def test_the_readme_documents_every_entry_point():
 
 
 @pytest.mark.slow
-def test_readme_python_blocks_run_verbatim(monkeypatch, capsys):
+def test_readme_python_blocks_run_verbatim_and_print_what_it_shows(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     namespace = {"__name__": "__readme__"}
-    for i, block in enumerate(python_blocks()):
+    shown = 0
+    for i, (block, expected) in enumerate(python_blocks_and_outputs()):
+        capsys.readouterr()
         exec(compile(block, f"README.md (python block {i + 1})", "exec"), namespace)
-    # the Use snippet evicts: a 621-token prompt, 128 entries per KV head kept in every layer
-    assert tuple(namespace["input_ids"].shape) == (1, 621)
-    assert all(k is not None and tuple(k.shape) == (1, 3, 128) for k in namespace["kept"])
-    assert "71" in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        if expected is not None:
+            assert printed == expected, f"README.md python block {i + 1} printed:\n{printed}"
+            shown += 1
+        if i == 0:  # a 621-token prompt, 256 entries per KV head kept in every layer (the last config: SnapKV)
+            assert tuple(namespace["input_ids"].shape) == (1, 621)
+            assert all(k is not None and tuple(k.shape) == (1, 3, 256) for k in namespace["kept"])
+    assert shown >= 2  # the first example and the compressed context show their output
+    assert tuple(namespace["context"].shape) == (1, 412)

@@ -1,6 +1,6 @@
 """Predicting InfiniteBench: the flags and the run of ``run_infinite_bench.py``."""
 
-from ..datasets import Dataset, prepare_datasets, run_datasets
+from ..datasets import Dataset, default_data_dir, prepare_datasets, run_datasets
 from .data import load_records
 from .tasks import MAX_NEW_TOKENS, TASKS, answers, make_prompt, question_text
 
@@ -31,7 +31,10 @@ def make_task(task, records, style="auto"):
 
 def add_infinitebench_args(parser):
     """Flags of the InfiniteBench data (besides :func:`restkv.bench.cli.add_dataset_args`)."""
-    parser.add_argument("--data_dir", default="data/infinite_bench", help="folder of the released <task>.jsonl files")
+    data = parser.add_argument("--data_dir", default=None,
+                        help="folder of the released <task>.jsonl files (default: data/infinite_bench, or the "
+                             "original's data/InfiniteBench when only that exists)")
+    data.example = "data/infinite_bench"
     parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS, metavar="TASK",
                         help=f"tasks to run (default: all): {' '.join(TASKS)}")
     parser.add_argument("--template", default="auto", choices=("auto", "chat", "base"),
@@ -43,6 +46,7 @@ def add_infinitebench_args(parser):
 def prepare(args):
     """Check the flags and load the tasks of ``args`` before any model work
     (:func:`restkv.bench.datasets.prepare_datasets`)."""
+    args.data_dir = args.data_dir or default_data_dir("data/infinite_bench", "data/InfiniteBench")
     return prepare_datasets(args, "infinite_bench", lambda: [
         make_task(t, load_records(args.data_dir, t, args.max_num_examples), args.template) for t in args.tasks],
         {"benchmark": "infinite_bench", "template": args.template})

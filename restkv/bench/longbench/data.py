@@ -7,7 +7,8 @@ from .tasks import FIELDS
 
 WHERE = (
     "LongBench data: download https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip, "
-    "unzip it, and pass the folder holding <dataset>.jsonl (and <dataset>_e.jsonl) as --data_dir"
+    "unzip it, and put its <dataset>.jsonl (and <dataset>_e.jsonl) files in data/longbench/ or pass their "
+    "folder as --data_dir"
 )
 
 

@@ -3,11 +3,15 @@
 import json
 import os
 
+from ..cli import other_results
 from .metrics import score_record
 from .results import find_predictions, load_predictions, write_table
 from .tasks import DATASETS, LONGBENCH_E
 
 BUCKETS = ("0-4k", "4-8k", "8k+")
+ABOUT = ("score: each dataset's official metric x 100 (qa F1, ROUGE-L, classification/retrieval "
+         "accuracy, code edit similarity), mean over its prompts; avg: mean over the columns, avg s.e. "
+         "its standard error")
 
 
 def bucket(length):
@@ -44,13 +48,18 @@ def evaluate(root, longbench_e=False, csv_path=None):
     names = {f"{d}_e": d for d in LONGBENCH_E} if longbench_e else {d: d for d in DATASETS}
     found = find_predictions(root, names)
     if not found:
-        raise FileNotFoundError(f"no LongBench{'-E' if longbench_e else ''} predictions under {root}")
-    rows, per_folder = {}, {}
+        benchmark = "longbench_e" if longbench_e else "longbench"
+        raise FileNotFoundError(f"no LongBench{'-E' if longbench_e else ''} predictions under {root}"
+                                f"{other_results(root, benchmark)}")
+    rows, per_folder, stats = {}, {}, {}
     for label, files in found.items():
         rows[label] = {}
+        stats[label] = {}
         per_bucket = {b: [] for b in BUCKETS}
         for task, path in files.items():
             dataset, records = names[task], load_predictions(path)
+            stats[label][task] = [100 * score_record(dataset, r["pred"], r["answers"],
+                                                     r.get("all_classes")) for r in records]
             entry = {"score": score_dataset(dataset, records), "n": len(records)}
             rows[label][task] = entry["score"]
             if longbench_e:
@@ -67,4 +76,4 @@ def evaluate(root, longbench_e=False, csv_path=None):
     order = [t for t in names if any(t in files for files in found.values())]
     csv_path = csv_path or os.path.join(root, "results_e.csv" if longbench_e else "results.csv")
     return write_table(rows, order, csv_path, "LongBench-E" if longbench_e else "LongBench",
-                       extra=BUCKETS if longbench_e else ())
+                       extra=BUCKETS if longbench_e else (), stats=stats, about=ABOUT)

@@ -41,7 +41,27 @@ def load_predictions(path):
     return records
 
 
-def write_table(rows, columns, csv_path, title=None, extra=()):
+def avg_stats(per_cell):
+    """``(prompts per cell as "n" or "min-max", standard error of the row's avg)`` of one row, from
+    ``{column: [per-prompt scores x 100]}``: the avg is the mean of the column means, so its s.e. is
+    ``sqrt(sum se_c^2) / C`` (each column's s.e. from its prompts)."""
+    sizes = [len(v) for v in per_cell.values() if v]
+    if not sizes:
+        return "-", None
+    variances = []
+    for values in per_cell.values():
+        n = len(values)
+        if n > 1:
+            mean = sum(values) / n
+            variances.append(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+        elif n == 1:
+            variances.append(0.0)
+    se = (sum(variances) ** 0.5) / len(variances)
+    shown = str(min(sizes)) if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
+    return shown, round(se, 2)
+
+
+def write_table(rows, columns, csv_path, title=None, extra=(), stats=None, about=None):
     """Print a score table with an ``avg`` column and write it as CSV.
 
     Parameters
@@ -55,6 +75,11 @@ def write_table(rows, columns, csv_path, title=None, extra=()):
         Printed above the table.
     extra : sequence of str
         Columns placed after ``avg`` and left out of it.
+    stats : dict, optional
+        ``{row label: {column: [per-prompt scores]}}``: printed (not in the CSV) as the prompts per cell and
+        the standard error of ``avg`` (:func:`avg_stats`).
+    about : str, optional
+        What a score is, printed under the title.
 
     Returns
     -------
@@ -70,9 +95,16 @@ def write_table(rows, columns, csv_path, title=None, extra=()):
     with open(csv_path, "w", newline="", encoding="utf-8") as fh:
         csv.writer(fh).writerows([["" if v is None else v for v in row] for row in table])
     cells = [["-" if v is None else str(v) for v in row] for row in table]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(table[0]))]
+    if stats is not None:
+        cells[0] += ["prompts/cell", "avg s.e."]
+        for row in cells[1:]:
+            shown, se = avg_stats(stats.get(row[0], {}))
+            row += [shown, "-" if se is None else f"±{se}"]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     if title:
         print(title)
+    if about:
+        print(about)
     for row in cells:
         print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
     print(f"table written to {csv_path}")

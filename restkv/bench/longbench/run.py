@@ -1,6 +1,6 @@
 """Predicting LongBench (or LongBench-E): the flags and the run of ``run_longbench.py``."""
 
-from ..datasets import Dataset, prepare_datasets, run_datasets
+from ..datasets import Dataset, default_data_dir, prepare_datasets, run_datasets
 from .data import load_records
 from .tasks import DATASETS, LONGBENCH_E, MAX_NEW_TOKENS, NO_CHAT, PROMPTS
 
@@ -23,7 +23,10 @@ def make_task(dataset, records, longbench_e=False):
 
 def add_longbench_args(parser):
     """Flags of the LongBench data (besides :func:`restkv.bench.cli.add_dataset_args`)."""
-    parser.add_argument("--data_dir", default="data/longbench", help="folder of the official <dataset>.jsonl files")
+    data = parser.add_argument("--data_dir", default=None,
+                        help="folder of the official <dataset>.jsonl files (default: data/longbench, or the "
+                             "original's data/LongBench when only that exists)")
+    data.example = "data/longbench"
     parser.add_argument("--datasets", nargs="+", default=None,
                         help="datasets to run (default: all 21, or the 13 of LongBench-E with --e)")
     parser.add_argument("--e", action="store_true", help="LongBench-E (<dataset>_e.jsonl)")
@@ -52,6 +55,7 @@ def prepare(args):
     """Check the flags (``args.datasets`` by :func:`datasets_of`) and load the datasets of ``args`` before any
     model work (:func:`restkv.bench.datasets.prepare_datasets`)."""
     args.datasets = datasets_of(args)
+    args.data_dir = args.data_dir or default_data_dir("data/longbench", "data/LongBench")
     name = "longbench_e" if args.e else "longbench"
     return prepare_datasets(args, name, lambda: [
         make_task(d, load_records(args.data_dir, d, args.e, args.max_num_examples, args.hub), args.e)

@@ -1,4 +1,10 @@
-"""The needle sweep's results: a summary table per metric, and the plots."""
+"""The needle sweep's results: a summary table per metric, and the plots.
+
+``python -m restkv.bench.needle.report results/needle/<model>/results.jsonl`` prints the tables and draws the
+plots of a results file again (every record in it).
+"""
+
+from __future__ import annotations
 
 import os
 
@@ -6,24 +12,74 @@ from ...lazy import LazyModule
 
 np = LazyModule("numpy")
 
+# What each metric of a record is, for the printed tables.
+METRICS = {
+    "score": "graded answer in [0, 1]: passkey = the fraction of the key's digits right, in order; "
+             "sf = ROUGE-1 recall of the answer",
+    "rouge1_f": "ROUGE-1 F of the response against the needle sentence (the original's score)",
+}
+NEEDLE_NAMES = {"passkey": "a 5-digit pass key ('The pass key is 71432. Remember it. ...')",
+                "sf": "the San Francisco needle ('The best thing to do in San Francisco is eat a sandwich "
+                      "and sit in Dolores Park on a sunny day.')"}
+
+
+def _order(records):
+    order = {r["label"]: (r["method"] == "fullkv", r["method"], r["budget"] or 0, r["label"]) for r in records}
+    return sorted(order, key=order.get)
+
+
+def mean_se(values):
+    """``(mean, standard error)`` of ``values`` (s.e. 0 for a single value, nan for none)."""
+    values = [float(v) for v in values]
+    if not values:
+        return float("nan"), float("nan")
+    se = float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
+    return float(np.mean(values)), se
+
 
 def summary_table(records, metric="score"):
-    """Mean ``metric`` per label (rows) and length (columns), over depths and needles, plus an ``all`` column."""
+    """Mean ``metric`` ± its standard error per label (rows) and length (columns), over depths and needles,
+    plus an ``all`` column; the header says how many prompts each cell holds."""
     lengths = sorted({r["length"] for r in records})
-    order = {r["label"]: (r["method"] == "fullkv", r["method"], r["budget"] or 0) for r in records}
-    labels = sorted(order, key=order.get)
+    labels = _order(records)
     width = max([len("method")] + [len(s) for s in labels])
-    lines = [f"{'method':<{width}} " + " ".join(f"{L:>7}" for L in lengths) + f" {'all':>7}"]
+    lines = [f"{'method':<{width}} " + " ".join(f"{L:>13}" for L in lengths) + f" {'all':>13}"]
     for label in labels:
         rows = [r for r in records if r["label"] == label]
-        cells = [np.mean([r[metric] for r in rows if r["length"] == L] or [np.nan]) for L in lengths]
-        lines.append(f"{label:<{width}} " + " ".join(f"{c:7.3f}" for c in cells)
-                     + f" {np.mean([r[metric] for r in rows]):7.3f}")
+        cells = [mean_se([r[metric] for r in rows if r["length"] == L]) for L in lengths]
+        cells.append(mean_se([r[metric] for r in rows]))
+        lines.append(f"{label:<{width}} " + " ".join(f"{m:6.3f} ± {s:5.3f}" for m, s in cells))
     return "\n".join(lines)
 
 
+def cell_sizes(records):
+    """``(prompts per length cell, prompts per label)`` of ``records`` (the most any label has)."""
+    per_cell, per_label = {}, {}
+    for r in records:
+        per_cell[(r["label"], r["length"])] = per_cell.get((r["label"], r["length"]), 0) + 1
+        per_label[r["label"]] = per_label.get(r["label"], 0) + 1
+    return max(per_cell.values(), default=0), max(per_label.values(), default=0)
+
+
+def explain(records):
+    """The lines above the tables: what the needles are."""
+    needles = sorted({r["needle"] for r in records})
+    return [f"needle {n}: {NEEDLE_NAMES.get(n, 'custom (--needle)')}" for n in needles]
+
+
+def distinct_labels(records):
+    """``records`` with each label made unique per config: a label that several configs of the file share
+    (other settings: ``config_id``) becomes ``<label>#<config_id>``."""
+    ids = {}
+    for r in records:
+        ids.setdefault(r["label"], set()).add(r.get("config_id"))
+    shared = {label for label, found in ids.items() if len(found) > 1}
+    return [{**r, "label": f"{r['label']}#{r['config_id']}"} if r["label"] in shared else r for r in records]
+
+
 def show(path, records, plots=True):
-    """Print the results file and the summary tables of ``records``; draw the plots beside the file.
+    """Print the results file and the summary tables of ``records`` (this run's); draw the plots beside the
+    file from every record in it (each config of the folder, as :func:`distinct_labels` names them).
 
     Returns
     -------
@@ -33,13 +89,47 @@ def show(path, records, plots=True):
     print(f"\nresults: {path}")
     if not records:
         return []
-    for metric in ("score", "rouge1_f"):
-        print(f"\n{metric} (mean over depths and needles)\n{summary_table(records, metric)}")
+    print("\n".join(explain(records)))
+    per_cell, per_label = cell_sizes(records)
+    for metric, what in METRICS.items():
+        print(f"\n{metric}: {what}\nmean ± standard error over depths and needles; {per_cell} prompts per length "
+              f"cell, {per_label} per label (all)\n{summary_table(records, metric)}")
     if not plots:
         return []
-    from visualization.plots import budget_curve, needle_heatmaps  # matplotlib is optional
+    from visualization.plots import budget_bars, budget_curve, needle_heatmaps  # matplotlib is optional
 
+    from ..results import read_jsonl
+
+    every = distinct_labels(list(read_jsonl(path))) if os.path.exists(path) else records
     out_dir = os.path.dirname(path)
-    pngs = needle_heatmaps(records, out_dir) + [budget_curve(records, os.path.join(out_dir, "budget_curve.png"))]
-    print("\nplots:\n" + "\n".join(pngs))
+    budgets = {r["budget"] for r in every if r.get("budget") is not None}
+    if len(budgets) > 1:
+        summary = budget_curve(every, os.path.join(out_dir, "budget_curve.png"))
+    else:
+        summary = budget_bars(every, os.path.join(out_dir, "scores.png"))
+    pngs = needle_heatmaps(every, out_dir) + [summary]
+    print(f"\nplots (every record of {os.path.basename(path)}: {len(every)} records, "
+          f"{len({r['label'] for r in every})} configs):\n" + "\n".join(pngs))
     return pngs
+
+
+def main(argv=None):
+    """Print the tables and draw the plots of a needle results file."""
+    from ..cli import ArgumentParser
+    from ..results import read_jsonl
+
+    parser = ArgumentParser(prog="python -m restkv.bench.needle.report", description=main.__doc__)
+    parser.add_argument("results", help="a needle results.jsonl (e.g. results/needle/smollm2-135m/results.jsonl)")
+    parser.add_argument("--no_plots", action="store_true", help="tables only")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.results):
+        parser.error(f"results: {args.results} is not a file (a needle run writes <save_dir>/<model>/results.jsonl)")
+    try:
+        records = distinct_labels(list(read_jsonl(args.results)))
+    except ValueError as err:
+        parser.error(str(err))
+    return show(args.results, records, plots=not args.no_plots)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,16 +6,19 @@ from restkv.bench.results import read_jsonl
 from restkv.bench.ruler.tasks import task_order
 
 REQUIRED = ("index", "input", "outputs")
+GENERATE = ("generate the data with: bash scripts/ruler/generate.sh (MODEL=... LENGTHS=\"4096 8192\"), or "
+            "python -m restkv.bench.ruler.generate --model_path MODEL --lengths 4096 --out_dir data/ruler/MODEL "
+            "(then --data_dir data/ruler/MODEL/4096)")
 
 
 def find_tasks(data_dir, subset="validation"):
     """Task names of a data folder (sub-folders holding ``<subset>.jsonl``), in RULER's order."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"data_dir: {data_dir} is not a folder")
+        raise FileNotFoundError(f"--data_dir: {data_dir} is not a folder; {GENERATE}")
     tasks = [p.parent.name for p in data_dir.glob(f"*/{subset}.jsonl")]
     if not tasks:
-        raise FileNotFoundError(f"data_dir: no <task>/{subset}.jsonl under {data_dir}")
+        raise FileNotFoundError(f"--data_dir: no <task>/{subset}.jsonl under {data_dir}; {GENERATE}")
     return task_order(tasks)
 
 

@@ -8,12 +8,12 @@ Reads folders of ``<task>/validation.jsonl`` and appends predictions to
 import os
 from dataclasses import dataclass
 
-from restkv.bench.cli import check_common
+from restkv.bench.cli import check_backend, check_common, prompt_settings
 from restkv.bench.grid import announce, configs_meta, method_configs
 from restkv.bench.loop import Predictor, Task, per_label
 from restkv.bench.models import check_context
 from restkv.data.prompts import build_prompt, encode, middle_truncate, split_prompt
-from restkv.bench.ruler.data import find_tasks, load_task
+from restkv.bench.ruler.data import GENERATE, find_tasks, load_task
 from restkv.bench.ruler.tasks import FAMILIES, family_of, question_offset
 
 KEPT = ("index", "outputs", "length", "max_seq_length", "answer_prefix")
@@ -62,7 +62,7 @@ def load_data(data_dirs, tasks, num_samples, context_length):
             family_of(task)
             path = os.path.join(data_dir, task, "validation.jsonl")
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path}: missing (task {task} in data_dir {data_dir})")
+                raise FileNotFoundError(f"--data_dir: {path} missing (task {task} in {data_dir}); {GENERATE}")
             records = load_task(path, context_length)[:num_samples]
             where = (records[0]["max_seq_length"], task)
             if where in seen:
@@ -74,8 +74,10 @@ def load_data(data_dirs, tasks, num_samples, context_length):
 
 def add_ruler_args(parser):
     """Flags of the RULER data and generation length."""
-    parser.add_argument("--data_dir", nargs="+", required=True,
-                        help="one or more folders of <task>/validation.jsonl (e.g. one per length)")
+    action = parser.add_argument("--data_dir", nargs="+", default=["data/ruler"],
+                                 help="one or more folders of <task>/validation.jsonl (e.g. one per length), "
+                                      "made by scripts/ruler/generate.sh")
+    action.example = "data/ruler/smollm2-135m/4096 data/ruler/smollm2-135m/8192"
     parser.add_argument("--tasks", nargs="+", default=None, help="tasks to run (default: every task folder)")
     parser.add_argument("--num_samples", type=int, default=None, help="first N samples of each task only")
     parser.add_argument("--max_new_tokens", type=int, default=None,
@@ -140,6 +142,7 @@ def prepare(args):
     check_context(args.model_path, [("--context_length", args.context_length, 0),
                                     (f"--data_dir ({task}: max_seq_length)", length, 0),
                                     ("--max_length", args.max_length, 0)])
+    check_backend(args)
     announce("ruler", [("samples", sum(len(records) for _, records in data))], configs)
     return RulerPlan(configs, data)
 
@@ -159,7 +162,7 @@ def run(args, plan=None):
     predictor = Predictor(args, configs)
     predictor.write_metadata({"benchmark": "ruler", "labels": predictor.labels, "configs": configs_meta(configs),
                               "tasks": sorted({t for t, _ in data}), "max_length": predictor.max_length,
-                              "processes": predictor.shard.size})
+                              "processes": predictor.shard.size, "settings": prompt_settings(args)})
     tasks = {(records[0]["max_seq_length"], task): ruler_task(predictor, task, records) for task, records in data}
     predictor.predict(list(tasks.values()))
     return {(length, task, label): path for (length, task), t in tasks.items() for label, path in t.store.paths.items()}
