@@ -1,7 +1,8 @@
 """The method x budget grid of a run: configs from the flags, validated, with labels that name their
 non-default knobs; the knob metadata a rerun into the same folder must match.
 
-Imports no torch itself: ``restkv`` is imported where a config is checked.
+A grid is a list of ``RunConfig``: each config resolved once, when the grid is built; the loop, sweep mode
+and the run's metadata read that resolution. Imports no torch (``restkv.config`` needs none).
 """
 
 import argparse
@@ -10,9 +11,38 @@ import os
 import re
 import sys
 
+from restkv import METHODS, PRESETS
+from restkv.config import ALIASES, CompressionConfig, declared
+
 from .cli import knob_flags, parse_methods, settings_suffix, str2bool
 
 QUANT_FIELDS = ("quant_method", "nbits", "residual_length", "q_group_size")
+
+
+class RunConfig(tuple):
+    """One config of a grid: the pair ``(label, kwargs)`` (``restkv.configure``'s keyword knobs, as given),
+    with ``cfg``, the ``CompressionConfig`` they resolve to, resolved once."""
+
+    def __new__(cls, label: str, kwargs: dict, cfg: CompressionConfig | None = None):
+        run = super().__new__(cls, (label, kwargs))
+        run.cfg = CompressionConfig.from_kwargs(**kwargs) if cfg is None else cfg
+        return run
+
+    @property
+    def label(self) -> str:
+        return self[0]
+
+    @property
+    def kwargs(self) -> dict:
+        return self[1]
+
+    def relabel(self, label: str) -> "RunConfig":
+        return RunConfig(label, self.kwargs, self.cfg)
+
+
+def run_config(config) -> RunConfig:
+    """``config`` as a ``RunConfig`` (a ``(label, kwargs)`` pair is resolved here)."""
+    return config if isinstance(config, RunConfig) else RunConfig(*config)
 
 
 def flag_knobs(args):
@@ -44,14 +74,12 @@ def method_configs(args):
         plain file name or repeats a label, or a config that ``restkv.CompressionConfig.from_kwargs``
         rejects (the message names the label and the field).
     """
-    import restkv
-
     variants = getattr(args, "variant", None) or []
     default = [] if variants else getattr(args, "default_methods", ["restkv"])
     methods = parse_methods(args.method if args.method is not None else default)
-    unknown = [m for m in methods if m not in (*restkv.METHODS, "ablation")]
+    unknown = [m for m in methods if m not in (*METHODS, "ablation")]
     if unknown:
-        raise ValueError(f"method: unknown {unknown}; choose from {list(restkv.METHODS)}")
+        raise ValueError(f"method: unknown {unknown}; choose from {list(METHODS)}")
     sizes = budget_sizes(args)
     knobs = flag_knobs(args)
     grid = [(m, ablation_knobs(knobs) if m == "ablation" else {"method": m}, None) for m in methods]
@@ -67,20 +95,21 @@ def method_configs(args):
     for stem, own, variant in grid:
         flags = {k: v for k, v in knobs.items() if k not in ABLATION_FLAGS} if stem == "ablation" else knobs
         if own["method"] == "fullkv" and variant is None:
-            configs.append(("fullkv", {"method": "fullkv"}))
+            configs.append(RunConfig("fullkv", {"method": "fullkv"}))
             continue
         for size, budget in sizes:
             label = f"{stem}_{size}"
             try:
                 reached = read_flags(flags, {**budget, **own})
                 kwargs = {**budget, **reached, **own}
-                diff = knob_diff(kwargs)
+                run = RunConfig(label, kwargs)
+                diff = resolved_diff(run.cfg)
             except ValueError as err:
                 raise ValueError(f"variant {variant}: {label}: {err}" if variant else f"{label}: {err}") from None
             used |= set(reached)
             if variant is None:
                 label += "".join(f"-{k}={_short(k, v)}" for k, v in diff.items())
-            configs.append((label, kwargs))
+            configs.append(run.relabel(label))
     unread = sorted(set(knobs) - used)
     if unread and methods == ["fullkv"] and not variants:  # the original's scripts: "FullKV 128 32"
         flags = ", ".join(f"--{k}" for k in unread)
@@ -90,7 +119,7 @@ def method_configs(args):
         raise ValueError(f"--{unread[0]}: no config of this run reads it (methods {', '.join(methods) or '-'}); "
                          f"--help lists which methods read which knobs")
     suffix = settings_suffix(args)  # the backend and dtype, when not the defaults
-    configs = [(label + suffix, kwargs) for label, kwargs in configs]
+    configs = [run.relabel(run.label + suffix) for run in configs]
     labels = [label for label, _ in configs]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
     if repeated:
@@ -126,8 +155,6 @@ def ablation_knobs(flags):
     As the original: ``attn`` and ``attn-v`` sum the window's rows and average-pool with kernel 5 whatever
     ``--ts``/``--ss`` say; ``random`` keeps the window (the original draws among all positions).
     """
-    from restkv import CompressionConfig
-
     indicator = flags.get("indicator", "random")
     own = {**ABLATION, "indicator": indicator}
     if indicator in ("attn", "attn-v"):
@@ -173,27 +200,17 @@ def parse_knobs(text):
 
 def read_flags(flags, kwargs):
     """The command-line knobs ``flags`` that the config of ``kwargs`` reads (validated with it)."""
-    from restkv import CompressionConfig
-
     cfg = CompressionConfig.with_defaults(flags, **kwargs)
     read = {k: v for k, v in flags.items() if k in cfg}
     if "preset" in flags and cfg.method == _preset_method(flags["preset"]):
         read["preset"] = flags["preset"]
-    aliases = _aliases()
+    aliases = ALIASES
     read.update({k: v for k, v in flags.items() if k in aliases and aliases[k][0] in cfg})
     return read
 
 
 def _preset_method(name):
-    from restkv import PRESETS
-
     return PRESETS[name]["method"]
-
-
-def _aliases():
-    from restkv.config import ALIASES
-
-    return ALIASES
 
 
 def knob_diff(kwargs):
@@ -204,9 +221,11 @@ def knob_diff(kwargs):
     ValueError
         ``restkv.CompressionConfig.from_kwargs``'s error, naming the field.
     """
-    from restkv.config import declared
+    return resolved_diff(CompressionConfig.from_kwargs(**kwargs))
 
-    cfg = resolved_knobs(kwargs)
+
+def resolved_diff(cfg):
+    """The knobs of a resolved config that differ from those of its method and budget alone."""
     knobs = declared(cfg["method"])  # the method's own defaults (pooling, head_budget, ...)
     return {k: v for k, v in sorted(cfg.items())
             if k not in ("method", "max_capacity_prompt", "max_capacity_prompt_ratio") and v != knobs[k].default}
@@ -219,23 +238,24 @@ def _short(knob, value):
 
 def quant_settings(kwargs):
     """The KV quantization of a config: ``None`` (full precision) or a dict of ``QUANT_FIELDS``."""
-    from restkv import CompressionConfig
+    return quant_of(CompressionConfig.from_kwargs(**kwargs))
 
-    cfg = CompressionConfig.from_kwargs(**kwargs)
+
+def quant_of(cfg):
+    """The KV quantization of a resolved config (None: full precision)."""
     return {k: cfg[k] for k in QUANT_FIELDS} if cfg.get("quant_method") else None
 
 
 def configs_meta(configs):
     """Run metadata of ``method_configs``: per label its kwargs, non-default knobs, quantization and every
     knob's resolved value (what a rerun into the same folder must match)."""
-    return {label: {"configure": kw, "knobs": knob_diff(kw), "quant": quant_settings(kw),
-                    "resolved": resolved_knobs(kw)} for label, kw in configs}
+    runs = [run_config(c) for c in configs]
+    return {run.label: {"configure": run.kwargs, "knobs": resolved_diff(run.cfg), "quant": quant_of(run.cfg),
+                        "resolved": run.cfg.as_dict()} for run in runs}
 
 
 def resolved_knobs(kwargs):
     """Every knob of ``kwargs`` as ``CompressionConfig`` resolves it (defaults filled in, validated)."""
-    from restkv import CompressionConfig
-
     return CompressionConfig.from_kwargs(**kwargs).as_dict()
 
 

@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from .cli import run_settings
 from .generation import decode_configs
-from .grid import quant_settings
+from ..integration.headkv import layer_plans
+from .grid import quant_of, run_config
 from .meta import write_metadata
 from .models import load_from_args, model_name
 from .shard import ResultFile, current
@@ -137,16 +138,12 @@ class Task:
 def check_against_model(model, configs):
     """Each config's layer plan on the loaded model (its layers, backend, sliding windows), before any prompt
     runs: a config the model cannot hold ends the run with one line naming its label (exit code 1)."""
-    from restkv.config import CompressionConfig
-    from restkv.eviction.plans import plan_layers
-
-    for label, kwargs in configs:
-        cfg = CompressionConfig.from_kwargs(**kwargs)
-        if cfg.evicts:
+    for run in map(run_config, configs):
+        if run.cfg.evicts:
             try:
-                plan_layers(model, cfg)
+                layer_plans(model, run.cfg)  # HeadKV's own head scores computed here (once) when it has no file
             except ValueError as err:
-                raise SystemExit(f"{label}: {err}") from None
+                raise SystemExit(f"{run.label}: {err}") from None
 
 
 class Predictor:
@@ -173,9 +170,10 @@ class Predictor:
     """
 
     def __init__(self, args, configs):
-        self.args, self.configs = args, configs
-        self.labels = [label for label, _ in configs]
-        self.quant = {label: quant_settings(kw) for label, kw in configs}
+        self.args = args
+        self.configs = [run_config(c) for c in configs]
+        self.labels = [run.label for run in self.configs]
+        self.quant = {run.label: quant_of(run.cfg) for run in self.configs}
         self.shard = current()
         self.model, self.tokenizer, self.max_length = load_from_args(args, self.shard)
         check_against_model(self.model, configs)
@@ -211,7 +209,7 @@ class Predictor:
         store.open(task.units, shard)
         try:
             def todo(unit):
-                return [(label, kw) for label, kw in self.configs if not store.done(unit, label)]
+                return [run for run in self.configs if not store.done(unit, run.label)]
 
             mine = [u for i, u in enumerate(task.units, first) if shard.mine(i) and todo(u)]
             if task.announce:
@@ -220,13 +218,13 @@ class Predictor:
             bar = tqdm(total=len(mine), desc=task.name, **task.progress)
             for start in range(0, len(mine), batch_size):
                 batch = mine[start:start + batch_size]
-                left = {label for u in batch for label, _ in todo(u)}
-                need = [(label, kw) for label, kw in self.configs if label in left]
+                left = {run.label for u in batch for run in todo(u)}
+                need = [run for run in self.configs if run.label in left]
                 prompts = [task.prompt(u) for u in batch]
                 starts = [task.question_start(p) for p in prompts] if agnostic else None
                 t0 = time.time()
                 results = decode_configs(self.model, self.tokenizer, [task.ids(p) for p in prompts],
-                                         [kw for _, kw in need], task.max_new_tokens, sweep=not self.args.no_sweep,
+                                         [run.cfg for run in need], task.max_new_tokens, sweep=not self.args.no_sweep,
                                          **({"question_starts": starts} if agnostic else {}))
                 seconds = (time.time() - t0) / (len(batch) * len(need))
                 for row, (unit, prompt) in enumerate(zip(batch, prompts)):

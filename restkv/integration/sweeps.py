@@ -86,6 +86,11 @@ class Prefill:
     mask: Tensor | None  # the attention mask the model saw (None: no padding)
 
 
+def as_config(config) -> CompressionConfig:
+    """A config given as keyword knobs (a dict) or already resolved (a ``CompressionConfig``)."""
+    return config if isinstance(config, CompressionConfig) else CompressionConfig.from_kwargs(**config)
+
+
 @torch.no_grad()
 def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, configs) -> Prefill:
     """Prefill once and build every config's evicted cache (each config checked as ``configure`` checks it).
@@ -95,7 +100,7 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
     Deferred configs (``restkv.eviction.deferred``) are finished after the prefill, configs with the same
     method and score knobs on one set of passes (KVzip's reconstruction runs once per prompt).
     """
-    plans = [layer_plans(model, CompressionConfig.from_kwargs(**c)) for c in configs]
+    plans = [layer_plans(model, as_config(c)) for c in configs]
     modules = attention_modules(model)
     index = {m: i for i, m in enumerate(modules)}
     kept = [[None] * len(modules) for _ in plans]
@@ -142,8 +147,9 @@ def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, co
         A causal LM of a supported family and backend.
     input_ids, attention_mask : Tensor
         [b, n] prompt, left padded; ``attention_mask`` None means no padding.
-    configs : iterable of dict
-        Keyword knobs of ``restkv.configure`` / ``CompressionConfig.from_kwargs``, one dict per config.
+    configs : iterable of dict or CompressionConfig
+        Keyword knobs of ``restkv.configure`` / ``CompressionConfig.from_kwargs``, one dict per config, or
+        configs already resolved.
     max_new_tokens : int
         Tokens to generate per config.
     eos_token_id, pad_token_id : optional

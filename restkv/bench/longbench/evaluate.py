@@ -1,11 +1,10 @@
 """Scoring LongBench predictions: per dataset, per LongBench-E length bucket, per row."""
 
-import json
 import os
 
 from ..cli import other_results
+from ..evaluation import evaluate_files, percent
 from .metrics import score_record
-from .results import find_predictions, load_predictions, write_table
 from .tasks import DATASETS, LONGBENCH_E
 
 BUCKETS = ("0-4k", "4-8k", "8k+")
@@ -21,16 +20,15 @@ def bucket(length):
 
 def score_dataset(dataset, records):
     """Mean score x 100 (2 decimals) of one dataset's prediction records."""
-    scores = [score_record(dataset, r["pred"], r["answers"], r.get("all_classes")) for r in records]
-    return round(100 * sum(scores) / len(scores), 2) if scores else None
+    return percent([score_one(dataset, r) for r in records])
 
 
 def score_dataset_e(dataset, records):
     """``{bucket: mean score x 100}`` over LongBench-E's length buckets (None for an empty bucket)."""
     groups = {b: [] for b in BUCKETS}
     for r in records:
-        groups[bucket(r["length"])].append(score_record(dataset, r["pred"], r["answers"], r.get("all_classes")))
-    return {b: round(100 * sum(s) / len(s), 2) if s else None for b, s in groups.items()}
+        groups[bucket(r["length"])].append(score_one(dataset, r))
+    return {b: percent(s) for b, s in groups.items()}
 
 
 def evaluate(root, longbench_e=False, csv_path=None):
@@ -46,34 +44,14 @@ def evaluate(root, longbench_e=False, csv_path=None):
         The table, header first.
     """
     names = {f"{d}_e": d for d in LONGBENCH_E} if longbench_e else {d: d for d in DATASETS}
-    found = find_predictions(root, names)
-    if not found:
-        benchmark = "longbench_e" if longbench_e else "longbench"
-        raise FileNotFoundError(f"no LongBench{'-E' if longbench_e else ''} predictions under {root}"
-                                f"{other_results(root, benchmark)}")
-    rows, per_folder, stats = {}, {}, {}
-    for label, files in found.items():
-        rows[label] = {}
-        stats[label] = {}
-        per_bucket = {b: [] for b in BUCKETS}
-        for task, path in files.items():
-            dataset, records = names[task], load_predictions(path)
-            stats[label][task] = [100 * score_record(dataset, r["pred"], r["answers"],
-                                                     r.get("all_classes")) for r in records]
-            entry = {"score": score_dataset(dataset, records), "n": len(records)}
-            rows[label][task] = entry["score"]
-            if longbench_e:
-                entry["buckets"] = score_dataset_e(dataset, records)
-                for b, s in entry["buckets"].items():
-                    if s is not None:
-                        per_bucket[b].append(s)
-            per_folder.setdefault(os.path.dirname(path), {})[os.path.basename(path)[:-len(".jsonl")]] = entry
-        if longbench_e:
-            rows[label].update({b: round(sum(s) / len(s), 2) if s else None for b, s in per_bucket.items()})
-    for folder, scores in per_folder.items():
-        with open(os.path.join(folder, "metrics.json"), "w", encoding="utf-8") as fh:
-            json.dump(scores, fh, ensure_ascii=False, indent=2)
-    order = [t for t in names if any(t in files for files in found.values())]
+    benchmark = "longbench_e" if longbench_e else "longbench"
+    title = "LongBench-E" if longbench_e else "LongBench"
+    missing = f"no {title} predictions under {root}{other_results(root, benchmark)}"
     csv_path = csv_path or os.path.join(root, "results_e.csv" if longbench_e else "results.csv")
-    return write_table(rows, order, csv_path, "LongBench-E" if longbench_e else "LongBench",
-                       extra=BUCKETS if longbench_e else (), stats=stats, about=ABOUT)
+    return evaluate_files(root, names, score_one, title, csv_path, ABOUT, missing,
+                          buckets=BUCKETS if longbench_e else (), bucket_of=lambda r: bucket(r["length"]))
+
+
+def score_one(dataset, record):
+    """One prompt's score in [0, 1] under its dataset's metric."""
+    return score_record(dataset, record["pred"], record["answers"], record.get("all_classes"))
