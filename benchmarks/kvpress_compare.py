@@ -132,6 +132,10 @@ PAIRS = (
          press("ComposedPress", presses=[snapkv_press(), press("ThinKPress", key_channel_compression_ratio=0.5)])),
     Pair("KVzip", dict(method="kvzip", window_size=1, repeat_chunk=2048), press("KVzipPress", compression_ratio=RATIO)),
     Pair("DefensiveKV", dict(method="defensivekv", window_size=32, kernel_size=5), None),  # a fork, not kvpress
+    Pair("CUR", dict(method="cur", window_size=1), press("CURPress", compression_ratio=RATIO)),
+    Pair("Leverage", dict(method="leverage", window_size=1), press("LeverageScorePress", compression_ratio=RATIO)),
+    Pair("LagKV", dict(method="lagkv", window_size=1), press("LagKVPress", compression_ratio=RATIO)),
+    Pair("NonCausalAttn", dict(method="noncausal", window_size=1), press("NonCausalAttnPress", compression_ratio=RATIO)),
 )
 
 

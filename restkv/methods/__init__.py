@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import (cam, defensivekv, expected_attention, h2o, keydiff, kvzip, l2norm, lacache, random, restkv,
-               snapkv, streamingllm, tova)
+from . import (cam, cur, defensivekv, expected_attention, h2o, keydiff, kvzip, l2norm, lacache, lagkv, leverage,
+               noncausal, random, restkv, snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)
@@ -111,5 +111,9 @@ REGISTRY = _register(
     Method("defensivekv", defensivekv, {"head_budget": "adakv", "floor": 0.0}),
     Method("layer_defensivekv", defensivekv, {"layer_budget": "global"}),
     Method("kvzip", kvzip, {"layer_budget": "global"}),
+    Method("cur", cur),
+    Method("leverage", leverage),
+    Method("lagkv", lagkv),
+    Method("noncausal", noncausal),
 )
 METHODS = tuple(REGISTRY)

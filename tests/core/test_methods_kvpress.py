@@ -1,0 +1,236 @@
+"""kvpress's scorers without a trained part (CUR, Leverage, LagKV, non-causal attention) against float64 loops
+written from their definitions (kvpress 0.5.5's presses), on hand-made inputs with left padding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import rope_embed
+
+from restkv.config import CompressionConfig
+from restkv.methods import cur, leverage
+from restkv.observe import Observation
+from restkv.rope import Rope
+from restkv.select import raw_scores
+
+D = 8
+
+
+def rotation(p: int, d: int = D, base: float = 10000.0) -> torch.Tensor:
+    """The RoPE matrix [d, d] of position p, float64: pair (i, i + d/2) rotated by p / base^(2i/d)."""
+    R = torch.zeros(d, d, dtype=torch.float64)
+    h = d // 2
+    for i in range(h):
+        a = p * base ** (-2 * i / d)
+        R[i, i], R[i, i + h], R[i + h, i], R[i + h, i + h] = math.cos(a), -math.sin(a), math.sin(a), math.cos(a)
+    return R
+
+
+def case(b=2, hq=4, hkv=2, n=40, pad=(0, 7), window=3, seed=0, dtype=torch.float32, layer=1):
+    """An observation with left padding ``pad`` per sample; its queries, keys (after RoPE), values float64,
+    the positions [b, n] (-1 on padding)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n, D, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, n, D, generator=g, dtype=torch.float64) * torch.rand(b, hkv, n, 1, generator=g) * 2
+    v = torch.randn(b, hkv, n, D, generator=g, dtype=torch.float64) * torch.rand(b, hkv, n, 1, generator=g) * 2
+    valid = torch.ones(b, n, dtype=torch.bool)
+    for i, p in enumerate(pad):
+        valid[i, :p] = False
+    pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
+    obs = Observation(q.to(dtype), k.to(dtype), v.to(dtype), valid, window=window, budget=12, scaling=D**-0.5,
+                      rope=Rope.of(rope_embed(D), pos.clamp_min(0)), layer=layer)
+    return obs, q, k, v, pos
+
+
+def scores_of(obs, **knobs):
+    cfg = CompressionConfig(max_capacity_prompt=obs.budget, window_size=obs.window, **knobs)
+    return raw_scores(obs, cfg)
+
+
+def check(got, ref, pos, P, tol=2e-5):
+    real = (pos[:, None, :P] >= 0).expand_as(ref)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    torch.testing.assert_close(got.double()[real], ref[real], rtol=tol, atol=1e-6)
+
+
+def zscore_loop(s, rows):
+    """s [H, n] float64 over the real entries ``rows``: (s - mean) / std (unbiased, at least 1e-6)."""
+    x = s[:, rows]
+    return (s - x.mean()) / max(float(x.std()), 1e-6)
+
+
+# --- CUR ---
+
+def cur_loops(k, v, pos, P, sinks, kind, local, w, G=None):
+    b, hkv, n, _ = k.shape
+    out = torch.zeros(b, hkv, P, dtype=torch.float64)
+    for i in range(b):
+        rows = [j for j in range(n) if pos[i, j] >= 0]
+        for h in range(hkv):
+            def lev(x):
+                s = {j: float((x[i, h, j] if G is None else x[i, h, j] @ G).square().sum()) for j in rows}
+                if local:
+                    chunk = {}
+                    for j in rows:
+                        chunk[int(pos[i, j]) // w] = chunk.get(int(pos[i, j]) // w, 0.0) + s[j]
+                    s = {j: s[j] / chunk[int(pos[i, j]) // w] for j in rows}
+                return s
+            k2, v2 = lev(k), lev(v)
+            s = {j: {"key": k2[j], "value": v2[j], "kv_avg": (k2[j] + v2[j]) / 2, "kv_product": k2[j] * v2[j]}[kind]
+                 for j in rows}
+            total = sum(s.values())
+            for j in rows:
+                if j < P:
+                    out[i, h, j] = 1.0 if pos[i, j] < sinks else s[j] / total
+    return out
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(leverage_type="kv_avg", local_window_size=5),
+                                   dict(leverage_type="key", use_local_approximation=False, sink_tokens=0),
+                                   dict(leverage_type="value", use_random_leverage=True, sketch_seed=3)])
+def test_cur_equals_float64_loops(knobs):
+    obs, _, k, v, pos = case()
+    cfg = {"sink_tokens": 4, "leverage_type": "kv_product", "use_local_approximation": True,
+           "local_window_size": 16, **knobs}
+    got = scores_of(obs, method="cur", **knobs)
+    G = cur.sketch(D, cur.SKETCH, cfg.get("sketch_seed", 0), obs.layer, "cpu").double() \
+        if cfg.get("use_random_leverage") else None
+    ref = cur_loops(k, v, pos, obs.prefix_len, cfg["sink_tokens"], cfg["leverage_type"],
+                    cfg["use_local_approximation"], cfg["local_window_size"], G)
+    check(got, ref, pos, obs.prefix_len)
+
+
+# --- Leverage ---
+
+def leverage_loops(k, pos, P, dimension, seed, layer):
+    b, hkv, n, d = k.shape
+    phi = cur.sketch(d, dimension, seed, layer, "cpu").double()
+    out = torch.zeros(b, hkv, n, dtype=torch.float64)
+    for i in range(b):
+        rows = [j for j in range(n) if pos[i, j] >= 0]
+        for h in range(hkv):
+            pre = {j: rotation(int(pos[i, j])).T @ k[i, h, j] for j in rows}
+            mean = sum(pre.values()) / len(rows)
+            X = {j: (pre[j] - mean) @ phi for j in rows}
+            G = sum(torch.outer(x, x) for x in X.values()) + 1e-2 * torch.eye(dimension, dtype=torch.float64)
+            inv = torch.linalg.inv(G)
+            for j in rows:
+                out[i, h, j] = X[j] @ inv @ X[j]
+        out[i] = zscore_loop(out[i], rows)
+    return out[..., :P]
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(sketch_dimension=5, sketch_seed=7)])
+def test_leverage_equals_float64_loops(knobs):
+    obs, _, k, _, pos = case()
+    cfg = {"sketch_dimension": 48, "sketch_seed": 0, **knobs}
+    got = scores_of(obs, method="leverage", **knobs)
+    ref = leverage_loops(k, pos, obs.prefix_len, cfg["sketch_dimension"], cfg["sketch_seed"], obs.layer)
+    check(got, ref, pos, obs.prefix_len, tol=1e-4)
+
+
+def test_leverage_is_the_statistical_leverage_when_the_sketch_keeps_every_direction():
+    """With more sketch columns than d and keys large against the jitter, the scores are the leverage of the
+    centred keys before RoPE: they sum to d per head, and an outlier key has the largest."""
+    obs, _, k, _, pos = case(b=1, hkv=2, n=30, pad=(0,))
+    obs.keys = obs.keys * 100
+    obs.keys[0, 0, 11] *= 8  # an outlier (its direction unchanged)
+    s = leverage.leverage(obs, 64, 0, )
+    torch.testing.assert_close(s.sum(-1), torch.full((1, 2), float(D)), rtol=1e-3, atol=0)
+    assert int(s[0, 0].argmax()) == 11
+
+
+# --- LagKV ---
+
+def lagkv_loops(k, v, pos, P, sinks, lag, cross):
+    b, hkv, n, d = k.shape
+    out = torch.zeros(b, hkv, P, dtype=torch.float64)
+    for i in range(b):
+        rows = [j for j in range(n) if pos[i, j] >= 0]
+        L = len(rows)
+        for h in range(hkv):
+            s = {}
+            if L < sinks + 2 * lag:
+                for t, j in enumerate(rows):
+                    s[j] = 1.0 if t < sinks else (t - sinks) / (L - sinks)
+            else:
+                m = (L - sinks) // lag
+                for t, j in enumerate(rows):
+                    if t < sinks or t >= sinks + (m - 1) * lag:
+                        s[j] = 1.0
+                for part in range(m - 1):
+                    own = rows[sinks + part * lag : sinks + (part + 1) * lag]
+                    ref = rows[sinks + (part + 1) * lag : sinks + (part + 2) * lag]
+                    both = torch.zeros(lag, dtype=torch.float64)
+                    for x in (k, v):
+                        lo = torch.stack([x[i, h, j] for j in ref]).min(0).values
+                        hi = torch.stack([x[i, h, j] for j in ref]).max(0).values
+                        spread = torch.tensor([float(((x[i, h, j] - lo) / (hi - lo)).std()) for j in own])
+                        both += torch.softmax(spread.double(), 0) / 2
+                    if not cross:
+                        both = torch.tensor([sum(float(o) < float(x) for o in both) for x in both],
+                                            dtype=torch.float64) / lag
+                    for t, j in enumerate(own):
+                        s[j] = float(both[t])
+            for j in rows:
+                if j < P:
+                    out[i, h, j] = s[j]
+    return out
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(cross_scoring=True), dict(lag_size=4, sink_tokens=0),
+                                   dict(lag_size=20)])
+def test_lagkv_equals_float64_loops(knobs):
+    obs, _, k, v, pos = case(n=50, pad=(0, 9))
+    cfg = {"sink_tokens": 4, "lag_size": 6, "cross_scoring": False, **knobs}
+    got = scores_of(obs, method="lagkv", **{"lag_size": 6, **knobs})
+    ref = lagkv_loops(k, v, pos, obs.prefix_len, cfg["sink_tokens"], cfg["lag_size"], cfg["cross_scoring"])
+    check(got, ref, pos, obs.prefix_len)
+
+
+# --- non-causal chunked attention ---
+
+def noncausal_loops(q, k, v, pos, P, size):
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    out = torch.zeros(b, hkv, n, dtype=torch.float64)
+    for i in range(b):
+        rows = [j for j in range(n) if pos[i, j] >= 0]
+        A = torch.zeros(hq, n, dtype=torch.float64)
+        for h in range(hq):
+            for c in range(0, len(rows), size):
+                chunk = rows[c : c + size]
+                for t in chunk:
+                    a = torch.softmax(torch.stack([q[i, h, t] @ k[i, h // g, j] for j in chunk]), 0)
+                    for j, w in zip(chunk, a):
+                        A[h, j] += w
+        s = torch.zeros(hkv, n, dtype=torch.float64)
+        for h in range(hkv):
+            for j in rows:
+                s[h, j] = A[h * g : (h + 1) * g, j].mean() * v[i, h, j].norm()
+        pooled = torch.zeros_like(s)
+        for j in range(n):
+            pooled[:, j] = sum(s[:, o] for o in (j - 1, j, j + 1) if 0 <= o < n) / 3
+        out[i] = zscore_loop(pooled, rows)
+    return out[..., :P]
+
+
+@pytest.mark.parametrize("size", [256, 7, 16])
+def test_noncausal_equals_float64_loops(size):
+    obs, q, k, v, pos = case(n=36, pad=(0, 5))
+    got = scores_of(obs, method="noncausal", attention_chunk=size)
+    ref = noncausal_loops(q, k, v, pos, obs.prefix_len, size)
+    check(got, ref, pos, obs.prefix_len, tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["cur", "leverage", "lagkv", "noncausal"])
+def test_low_precision_inputs_give_finite_float32_scores(dtype, method):
+    obs, *_ = case(n=60, dtype=dtype)
+    obs.queries, obs.keys = obs.queries * 30, obs.keys * 30
+    extra = {"lag_size": 8} if method == "lagkv" else {}
+    got = scores_of(obs, method=method, **extra)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
