@@ -1,21 +1,22 @@
 """CUR (CurDKV): keep the entries of largest approximate key and value leverage.
 
-Paper: "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition" (Sengupta et al., 2025),
-https://arxiv.org/abs/2509.15038; code: kvpress ``CURPress`` (https://github.com/NVIDIA/kvpress,
-``kvpress/presses/cur_press.py``), whose definition this is.
+Paper: "Value-Guided KV Compression for LLMs via Approximated CUR Decomposition" (Sengupta et al.,
+2025), https://arxiv.org/abs/2509.15038; code: kvpress ``CURPress``
+(https://github.com/NVIDIA/kvpress, ``kvpress/presses/cur_press.py``), whose definition this is.
 
 Per KV head, an entry's key leverage is ``||k_n||^2`` and its value leverage ``||v_n||^2``
-(``use_random_leverage``: of ``k G`` and ``v G``, ``G`` a Gaussian d x 20 sketch scaled by 1/sqrt(20));
-with ``use_local_approximation`` each is divided by its total over the entry's chunk of
-``local_window_size`` consecutive tokens. ``leverage_type`` combines them (``key``, ``value``, their mean
-``kv_avg`` or their product ``kv_product``), the result is divided by its total over the head's entries,
-and the first ``sink_tokens`` tokens (the reference's ``num_sinks``) score 1 (above every other entry). Query-free.
+(``use_random_leverage``: of ``k G`` and ``v G``, ``G`` a Gaussian d x 20 sketch scaled by
+1/sqrt(20)); with ``use_local_approximation`` each is divided by its total over the entry's chunk of
+``local_window_size`` consecutive tokens. ``leverage_type`` combines them (``key``, ``value``, their
+mean ``kv_avg`` or their product ``kv_product``), the result is divided by its total over the head's
+entries, and the first ``sink_tokens`` tokens (the reference's ``num_sinks``) score 1 (above every
+other entry). Query-free.
 
-Differences: chunks and sinks count from each sample's first real token (the reference counts from the
-tensor's first index, the same without padding), padding takes no part in the totals; the sketch is seeded
-(``sketch_seed``, per layer: the reference draws from the global random state at every call); the
-observation window is always kept (the reference keeps none; ``window_size=1`` comes closest).
-"""
+Differences: chunks and sinks count from each sample's first real token (the reference counts from
+the tensor's first index, the same without padding), padding takes no part in the totals; the sketch
+is seeded (``sketch_seed``, per layer: the reference draws from the global random state at every
+call); the observation window is always kept (the reference keeps none; ``window_size=1`` comes
+closest)."""
 
 from __future__ import annotations
 
@@ -25,23 +26,46 @@ from . import streamingllm
 from .partition import chunk_sums
 
 SKETCH = 20  # columns of the random sketch (the reference's r)
-SKETCH_SEED = Knob("sketch_seed", 0, "seed of the Gaussian sketch (draws differ per layer)", check=lambda s: s >= 0,
-                   rule=">= 0")
+SKETCH_SEED = Knob(
+    "sketch_seed",
+    0,
+    "seed of the Gaussian sketch (draws differ per layer)",
+    check=lambda s: s >= 0,
+    rule=">= 0",
+)
 
 KNOBS = (
     streamingllm.KNOBS[0],
-    Knob("leverage_type", "kv_product", "how key and value leverage combine", choices=("key", "value", "kv_avg",
-                                                                                         "kv_product")),
-    Knob("use_random_leverage", False, "leverage of the keys and values after a Gaussian sketch to 20 columns"),
+    Knob(
+        "leverage_type",
+        "kv_product",
+        "how key and value leverage combine",
+        choices=("key", "value", "kv_avg", "kv_product"),
+    ),
+    Knob(
+        "use_random_leverage",
+        False,
+        "leverage of the keys and values after a Gaussian sketch to 20 columns",
+    ),
     SKETCH_SEED.but(when={"use_random_leverage": (True,)}),
-    Knob("use_local_approximation", True, "normalise the leverage over chunks of local_window_size tokens"),
-    Knob("local_window_size", 16, "tokens per chunk of the local normalisation", check=lambda n: n >= 1,
-         rule=">= 1", when={"use_local_approximation": (True,)}),
+    Knob(
+        "use_local_approximation",
+        True,
+        "normalise the leverage over chunks of local_window_size tokens",
+    ),
+    Knob(
+        "local_window_size",
+        16,
+        "tokens per chunk of the local normalisation",
+        check=lambda n: n >= 1,
+        rule=">= 1",
+        when={"use_local_approximation": (True,)},
+    ),
 )
 
 
 def sketch(d: int, r: int, seed: int, layer: int, device) -> "torch.Tensor":
-    """The Gaussian sketch [d, r] scaled by 1/sqrt(r) of a layer (the same draws on every device)."""
+    """The Gaussian sketch [d, r] scaled by 1/sqrt(r) of a layer (the same draws on any device)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + layer)
     return (torch.randn(d, r, generator=g) / r**0.5).to(device)
 

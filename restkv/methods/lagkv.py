@@ -1,22 +1,24 @@
 """LagKV: score each partition of the prompt against the next one (lag-relative statistics).
 
-Paper: "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important" (Liang et al.,
-2025), https://arxiv.org/abs/2504.04704; code: kvpress ``LagKVPress`` (https://github.com/NVIDIA/kvpress,
-``kvpress/presses/lagkv_press.py``), whose definition this is.
+Paper: "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important" (Liang et
+al., 2025), https://arxiv.org/abs/2504.04704; code: kvpress ``LagKVPress``
+(https://github.com/NVIDIA/kvpress, ``kvpress/presses/lagkv_press.py``), whose definition this is.
 
-After the first ``sink_tokens`` tokens (the reference's ``n_sink``) the prompt is cut into partitions of ``lag_size`` tokens; the last full
-partition and the remainder after it (the tail) are always kept, as are the sinks. Every other partition
-is scored against the next: per KV head and channel, its keys are min-max normalised by the next
-partition's keys' range, an entry's key score is the standard deviation of its normalised key over the
-channels, softmaxed over the partition; the value score likewise; the score is their mean. Without
-``cross_scoring`` it is replaced by its rank inside its partition over ``lag_size`` (each partition then
-loses as many entries as the others under a uniform budget). A prompt shorter than
-``sink_tokens + 2 lag_size`` is scored by recency (nothing else to compare with). Query-free.
+After the first ``sink_tokens`` tokens (the reference's ``n_sink``) the prompt is cut into
+partitions of ``lag_size`` tokens; the last full partition and the remainder after it (the tail) are
+always kept, as are the sinks. Every other partition is scored against the next: per KV head and
+channel, its keys are min-max normalised by the next partition's keys' range, an entry's key score
+is the standard deviation of its normalised key over the channels, softmaxed over the partition; the
+value score likewise; the score is their mean. Without ``cross_scoring`` it is replaced by its rank
+inside its partition over ``lag_size`` (each partition then loses as many entries as the others
+under a uniform budget). A prompt shorter than ``sink_tokens + 2 lag_size`` is scored by recency
+(nothing else to compare with). Query-free.
 
-Differences: partitions count from each sample's first real token (the reference: from the tensor's first
-index, the same without padding); a channel whose range in the next partition is zero divides by 1e-30
-(the reference gets NaN there); the scores are float32 (the reference: the model dtype); the observation
-window is always kept (the reference keeps none; ``window_size=1`` comes closest).
+Differences: partitions count from each sample's first real token (the reference: from the tensor's
+first index, the same without padding); a channel whose range in the next partition is zero divides
+by 1e-30 (the reference gets NaN there); the scores are float32 (the reference: the model dtype);
+the observation window is always kept (the reference keeps none; ``window_size=1`` comes
+closest).
 """
 
 from __future__ import annotations
@@ -25,50 +27,57 @@ from .. import observe
 from ..knobs import Knob
 from ..lazy import torch
 from . import streamingllm
-from .partition import chunk_slots
+from .partition import chunk_slots, gather_slots
 
 KNOBS = (
     streamingllm.KNOBS[0],
-    Knob("lag_size", 128, "tokens per partition (each scored against the next)", check=lambda n: n >= 2, rule=">= 2"),
-    Knob("cross_scoring", False, "keep the softmaxed scores (comparable across partitions and heads) instead of "
-         "their rank inside each partition"),
+    Knob(
+        "lag_size",
+        128,
+        "tokens per partition (each scored against the next)",
+        check=lambda n: n >= 2,
+        rule=">= 2",
+    ),
+    Knob(
+        "cross_scoring",
+        False,
+        "keep the softmaxed scores (comparable across partitions and heads) instead of "
+        "their rank inside each partition",
+    ),
 )
 
 
-def _gather(x, index):
-    """Entries ``index`` [b, c, lag] of x [b, H, L, d] -> [b, H, c, lag, d] float32."""
-    b, heads, _, d = x.shape
-    flat = index.reshape(b, 1, -1, 1).expand(b, heads, -1, d)
-    return x.gather(2, flat).float().view(b, heads, *index.shape[1:], d)
-
-
 def partition_scores(x, index, lag: int) -> "torch.Tensor":
-    """The lag-relative score [b, H, m - 1, lag] of partitions 0..m-2 of x [b, H, L, d] (partition j's
-    entries ``index[:, j]``), each against partition j + 1's range."""
+    """The lag-relative score [b, H, m - 1, lag] of partitions 0..m-2 of x [b, H, L, d]
+    (partition j's entries ``index[:, j]``), each against partition j + 1's range."""
     m = index.shape[1]
     block = max(1, observe.VALUE_BLOCK // lag)
-    lo, hi = [], []
+    lo = []
+    hi = []
     for c in range(1, m, block):
-        part = _gather(x, index[:, c : c + block])
+        part = gather_slots(x, index[:, c : c + block])
         lo.append(part.amin(3))
         hi.append(part.amax(3))
-    lo, hi = torch.cat(lo, 2), torch.cat(hi, 2)  # [b, H, m - 1, d]: the reference of partitions 0..m-2
+    lo = torch.cat(lo, 2)  # [b, H, m - 1, d]: the range of partition j + 1, for j = 0..m-2
+    span = (torch.cat(hi, 2) - lo).clamp_min_(1e-30)
     out = []
     for c in range(0, m - 1, block):
         e = min(m - 1, c + block)
-        part = _gather(x, index[:, c:e])
-        low, span = lo[:, :, c:e, None], (hi - lo)[:, :, c:e, None].clamp_min(1e-30)
-        out.append(part.sub_(low).div_(span).std(-1).softmax(-1))
+        part = gather_slots(x, index[:, c:e])
+        normalised = part.sub_(lo[:, :, c:e, None]).div_(span[:, :, c:e, None])
+        out.append(normalised.std(-1).softmax(-1))
     return torch.cat(out, 2)
 
 
 def score(obs, cfg):
-    """Sinks and tail 1, each other partition's entries their lag-relative score (or its rank) -> [b, Hkv, P]."""
+    """Sinks and tail 1, the other partitions' entries their lag-relative score (or its rank)
+    -> [b, Hkv, P]."""
     b, hkv, n, _ = obs.keys.shape
-    lag, sinks = cfg.lag_size, cfg.sink_tokens
+    lag = cfg.lag_size
+    sinks = cfg.sink_tokens
     pos = obs.positions[:, None]  # [b, 1, L]
     real = obs.key_valid.sum(-1)[:, None, None]  # [b, 1, 1]
-    recency = (pos - sinks).float() / (real - sinks).clamp_min(1).float()  # the short prompts' scores
+    recency = (pos - sinks) / (real - sinks).clamp_min(1)  # the short prompts' scores
     out = torch.zeros(b, hkv, n, device=obs.keys.device)
     if n >= sinks + 2 * lag:
         index, _ = chunk_slots(obs.key_valid, lag, sinks)

@@ -1,5 +1,6 @@
-"""kvpress's scorers without a trained part (CUR, Leverage, LagKV, non-causal attention) against float64 loops
-written from their definitions (kvpress 0.5.5's presses), on hand-made inputs with left padding."""
+"""kvpress's scorers without a trained part (CUR, Leverage, LagKV, non-causal attention) against
+float64 loops written from their definitions (kvpress 0.5.5's presses), on hand-made inputs with
+left padding."""
 
 from __future__ import annotations
 
@@ -19,28 +20,51 @@ D = 8
 
 
 def rotation(p: int, d: int = D, base: float = 10000.0) -> torch.Tensor:
-    """The RoPE matrix [d, d] of position p, float64: pair (i, i + d/2) rotated by p / base^(2i/d)."""
+    """The RoPE matrix [d, d] of position p, float64: pair (i, i + d/2) turned by p / base^(2i/d)."""
     R = torch.zeros(d, d, dtype=torch.float64)
     h = d // 2
     for i in range(h):
         a = p * base ** (-2 * i / d)
-        R[i, i], R[i, i + h], R[i + h, i], R[i + h, i + h] = math.cos(a), -math.sin(a), math.sin(a), math.cos(a)
+        R[i, i], R[i, i + h], R[i + h, i], R[i + h, i + h] = (
+            math.cos(a),
+            -math.sin(a),
+            math.sin(a),
+            math.cos(a),
+        )
     return R
 
 
 def case(b=2, hq=4, hkv=2, n=40, pad=(0, 7), window=3, seed=0, dtype=torch.float32, layer=1):
-    """An observation with left padding ``pad`` per sample; its queries, keys (after RoPE), values float64,
+    """An observation with left padding ``pad`` per sample; its queries, keys (after RoPE),
+    values float64,
     the positions [b, n] (-1 on padding)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, n, D, generator=g, dtype=torch.float64)
-    k = torch.randn(b, hkv, n, D, generator=g, dtype=torch.float64) * torch.rand(b, hkv, n, 1, generator=g) * 2
-    v = torch.randn(b, hkv, n, D, generator=g, dtype=torch.float64) * torch.rand(b, hkv, n, 1, generator=g) * 2
+    k = (
+        torch.randn(b, hkv, n, D, generator=g, dtype=torch.float64)
+        * torch.rand(b, hkv, n, 1, generator=g)
+        * 2
+    )
+    v = (
+        torch.randn(b, hkv, n, D, generator=g, dtype=torch.float64)
+        * torch.rand(b, hkv, n, 1, generator=g)
+        * 2
+    )
     valid = torch.ones(b, n, dtype=torch.bool)
     for i, p in enumerate(pad):
         valid[i, :p] = False
     pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
-    obs = Observation(q.to(dtype), k.to(dtype), v.to(dtype), valid, window=window, budget=12, scaling=D**-0.5,
-                      rope=Rope.of(rope_embed(D), pos.clamp_min(0)), layer=layer)
+    obs = Observation(
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
+        valid,
+        window=window,
+        budget=12,
+        scaling=D**-0.5,
+        rope=Rope.of(rope_embed(D), pos.clamp_min(0)),
+        layer=layer,
+    )
     return obs, q, k, v, pos
 
 
@@ -56,12 +80,13 @@ def check(got, ref, pos, P, tol=2e-5):
 
 
 def zscore_loop(s, rows):
-    """s [H, n] float64 over the real entries ``rows``: (s - mean) / std (unbiased, at least 1e-6)."""
+    """s [H, n] float64 over the real entries ``rows``: (s - mean) / std (unbiased, >= 1e-6)."""
     x = s[:, rows]
     return (s - x.mean()) / max(float(x.std()), 1e-6)
 
 
 # --- CUR ---
+
 
 def cur_loops(k, v, pos, P, sinks, kind, local, w, G=None):
     b, hkv, n, _ = k.shape
@@ -69,17 +94,29 @@ def cur_loops(k, v, pos, P, sinks, kind, local, w, G=None):
     for i in range(b):
         rows = [j for j in range(n) if pos[i, j] >= 0]
         for h in range(hkv):
+
             def lev(x):
-                s = {j: float((x[i, h, j] if G is None else x[i, h, j] @ G).square().sum()) for j in rows}
+                s = {
+                    j: float((x[i, h, j] if G is None else x[i, h, j] @ G).square().sum())
+                    for j in rows
+                }
                 if local:
                     chunk = {}
                     for j in rows:
                         chunk[int(pos[i, j]) // w] = chunk.get(int(pos[i, j]) // w, 0.0) + s[j]
                     s = {j: s[j] / chunk[int(pos[i, j]) // w] for j in rows}
                 return s
+
             k2, v2 = lev(k), lev(v)
-            s = {j: {"key": k2[j], "value": v2[j], "kv_avg": (k2[j] + v2[j]) / 2, "kv_product": k2[j] * v2[j]}[kind]
-                 for j in rows}
+            s = {
+                j: {
+                    "key": k2[j],
+                    "value": v2[j],
+                    "kv_avg": (k2[j] + v2[j]) / 2,
+                    "kv_product": k2[j] * v2[j],
+                }[kind]
+                for j in rows
+            }
             total = sum(s.values())
             for j in rows:
                 if j < P:
@@ -87,22 +124,46 @@ def cur_loops(k, v, pos, P, sinks, kind, local, w, G=None):
     return out
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(leverage_type="kv_avg", local_window_size=5),
-                                   dict(leverage_type="key", use_local_approximation=False, sink_tokens=0),
-                                   dict(leverage_type="value", use_random_leverage=True, sketch_seed=3)])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(),
+        dict(leverage_type="kv_avg", local_window_size=5),
+        dict(leverage_type="key", use_local_approximation=False, sink_tokens=0),
+        dict(leverage_type="value", use_random_leverage=True, sketch_seed=3),
+    ],
+)
 def test_cur_equals_float64_loops(knobs):
     obs, _, k, v, pos = case()
-    cfg = {"sink_tokens": 4, "leverage_type": "kv_product", "use_local_approximation": True,
-           "local_window_size": 16, **knobs}
+    cfg = {
+        "sink_tokens": 4,
+        "leverage_type": "kv_product",
+        "use_local_approximation": True,
+        "local_window_size": 16,
+        **knobs,
+    }
     got = scores_of(obs, method="cur", **knobs)
-    G = cur.sketch(D, cur.SKETCH, cfg.get("sketch_seed", 0), obs.layer, "cpu").double() \
-        if cfg.get("use_random_leverage") else None
-    ref = cur_loops(k, v, pos, obs.prefix_len, cfg["sink_tokens"], cfg["leverage_type"],
-                    cfg["use_local_approximation"], cfg["local_window_size"], G)
+    G = (
+        cur.sketch(D, cur.SKETCH, cfg.get("sketch_seed", 0), obs.layer, "cpu").double()
+        if cfg.get("use_random_leverage")
+        else None
+    )
+    ref = cur_loops(
+        k,
+        v,
+        pos,
+        obs.prefix_len,
+        cfg["sink_tokens"],
+        cfg["leverage_type"],
+        cfg["use_local_approximation"],
+        cfg["local_window_size"],
+        G,
+    )
     check(got, ref, pos, obs.prefix_len)
 
 
 # --- Leverage ---
+
 
 def leverage_loops(k, pos, P, dimension, seed, layer):
     b, hkv, n, d = k.shape
@@ -114,7 +175,9 @@ def leverage_loops(k, pos, P, dimension, seed, layer):
             pre = {j: rotation(int(pos[i, j])).T @ k[i, h, j] for j in rows}
             mean = sum(pre.values()) / len(rows)
             X = {j: (pre[j] - mean) @ phi for j in rows}
-            G = sum(torch.outer(x, x) for x in X.values()) + 1e-2 * torch.eye(dimension, dtype=torch.float64)
+            G = sum(torch.outer(x, x) for x in X.values()) + 1e-2 * torch.eye(
+                dimension, dtype=torch.float64
+            )
             inv = torch.linalg.inv(G)
             for j in rows:
                 out[i, h, j] = X[j] @ inv @ X[j]
@@ -127,22 +190,30 @@ def test_leverage_equals_float64_loops(knobs):
     obs, _, k, _, pos = case()
     cfg = {"sketch_dimension": 48, "sketch_seed": 0, **knobs}
     got = scores_of(obs, method="leverage", **knobs)
-    ref = leverage_loops(k, pos, obs.prefix_len, cfg["sketch_dimension"], cfg["sketch_seed"], obs.layer)
+    ref = leverage_loops(
+        k, pos, obs.prefix_len, cfg["sketch_dimension"], cfg["sketch_seed"], obs.layer
+    )
     check(got, ref, pos, obs.prefix_len, tol=1e-4)
 
 
 def test_leverage_is_the_statistical_leverage_when_the_sketch_keeps_every_direction():
-    """With more sketch columns than d and keys large against the jitter, the scores are the leverage of the
+    """With more sketch columns than d and keys large against the jitter, the scores are the
+    leverage of the
     centred keys before RoPE: they sum to d per head, and an outlier key has the largest."""
     obs, _, k, _, pos = case(b=1, hkv=2, n=30, pad=(0,))
     obs.keys = obs.keys * 100
     obs.keys[0, 0, 11] *= 8  # an outlier (its direction unchanged)
-    s = leverage.leverage(obs, 64, 0, )
+    s = leverage.leverage(
+        obs,
+        64,
+        0,
+    )
     torch.testing.assert_close(s.sum(-1), torch.full((1, 2), float(D)), rtol=1e-3, atol=0)
     assert int(s[0, 0].argmax()) == 11
 
 
 # --- LagKV ---
+
 
 def lagkv_loops(k, v, pos, P, sinks, lag, cross):
     b, hkv, n, d = k.shape
@@ -167,11 +238,18 @@ def lagkv_loops(k, v, pos, P, sinks, lag, cross):
                     for x in (k, v):
                         lo = torch.stack([x[i, h, j] for j in ref]).min(0).values
                         hi = torch.stack([x[i, h, j] for j in ref]).max(0).values
-                        spread = torch.tensor([float(((x[i, h, j] - lo) / (hi - lo)).std()) for j in own])
+                        spread = torch.tensor(
+                            [float(((x[i, h, j] - lo) / (hi - lo)).std()) for j in own]
+                        )
                         both += torch.softmax(spread.double(), 0) / 2
                     if not cross:
-                        both = torch.tensor([sum(float(o) < float(x) for o in both) for x in both],
-                                            dtype=torch.float64) / lag
+                        both = (
+                            torch.tensor(
+                                [sum(float(o) < float(x) for o in both) for x in both],
+                                dtype=torch.float64,
+                            )
+                            / lag
+                        )
                     for t, j in enumerate(own):
                         s[j] = float(both[t])
             for j in rows:
@@ -180,17 +258,21 @@ def lagkv_loops(k, v, pos, P, sinks, lag, cross):
     return out
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(cross_scoring=True), dict(lag_size=4, sink_tokens=0),
-                                   dict(lag_size=20)])
+@pytest.mark.parametrize(
+    "knobs", [dict(), dict(cross_scoring=True), dict(lag_size=4, sink_tokens=0), dict(lag_size=20)]
+)
 def test_lagkv_equals_float64_loops(knobs):
     obs, _, k, v, pos = case(n=50, pad=(0, 9))
     cfg = {"sink_tokens": 4, "lag_size": 6, "cross_scoring": False, **knobs}
     got = scores_of(obs, method="lagkv", **{"lag_size": 6, **knobs})
-    ref = lagkv_loops(k, v, pos, obs.prefix_len, cfg["sink_tokens"], cfg["lag_size"], cfg["cross_scoring"])
+    ref = lagkv_loops(
+        k, v, pos, obs.prefix_len, cfg["sink_tokens"], cfg["lag_size"], cfg["cross_scoring"]
+    )
     check(got, ref, pos, obs.prefix_len)
 
 
 # --- non-causal chunked attention ---
+
 
 def noncausal_loops(q, k, v, pos, P, size):
     b, hq, n, d = q.shape
