@@ -14,7 +14,9 @@ kvpress keeps exactly B (``compression_ratio``). Windows. kvpress's SnapKV (and 
 CriticalKV and ChunkKV built on it) observes and always keeps the last ``window_size=64`` tokens: restkv gets
 ``window_size=64`` there, with SnapKV's kernel 5 and average pooling. kvpress's TOVA always keeps the last
 token, its Knorm keeps nothing in particular: restkv gets ``window_size=1``. StreamingLLM keeps 4 sinks and
-the most recent tokens in both, whatever the window.
+the most recent tokens in both, whatever the window. SimLayerKV and DMS keep what a threshold decides (kvpress
+has no ``compression_ratio`` there): restkv's budget is set above the prompt (``UNCAPPED``), DMS's sliding
+window of 128 is restkv's window, and kept/head shows what each keeps.
 
 Columns:
 
@@ -73,6 +75,8 @@ def snapkv_press(**args) -> dict:
     """kvpress's SnapKVPress with its defaults written out (window 64, kernel 5)."""
     return press("SnapKVPress", compression_ratio=RATIO, window_size=64, kernel_size=5, **args)
 
+
+UNCAPPED = 1 << 30  # a budget above any prompt, for methods whose kept sets a threshold decides
 
 # restkv's SnapKV with kvpress SnapKVPress's defaults: window 64, kernel 5, average pooling
 SNAP = dict(window_size=64, kernel_size=5, pooling="avgpool")
@@ -136,6 +140,12 @@ PAIRS = (
     Pair("Leverage", dict(method="leverage", window_size=1), press("LeverageScorePress", compression_ratio=RATIO)),
     Pair("LagKV", dict(method="lagkv", window_size=1), press("LagKVPress", compression_ratio=RATIO)),
     Pair("NonCausalAttn", dict(method="noncausal", window_size=1), press("NonCausalAttnPress", compression_ratio=RATIO)),
+    # content-dependent kept sets (no compression_ratio): restkv's budget set far above the prompt caps nothing
+    Pair("SimLayerKV", dict(method="simlayerkv", window_size=1, n_recent=256, max_capacity_prompt=UNCAPPED),
+         press("SimLayerKVPress", lazy_threshold=0.9, n_recent=256)),
+    Pair("DMS (non-causal attention scores)", dict(method="noncausal", head_budget="threshold", threshold=0.0,
+                                                   window_size=128, max_capacity_prompt=UNCAPPED),
+         press("DMSPress", press=press("NonCausalAttnPress"), threshold=0.0, sliding_window_size=128)),
 )
 
 

@@ -16,6 +16,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RATIO = "<compression_ratio>"
+# presses that draw from torch's global random state at every call (a Gaussian sketch): each runs on its own
+# prefill, after torch.manual_seed(0), since a shared prefill interleaves the draws of several presses
+UNSEEDED = {"LeverageScorePress"}
 
 
 def press(name: str, **args) -> dict:
@@ -209,8 +212,8 @@ def load_model(path: str):
 def kvpress_model_child(job: dict) -> dict:
     """Every sample with the full cache and under each press; one file per (press, sample) in ``job["out"]``.
 
-    Presses with hooks of their own (a custom ``__call__``, as KVzip) get one prefill each, the others share
-    one (``run_shared``). That sharing is checked first: on the first sample's first ``check`` tokens, every
+    Presses with hooks of their own (a custom ``__call__``, as KVzip) or random draws (``UNSEEDED``) get one
+    prefill each, the others share one (``run_shared``). That sharing is checked first: on the first sample's first ``check`` tokens, every
     shared press must give what its own prefill gives, bit for bit. Returns the check's result.
     """
     import torch
@@ -219,7 +222,8 @@ def kvpress_model_child(job: dict) -> dict:
     model = load_model(job["model"])
     classes, out, length = _kvpress_classes(), Path(job["out"]), job["length"]
     own = {key for key, spec in job["presses"].items()
-           if type(build_press(spec, classes, job["ratio"])).__call__ is not classes["BasePress"].__call__}
+           if type(build_press(spec, classes, job["ratio"])).__call__ is not classes["BasePress"].__call__
+           or press_classes(spec) & UNSEEDED}
 
     def build(keys):
         return {key: build_press(job["presses"][key], classes, job["ratio"]) for key in keys}
@@ -239,6 +243,7 @@ def kvpress_model_child(job: dict) -> dict:
         results = run_shared(model, ids, length, build(shared))
         torch.save({"logprobs": results.pop("full")}, out / f"full-{s}.pt")
         for key, built in build(own).items():
+            torch.manual_seed(0)
             results[key] = run_each(model, ids, length, built)
         for key, (kept, logprobs) in results.items():
             torch.save({"kept": kept, "logprobs": logprobs}, out / f"{key}-{s}.pt")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import think
-from .budgets import layer_budgets, sample_budgets
+from .budgets import fits, layer_budgets, sample_budgets
 from .cache import CompressedLayer, cache_layer
 from .config import CompressionConfig
 from .observe import Observation, relative_positions, wo_factor
@@ -81,7 +81,7 @@ class LayerPrefill:
         self.parts = [(slice(None) if self.batched else slice(i, i + 1), s,
                        layer_budgets(cfg, plan.num_evicted, n - s, B)[plan.rank])
                       for i, (s, B) in enumerate(zip(starts, budgets))]  # (samples, first position, budget)
-        self.keeps_all = not cfg.evicts or all(length <= bud for length, bud in zip(self.lengths, budgets))
+        self.keeps_all = not cfg.evicts or all(fits(cfg, length, bud) for length, bud in zip(self.lengths, budgets))
         ratio = cfg.get("pruning_ratio")
         self.energy = None if ratio is None else think.query_energy(query, key_valid, cfg.window_size)
         self.scores = None  # per part, when computed ahead of the selection

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .budgets import head_sizes
+from .budgets import fits, head_sizes
 from .chunks import chunk_order
 from .critical import two_stage, value_norms
 from .config import CompressionConfig
@@ -103,8 +103,9 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
     With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with its own kept set.
     """
     b, hkv, n, d = obs.keys.shape
-    per_query_head = cfg.get("gqa_agg") == "none" and obs.queries.shape[1] != hkv and n > obs.budget
-    if n <= obs.budget:
+    fit = fits(cfg, n, obs.budget)
+    per_query_head = cfg.get("gqa_agg") == "none" and obs.queries.shape[1] != hkv and not fit
+    if fit:
         idx = torch.arange(n, device=obs.keys.device).expand(b, hkv, n)
         keys, values, sizes = obs.keys, obs.values, None
     else:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from . import (cam, cur, defensivekv, expected_attention, h2o, keydiff, kvzip, l2norm, lacache, lagkv, leverage,
-               noncausal, random, restkv, snapkv, streamingllm, tova)
+               noncausal, random, restkv, simlayerkv, snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,11 @@ class Method:
 _KVPRESS_SNAPKV = {"kernel_size": 5, "window_reduce": "mean"}
 
 
+# DMS in kvpress's threshold form (``DMSPress``): a threshold on a scorer's scores, here KVzip's (kvpress pairs
+# it with KVzap, a model trained to predict KVzip+'s scores), with DMSPress's sliding window of 128 tokens.
+_DMS = {"layer_budget": "uniform", "head_budget": "threshold", "threshold": 0.02, "window_size": 128}
+
+
 def _register(*methods: Method) -> dict:
     return {m.name: m for m in methods}
 
@@ -115,5 +120,7 @@ REGISTRY = _register(
     Method("leverage", leverage),
     Method("lagkv", lagkv),
     Method("noncausal", noncausal),
+    Method("simlayerkv", simlayerkv, {"head_budget": "threshold", "threshold": 0.5}),
+    Method("dms", kvzip, _DMS),
 )
 METHODS = tuple(REGISTRY)

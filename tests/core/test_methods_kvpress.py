@@ -14,7 +14,7 @@ from restkv.config import CompressionConfig
 from restkv.methods import cur, leverage
 from restkv.observe import Observation
 from restkv.rope import Rope
-from restkv.select import raw_scores
+from restkv.select import raw_scores, select
 
 D = 8
 
@@ -316,3 +316,90 @@ def test_low_precision_inputs_give_finite_float32_scores(dtype, method):
     extra = {"lag_size": 8} if method == "lagkv" else {}
     got = scores_of(obs, method=method, **extra)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
+
+
+# --- the threshold budget (DMS) and SimLayerKV ---
+
+def kept_sets(kept) -> list:
+    """Kept positions [b, H, K] -> per sample, per head, the set of kept positions."""
+    return [[{int(p) for p in head if p >= 0} for head in sample] for sample in kept.positions]
+
+
+@pytest.mark.parametrize("threshold,budget", [(-2.5, 10**6), (-3.2, 29), (-2.5, 9)])
+def test_the_threshold_budget_keeps_the_entries_scoring_at_least_the_threshold(threshold, budget):
+    """DMS's rule on L2Norm's scores (-||k||): a head keeps its prefix entries scoring >= threshold (at most
+    budget - window of them, the best) and the window, also when the prompt is within the budget."""
+    obs, _, k, _, pos = case(n=30, pad=(0, 4), window=3)
+    obs.budget = budget
+    cfg = CompressionConfig(method="l2norm", max_capacity_prompt=budget, window_size=3,
+                            head_budget="threshold", threshold=threshold)
+    got = kept_sets(select(obs, cfg))
+    P = obs.prefix_len
+    for i in range(2):
+        for h in range(2):
+            real = [j for j in range(P) if pos[i, j] >= 0]
+            above = sorted((j for j in real if -float(k[i, h, j].norm()) >= threshold),
+                           key=lambda j: float(k[i, h, j].norm()))[: budget - 3]
+            ref = {int(pos[i, j]) for j in above} | {int(pos[i, j]) for j in range(P, 30)}
+            assert got[i][h] == ref
+    sizes = [len(s) for sample in got for s in sample]
+    assert budget == 9 or min(sizes) < max(sizes) < 29, "heads keep different numbers of entries"
+    if budget == 9:
+        assert max(sizes) == 9
+
+
+def test_the_threshold_budget_needs_a_threshold():
+    with pytest.raises(ValueError, match="threshold"):
+        CompressionConfig(method="snapkv", head_budget="threshold")
+
+
+def simlayerkv_loops(q, k, pos, valid, lazy_threshold, n_last, n_recent, n_initial):
+    """Per sample, the positions a layer keeps (SimLayerKVPress on the sample's real tokens): its last
+    n_last queries' softmax attention (causal), averaged, summed over the first n_initial and the n_recent
+    before the last n_last keys; lazy above the threshold: the first n_initial + the last n_recent - n_last."""
+    b, hq, n, d = q.shape
+    g = hq // k.shape[1]
+    out = []
+    for i in range(b):
+        rows = [j for j in range(n) if valid[i, j]]
+        L = len(rows)
+        a = torch.zeros(L, dtype=torch.float64)
+        for h in range(hq):
+            for t in range(L - n_last, L):
+                z = torch.stack([q[i, h, rows[t]] @ k[i, h // g, rows[j]] * d**-0.5 for j in range(t + 1)])
+                a[: t + 1] += torch.softmax(z, 0) / (hq * n_last)
+        a = a[: L - n_last]
+        mass = float(a[:n_initial].sum() + a[-n_recent:].sum())
+        if L <= n_initial + n_recent + n_last or mass <= lazy_threshold:
+            out.append(set(range(L)))
+        else:
+            out.append(set(range(n_initial)) | set(range(L - n_recent + n_last, L)))
+    return out
+
+
+@pytest.mark.parametrize("knobs", [dict(lazy_threshold=0.3, n_recent=10), dict(lazy_threshold=0.95, n_recent=10),
+                                   dict(lazy_threshold=0.2, n_recent=6, n_last=3, n_initial=2),
+                                   dict(lazy_threshold=0.0, n_recent=40)])
+def test_simlayerkv_keeps_what_simlayerkvpress_keeps(knobs):
+    obs, q, k, _, pos = case(n=36, pad=(0, 6), window=1, seed=2)
+    obs.budget = 10**6  # caps nothing: a prompt within the budget is thresholded too
+    cfg = CompressionConfig(method="simlayerkv", max_capacity_prompt=10**6, window_size=1, **knobs)
+    got = kept_sets(select(obs, cfg))
+    full = {"lazy_threshold": 0.9, "n_last": 1, "n_recent": 1024, "n_initial": 4, **knobs}
+    ref = simlayerkv_loops(q, k, pos, obs.key_valid, **full)
+    for i in range(2):
+        assert all(head == ref[i] for head in got[i])
+
+
+def test_simlayerkv_decides_laziness_per_sample():
+    obs, *_ = case(n=36, pad=(0, 6), window=1, seed=2)
+    obs.budget = 10**6
+    cfg = CompressionConfig(method="simlayerkv", max_capacity_prompt=10**6, window_size=1, n_recent=10,
+                            lazy_threshold=0.0)
+    sizes = [len(s[0]) for s in kept_sets(select(obs, cfg))]
+    assert sizes == [4 + 9, 4 + 9]
+    obs.queries[1] *= 0  # uniform attention: 14 of 30 keys' mass on the ends
+    cfg = CompressionConfig(method="simlayerkv", max_capacity_prompt=10**6, window_size=1, n_recent=10,
+                            lazy_threshold=0.47)
+    lazy = [len(s[0]) < 30 for s in kept_sets(select(obs, cfg))]
+    assert lazy[1] is False
