@@ -1,5 +1,4 @@
-"""Non-causal attention: keep the entries the prompt's queries attend to most, attention taken
-non-causally inside chunks of the prompt.
+"""Non-causal attention: keep the entries most attended by the prompt's queries inside its chunks.
 
 Paper: "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores"
 (Chari & Van Durme, 2025), https://arxiv.org/abs/2507.08143; code: kvpress ``NonCausalAttnPress``

@@ -1,5 +1,6 @@
-"""Consecutive chunks of each sample's real tokens, for scorers that work chunk by chunk (CUR's
-local normalisation, LagKV's partitions, the non-causal chunked attention).
+"""Consecutive chunks of each sample's real tokens, for scorers that work chunk by chunk.
+
+CUR's local normalisation, LagKV's partitions and the non-causal chunked attention use them.
 
 A sample's real tokens are the last ones of the observation (prompts are left padded, and so is the
 layout a decoding layer is scored in), so chunk ``j`` of sample ``i`` is its real tokens ``start + j
@@ -44,7 +45,7 @@ def chunk_sums(x: "torch.Tensor", key_valid: "torch.Tensor", size: int) -> "torc
 
 
 def gather_slots(x: "torch.Tensor", index: "torch.Tensor") -> "torch.Tensor":
-    """Entries ``index`` [b, c, s] (from ``chunk_slots``) of x [b, H, L, d] -> [b, H, c, s, d] float32."""
+    """Slots ``index`` [b, c, s] (``chunk_slots``) of x [b, H, L, d] -> [b, H, c, s, d] float32."""
     b, heads, _, d = x.shape
     flat = index.reshape(b, 1, -1, 1).expand(b, heads, -1, d)
     return x.gather(2, flat).float().view(b, heads, *index.shape[1:], d)

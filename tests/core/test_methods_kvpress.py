@@ -20,7 +20,7 @@ D = 8
 
 
 def rotation(p: int, d: int = D, base: float = 10000.0) -> torch.Tensor:
-    """The RoPE matrix [d, d] of position p, float64: pair (i, i + d/2) turned by p / base^(2i/d)."""
+    """The RoPE matrix [d, d] of position p, float64: pair (i, i + d/2) by p / base^(2i/d)."""
     R = torch.zeros(d, d, dtype=torch.float64)
     h = d // 2
     for i in range(h):
@@ -320,6 +320,7 @@ def test_low_precision_inputs_give_finite_float32_scores(dtype, method):
 
 # --- the threshold budget (DMS) and SimLayerKV ---
 
+
 def kept_sets(kept) -> list:
     """Kept positions [b, H, K] -> per sample, per head, the set of kept positions."""
     return [[{int(p) for p in head if p >= 0} for head in sample] for sample in kept.positions]
@@ -327,19 +328,27 @@ def kept_sets(kept) -> list:
 
 @pytest.mark.parametrize("threshold,budget", [(-2.5, 10**6), (-3.2, 29), (-2.5, 9)])
 def test_the_threshold_budget_keeps_the_entries_scoring_at_least_the_threshold(threshold, budget):
-    """DMS's rule on L2Norm's scores (-||k||): a head keeps its prefix entries scoring >= threshold (at most
+    """DMS's rule on L2Norm's scores (-||k||): a head keeps its prefix entries scoring >= threshold
+    (at most
     budget - window of them, the best) and the window, also when the prompt is within the budget."""
     obs, _, k, _, pos = case(n=30, pad=(0, 4), window=3)
     obs.budget = budget
-    cfg = CompressionConfig(method="l2norm", max_capacity_prompt=budget, window_size=3,
-                            head_budget="threshold", threshold=threshold)
+    cfg = CompressionConfig(
+        method="l2norm",
+        max_capacity_prompt=budget,
+        window_size=3,
+        head_budget="threshold",
+        threshold=threshold,
+    )
     got = kept_sets(select(obs, cfg))
     P = obs.prefix_len
     for i in range(2):
         for h in range(2):
             real = [j for j in range(P) if pos[i, j] >= 0]
-            above = sorted((j for j in real if -float(k[i, h, j].norm()) >= threshold),
-                           key=lambda j: float(k[i, h, j].norm()))[: budget - 3]
+            above = sorted(
+                (j for j in real if -float(k[i, h, j].norm()) >= threshold),
+                key=lambda j: float(k[i, h, j].norm()),
+            )[: budget - 3]
             ref = {int(pos[i, j]) for j in above} | {int(pos[i, j]) for j in range(P, 30)}
             assert got[i][h] == ref
     sizes = [len(s) for sample in got for s in sample]
@@ -354,9 +363,10 @@ def test_the_threshold_budget_needs_a_threshold():
 
 
 def simlayerkv_loops(q, k, pos, valid, lazy_threshold, n_last, n_recent, n_initial):
-    """Per sample, the positions a layer keeps (SimLayerKVPress on the sample's real tokens): its last
-    n_last queries' softmax attention (causal), averaged, summed over the first n_initial and the n_recent
-    before the last n_last keys; lazy above the threshold: the first n_initial + the last n_recent - n_last."""
+    """Per sample, the positions a layer keeps (SimLayerKVPress on the sample's real tokens): its
+    last n_last queries' softmax attention (causal), averaged, summed over the first n_initial and
+    the n_recent before the last n_last keys; lazy above the threshold: the first n_initial and the
+    last n_recent - n_last."""
     b, hq, n, d = q.shape
     g = hq // k.shape[1]
     out = []
@@ -366,7 +376,9 @@ def simlayerkv_loops(q, k, pos, valid, lazy_threshold, n_last, n_recent, n_initi
         a = torch.zeros(L, dtype=torch.float64)
         for h in range(hq):
             for t in range(L - n_last, L):
-                z = torch.stack([q[i, h, rows[t]] @ k[i, h // g, rows[j]] * d**-0.5 for j in range(t + 1)])
+                z = torch.stack(
+                    [q[i, h, rows[t]] @ k[i, h // g, rows[j]] * d**-0.5 for j in range(t + 1)]
+                )
                 a[: t + 1] += torch.softmax(z, 0) / (hq * n_last)
         a = a[: L - n_last]
         mass = float(a[:n_initial].sum() + a[-n_recent:].sum())
@@ -377,9 +389,15 @@ def simlayerkv_loops(q, k, pos, valid, lazy_threshold, n_last, n_recent, n_initi
     return out
 
 
-@pytest.mark.parametrize("knobs", [dict(lazy_threshold=0.3, n_recent=10), dict(lazy_threshold=0.95, n_recent=10),
-                                   dict(lazy_threshold=0.2, n_recent=6, n_last=3, n_initial=2),
-                                   dict(lazy_threshold=0.0, n_recent=40)])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(lazy_threshold=0.3, n_recent=10),
+        dict(lazy_threshold=0.95, n_recent=10),
+        dict(lazy_threshold=0.2, n_recent=6, n_last=3, n_initial=2),
+        dict(lazy_threshold=0.0, n_recent=40),
+    ],
+)
 def test_simlayerkv_keeps_what_simlayerkvpress_keeps(knobs):
     obs, q, k, _, pos = case(n=36, pad=(0, 6), window=1, seed=2)
     obs.budget = 10**6  # caps nothing: a prompt within the budget is thresholded too
@@ -394,12 +412,22 @@ def test_simlayerkv_keeps_what_simlayerkvpress_keeps(knobs):
 def test_simlayerkv_decides_laziness_per_sample():
     obs, *_ = case(n=36, pad=(0, 6), window=1, seed=2)
     obs.budget = 10**6
-    cfg = CompressionConfig(method="simlayerkv", max_capacity_prompt=10**6, window_size=1, n_recent=10,
-                            lazy_threshold=0.0)
+    cfg = CompressionConfig(
+        method="simlayerkv",
+        max_capacity_prompt=10**6,
+        window_size=1,
+        n_recent=10,
+        lazy_threshold=0.0,
+    )
     sizes = [len(s[0]) for s in kept_sets(select(obs, cfg))]
     assert sizes == [4 + 9, 4 + 9]
     obs.queries[1] *= 0  # uniform attention: 14 of 30 keys' mass on the ends
-    cfg = CompressionConfig(method="simlayerkv", max_capacity_prompt=10**6, window_size=1, n_recent=10,
-                            lazy_threshold=0.47)
+    cfg = CompressionConfig(
+        method="simlayerkv",
+        max_capacity_prompt=10**6,
+        window_size=1,
+        n_recent=10,
+        lazy_threshold=0.47,
+    )
     lazy = [len(s[0]) < 30 for s in kept_sets(select(obs, cfg))]
     assert lazy[1] is False
