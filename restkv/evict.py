@@ -32,6 +32,7 @@ class LayerPlan:
     num_evicted: int
     table: torch.Tensor | None = None  # HeadKV: entries per KV head, window excluded [Hkv]
     window: int | None = None  # the sliding window of an evicted sliding-window layer (None: full attention)
+    data: object = None  # the method's constants of this layer (``layer_data``), handed to its observations
 
     @property
     def evicts(self) -> bool:
@@ -189,7 +190,7 @@ def observation(plan: LayerPlan, module, queries, keys, values, key_valid, budge
         queries=queries, keys=keys, values=values, key_valid=key_valid, window=plan.cfg.window_size, budget=budget,
         scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
         wo_factor=lambda: layer_wo_factor(module, keys.device), wo_weight=lambda: layer_wo_weight(module, keys.device),
-        rope=rope, layer=plan.rank, num_layers=plan.num_evicted, memo=memo, head_valid=head_valid,
+        rope=rope, layer=plan.rank, num_layers=plan.num_evicted, memo=memo, head_valid=head_valid, data=plan.data,
     )
 
 

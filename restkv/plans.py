@@ -84,5 +84,7 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig) -> list[LayerPlan]:
         rows = [m.layer_idx for m in modules if m.layer_idx in evicted]  # the pool is the evicted layers' only
         shared = headkv_budgets(importance[rows], cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
         table = dict(zip(rows, shared))
+    data = cfg.scorer.layer_data(cfg, model) if cfg.evicts else {}  # the method's per-layer constants
     return [LayerPlan(cfg, evicted.index(m.layer_idx) if m.layer_idx in evicted else -1, len(evicted),
-                      None if table is None else table.get(m.layer_idx), windows.get(m.layer_idx)) for m in modules]
+                      None if table is None else table.get(m.layer_idx), windows.get(m.layer_idx),
+                      data.get(m.layer_idx)) for m in modules]

@@ -6,8 +6,10 @@ A method is a module of this folder with
 - ``score(obs, cfg)``: ``restkv.observe.Observation`` -> float32 scores [b, Hq or Hkv, P] (or [b, 1, P],
   shared by every head); ``cfg`` holds only the declared knobs (and the layer's budget is ``obs.budget``);
 - optionally ``uses_budget(cfg) -> bool`` (the score reads ``obs.budget``), ``check(values)`` (a
-  cross-knob check that raises ``ValueError``) and ``check_layers(values, num_layers)`` (a check
-  against the model's number of evicted layers, run by ``configure``).
+  cross-knob check that raises ``ValueError``), ``check_layers(values, num_layers)`` (a check
+  against the model's number of evicted layers, run by ``configure``) and ``layer_data(values, model)``
+  (``{layer index: constants}`` computed from the model once per ``configure``, read as ``obs.data``:
+  Q-Filters' filters).
 
 A registry line may give other defaults, for the method's knobs or for the strategies (budgets,
 merging): PyramidKV is SnapKV's score with ``layer_budget="pyramid"``.
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from . import (cam, cur, defensivekv, expected_attention, h2o, keydiff, kvzip, l2norm, lacache, lagkv, leverage,
-               noncausal, random, restkv, simlayerkv, snapkv, streamingllm, tova)
+               noncausal, qfilter, random, restkv, simlayerkv, snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ class Method:
         check = getattr(self.module, "check_layers", None)
         if check is not None:
             check(values, num_layers)
+
+    def layer_data(self, values, model) -> dict:
+        """``{layer index: constants}`` the scorer reads as ``obs.data`` (its module's ``layer_data``)."""
+        data = getattr(self.module, "layer_data", None)
+        return {} if data is None else data(values, model)
 
     def check_model(self, values, model) -> None:
         check = getattr(self.module, "check_model", None)
@@ -122,5 +129,6 @@ REGISTRY = _register(
     Method("noncausal", noncausal),
     Method("simlayerkv", simlayerkv, {"head_budget": "threshold", "threshold": 0.5}),
     Method("dms", kvzip, _DMS),
+    Method("qfilter", qfilter),
 )
 METHODS = tuple(REGISTRY)

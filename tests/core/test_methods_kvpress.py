@@ -431,3 +431,109 @@ def test_simlayerkv_decides_laziness_per_sample():
     )
     lazy = [len(s[0]) < 30 for s in kept_sets(select(obs, cfg))]
     assert lazy[1] is False
+
+
+# --- Q-Filters ---
+
+
+def qfilter_loops(queries, hkv):
+    """[Hkv, d] float64: per query head the top eigenvector of Q^T Q, turned towards the side where
+    most queries project, averaged over each GQA group."""
+    hq, _, d = queries.shape
+    out = torch.zeros(hkv, d, dtype=torch.float64)
+    for h in range(hq):
+        q = queries[h].double()
+        v = torch.linalg.eigh(q.T @ q).eigenvectors[:, -1]
+        if sum(float(x @ v) > 0 for x in q) <= len(q) / 2:
+            v = -v
+        out[h // (hq // hkv)] += v / (hq // hkv)
+    return out
+
+
+def test_qfilters_are_the_oriented_principal_directions_of_the_queries():
+    from restkv.qfilters import filters_from_queries
+
+    g = torch.Generator().manual_seed(0)
+    q = (
+        torch.randn(4, 200, D, generator=g, dtype=torch.float64)
+        + torch.randn(4, 1, D, generator=g) * 2
+    )
+    torch.testing.assert_close(
+        filters_from_queries(q, 2).double(), qfilter_loops(q, 2), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_qfilter_scores_project_the_keys_on_the_filters():
+    obs, q, k, _, pos = case()
+    P = obs.prefix_len
+    obs.data = torch.randn(2, D, generator=torch.Generator().manual_seed(1))
+    got = scores_of(obs, method="qfilter")
+    ref = torch.einsum("bhnd,hd->bhn", k[..., :P, :], obs.data.double())
+    check(got, ref, pos, P)
+    obs.data = None  # a hand-made observation: the filters of its own (real) queries
+    obs.memo = {}
+    q = q + 3 * torch.randn(
+        1, 4, 1, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
+    obs.queries = q.float()  # a dominant direction per head, as real queries have
+    real = torch.cat([q[i, :, pos[i] >= 0] for i in range(2)], 1)
+    ref = torch.einsum("bhnd,hd->bhn", k[..., :P, :], qfilter_loops(real, 2))
+    check(scores_of(obs, method="qfilter"), ref, pos, P, tol=1e-4)
+
+
+def test_qfilters_of_a_model_are_those_of_its_queries_on_the_essays():
+    """Every calibration position is sampled (2 windows of 256 < 3000 samples): the filters are
+    those of
+    all the model's queries after RoPE, captured here from q_proj and the model's rotary module."""
+    from helpers import tiny_model, tiny_tokenizer
+    from transformers import AutoTokenizer
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from restkv.qfilters import calibration_ids, model_filters
+
+    model = tiny_model("llama", "sdpa")
+    got = model_filters(model, tiny_tokenizer(), 2, 256)
+    ids = calibration_ids(AutoTokenizer.from_pretrained(tiny_tokenizer()), 10**6, 2, 256)
+    layers = model.model.layers
+    heads, d = model.config.num_attention_heads, model.config.head_dim
+    queries = [[] for _ in layers]
+    hooks = [
+        layer.self_attn.q_proj.register_forward_hook(
+            lambda mod, args, out, i=i: queries[i].append(out.view(1, -1, heads, d).transpose(1, 2))
+        )
+        for i, layer in enumerate(layers)
+    ]
+    with torch.no_grad():
+        for row in ids:
+            model(input_ids=row[None])
+    for h in hooks:
+        h.remove()
+    cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(ids.shape[1])[None])
+    for i in range(len(layers)):
+        q = torch.cat([apply_rotary_pos_emb(x, x, cos, sin)[0] for x in queries[i]], 2)[
+            0
+        ]  # [Hq, N, d]
+        ref = qfilter_loops(q, model.config.num_key_value_heads)
+        torch.testing.assert_close(got[i].double(), ref, rtol=1e-4, atol=1e-5)
+    assert model_filters(model, tiny_tokenizer(), 2, 256) is got  # computed once per model
+
+
+def test_a_qfilter_file_is_read_and_checked(tmp_path):
+    from helpers import tiny_model
+
+    import restkv
+
+    model = tiny_model("llama", "sdpa")
+    filters = torch.randn(3, 2, model.config.head_dim)
+    torch.save(filters, tmp_path / "f.pt")
+    cfg = restkv.configure(model, method="qfilter", qfilter_file=str(tmp_path / "f.pt"))
+    assert torch.equal(torch.stack([s.plan.data for s in model._restkv.states]), filters)
+    restkv.detach(model)
+    torch.save(filters[:2], tmp_path / "g.pt")
+    with pytest.raises(ValueError, match="qfilter_file .*shape"):
+        restkv.configure(model, method="qfilter", qfilter_file=str(tmp_path / "g.pt"))
+    with pytest.raises(ValueError, match="qfilter_file not found"):
+        restkv.configure(model, method="qfilter", qfilter_file=str(tmp_path / "none.pt"))
+    with pytest.raises(ValueError, match="tokenizer"):  # no checkpoint to read a tokenizer from
+        restkv.configure(model, method="qfilter")
+    assert cfg.method == "qfilter"
