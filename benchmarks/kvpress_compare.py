@@ -139,12 +139,13 @@ PAIRS = (
     Pair("KVzip", dict(method="kvzip", window_size=1, repeat_chunk=2048), press("KVzipPress", compression_ratio=RATIO)),
     Pair("DefensiveKV", dict(method="defensivekv", window_size=32, kernel_size=5), None),  # a fork, not kvpress
     Pair("CUR", dict(method="cur", window_size=1), press("CURPress", compression_ratio=RATIO)),
-    # kvpress draws its Gaussian sketch from the global random state, restkv from sketch_seed: the kept sets differ
-    # by the draw (with the same sketch the scores agree to 4e-6), and so does the KL (0.42-0.62 over restkv's seeds
-    # 0-5 on the --quick windows, kvpress's 0.58)
+    # kvpress draws its Gaussian sketch from the global random state, restkv from sketch_seed: the kept sets
+    # differ by the draw (given one sketch, the two scores agree to 4e-6 on a random head), and so does the KL
+    # (0.42-0.62 over restkv's seeds 0-5 on the --quick windows; kvpress's 0.58)
     Pair("Leverage", dict(method="leverage", window_size=1), press("LeverageScorePress", compression_ratio=RATIO)),
     Pair("LagKV", dict(method="lagkv", window_size=1), press("LagKVPress", compression_ratio=RATIO)),
-    Pair("NonCausalAttn", dict(method="noncausal", window_size=1), press("NonCausalAttnPress", compression_ratio=RATIO)),
+    Pair("NonCausalAttn", dict(method="noncausal", window_size=1),
+         press("NonCausalAttnPress", compression_ratio=RATIO)),
     # content-dependent kept sets (no compression_ratio): restkv's budget set far above the prompt caps nothing
     Pair("QFilter", dict(method="qfilter", window_size=1), press("QFilterPress", compression_ratio=RATIO)),
     Pair("SimLayerKV", dict(method="simlayerkv", window_size=1, n_recent=256, max_capacity_prompt=UNCAPPED),

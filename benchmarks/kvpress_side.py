@@ -227,8 +227,9 @@ def kvpress_model_child(job: dict) -> dict:
     """Every sample with the full cache and under each press; one file per (press, sample) in ``job["out"]``.
 
     Presses with hooks of their own (a custom ``__call__``, as KVzip) or random draws (``UNSEEDED``) get one
-    prefill each, the others share one (``run_shared``). That sharing is checked first: on the first sample's first ``check`` tokens, every
-    shared press must give what its own prefill gives, bit for bit. Returns the check's result.
+    prefill each, the others share one (``run_shared``). That sharing is checked first: on the first sample's
+    first ``check`` tokens, every shared press must give what its own prefill gives, bit for bit. Returns the
+    check's result.
     """
     import torch
 
