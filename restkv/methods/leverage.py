@@ -65,7 +65,7 @@ def leverage(obs, dimension: int, seed: int) -> "torch.Tensor":
         gram = gram + x.transpose(-1, -2) @ x
     eye = torch.eye(dimension, device=obs.keys.device, dtype=torch.float64)
     symmetric = (gram + gram.transpose(-1, -2)) / 2
-    factor = torch.linalg.cholesky(symmetric + JITTER * eye)  # [b, Hkv, k, k]
+    factor = torch.linalg.cholesky_ex(symmetric + JITTER * eye).L  # [b, Hkv, k, k], no host sync
     inverse = torch.linalg.solve_triangular(factor, eye.expand_as(factor), upper=False)  # L^{-1}
     inverse = inverse.float()
     out = torch.empty(b, hkv, n, device=obs.keys.device)
