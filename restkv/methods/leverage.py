@@ -13,8 +13,8 @@ scores). Query-free.
 
 Differences: the mean, the Gram matrix and the z-score run over each sample's real tokens (the
 reference: the batch's, padding included; the same for one sample without padding); the sketch is
-seeded (``sketch_seed``, per layer, the same for every sample: the reference draws one per sample
-and head from the global random state); the keys before RoPE are the layer's keys with its RoPE
+seeded (``sketch_seed``, one per layer, shared by its samples and heads: the reference draws one
+per sample and head from the global random state); the keys before RoPE are the layer's keys with its RoPE
 undone (the reference recomputes them from the hidden states: equal up to the model dtype's
 rounding); the jitter is never raised (0.01 I keeps the Gram matrix positive definite; the Gram
 matrix and its factor are in float64); the observation window is always kept (the reference keeps
