@@ -94,7 +94,8 @@ _KVPRESS_SNAPKV = {"kernel_size": 5, "window_reduce": "mean"}
 
 # DMS in kvpress's threshold form (``DMSPress``): a threshold on a scorer's scores, here KVzip's (kvpress pairs
 # it with KVzap, a model trained to predict KVzip+'s scores), with DMSPress's sliding window of 128 tokens.
-# kvpress has no default threshold; 0.02 (on KVzip's attention probabilities) is restkv's, to tune per model.
+# kvpress has no default threshold; 0.02 (on KVzip's attention probabilities) is restkv's, to tune per model:
+# on SmolLM2-135M, one 1,024-token essay window, it keeps 31% of the entries (the window included; 0.005: 50%).
 # Any other scorer takes the rule as head_budget="threshold", threshold=...
 _DMS = {"layer_budget": "uniform", "head_budget": "threshold", "threshold": 0.02, "window_size": 128}
 
