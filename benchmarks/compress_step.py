@@ -36,7 +36,9 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "restkv:query_proxy=expected", "restkv:query_proxy=both", "cam", "streamingllm",
                    "l2norm", "expected_attention", "keydiff", "criticalkv", "criticalkv:value_norm=l2", "critical_adakv",
                    "chunkkv", "defensivekv", "tova", "lacache", "random", "snapkv:refine_rounds=2", "snapkv:refine_rounds=8",
-                   "restkv:refine_rounds=8", "restkv:refine_rounds=2,refine_pool=16", "adakv:refine_rounds=8"]
+                   "restkv:refine_rounds=8", "restkv:refine_rounds=2,refine_pool=16", "adakv:refine_rounds=8",
+                   "cur", "leverage", "lagkv", "noncausal", "simlayerkv",
+                   "noncausal:head_budget=threshold,threshold=0.0", "qfilter"]
 
 
 def _value(text: str):
@@ -138,9 +140,12 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
     cfgs = [CompressionConfig.from_kwargs(**{"max_capacity_prompt": budget, "window_size": window, **parse_method(s)})
             for s in specs]
 
+    filters = torch.randn(HKV, D)  # a method's per-layer constants (Q-Filters'), computed once per model
+
     def run(cfg):
+        data = filters if cfg.scorer.name == "qfilter" else None
         obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,
-                          wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS)
+                          wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS, data=data)
         return select(obs, cfg)
 
     with torch.no_grad():

@@ -14,7 +14,11 @@ kvpress keeps exactly B (``compression_ratio``). Windows. kvpress's SnapKV (and 
 CriticalKV and ChunkKV built on it) observes and always keeps the last ``window_size=64`` tokens: restkv gets
 ``window_size=64`` there, with SnapKV's kernel 5 and average pooling. kvpress's TOVA always keeps the last
 token, its Knorm keeps nothing in particular: restkv gets ``window_size=1``. StreamingLLM keeps 4 sinks and
-the most recent tokens in both, whatever the window.
+the most recent tokens in both, whatever the window. SimLayerKV and DMS keep what a threshold decides (kvpress
+has no ``compression_ratio`` there): restkv's budget is set above the prompt (``UNCAPPED``), DMS's sliding
+window of 128 is restkv's window, and kept/head shows what each keeps. kvpress's QFilterPress downloads the
+Q-Filters' authors' published filters, which exist for neither model: it gets the filters restkv computes
+for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring.
 
 Columns:
 
@@ -75,6 +79,8 @@ def snapkv_press(**args) -> dict:
     return press("SnapKVPress", compression_ratio=RATIO, window_size=64, kernel_size=5, **args)
 
 
+UNCAPPED = 1 << 30  # a budget above any prompt, for methods whose kept sets a threshold decides
+
 # restkv's SnapKV with kvpress SnapKVPress's defaults: window 64, kernel 5, average pooling
 SNAP = dict(window_size=64, kernel_size=5, pooling="avgpool")
 
@@ -133,6 +139,21 @@ PAIRS = (
          press("ComposedPress", presses=[snapkv_press(), press("ThinKPress", key_channel_compression_ratio=0.5)])),
     Pair("KVzip", dict(method="kvzip", window_size=1, repeat_chunk=2048), press("KVzipPress", compression_ratio=RATIO)),
     Pair("DefensiveKV", dict(method="defensivekv", window_size=32, kernel_size=5), None),  # a fork, not kvpress
+    Pair("CUR", dict(method="cur", window_size=1), press("CURPress", compression_ratio=RATIO)),
+    # kvpress draws its Gaussian sketch from the global random state, restkv from sketch_seed: the kept sets
+    # differ by the draw (given one sketch, the two scores agree to 4e-6 on a random head), and so does the KL
+    # (0.42-0.62 over restkv's seeds 0-5 on the --quick windows; kvpress's 0.58)
+    Pair("Leverage", dict(method="leverage", window_size=1), press("LeverageScorePress", compression_ratio=RATIO)),
+    Pair("LagKV", dict(method="lagkv", window_size=1), press("LagKVPress", compression_ratio=RATIO)),
+    Pair("NonCausalAttn", dict(method="noncausal", window_size=1),
+         press("NonCausalAttnPress", compression_ratio=RATIO)),
+    # content-dependent kept sets (no compression_ratio): restkv's budget set far above the prompt caps nothing
+    Pair("QFilter", dict(method="qfilter", window_size=1), press("QFilterPress", compression_ratio=RATIO)),
+    Pair("SimLayerKV", dict(method="simlayerkv", window_size=1, n_recent=256, max_capacity_prompt=UNCAPPED),
+         press("SimLayerKVPress", lazy_threshold=0.9, n_recent=256)),
+    Pair("DMS (non-causal attention scores)", dict(method="noncausal", head_budget="threshold", threshold=0.0,
+                                                   window_size=128, max_capacity_prompt=UNCAPPED),
+         press("DMSPress", press=press("NonCausalAttnPress"), threshold=0.0, sliding_window_size=128)),
 )
 
 
@@ -270,6 +291,21 @@ def step_costs(args, timed_r: list, timed_k: list, python: str) -> tuple[list, l
     return ours, [theirs[key] for key in keys]
 
 
+def shared_qfilters(model, out: str) -> str:
+    """restkv's Q-Filters of ``model`` (computed on the essays, as ``method="qfilter"`` does), saved for kvpress's
+    ``QFilterPress`` in its orientation (the authors' ``-v``): both score with the same filters."""
+    import torch
+
+    from restkv.methods.qfilter import KNOBS
+    from restkv.integration.qfilters import model_filters
+
+    defaults = {k.name: k.default for k in KNOBS}
+    filters = model_filters(model, None, defaults["qfilter_sequences"], defaults["qfilter_length"])
+    path = str(Path(out) / "q_filters.pt")
+    torch.save(-filters, path)
+    return path
+
+
 def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
     """Both libraries on the same windows (kvpress in a child, in parallel): a ``compare`` row per pair, notes."""
     import torch
@@ -287,6 +323,8 @@ def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
         job = {"model": resolve(args.model), "samples": [s.tolist() for s in samples], "length": args.length,
                "continuation": args.continuation, "check": min(args.length, 512), "threads": args.threads,
                "ratio": compression_ratio(args.length, args.budget), "presses": presses, "out": out}
+        if any("QFilterPress" in press_classes(spec) for spec in presses.values()):
+            job["q_filters"] = shared_qfilters(model, out)
         child = call_kvpress(args.kvpress_python, "model", job, background=True)
         ours = restkv_model_side(model, samples, args.length, compared, args.budget)
         reply = child.stdout.read()

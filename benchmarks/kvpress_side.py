@@ -16,6 +16,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RATIO = "<compression_ratio>"
+# presses that draw from torch's global random state at every call (a Gaussian sketch): each runs on its own
+# prefill, after torch.manual_seed(0), since a shared prefill interleaves the draws of several presses
+UNSEEDED = {"LeverageScorePress"}
 
 
 def press(name: str, **args) -> dict:
@@ -121,7 +124,12 @@ def _continue(model, cache, ids, length: int, masked: list, last):
     for module, m in zip((layer.self_attn for layer in model.model.layers), masked):
         module.masked_key_indices = m
     positions = torch.arange(length, ids.shape[1] - 1)[None]  # as kvpress's pipeline: the original positions
-    rest = model(input_ids=ids[:, length:-1], past_key_values=cache, position_ids=positions).logits[0]
+    if len({layer.keys.shape[-2] for layer in cache.layers}) == 1:
+        rest = model(input_ids=ids[:, length:-1], past_key_values=cache, position_ids=positions).logits[0]
+    else:  # layers of different lengths (SimLayerKV): one token at a time, which needs no mask
+        rest = torch.cat([model(input_ids=ids[:, t : t + 1], past_key_values=cache,
+                                position_ids=positions[:, t - length : t - length + 1]).logits[0]
+                          for t in range(length, ids.shape[1] - 1)])
     for layer in model.model.layers:
         layer.self_attn.masked_key_indices = None
     return torch.cat([last, rest]).float().log_softmax(-1)
@@ -185,6 +193,15 @@ def run_shared(model, ids, length: int, presses: dict):
     return out
 
 
+def given_filters(built, path: str) -> None:
+    """A ``QFilterPress`` with the filters of ``path`` ([layers, Hkv, d], the authors' orientation) instead of
+    the published ones it downloads (none exist for the models compared here, and nothing is downloaded)."""
+    import torch
+
+    built.q_filters = torch.load(path)
+    built.post_init_from_model = lambda model: None
+
+
 def load_model(path: str):
     """The checkpoint in float32 with sdpa, as restkv loads it.
 
@@ -209,9 +226,10 @@ def load_model(path: str):
 def kvpress_model_child(job: dict) -> dict:
     """Every sample with the full cache and under each press; one file per (press, sample) in ``job["out"]``.
 
-    Presses with hooks of their own (a custom ``__call__``, as KVzip) get one prefill each, the others share
-    one (``run_shared``). That sharing is checked first: on the first sample's first ``check`` tokens, every
-    shared press must give what its own prefill gives, bit for bit. Returns the check's result.
+    Presses with hooks of their own (a custom ``__call__``, as KVzip) or random draws (``UNSEEDED``) get one
+    prefill each, the others share one (``run_shared``). That sharing is checked first: on the first sample's
+    first ``check`` tokens, every shared press must give what its own prefill gives, bit for bit. Returns the
+    check's result.
     """
     import torch
 
@@ -219,10 +237,15 @@ def kvpress_model_child(job: dict) -> dict:
     model = load_model(job["model"])
     classes, out, length = _kvpress_classes(), Path(job["out"]), job["length"]
     own = {key for key, spec in job["presses"].items()
-           if type(build_press(spec, classes, job["ratio"])).__call__ is not classes["BasePress"].__call__}
+           if type(build_press(spec, classes, job["ratio"])).__call__ is not classes["BasePress"].__call__
+           or press_classes(spec) & UNSEEDED}
 
     def build(keys):
-        return {key: build_press(job["presses"][key], classes, job["ratio"]) for key in keys}
+        built = {key: build_press(job["presses"][key], classes, job["ratio"]) for key in keys}
+        for press_ in built.values():
+            if isinstance(press_, classes["QFilterPress"]):
+                given_filters(press_, job["q_filters"])
+        return built
 
     shared = [key for key in job["presses"] if key not in own]
     ids = torch.tensor(job["samples"][0][: job["check"] + job["continuation"]])[None]
@@ -239,6 +262,7 @@ def kvpress_model_child(job: dict) -> dict:
         results = run_shared(model, ids, length, build(shared))
         torch.save({"logprobs": results.pop("full")}, out / f"full-{s}.pt")
         for key, built in build(own).items():
+            torch.manual_seed(0)
             results[key] = run_each(model, ids, length, built)
         for key, (kept, logprobs) in results.items():
             torch.save({"kept": kept, "logprobs": logprobs}, out / f"{key}-{s}.pt")
@@ -271,6 +295,8 @@ def kvpress_step_child(job: dict) -> list:
     calls = []
     for spec in job["presses"]:
         built = build_press(spec, classes, job["ratio"])
+        if isinstance(built, classes["QFilterPress"]):  # its cost does not depend on the filters' values
+            built.q_filters = torch.randn(1, HKV, D, dtype=dt)
         if type(built).compress is classes["BasePress"].compress:  # compresses through its own hooks (KVzip, Composed)
             print(f"kvpress step: {describe_press(spec)} has no one-layer compress step", file=sys.stderr)
             calls.append(None)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from .cli import run_settings
 from .generation import decode_configs
-from ..integration.headkv import layer_plans
+from ..integration.calibration import layer_plans
 from .grid import quant_of, run_config
 from .meta import write_metadata
 from .models import load_from_args, model_name

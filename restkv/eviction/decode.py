@@ -22,6 +22,7 @@ import torch
 
 from ..cache import Kept, cache_layer, stack_samples
 from ..scoring.rope import Rope
+from ..strategies.budgets import fits
 from .observation import observation
 from .select import select
 
@@ -88,7 +89,7 @@ def _reselect(policy, module, recent, keys, values, valid, positions, budget, kw
     keys, values = (x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1])) for x in (keys, values))
     positions = positions.gather(2, index).masked_fill(~held, -1)
     key_valid = held[:, 0] if same else held.any(1)
-    if width <= budget:
+    if fits(plan.cfg, width, budget):
         return Kept(keys, values, positions, key_valid if same else held, per_head=not same, kv_heads=kv_heads), False
     obs = observation(plan, module, recent, keys, values, key_valid, budget, kwargs, {},
                       _rope(policy.embed, positions), None if same else held)

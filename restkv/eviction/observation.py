@@ -20,7 +20,7 @@ def observation(plan, module, queries, keys, values, key_valid, budget: int, kwa
         queries=queries, keys=keys, values=values, key_valid=key_valid, window=plan.cfg.window_size, budget=budget,
         scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
         wo_factor=lambda: layer_wo_factor(module, keys.device), wo_weight=lambda: layer_wo_weight(module, keys.device),
-        rope=rope, layer=plan.rank, num_layers=plan.num_evicted, memo=memo, head_valid=head_valid,
+        rope=rope, layer=plan.rank, num_layers=plan.num_evicted, memo=memo, head_valid=head_valid, data=plan.data,
     )
 
 

@@ -21,6 +21,7 @@ class LayerPlan:
     num_evicted: int
     table: torch.Tensor | None = None  # HeadKV: entries per KV head, window excluded [Hkv]
     window: int | None = None  # the sliding window of an evicted sliding-window layer (None: full attention)
+    data: object = None  # the method's constants of this layer (``plan_layers``' ``layer_data``), read as ``obs.data``
 
     @property
     def evicts(self) -> bool:
@@ -69,10 +70,13 @@ def evicted_layers(config, layer_indices) -> dict:
     return dict.fromkeys(layer_indices, window) if window else {}
 
 
-def plan_layers(model: nn.Module, cfg: CompressionConfig, head_importance: str | None = None) -> list[LayerPlan]:
+def plan_layers(model: nn.Module, cfg: CompressionConfig, head_importance: str | None = None,
+                layer_data: dict | None = None) -> list[LayerPlan]:
     """Each attention layer's plan under ``cfg``, checked against the model (backend, layers, HeadKV table).
 
-    ``head_importance``: the HeadKV table file to use when ``cfg`` names none.
+    ``head_importance``: the HeadKV table file to use when ``cfg`` names none; ``layer_data``: the method's
+    constants of each layer (``{layer index: data}``, read as ``obs.data``), computed from the model
+    (``restkv.integration.calibration``).
     """
     config = model.config.get_text_config()
     implementation = model.config._attn_implementation
@@ -113,5 +117,7 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig, head_importance: str |
         rows = [m.layer_idx for m in modules if m.layer_idx in evicted]  # the pool is the evicted layers' only
         shared = headkv_budgets(importance[rows], cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
         table = dict(zip(rows, shared))
+    data = layer_data or {}
     return [LayerPlan(cfg, evicted.index(m.layer_idx) if m.layer_idx in evicted else -1, len(evicted),
-                      None if table is None else table.get(m.layer_idx), windows.get(m.layer_idx)) for m in modules]
+                      None if table is None else table.get(m.layer_idx), windows.get(m.layer_idx),
+                      data.get(m.layer_idx)) for m in modules]

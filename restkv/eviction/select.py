@@ -11,7 +11,7 @@ from ..cache import Kept
 from ..config import CompressionConfig
 from ..scoring.observe import Observation, group_view
 from ..strategies import RANKINGS
-from ..strategies.budgets import head_sizes
+from ..strategies.budgets import fits, head_sizes
 from ..strategies.merge import merge
 from ..strategies.refine import top_set
 
@@ -86,8 +86,9 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
     With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with its own kept set.
     """
     b, hkv, n, d = obs.keys.shape
-    per_query_head = cfg.get("gqa_agg") == "none" and obs.queries.shape[1] != hkv and n > obs.budget
-    if n <= obs.budget:
+    fit = fits(cfg, n, obs.budget)
+    per_query_head = cfg.get("gqa_agg") == "none" and obs.queries.shape[1] != hkv and not fit
+    if fit:
         idx = torch.arange(n, device=obs.keys.device).expand(b, hkv, n)
         keys, values, sizes = obs.keys, obs.values, None
     else:

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from ..strategies import think
-from ..strategies.budgets import layer_budgets, sample_budgets
+from ..strategies.budgets import fits, layer_budgets, sample_budgets
 from ..cache import CompressedLayer, cache_layer
 from ..cache import Kept, stack_samples
 from ..scoring.observe import Observation, relative_positions
@@ -57,7 +57,7 @@ class LayerPrefill:
         self.parts = [(slice(None) if self.batched else slice(i, i + 1), s,
                        layer_budgets(cfg, plan.num_evicted, n - s, B)[plan.rank])
                       for i, (s, B) in enumerate(zip(starts, budgets))]  # (samples, first position, budget)
-        self.keeps_all = not cfg.evicts or all(length <= bud for length, bud in zip(self.lengths, budgets))
+        self.keeps_all = not cfg.evicts or all(fits(cfg, length, bud) for length, bud in zip(self.lengths, budgets))
         ratio = cfg.get("pruning_ratio")
         self.energy = None if ratio is None else think.query_energy(query, key_valid, cfg.window_size)
         self.scores = None  # per part, when computed ahead of the selection

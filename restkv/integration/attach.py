@@ -15,7 +15,7 @@ from torch import nn
 from ..config import CompressionConfig
 from ..eviction.plans import attention_modules
 from .attachment import Attachment, attached, detach, install
-from .headkv import layer_plans
+from .calibration import layer_plans
 
 __all__ = ["FAMILIES", "Attachment", "attached", "compressing", "configure", "detach", "install", "kept_positions",
            "replace_gemma", "replace_gemma2", "replace_gemma3", "replace_llama", "replace_mistral", "replace_qwen2"]

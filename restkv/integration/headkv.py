@@ -178,9 +178,3 @@ def cached_head_importance(model) -> str:
     atomic_write(str(path), json.dumps(table))
     return str(path)
 
-
-def layer_plans(model, cfg) -> list:
-    """``plan_layers(model, cfg)``, with HeadKV's own head scores of ``model`` (computed once and cached) when
-    ``cfg`` asks for HeadKV budgets and gives no ``head_importance`` file."""
-    needs_table = cfg.get("head_budget") == "headkv" and cfg.head_importance is None
-    return plan_layers(model, cfg, cached_head_importance(model) if needs_table else None)

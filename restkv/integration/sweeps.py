@@ -23,7 +23,7 @@ from ..eviction.plans import attention_modules
 from ..eviction.step import evict_layer
 from .attachment import attached
 from .generation import ABSENT, eos_and_pad, full_plans, greedy_decode
-from .headkv import layer_plans
+from .calibration import layer_plans
 
 def _batch_key(cache):
     """Which layers a config compressed, when its cache can join a batched decode (else None).

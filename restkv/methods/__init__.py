@@ -6,8 +6,10 @@ A method is a module of this folder with
 - ``score(obs, cfg)``: ``restkv.scoring.observe.Observation`` -> float32 scores [b, Hq or Hkv, P] (or [b, 1, P],
   shared by every head); ``cfg`` holds only the declared knobs (and the layer's budget is ``obs.budget``);
 - optionally ``uses_budget(cfg) -> bool`` (the score reads ``obs.budget``), ``check(values)`` (a
-  cross-knob check that raises ``ValueError``) and ``check_layers(values, num_layers)`` (a check
-  against the model's number of evicted layers, run by ``configure``).
+  cross-knob check that raises ``ValueError``), ``check_layers(values, num_layers)`` (a check
+  against the model's number of evicted layers, run by ``configure``). Constants computed from the model
+  once per ``configure`` and read as ``obs.data`` (Q-Filters' filters) are registered with their
+  computation in ``restkv.integration.calibration``.
 
 A registry line may give other defaults, for the method's knobs or for the strategies (budgets,
 merging): PyramidKV is SnapKV's score with ``layer_budget="pyramid"``.
@@ -22,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import (cam, defensivekv, expected_attention, h2o, keydiff, kvzip, l2norm, lacache, random, restkv,
-               snapkv, streamingllm, tova)
+from . import (cam, cur, defensivekv, expected_attention, h2o, keydiff, kvzip, l2norm, lacache, lagkv, leverage,
+               noncausal, qfilter, random, restkv, simlayerkv, snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,14 @@ class Method:
 _KVPRESS_SNAPKV = {"kernel_size": 5, "window_reduce": "mean"}
 
 
+# DMS in kvpress's threshold form (``DMSPress``): a threshold on a scorer's scores, here KVzip's (kvpress pairs
+# it with KVzap, a model trained to predict KVzip+'s scores), with DMSPress's sliding window of 128 tokens.
+# kvpress has no default threshold; 0.02 (on KVzip's attention probabilities) is restkv's, to tune per model:
+# on SmolLM2-135M, one 1,024-token essay window, it keeps 31% of the entries (the window included; 0.005: 50%).
+# Any other scorer takes the rule as head_budget="threshold", threshold=...
+_DMS = {"layer_budget": "uniform", "head_budget": "threshold", "threshold": 0.02, "window_size": 128}
+
+
 def _register(*methods: Method) -> dict:
     return {m.name: m for m in methods}
 
@@ -111,5 +121,12 @@ REGISTRY = _register(
     Method("defensivekv", defensivekv, {"head_budget": "adakv", "floor": 0.0}),
     Method("layer_defensivekv", defensivekv, {"layer_budget": "global"}),
     Method("kvzip", kvzip, {"layer_budget": "global"}),
+    Method("cur", cur),
+    Method("leverage", leverage),
+    Method("lagkv", lagkv),
+    Method("noncausal", noncausal),
+    Method("simlayerkv", simlayerkv, {"head_budget": "threshold", "threshold": 0.5}),
+    Method("dms", kvzip, _DMS),
+    Method("qfilter", qfilter),
 )
 METHODS = tuple(REGISTRY)

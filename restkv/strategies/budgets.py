@@ -2,7 +2,10 @@
 
 Layers (``layer_budget``): uniform, the PyramidKV schedule (same total; ``use_pyramid=True`` is its
 other name) or global. KV heads of a layer (``head_budget``): uniform, AdaKV (shared by one top-k over
-all heads' scores) or HeadKV (from a head-importance table). All combine with any scorer.
+all heads' scores), HeadKV (from a head-importance table) or a threshold (DMS's form, as kvpress's
+``DMSPress``: a head keeps the entries scoring at least ``threshold``, at most its budget, the best;
+a prompt within the budget is thresholded too, so with ``max_capacity_prompt`` at least the prompt's
+length a head keeps exactly those). All combine with any scorer.
 
 ``global`` shares ``num_layers * Hkv * (B - window)`` prefix entries among every evicted layer and KV
 head by one top-k over all their scores (``global_sizes``); each (layer, head) keeps its share plus the
@@ -22,7 +25,7 @@ import os
 from ..knobs import Knob
 from ..lazy import torch
 
-HEAD_BUDGETS = ("uniform", "adakv", "headkv")
+HEAD_BUDGETS = ("uniform", "adakv", "headkv", "threshold")
 PER_HEAD = HEAD_BUDGETS[1:]
 LAYER_BUDGETS = ("uniform", "pyramid", "global")
 PER_LAYER = LAYER_BUDGETS[:2]  # the layer's budget is known before the other layers' prefill
@@ -34,8 +37,11 @@ KNOBS = (
     Knob("beta", 20.0, "PyramidKV: the largest layer budget is about 2 * beta times the smallest",
          check=lambda b: b >= 1, rule=">= 1", when={"layer_budget": ("pyramid",)}),
     Knob("head_budget", "uniform", "how a layer's budget is shared by its KV heads: uniform, adakv (one top-k "
-         "over all heads' scores) or headkv (a head-importance table)", choices=HEAD_BUDGETS,
+         "over all heads' scores), headkv (a head-importance table) or threshold (each head keeps the entries "
+         "scoring at least threshold, at most its budget)", choices=HEAD_BUDGETS,
          when={"layer_budget": PER_LAYER}),
+    Knob("threshold", None, "head_budget threshold: entries scoring below it are evicted (DMS's form)",
+         of=float, when={"head_budget": ("threshold",)}),
     Knob("floor", 0.2, "AdaKV: each head keeps at least this share of the per-head budget",
          check=lambda f: 0.0 <= f <= 1.0, rule="in [0, 1]", when={"head_budget": ("adakv",)}),
     Knob("normalize", False, "AdaKV: weight each head's scores by the share of its mass inside its top-B",
@@ -57,10 +63,18 @@ def check(values: dict) -> None:
                                 ("merge", "pivot", "merge other than 'pivot'")):
             if values.get(knob) == bad:
                 raise ValueError(f"layer_budget='global' needs {need}")
+    if values.get("head_budget") == "threshold" and values.get("threshold") is None:
+        raise ValueError("head_budget='threshold' needs threshold=VALUE (entries scoring below it are evicted)")
     if values.get("head_budget") == "headkv" and values.get("max_capacity_prompt_ratio") is not None:
         raise ValueError("head_budget='headkv' needs max_capacity_prompt (its table is sized by it), not a ratio")
     if values.get("gqa_agg") == "none" and (values.get("head_budget") == "headkv" or values.get("varlen") is False):
         raise ValueError("gqa_agg='none' (one set per query head) works with head_budget uniform or adakv, varlen=True")
+
+
+def fits(cfg, length: int, budget: int) -> bool:
+    """Whether ``length`` entries are all kept under ``budget``: they fit it, and no threshold
+    (``head_budget="threshold"``) evicts below the budget."""
+    return length <= budget and cfg.get("head_budget") != "threshold"
 
 
 def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prompt_len: int) -> list[int]:
@@ -160,6 +174,8 @@ def head_sizes(cfg, scores, base: int, table=None):
         return adakv_budgets(scores, base, cfg.floor, cfg.normalize)
     if cfg.get("head_budget") == "headkv":
         return table.to(scores.device).clamp(max=scores.shape[-1]).expand(*scores.shape[:2])
+    if cfg.get("head_budget") == "threshold":
+        return (scores >= cfg.threshold).sum(-1).clamp_max(base)
     return None
 
 

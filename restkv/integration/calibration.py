@@ -1,0 +1,24 @@
+"""What a config needs computed from the model before its layer plans: HeadKV's head importance (when no
+file is given) and the per-layer constants of the methods that read them (``obs.data``: Q-Filters' filters).
+Each is computed once per model and cached (``restkv.integration.headkv``, ``restkv.integration.qfilters``).
+"""
+
+from __future__ import annotations
+
+from ..eviction.plans import plan_layers
+from ..methods import qfilter
+from . import qfilters
+from .headkv import cached_head_importance
+
+# a scorer module -> ``layer_data(cfg, model) -> {layer index: constants}``; a method that reads constants
+# computed from the model adds its line here
+LAYER_DATA = {qfilter: qfilters.layer_data}
+
+
+def layer_plans(model, cfg) -> list:
+    """``plan_layers(model, cfg)`` with what it needs computed from ``model``."""
+    needs_table = cfg.get("head_budget") == "headkv" and cfg.head_importance is None
+    importance = cached_head_importance(model) if needs_table else None
+    compute = LAYER_DATA.get(cfg.scorer.module) if cfg.evicts else None
+    data = compute(cfg, model) if compute is not None else None
+    return plan_layers(model, cfg, importance, data)
