@@ -14,7 +14,8 @@ merging): PyramidKV is SnapKV's score with ``layer_budget="pyramid"``.
 
 A method whose scores come from forward passes of its own after the prefill (KVzip) also has
 ``passes(context_ids, cfg)`` (see ``restkv.deferred``) and ``check_model(values, model)`` (run by
-``configure`` before any work).
+``configure`` before any work); one that shares ``layer_budget="global"``'s entries among the layers
+and heads in its own way (KVCompose's composite tokens) has ``global_sizes(scores, total, cfg)``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import (cam, defensivekv, expected_attention, h2o, keydiff, kvzip, l2norm, lacache, random, restkv,
-               snapkv, streamingllm, tova)
+from . import (cam, defensivekv, expected_attention, finch, h2o, keydiff, kvcompose, kvzip, l2norm, lacache,
+               random, restkv, snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)
@@ -111,5 +112,7 @@ REGISTRY = _register(
     Method("defensivekv", defensivekv, {"head_budget": "adakv", "floor": 0.0}),
     Method("layer_defensivekv", defensivekv, {"layer_budget": "global"}),
     Method("kvzip", kvzip, {"layer_budget": "global"}),
+    Method("finch", finch),
+    Method("kvcompose", kvcompose, {"layer_budget": "global"}),
 )
 METHODS = tuple(REGISTRY)

@@ -1,0 +1,153 @@
+"""kvpress's Finch, KVCompose, LU-KV and Compactor against float64 loops written from their definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_methods_2026 import case, scores_of, window_attention_loops
+
+from restkv.config import CompressionConfig
+from restkv.methods import kvcompose
+from restkv.observe import Observation
+
+
+def finch_loops(obs, k, pos, normalize=True):
+    """[b, Hq, P] float64: mean over the window queries of their attention, each row times the query's
+    position (counted from the first real token), as kvpress FinchPress.score."""
+    b, hq, n, _ = obs.queries.shape
+    w, P = obs.window, obs.prefix_len
+    A = window_attention_loops(obs.queries.double(), k, obs.key_valid, w)
+    out = torch.zeros(b, hq, P, dtype=torch.float64)
+    for i in range(b):
+        for h in range(hq):
+            for t in range(w):
+                weight = float(pos[i, n - w + t]) if normalize else 1.0
+                out[i, h] += A[i, h, t, :P] * weight / w
+    return out
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_finch_equals_float64_loops(normalize):
+    obs, _, k, _, _, pos = case(n=24, pad=(0, 6), window=5, budget=12, seed=2)
+    got = scores_of(obs, method="finch", normalize_scores=normalize)
+    ref = finch_loops(obs, k, pos, normalize)
+    real = (pos[:, None, : obs.prefix_len] >= 0).expand_as(ref)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    torch.testing.assert_close(got.double()[real], ref[real], rtol=2e-5, atol=1e-8)
+
+
+def test_finch_normalization_changes_the_ranking():
+    """The scaling is not a constant: it reweights the window queries (a test that could not fail otherwise)."""
+    obs, *_ = case(n=40, pad=(0, 0), window=8, budget=12, seed=4)
+    on = scores_of(obs, method="finch")
+    off = scores_of(obs, method="finch", normalize_scores=False)
+    assert not torch.allclose(on / on.sum(-1, keepdim=True), off / off.sum(-1, keepdim=True), rtol=1e-3)
+
+
+# --- KVCompose ---
+
+def pass_observation(L=14, hq=4, hkv=2, seed=0):
+    """A second reading's observation: queries [1, Hq, L, d] of positions L..2L-1 over keys [1, Hkv, 2L, d]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, L, 8, generator=g, dtype=torch.float64) * 1.5
+    k = torch.randn(1, hkv, 2 * L, 8, generator=g, dtype=torch.float64)
+    obs = Observation(q.float(), k.float(), k.float(), torch.ones(1, 2 * L, dtype=torch.bool), window=L,
+                      budget=2 * L, scaling=8**-0.5)
+    return obs, q, k
+
+
+def kvcompose_loops(q, k, agg_task="max", agg_group="mean", add_mean=True):
+    """[1, Hkv, L] float64: kvpress KVComposePress.compute_scores + enhance_scores, from the attention of the
+    second reading's queries (position L + t sees keys 0..L + t) over the first L keys."""
+    _, hq, L, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    per_head = torch.zeros(hq, L, dtype=torch.float64)
+    for h in range(hq):
+        rows = []
+        for t in range(L):
+            z = torch.stack([q[0, h, t] @ k[0, h // g, j] * d**-0.5 for j in range(L + t + 1)])
+            rows.append(torch.softmax(z, 0)[:L])
+        rows = torch.stack(rows)
+        per_head[h] = rows.amax(0) if agg_task == "max" else rows.mean(0)
+    out = torch.zeros(hkv, L, dtype=torch.float64)
+    for kv in range(hkv):
+        group = per_head[kv * g : (kv + 1) * g]
+        out[kv] = group.mean(0) if agg_group == "mean" else group.amax(0)
+    return (out + out.mean(0, keepdim=True) if add_mean else out)[None]
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(agg_task="mean", agg_group="max", add_mean_across_heads=False)])
+def test_kvcompose_scores_equal_float64_loops(knobs, monkeypatch):
+    monkeypatch.setattr(kvcompose, "QUERY_BLOCK", 4 * 28 * 3)  # blocks of 3 queries
+    obs, q, k = pass_observation()
+    got = scores_of(obs, method="kvcompose", **knobs)
+    ref = kvcompose_loops(q, k, knobs.get("agg_task", "max"), knobs.get("agg_group", "mean"),
+                          knobs.get("add_mean_across_heads", True))
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=1e-8)
+
+
+def composite_counts_loops(scores, n_kept, agg_head="mean", lower_bound=0, structured=True):
+    """kvpress KVComposePress.compute_important_per_layer on per-layer scores [Hkv, P] (float64 lists):
+    entries kept per (layer, head)."""
+    layers, hkv, P = len(scores), scores[0].shape[0], scores[0].shape[1]
+    if not structured:
+        flat = torch.stack([s.sort(-1, descending=True).values for s in scores])  # [layers, Hkv, P]
+        flat[..., :lower_bound] += 1e9
+        top = flat.reshape(-1).topk(n_kept * hkv).indices // P
+        return torch.bincount(top, minlength=layers * hkv).view(layers, hkv)
+    comp = torch.zeros(layers, P, dtype=torch.float64)
+    for layer in range(layers):
+        ranked = scores[layer].sort(-1, descending=True).values
+        comp[layer] = ranked.mean(0) if agg_head == "mean" else ranked.amax(0)
+    comp[:, :lower_bound] += 1e9
+    comp[0] = comp.max(0).values
+    top = comp.reshape(-1).topk(n_kept).indices // P
+    return torch.bincount(top, minlength=layers)[:, None].expand(layers, hkv)
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(agg_head="max"), dict(keep_token_lower_bound=5),
+                                   dict(structured=False), dict(structured=False, keep_token_lower_bound=4)])
+def test_kvcompose_layer_counts_equal_the_reference_composite_tokens(knobs):
+    """``global_sizes`` gives every head of a layer the reference's count for it."""
+    g = torch.Generator().manual_seed(1)
+    layers, hkv, P, per_head = 4, 3, 30, 7
+    scores = [torch.rand(hkv, P, generator=g, dtype=torch.float64) ** (layer + 1) for layer in range(layers)]
+    cfg = CompressionConfig(method="kvcompose", max_capacity_prompt=per_head + 1, window_size=1, **knobs)
+    sizes = kvcompose.global_sizes([s[None].float() for s in scores], layers * hkv * per_head, cfg.score_knobs())
+    got = torch.stack(sizes)[:, 0]  # [layers, Hkv]
+    ref = composite_counts_loops(scores, layers * per_head, knobs.get("agg_head", "mean"),
+                                 knobs.get("keep_token_lower_bound", 0), knobs.get("structured", True))
+    assert torch.equal(got, ref), (got, ref)
+    if knobs.get("structured", True):
+        assert len(set(got[:, 0].tolist())) > 1, "layers keep different counts"
+
+
+def test_kvcompose_keeps_what_a_second_reading_attends_to_on_a_model():
+    """End to end on a tiny model: the kept sets are each head's top entries by the attention of the prompt's
+    second copy (one eager forward of [prompt, prompt]), in the counts of the reference's composite tokens."""
+    from helpers import prompt, tiny_model
+
+    import restkv
+
+    model = tiny_model("llama", "eager", seed=2)
+    L, B = 40, 12
+    ids = prompt(L, seed=5)
+    with torch.no_grad():
+        attn = model(torch.cat([ids, ids], 1), output_attentions=True).attentions  # per layer [1, Hq, 2L, 2L]
+    scores = []
+    for a in attn:
+        a = a[0, :, L:, : L - 1].double().amax(1)  # [Hq, P]: the prefix before the window of 1
+        s = a.view(2, 3, -1).mean(1)
+        scores.append(s + s.mean(0, keepdim=True))
+    counts = composite_counts_loops(scores, 3 * (B - 1))
+    with restkv.compressing(model, method="kvcompose", max_capacity_prompt=B, window_size=1):
+        model(ids)
+        kept = restkv.kept_positions(model)
+    for layer, (s, held) in enumerate(zip(scores, kept)):
+        for h in range(2):
+            mine = held[0, h][held[0, h] >= 0]
+            assert mine.numel() == int(counts[layer, h]) + 1
+            top = s[h].topk(int(counts[layer, h])).indices
+            assert set(mine.tolist()) == set(top.tolist()) | {L - 1}
