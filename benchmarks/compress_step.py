@@ -36,7 +36,8 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "restkv:query_proxy=expected", "restkv:query_proxy=both", "cam", "streamingllm",
                    "l2norm", "expected_attention", "keydiff", "criticalkv", "criticalkv:value_norm=l2", "critical_adakv",
                    "chunkkv", "defensivekv", "tova", "lacache", "random", "snapkv:refine_rounds=2", "snapkv:refine_rounds=8",
-                   "restkv:refine_rounds=8", "restkv:refine_rounds=2,refine_pool=16", "adakv:refine_rounds=8"]
+                   "restkv:refine_rounds=8", "restkv:refine_rounds=2,refine_pool=16", "adakv:refine_rounds=8",
+                   "finch", "entropy_gated_chunkkv"]
 
 
 def _value(text: str):

@@ -132,6 +132,13 @@ PAIRS = (
          press("ComposedPress", presses=[snapkv_press(), press("ThinKPress", key_channel_compression_ratio=0.5)])),
     Pair("KVzip", dict(method="kvzip", window_size=1, repeat_chunk=2048), press("KVzipPress", compression_ratio=RATIO)),
     Pair("DefensiveKV", dict(method="defensivekv", window_size=32, kernel_size=5), None),  # a fork, not kvpress
+    # Finch's window is the question after a delimiter token; none here: the last 64 tokens, no re-rotation
+    Pair("Finch", dict(method="finch", window_size=64),
+         press("FinchPress", compression_ratio=RATIO, rerotate_keys=False,
+               attributes={"window_size": 64, "delimiter_token_id": -1})),
+    Pair("KVCompose", dict(method="kvcompose", window_size=1), press("KVComposePress", compression_ratio=RATIO)),
+    Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
+         press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
 )
 
 

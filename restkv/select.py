@@ -81,14 +81,16 @@ def head_scores(obs: Observation, cfg: CompressionConfig, raw: Tensor | None = N
 
 def ranking(obs: Observation, cfg: CompressionConfig, scores: Tensor, keep) -> Tensor:
     """What the top-k ranks [b, H, P]: the scores, or the selection strategy's key over them
-    (``critical``: CriticalKV's two stages; ``chunk_size``: ChunkKV's chunks), then, with ``refine_rounds``,
+    (``critical``: CriticalKV's two stages; ``chunk_size``: ChunkKV's chunks, entropy-gated with
+    ``low_entropy_chunk_length``), then, with ``refine_rounds``,
     a key whose top-k is that top-k refined as a set (``refine.refined``). ``keep``: entries per head."""
     key = scores
     if cfg.get("critical"):
         norms = value_norms(obs, scores.shape[1], cfg.value_norm)
         key = two_stage(scores, keep, obs.window, norms, cfg.first_stage_ratio, cfg.critical_epsilon)
     elif cfg.get("chunk_size"):
-        key = chunk_order(scores, obs.positions[:, : obs.prefix_len], cfg.chunk_size)
+        key = chunk_order(scores, obs.positions[:, : obs.prefix_len], cfg.chunk_size,
+                          cfg.get("low_entropy_chunk_length"))
     return refined(obs, cfg, key, keep) if cfg.get("refine_rounds") else key
 
 

@@ -109,6 +109,7 @@ REGISTRY = _register(
     Method("criticalkv", snapkv, _KVPRESS_SNAPKV | {"critical": True}),
     Method("critical_adakv", snapkv, _KVPRESS_SNAPKV | {"critical": True, "head_budget": "adakv"}),
     Method("chunkkv", snapkv, _KVPRESS_SNAPKV | {"chunk_size": 20}),
+    Method("entropy_gated_chunkkv", snapkv, _KVPRESS_SNAPKV | {"chunk_size": 10, "low_entropy_chunk_length": 4}),
     Method("defensivekv", defensivekv, {"head_budget": "adakv", "floor": 0.0}),
     Method("layer_defensivekv", defensivekv, {"layer_budget": "global"}),
     Method("kvzip", kvzip, {"layer_budget": "global"}),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_methods_2026 import case, scores_of, window_attention_loops
@@ -151,3 +153,69 @@ def test_kvcompose_keeps_what_a_second_reading_attends_to_on_a_model():
             assert mine.numel() == int(counts[layer, h]) + 1
             top = s[h].topk(int(counts[layer, h])).indices
             assert set(mine.tolist()) == set(top.tolist()) | {L - 1}
+
+
+# --- EntropyGatedChunkKV ---
+
+def entropy_gated_loops(scores, chunk_len, low, budget):
+    """kvpress EntropyGatedChunkKVPress.compress's kept positions, in plain Python floats (math), on one
+    head's scores (a list)."""
+    n, eps = len(scores), 1e-8
+    bounds = [(s, min(s + chunk_len, n)) for s in range(0, n, chunk_len)]
+    chunk_scores, entropies = [], []
+    for s, e in bounds:
+        x = scores[s:e]
+        chunk_scores.append(sum(x) / len(x))
+        if len(x) == 1:
+            entropies.append(0.0)
+            continue
+        shift = min(min(x), 0.0)
+        y = [v - shift for v in x]
+        p = [v / (sum(y) + eps) for v in y]
+        h = -sum(q * math.log(q + eps) for q in p)
+        entropies.append(min(max(h / math.log(len(x)), 0.0), 1.0))
+
+    def lower_median(v):
+        return sorted(v)[(len(v) - 1) // 2]
+
+    high = [c >= lower_median(chunk_scores) for c in chunk_scores]
+    spiky = [e < lower_median(entropies) for e in entropies]
+    keep, left = set(), budget
+    for c in sorted(range(len(bounds)), key=lambda i: -chunk_scores[i]):
+        if left <= 0:
+            break
+        s, e = bounds[c]
+        k = min(e - s, left)
+        if high[c] and spiky[c]:
+            k = min(k, low)
+        keep |= set(sorted(range(s, e), key=lambda j: -scores[j])[:k])
+        left -= k
+    rest = sorted((j for j in range(n) if j not in keep), key=lambda j: -scores[j])
+    return keep | set(rest[:left])
+
+
+@pytest.mark.parametrize("P,chunk_len,low,budget,pad,signed", [(57, 10, 4, 20, 0, False), (60, 10, 4, 33, 3, False),
+                                                               (41, 6, 2, 15, 0, True), (50, 10, 4, 45, 5, False)])
+def test_entropy_gated_chunks_equal_the_reference_greedy(P, chunk_len, low, budget, pad, signed):
+    from restkv.chunks import chunk_order
+
+    g = torch.Generator().manual_seed(P + budget)
+    raw = torch.rand(P, generator=g, dtype=torch.float64) ** 4  # spiky and flat chunks
+    raw[2 * chunk_len + 1] += 3.0  # a spiky chunk of the best: the gate keeps part of it
+    raw = raw - 0.3 if signed else raw
+    scores = torch.full((1, 1, P + pad), float("-inf"))
+    scores[0, 0, pad:] = raw.float()
+    positions = torch.cat([torch.full((pad,), -1), torch.arange(P)])[None]
+    key = chunk_order(scores, positions, chunk_len, low)
+    got = set((key[0, 0].topk(budget).indices - pad).tolist())
+    ref = entropy_gated_loops(raw.float().double().tolist(), chunk_len, low, budget)
+    assert got == ref
+    plain = set((chunk_order(scores, positions, chunk_len)[0, 0].topk(budget).indices - pad).tolist())
+    assert plain != ref, "the gate changes what is kept"
+
+
+def test_entropy_gate_needs_a_smaller_length_than_the_chunks():
+    with pytest.raises(ValueError, match="low_entropy_chunk_length"):
+        CompressionConfig(method="chunkkv", max_capacity_prompt=64, window_size=8, low_entropy_chunk_length=20)
+    with pytest.raises(ValueError, match="low_entropy_chunk_length"):
+        CompressionConfig(method="snapkv", max_capacity_prompt=64, window_size=8, low_entropy_chunk_length=2)
