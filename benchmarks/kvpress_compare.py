@@ -137,6 +137,7 @@ PAIRS = (
          press("FinchPress", compression_ratio=RATIO, rerotate_keys=False,
                attributes={"window_size": 64, "delimiter_token_id": -1})),
     Pair("KVCompose", dict(method="kvcompose", window_size=1), press("KVComposePress", compression_ratio=RATIO)),
+    Pair("KVgrad", dict(method="kvgrad", window_size=1, repeat_chunk=512), press("KVgradPress", compression_ratio=RATIO)),
     Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
          press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
 )

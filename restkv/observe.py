@@ -42,6 +42,7 @@ class Observation:
     num_layers: int = 1  # evicted layers of the model
     memo: dict = field(default_factory=dict)
     head_valid: "torch.Tensor | None" = None  # [b, H, L] bool when heads hold different entries (decoding)
+    query_weights: "torch.Tensor | None" = None  # [b, Lq] a weight per query (KVgrad: the objective's gradient)
 
     @property
     def prefix_len(self) -> int:

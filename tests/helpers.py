@@ -49,7 +49,8 @@ def tiny_tokenizer() -> str:
 
 
 # knobs a method needs on the 3-layer models below
-SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24)}
+SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
+               "kvgrad": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24)}
 
 
 def small(method, family="llama", **knobs):

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import (cam, defensivekv, expected_attention, finch, h2o, keydiff, kvcompose, kvzip, l2norm, lacache,
-               random, restkv, snapkv, streamingllm, tova)
+from . import (cam, defensivekv, expected_attention, finch, h2o, keydiff, kvcompose, kvgrad, kvzip, l2norm,
+               lacache, random, restkv, snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)
@@ -115,5 +115,6 @@ REGISTRY = _register(
     Method("kvzip", kvzip, {"layer_budget": "global"}),
     Method("finch", finch),
     Method("kvcompose", kvcompose, {"layer_budget": "global"}),
+    Method("kvgrad", kvgrad, {"layer_budget": "global"}),
 )
 METHODS = tuple(REGISTRY)

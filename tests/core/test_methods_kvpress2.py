@@ -1,4 +1,4 @@
-"""kvpress's Finch, KVCompose, LU-KV and Compactor against float64 loops written from their definitions."""
+"""kvpress's Finch, KVCompose, EntropyGatedChunkKV and KVgrad against float64 loops written from their definitions."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from test_methods_2026 import case, scores_of, window_attention_loops
 
 from restkv.config import CompressionConfig
-from restkv.methods import kvcompose
-from restkv.observe import Observation
+from restkv.methods import kvcompose, kvgrad
+from restkv.observe import Observation, wo_factor
 
 
 def finch_loops(obs, k, pos, normalize=True):
@@ -219,3 +219,95 @@ def test_entropy_gate_needs_a_smaller_length_than_the_chunks():
         CompressionConfig(method="chunkkv", max_capacity_prompt=64, window_size=8, low_entropy_chunk_length=20)
     with pytest.raises(ValueError, match="low_entropy_chunk_length"):
         CompressionConfig(method="snapkv", max_capacity_prompt=64, window_size=8, low_entropy_chunk_length=2)
+
+
+# --- KVgrad ---
+
+def test_kvgrad_scores_equal_float64_loops():
+    """``max_p A_pc g_p ||W_O^h v_c||`` per query head on a pass's observation, sinks above all."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, sinks, chunk, r = 4, 2, 8, 2, 9, 6
+    n = sinks + chunk + r
+    q = torch.randn(1, hq, r, d, generator=g, dtype=torch.float64)
+    k = torch.randn(1, hkv, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(1, hkv, n, d, generator=g, dtype=torch.float64)
+    W = torch.randn(12, hq * d, generator=g, dtype=torch.float64)
+    weights = torch.rand(1, r, generator=g, dtype=torch.float64) + 0.1
+    obs = Observation(q.float(), k.float(), v.float(), torch.ones(1, n, dtype=torch.bool), window=r, budget=n,
+                      scaling=d**-0.5, wo_factor=wo_factor(W.float(), hq), query_weights=weights.float())
+    got = scores_of(obs, method="kvgrad", sink_tokens=sinks)
+    P = sinks + chunk
+    ref = torch.zeros(1, hq, P, dtype=torch.float64)
+    for h in range(hq):
+        for c in range(P):
+            vnorm = (W[:, h * d : (h + 1) * d] @ v[0, h // 2, c]).norm()
+            best = 0.0
+            for p in range(r):
+                z = torch.stack([q[0, h, p] @ k[0, h // 2, j] * d**-0.5 for j in range(P + p + 1)])
+                best = max(best, float(torch.softmax(z, 0)[c] * weights[0, p] * vnorm))
+            ref[0, h, c] = best
+    assert torch.all(got[..., :sinks] == kvgrad.SINK)
+    torch.testing.assert_close(got[..., sinks:].double(), ref[..., sinks:], rtol=2e-5, atol=1e-9)
+
+
+def kvgrad_reference_scores(model, ids, pass_ids, sinks):
+    """Per layer [Hkv, L] float64 (the max over the group) from ONE forward of [prompt | pass] with autograd: A the
+    pass rows of the eager attention over the prompt (a single pass covers it all: the subset softmax is the full
+    one), g_p the gradient norm of sum_p ||h_p||^2 (last layer, pass tokens) at each attention output."""
+    L, r = ids.shape[1], pass_ids.shape[0]
+    outputs, last = [], {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, o: outputs.append(o)) for layer in model.model.layers]
+    hooks.append(model.model.layers[-1].register_forward_hook(lambda m, a, o: last.update(h=o)))
+    try:
+        out = model(torch.cat([ids[0], pass_ids])[None], output_attentions=True, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    attn = [o[1] for o in outputs]
+    h = last["h"][0] if isinstance(last["h"], tuple) else last["h"]
+    phi = h[0, L:].double().square().sum()
+    grads = torch.autograd.grad(phi, [o[0] for o in outputs])
+    hq, hkv = model.config.num_attention_heads, model.config.num_key_value_heads
+    d = model.config.head_dim
+    scores = []
+    for layer, (a, grad) in enumerate(zip(attn, grads)):
+        gnorm = grad[0, L:].double().norm(dim=-1)  # [r]
+        values = out.past_key_values.layers[layer].values[0, :, :L].double()  # [Hkv, L, d]
+        W = model.model.layers[layer].self_attn.o_proj.weight.double()
+        per_head = torch.zeros(hq, L, dtype=torch.float64)
+        for head in range(hq):
+            vnorm = (values[head // (hq // hkv)] @ W[:, head * d : (head + 1) * d].T).norm(dim=-1)  # [L]
+            A = a[0, head, L:, :L].double()  # [r, L]
+            per_head[head] = (A * gnorm[:, None]).amax(0) * vnorm
+        s = per_head.view(hkv, hq // hkv, L).amax(1)
+        s[:, :sinks] = float("inf")
+        scores.append(s.detach())
+    return scores
+
+
+def test_kvgrad_keeps_the_top_of_a_gradient_weighted_reconstruction_on_a_model():
+    from helpers import SMALL_MODEL, prompt, tiny_model
+
+    import restkv
+
+    model = tiny_model("llama", "eager", seed=4)
+    L, B, w = 40, 14, 4
+    ids = prompt(L, seed=6)
+    knobs = dict(SMALL_MODEL["kvgrad"], repeat_chunk=64)  # one pass covers the prompt
+    cfg = CompressionConfig(method="kvgrad", max_capacity_prompt=B, window_size=w, **knobs)
+    sinks, passes = kvgrad.passes(ids[0], cfg.score_knobs(), model)
+    assert len(passes) == 1
+    ref = [s[:, : L - w] for s in kvgrad_reference_scores(model, ids, passes[0][2], sinks)]
+    flat = torch.stack(ref).reshape(-1)
+    top = torch.zeros_like(flat, dtype=torch.bool)
+    top[flat.topk(3 * 2 * (B - w)).indices] = True
+    expected = top.view(3, 2, L - w)
+    with torch.inference_mode(), restkv.compressing(model, method="kvgrad", max_capacity_prompt=B, window_size=w,
+                                                    **knobs):
+        model(ids)  # under inference_mode, as the runners
+        kept = restkv.kept_positions(model)
+    for layer in range(3):
+        for h in range(2):
+            mine = kept[layer][0, h]
+            mine = set(mine[(mine >= 0) & (mine < L - w)].tolist())
+            assert mine == set(expected[layer, h].nonzero().flatten().tolist()), (layer, h)
