@@ -14,7 +14,12 @@ kvpress keeps exactly B (``compression_ratio``). Windows. kvpress's SnapKV (and 
 CriticalKV and ChunkKV built on it) observes and always keeps the last ``window_size=64`` tokens: restkv gets
 ``window_size=64`` there, with SnapKV's kernel 5 and average pooling. kvpress's TOVA always keeps the last
 token, its Knorm keeps nothing in particular: restkv gets ``window_size=1``. StreamingLLM keeps 4 sinks and
-the most recent tokens in both, whatever the window.
+the most recent tokens in both, whatever the window. FinchPress's window is the question after a delimiter
+token; here it gets no delimiter (an id never in the input) and the window of 64 set as an attribute, without
+key re-rotation (restkv keeps original positions). KVComposePress, KVzipPress and KVgradPress keep no window
+(restkv: ``window_size=1``) and count their budget over all layers: kvpress keeps ``int(layers L (1 - r))``,
+about ``layers / 2`` entries more than restkv's ``layers B`` (the ratio is matched per layer), and its last token
+only when it scores among the best.
 
 Columns:
 

@@ -26,8 +26,9 @@ the pass's queries a block at a time (``QUERY_BLOCK`` float32 elements), so memo
 Differences: float32 scores (the reference's eager attention is in the model dtype); the observation
 window is always kept apart (the reference keeps no window: ``window_size=1`` comes closest) and the
 composite tokens are formed over the evictable entries; ``add_v_norm`` (the reference's default False)
-is not provided; padding is supported (the reference: batch 1). With ``layer_budget="uniform"`` every
-head of every layer keeps B (no composite tokens).
+is not provided; padding is supported (the reference: batch 1); kvpress 0.5.5 floors each layer's count
+at ``max(1, keep_token_lower_bound)`` composite tokens beyond its top-k (here every head keeps its window).
+With ``layer_budget="uniform"`` every head of every layer keeps B (no composite tokens).
 """
 
 from __future__ import annotations
