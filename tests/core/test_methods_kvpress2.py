@@ -1,4 +1,5 @@
-"""kvpress's Finch, KVCompose, EntropyGatedChunkKV and KVgrad against float64 loops written from their definitions."""
+"""kvpress's Finch, KVCompose, EntropyGatedChunkKV and KVgrad against float64 loops written from
+their definitions."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from restkv.observe import Observation, wo_factor
 
 
 def finch_loops(obs, k, pos, normalize=True):
-    """[b, Hq, P] float64: mean over the window queries of their attention, each row times the query's
-    position (counted from the first real token), as kvpress FinchPress.score."""
+    """[b, Hq, P] float64: mean over the window queries of their attention, each row times the
+    query's position (counted from the first real token), as kvpress FinchPress.score."""
     b, hq, n, _ = obs.queries.shape
     w, P = obs.window, obs.prefix_len
     A = window_attention_loops(obs.queries.double(), k, obs.key_valid, w)
@@ -39,28 +40,40 @@ def test_finch_equals_float64_loops(normalize):
 
 
 def test_finch_normalization_changes_the_ranking():
-    """The scaling is not a constant: it reweights the window queries (a test that could not fail otherwise)."""
+    """The scaling is not a constant: it reweights the window queries."""
     obs, *_ = case(n=40, pad=(0, 0), window=8, budget=12, seed=4)
     on = scores_of(obs, method="finch")
     off = scores_of(obs, method="finch", normalize_scores=False)
-    assert not torch.allclose(on / on.sum(-1, keepdim=True), off / off.sum(-1, keepdim=True), rtol=1e-3)
+    assert not torch.allclose(
+        on / on.sum(-1, keepdim=True), off / off.sum(-1, keepdim=True), rtol=1e-3
+    )
 
 
 # --- KVCompose ---
 
+
 def pass_observation(L=14, hq=4, hkv=2, seed=0):
-    """A second reading's observation: queries [1, Hq, L, d] of positions L..2L-1 over keys [1, Hkv, 2L, d]."""
+    """A second reading's observation: queries [1, Hq, L, d] of positions L..2L-1 over keys
+    [1, Hkv, 2L, d]."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, hq, L, 8, generator=g, dtype=torch.float64) * 1.5
     k = torch.randn(1, hkv, 2 * L, 8, generator=g, dtype=torch.float64)
-    obs = Observation(q.float(), k.float(), k.float(), torch.ones(1, 2 * L, dtype=torch.bool), window=L,
-                      budget=2 * L, scaling=8**-0.5)
+    obs = Observation(
+        q.float(),
+        k.float(),
+        k.float(),
+        torch.ones(1, 2 * L, dtype=torch.bool),
+        window=L,
+        budget=2 * L,
+        scaling=8**-0.5,
+    )
     return obs, q, k
 
 
 def kvcompose_loops(q, k, agg_task="max", agg_group="mean", add_mean=True):
-    """[1, Hkv, L] float64: kvpress KVComposePress.compute_scores + enhance_scores, from the attention of the
-    second reading's queries (position L + t sees keys 0..L + t) over the first L keys."""
+    """[1, Hkv, L] float64: kvpress KVComposePress.compute_scores + enhance_scores, from the
+    attention of the second reading's queries (position L + t sees keys 0..L + t) over the first L
+    keys."""
     _, hq, L, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -79,19 +92,26 @@ def kvcompose_loops(q, k, agg_task="max", agg_group="mean", add_mean=True):
     return (out + out.mean(0, keepdim=True) if add_mean else out)[None]
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(agg_task="mean", agg_group="max", add_mean_across_heads=False)])
+@pytest.mark.parametrize(
+    "knobs", [dict(), dict(agg_task="mean", agg_group="max", add_mean_across_heads=False)]
+)
 def test_kvcompose_scores_equal_float64_loops(knobs, monkeypatch):
     monkeypatch.setattr(kvcompose, "QUERY_BLOCK", 4 * 28 * 3)  # blocks of 3 queries
     obs, q, k = pass_observation()
     got = scores_of(obs, method="kvcompose", **knobs)
-    ref = kvcompose_loops(q, k, knobs.get("agg_task", "max"), knobs.get("agg_group", "mean"),
-                          knobs.get("add_mean_across_heads", True))
+    ref = kvcompose_loops(
+        q,
+        k,
+        knobs.get("agg_task", "max"),
+        knobs.get("agg_group", "mean"),
+        knobs.get("add_mean_across_heads", True),
+    )
     assert got.dtype == torch.float32 and got.shape == ref.shape
     torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=1e-8)
 
 
 def composite_counts_loops(scores, n_kept, agg_head="mean", lower_bound=0, structured=True):
-    """kvpress KVComposePress.compute_important_per_layer on per-layer scores [Hkv, P] (float64 lists):
+    """kvpress KVComposePress.compute_important_per_layer on per-layer scores [Hkv, P] (float64):
     entries kept per (layer, head)."""
     layers, hkv, P = len(scores), scores[0].shape[0], scores[0].shape[1]
     if not structured:
@@ -109,26 +129,47 @@ def composite_counts_loops(scores, n_kept, agg_head="mean", lower_bound=0, struc
     return torch.bincount(top, minlength=layers)[:, None].expand(layers, hkv)
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(agg_head="max"), dict(keep_token_lower_bound=5),
-                                   dict(structured=False), dict(structured=False, keep_token_lower_bound=4)])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(),
+        dict(agg_head="max"),
+        dict(keep_token_lower_bound=5),
+        dict(structured=False),
+        dict(structured=False, keep_token_lower_bound=4),
+    ],
+)
 def test_kvcompose_layer_counts_equal_the_reference_composite_tokens(knobs):
     """``global_sizes`` gives every head of a layer the reference's count for it."""
     g = torch.Generator().manual_seed(1)
     layers, hkv, P, per_head = 4, 3, 30, 7
-    scores = [torch.rand(hkv, P, generator=g, dtype=torch.float64) ** (layer + 1) for layer in range(layers)]
-    cfg = CompressionConfig(method="kvcompose", max_capacity_prompt=per_head + 1, window_size=1, **knobs)
-    sizes = kvcompose.global_sizes([s[None].float() for s in scores], layers * hkv * per_head, cfg.score_knobs())
+    scores = [
+        torch.rand(hkv, P, generator=g, dtype=torch.float64) ** (layer + 1)
+        for layer in range(layers)
+    ]
+    cfg = CompressionConfig(
+        method="kvcompose", max_capacity_prompt=per_head + 1, window_size=1, **knobs
+    )
+    sizes = kvcompose.global_sizes(
+        [s[None].float() for s in scores], layers * hkv * per_head, cfg.score_knobs()
+    )
     got = torch.stack(sizes)[:, 0]  # [layers, Hkv]
-    ref = composite_counts_loops(scores, layers * per_head, knobs.get("agg_head", "mean"),
-                                 knobs.get("keep_token_lower_bound", 0), knobs.get("structured", True))
+    ref = composite_counts_loops(
+        scores,
+        layers * per_head,
+        knobs.get("agg_head", "mean"),
+        knobs.get("keep_token_lower_bound", 0),
+        knobs.get("structured", True),
+    )
     assert torch.equal(got, ref), (got, ref)
     if knobs.get("structured", True):
         assert len(set(got[:, 0].tolist())) > 1, "layers keep different counts"
 
 
 def test_kvcompose_keeps_what_a_second_reading_attends_to_on_a_model():
-    """End to end on a tiny model: the kept sets are each head's top entries by the attention of the prompt's
-    second copy (one eager forward of [prompt, prompt]), in the counts of the reference's composite tokens."""
+    """End to end on a tiny model: the kept sets are each head's top entries by the attention of the
+    prompt's second copy (one eager forward of [prompt, prompt]), in the counts of the reference's
+    composite tokens."""
     from helpers import prompt, tiny_model
 
     import restkv
@@ -137,7 +178,9 @@ def test_kvcompose_keeps_what_a_second_reading_attends_to_on_a_model():
     L, B = 40, 12
     ids = prompt(L, seed=5)
     with torch.no_grad():
-        attn = model(torch.cat([ids, ids], 1), output_attentions=True).attentions  # per layer [1, Hq, 2L, 2L]
+        attn = model(
+            torch.cat([ids, ids], 1), output_attentions=True
+        ).attentions  # per layer [1, Hq, 2L, 2L]
     scores = []
     for a in attn:
         a = a[0, :, L:, : L - 1].double().amax(1)  # [Hq, P]: the prefix before the window of 1
@@ -157,9 +200,10 @@ def test_kvcompose_keeps_what_a_second_reading_attends_to_on_a_model():
 
 # --- EntropyGatedChunkKV ---
 
+
 def entropy_gated_loops(scores, chunk_len, low, budget):
-    """kvpress EntropyGatedChunkKVPress.compress's kept positions, in plain Python floats (math), on one
-    head's scores (a list)."""
+    """kvpress EntropyGatedChunkKVPress.compress's kept positions, in plain Python floats (math), on
+    one head's scores (a list)."""
     n, eps = len(scores), 1e-8
     bounds = [(s, min(s + chunk_len, n)) for s in range(0, n, chunk_len)]
     chunk_scores, entropies = [], []
@@ -194,8 +238,15 @@ def entropy_gated_loops(scores, chunk_len, low, budget):
     return keep | set(rest[:left])
 
 
-@pytest.mark.parametrize("P,chunk_len,low,budget,pad,signed", [(57, 10, 4, 20, 0, False), (60, 10, 4, 33, 3, False),
-                                                               (41, 6, 2, 15, 0, True), (50, 10, 4, 45, 5, False)])
+@pytest.mark.parametrize(
+    "P,chunk_len,low,budget,pad,signed",
+    [
+        (57, 10, 4, 20, 0, False),
+        (60, 10, 4, 33, 3, False),
+        (41, 6, 2, 15, 0, True),
+        (50, 10, 4, 45, 5, False),
+    ],
+)
 def test_entropy_gated_chunks_equal_the_reference_greedy(P, chunk_len, low, budget, pad, signed):
     from restkv.chunks import chunk_order
 
@@ -210,18 +261,25 @@ def test_entropy_gated_chunks_equal_the_reference_greedy(P, chunk_len, low, budg
     got = set((key[0, 0].topk(budget).indices - pad).tolist())
     ref = entropy_gated_loops(raw.float().double().tolist(), chunk_len, low, budget)
     assert got == ref
-    plain = set((chunk_order(scores, positions, chunk_len)[0, 0].topk(budget).indices - pad).tolist())
+    plain = set(
+        (chunk_order(scores, positions, chunk_len)[0, 0].topk(budget).indices - pad).tolist()
+    )
     assert plain != ref, "the gate changes what is kept"
 
 
 def test_entropy_gate_needs_a_smaller_length_than_the_chunks():
     with pytest.raises(ValueError, match="low_entropy_chunk_length"):
-        CompressionConfig(method="chunkkv", max_capacity_prompt=64, window_size=8, low_entropy_chunk_length=20)
+        CompressionConfig(
+            method="chunkkv", max_capacity_prompt=64, window_size=8, low_entropy_chunk_length=20
+        )
     with pytest.raises(ValueError, match="low_entropy_chunk_length"):
-        CompressionConfig(method="snapkv", max_capacity_prompt=64, window_size=8, low_entropy_chunk_length=2)
+        CompressionConfig(
+            method="snapkv", max_capacity_prompt=64, window_size=8, low_entropy_chunk_length=2
+        )
 
 
 # --- KVgrad ---
+
 
 def test_kvgrad_scores_equal_float64_loops():
     """``max_p A_pc g_p ||W_O^h v_c||`` per query head on a pass's observation, sinks above all."""
@@ -233,8 +291,17 @@ def test_kvgrad_scores_equal_float64_loops():
     v = torch.randn(1, hkv, n, d, generator=g, dtype=torch.float64)
     W = torch.randn(12, hq * d, generator=g, dtype=torch.float64)
     weights = torch.rand(1, r, generator=g, dtype=torch.float64) + 0.1
-    obs = Observation(q.float(), k.float(), v.float(), torch.ones(1, n, dtype=torch.bool), window=r, budget=n,
-                      scaling=d**-0.5, wo_factor=wo_factor(W.float(), hq), query_weights=weights.float())
+    obs = Observation(
+        q.float(),
+        k.float(),
+        v.float(),
+        torch.ones(1, n, dtype=torch.bool),
+        window=r,
+        budget=n,
+        scaling=d**-0.5,
+        wo_factor=wo_factor(W.float(), hq),
+        query_weights=weights.float(),
+    )
     got = scores_of(obs, method="kvgrad", sink_tokens=sinks)
     P = sinks + chunk
     ref = torch.zeros(1, hq, P, dtype=torch.float64)
@@ -251,12 +318,16 @@ def test_kvgrad_scores_equal_float64_loops():
 
 
 def kvgrad_reference_scores(model, ids, pass_ids, sinks):
-    """Per layer [Hkv, L] float64 (the max over the group) from ONE forward of [prompt | pass] with autograd: A the
-    pass rows of the eager attention over the prompt (a single pass covers it all: the subset softmax is the full
-    one), g_p the gradient norm of sum_p ||h_p||^2 (last layer, pass tokens) at each attention output."""
+    """Per layer [Hkv, L] float64 (the max over the group) from ONE forward of [prompt | pass] with
+    autograd: A the pass rows of the eager attention over the prompt (a single pass covers it all:
+    the subset softmax is the full one), g_p the gradient norm of sum_p ||h_p||^2 (last layer, pass
+    tokens) at each attention output."""
     L, r = ids.shape[1], pass_ids.shape[0]
     outputs, last = [], {}
-    hooks = [layer.self_attn.register_forward_hook(lambda m, a, o: outputs.append(o)) for layer in model.model.layers]
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda m, a, o: outputs.append(o))
+        for layer in model.model.layers
+    ]
     hooks.append(model.model.layers[-1].register_forward_hook(lambda m, a, o: last.update(h=o)))
     try:
         out = model(torch.cat([ids[0], pass_ids])[None], output_attentions=True, use_cache=True)
@@ -276,7 +347,9 @@ def kvgrad_reference_scores(model, ids, pass_ids, sinks):
         W = model.model.layers[layer].self_attn.o_proj.weight.double()
         per_head = torch.zeros(hq, L, dtype=torch.float64)
         for head in range(hq):
-            vnorm = (values[head // (hq // hkv)] @ W[:, head * d : (head + 1) * d].T).norm(dim=-1)  # [L]
+            vnorm = (values[head // (hq // hkv)] @ W[:, head * d : (head + 1) * d].T).norm(
+                dim=-1
+            )  # [L]
             A = a[0, head, L:, :L].double()  # [r, L]
             per_head[head] = (A * gnorm[:, None]).amax(0) * vnorm
         s = per_head.view(hkv, hq // hkv, L).amax(1)
@@ -302,8 +375,10 @@ def test_kvgrad_keeps_the_top_of_a_gradient_weighted_reconstruction_on_a_model()
     top = torch.zeros_like(flat, dtype=torch.bool)
     top[flat.topk(3 * 2 * (B - w)).indices] = True
     expected = top.view(3, 2, L - w)
-    with torch.inference_mode(), restkv.compressing(model, method="kvgrad", max_capacity_prompt=B, window_size=w,
-                                                    **knobs):
+    with (
+        torch.inference_mode(),
+        restkv.compressing(model, method="kvgrad", max_capacity_prompt=B, window_size=w, **knobs),
+    ):
         model(ids)  # under inference_mode, as the runners
         kept = restkv.kept_positions(model)
     for layer in range(3):
