@@ -386,3 +386,52 @@ def test_kvgrad_keeps_the_top_of_a_gradient_weighted_reconstruction_on_a_model()
             mine = kept[layer][0, h]
             mine = set(mine[(mine >= 0) & (mine < L - w)].tolist())
             assert mine == set(expected[layer, h].nonzero().flatten().tolist()), (layer, h)
+
+
+# --- every new method in sweep mode, with padding, and decoding on what it keeps ---
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_sweep_of_the_new_methods_equals_separate_runs_with_padding(family):
+    from helpers import prompt, small, tiny_model
+    from test_deferred import _separate
+
+    import restkv
+
+    model = tiny_model(family, "sdpa")
+    ids = torch.cat([prompt(64, seed=3), prompt(64, seed=4)])
+    mask = torch.ones_like(ids)
+    ids[1, :20], mask[1, :20] = 0, 0
+    base = dict(max_capacity_prompt=20, window_size=4)
+    configs = [
+        small("kvcompose", **base),
+        small("kvcompose", max_capacity_prompt=28, window_size=4),
+        small("kvcompose", structured=False, **base),
+        small("kvgrad", **base),
+        small("finch", **base),
+        small("entropy_gated_chunkkv", **base),
+    ]
+    swept = restkv.sweep(model, ids, mask, configs, 4, pad_token_id=0)
+    for cfg, (tokens, kept) in zip(configs, swept):
+        ref_tokens, ref_kept = _separate(model, ids, mask, cfg)
+        assert torch.equal(tokens, ref_tokens), cfg
+        for k, r in zip(kept, ref_kept):
+            assert (k is None) == (r is None) and (k is None or torch.equal(k, r)), cfg
+
+
+@pytest.mark.parametrize("method", ["kvcompose", "kvgrad"])
+def test_decoding_after_the_passes_equals_a_masked_full_cache(method):
+    from helpers import generate, masked_reference_logits, prompt, small, tiny_model
+
+    import restkv
+
+    model = tiny_model("llama", "eager")
+    ids = torch.cat([prompt(70, seed=1), prompt(70, seed=2)])
+    restkv.configure(model, **small(method, max_capacity_prompt=24, window_size=6))
+    _, logits = generate(model, ids, n=5)
+    kept = restkv.kept_positions(model)
+    sizes = torch.stack([(k >= 0).sum(-1) for k in kept])  # [layers, b, Hkv]
+    assert int(sizes.sum()) == 2 * 3 * 2 * 24  # the global budget, every entry of it used
+    assert sizes.min() < sizes.max(), "layers (and heads) keep different counts"
+    ref = masked_reference_logits(model, ids, kept, 5)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
