@@ -435,3 +435,12 @@ def test_decoding_after_the_passes_equals_a_masked_full_cache(method):
     assert sizes.min() < sizes.max(), "layers (and heads) keep different counts"
     ref = masked_reference_logits(model, ids, kept, 5)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", ["finch", "entropy_gated_chunkkv", "kvcompose", "kvgrad"])
+def test_low_precision_inputs_give_finite_float32_scores(dtype, method):
+    obs, *_ = case(n=40, dtype=dtype, budget=16)
+    obs.queries, obs.keys = obs.queries * 30, obs.keys * 30  # near one-hot attention
+    got = scores_of(obs, method=method)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
