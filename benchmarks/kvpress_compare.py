@@ -19,7 +19,9 @@ token; here it gets no delimiter (an id never in the input) and the window of 64
 key re-rotation (restkv keeps original positions). KVComposePress, KVzipPress and KVgradPress keep no window
 (restkv: ``window_size=1``) and count their budget over all layers: kvpress keeps ``int(layers L (1 - r))``,
 about ``layers / 2`` entries more than restkv's ``layers B`` (the ratio is matched per layer), and its last token
-only when it scores among the best.
+only when it scores among the best. KVzipPress and KVgradPress take the first tokens of the context for the chat
+template's prefix (24 tokens on SmolLM2's template): on these raw essay windows they never score positions
+4-23 (score 0: evicted first) and their chunks start at 24; restkv's start after its 4 sinks.
 
 Columns:
 
