@@ -322,7 +322,7 @@ def kvgrad_reference_scores(model, ids, pass_ids, sinks):
     autograd: A the pass rows of the eager attention over the prompt (a single pass covers it all:
     the subset softmax is the full one), g_p the gradient norm of sum_p ||h_p||^2 (last layer, pass
     tokens) at each attention output."""
-    L, r = ids.shape[1], pass_ids.shape[0]
+    L = ids.shape[1]
     outputs, last = [], {}
     hooks = [
         layer.self_attn.register_forward_hook(lambda m, a, o: outputs.append(o))
