@@ -38,7 +38,8 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "chunkkv", "defensivekv", "tova", "lacache", "random", "snapkv:refine_rounds=2", "snapkv:refine_rounds=8",
                    "restkv:refine_rounds=8", "restkv:refine_rounds=2,refine_pool=16", "adakv:refine_rounds=8",
                    "cur", "leverage", "lagkv", "noncausal", "simlayerkv",
-                   "noncausal:head_budget=threshold,threshold=0.0", "qfilter"]
+                   "noncausal:head_budget=threshold,threshold=0.0", "qfilter",
+                   "finch", "entropy_gated_chunkkv"]
 
 
 def _value(text: str):

@@ -4,7 +4,7 @@ Two tables, on one prompt of ``--length`` tokens of Paul Graham essays:
 
 1. Prefill: wall time of ``model(ids)`` (the prefill forward plus every layer's selection, deferred or
    not), the median of ``--reps`` runs taken round robin, its ratio to the full-cache prefill; for
-   KVzip the extra tokens its passes feed the model (relative to the prompt) and the time of the
+   KVzip, KVCompose and KVgrad the extra tokens their passes feed the model (relative to the prompt) and the time of the
    passes alone (relative to the full-cache prefill).
 2. Memory: ``restkv.memory_report`` after the prefill, summed over the layers: the bytes a full cache
    would hold and the bytes held, with and without ThinK's ``pruning_ratio``.
@@ -25,7 +25,9 @@ import torch
 import restkv
 from restkv.eviction import deferred
 from restkv.bench.models import essays_dir, load_model
-from restkv.methods import kvzip
+from restkv.methods import kvcompose, kvgrad, kvzip
+
+REPLAYED = (kvzip, kvcompose, kvgrad)  # methods scored from passes after the prefill
 
 CONFIGS = {
     "fullkv": dict(method="fullkv"),
@@ -33,6 +35,8 @@ CONFIGS = {
     "snapkv global": dict(method="snapkv", layer_budget="global"),
     "layer_defensivekv": dict(method="layer_defensivekv"),
     "kvzip": dict(method="kvzip"),
+    "kvcompose": dict(method="kvcompose"),
+    "kvgrad": dict(method="kvgrad"),
 }
 
 
@@ -42,13 +46,15 @@ def essay_prompt(tokenizer, length: int) -> torch.Tensor:
 
 
 class PassClock:
-    """Tokens fed to the model by KVzip's passes, their wall time (``deferred.replay_scores``) and the part of
-    it spent scoring (``kvzip.score``: the reconstruction attention of every layer)."""
+    """Tokens fed to the model by the passes (KVzip's, KVCompose's, KVgrad's with its backward), their wall time (``deferred.replay_scores``)
+    and the part of it spent scoring (the methods' ``score``: the passes' attention at every layer)."""
 
     def __init__(self, decoder):
         self.tokens, self.seconds, self.scoring, self.first = 0, 0.0, 0.0, True
-        self._replay, self._score = deferred.replay_scores, kvzip.score
-        deferred.replay_scores, kvzip.score = self._timed(self._replay, "seconds"), self._timed(self._score, "scoring")
+        self._replay, self._scores = deferred.replay_scores, [m.score for m in REPLAYED]
+        deferred.replay_scores = self._timed(self._replay, "seconds")
+        for m in REPLAYED:
+            m.score = self._timed(m.score, "scoring")
         self._hook = decoder.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _timed(self, fn, field):
@@ -64,10 +70,13 @@ class PassClock:
         if self.first:  # the prefill itself
             self.first = False
         else:
-            self.tokens += kwargs["input_ids"].shape[1]
+            fed = kwargs.get("input_ids")  # KVgrad's passes feed embeddings
+            self.tokens += (kwargs["inputs_embeds"] if fed is None else fed).shape[1]
 
     def close(self):
-        deferred.replay_scores, kvzip.score = self._replay, self._score
+        deferred.replay_scores = self._replay
+        for m, score in zip(REPLAYED, self._scores):
+            m.score = score
         self._hook.remove()
 
 

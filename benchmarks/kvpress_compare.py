@@ -18,7 +18,14 @@ the most recent tokens in both, whatever the window. SimLayerKV and DMS keep wha
 has no ``compression_ratio`` there): restkv's budget is set above the prompt (``UNCAPPED``), DMS's sliding
 window of 128 is restkv's window, and kept/head shows what each keeps. kvpress's QFilterPress downloads the
 Q-Filters' authors' published filters, which exist for neither model: it gets the filters restkv computes
-for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring.
+for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring. FinchPress's window is the question after a delimiter
+token; here it gets no delimiter (an id never in the input) and the window of 64 set as an attribute, without
+key re-rotation (restkv keeps original positions). KVComposePress, KVzipPress and KVgradPress keep no window
+(restkv: ``window_size=1``) and count their budget over all layers: kvpress keeps ``int(layers L (1 - r))``,
+about ``layers / 2`` entries more than restkv's ``layers B`` (the ratio is matched per layer), and its last token
+only when it scores among the best. KVzipPress and KVgradPress take the first tokens of the context for the chat
+template's prefix (24 tokens on SmolLM2's template): on these raw essay windows they never score positions
+4-23 (score 0: evicted first) and their chunks start at 24; restkv's start after its 4 sinks.
 
 Columns:
 
@@ -154,6 +161,14 @@ PAIRS = (
     Pair("DMS (non-causal attention scores)", dict(method="noncausal", head_budget="threshold", threshold=0.0,
                                                    window_size=128, max_capacity_prompt=UNCAPPED),
          press("DMSPress", press=press("NonCausalAttnPress"), threshold=0.0, sliding_window_size=128)),
+    # Finch's window is the question after a delimiter token; none here: the last 64 tokens, no re-rotation
+    Pair("Finch", dict(method="finch", window_size=64),
+         press("FinchPress", compression_ratio=RATIO, rerotate_keys=False,
+               attributes={"window_size": 64, "delimiter_token_id": -1})),
+    Pair("KVCompose", dict(method="kvcompose", window_size=1), press("KVComposePress", compression_ratio=RATIO)),
+    Pair("KVgrad", dict(method="kvgrad", window_size=1, repeat_chunk=512), press("KVgradPress", compression_ratio=RATIO)),
+    Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
+         press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
 )
 
 

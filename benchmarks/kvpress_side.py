@@ -21,9 +21,13 @@ RATIO = "<compression_ratio>"
 UNSEEDED = {"LeverageScorePress"}
 
 
-def press(name: str, **args) -> dict:
-    """A kvpress press as data: its class name and constructor arguments (presses nest)."""
-    return {"press": name, "args": args}
+def press(name: str, attributes: dict | None = None, **args) -> dict:
+    """A kvpress press as data: its class name and constructor arguments (presses nest); ``attributes``:
+    fields set after construction (those a press fills itself from the input, e.g. FinchPress's window)."""
+    spec = {"press": name, "args": args}
+    if attributes:
+        spec["attributes"] = attributes
+    return spec
 
 
 def press_classes(spec) -> set:
@@ -40,7 +44,10 @@ def build_press(spec, classes: dict, ratio: float):
     if isinstance(spec, list):
         return [build_press(s, classes, ratio) for s in spec]
     if isinstance(spec, dict):
-        return classes[spec["press"]](**{k: build_press(v, classes, ratio) for k, v in spec["args"].items()})
+        built = classes[spec["press"]](**{k: build_press(v, classes, ratio) for k, v in spec["args"].items()})
+        for name, value in spec.get("attributes", {}).items():
+            setattr(built, name, value)
+        return built
     return ratio if spec == RATIO else spec
 
 
@@ -52,6 +59,7 @@ def describe_press(spec) -> str:
         return repr(spec)
     args = [describe_press(v) if k in ("press", "presses") else f"{k}={describe_press(v)}"
             for k, v in spec["args"].items() if v != RATIO]
+    args += [f"{k}={v!r} (set)" for k, v in spec.get("attributes", {}).items()]
     return f"{spec['press']}({', '.join(args)})"
 
 
@@ -104,9 +112,10 @@ def _capture_kept(built, gathered: dict):
     built.compress = capture
 
 
-def _kept(masked, gathered, layer, length: int):
-    """A layer's kept positions [H, K]: the complement of the masked ones, the gathered ones, all of them, or
-    None (a press that changed the keys: no kept set to read)."""
+def _kept(masked, gathered, layer, length: int, full=None):
+    """A layer's kept positions [H, K]: the complement of the masked ones, the gathered ones, all of them, the
+    rows of the prefill's keys ``full`` it holds (a press that shrinks the cache in its own hooks, as KVCompose),
+    or None (a press that changed the keys: no kept set to read)."""
     import torch
 
     heads = layer.keys.shape[1]
@@ -114,7 +123,21 @@ def _kept(masked, gathered, layer, length: int):
         return kept_from_mask(masked, heads, length)
     if gathered is not None:
         return gathered[0]
-    return torch.arange(length).expand(heads, -1) if layer.keys.shape[2] == length else None
+    if layer.keys.shape[2] == length:
+        return torch.arange(length).expand(heads, -1)
+    found = None if full is None else gathered_positions(full, layer.keys)
+    return None if found is None else found[0]
+
+
+def _prefill_keys(model, length: int, into: dict) -> list:
+    """Hooks that keep each layer's cache keys once they hold the ``length`` prompt entries (before any press's
+    own hooks, registered after these, change them) in ``into[layer]``."""
+    def keep(module, args, kwargs, output):
+        keys = kwargs["past_key_values"].layers[module.layer_idx].keys
+        if module.layer_idx not in into and keys.shape[2] == length:
+            into[module.layer_idx] = keys.clone()
+
+    return [layer.self_attn.register_forward_hook(keep, with_kwargs=True) for layer in model.model.layers]
 
 
 def _continue(model, cache, ids, length: int, masked: list, last):
@@ -126,7 +149,7 @@ def _continue(model, cache, ids, length: int, masked: list, last):
     positions = torch.arange(length, ids.shape[1] - 1)[None]  # as kvpress's pipeline: the original positions
     if len({layer.keys.shape[-2] for layer in cache.layers}) == 1:
         rest = model(input_ids=ids[:, length:-1], past_key_values=cache, position_ids=positions).logits[0]
-    else:  # layers of different lengths (SimLayerKV): one token at a time, which needs no mask
+    else:  # layers of different lengths (SimLayerKV, KVCompose): one token at a time, which needs no mask
         rest = torch.cat([model(input_ids=ids[:, t : t + 1], past_key_values=cache,
                                 position_ids=positions[:, t - length : t - length + 1]).logits[0]
                           for t in range(length, ids.shape[1] - 1)])
@@ -140,13 +163,19 @@ def run_each(model, ids, length: int, built):
     import torch
     from transformers import DynamicCache
 
-    gathered, cache = {}, DynamicCache()
+    gathered, cache, full = {}, DynamicCache(), {}
     _capture_kept(built, gathered)
+    hooks = _prefill_keys(model, length, full)
+    try:
+        with torch.no_grad():
+            with built(model):
+                last = model(input_ids=ids[:, :length], past_key_values=cache, logits_to_keep=1).logits[0, -1:]
+    finally:
+        for h in hooks:
+            h.remove()
     with torch.no_grad():
-        with built(model):
-            last = model(input_ids=ids[:, :length], past_key_values=cache, logits_to_keep=1).logits[0, -1:]
         masked = [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
-        kept = [_kept(m, gathered.get(i), cache.layers[i], length) for i, m in enumerate(masked)]
+        kept = [_kept(m, gathered.get(i), cache.layers[i], length, full.get(i)) for i, m in enumerate(masked)]
         return kept, _continue(model, cache, ids, length, masked, last)
 
 

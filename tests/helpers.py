@@ -52,7 +52,8 @@ def tiny_tokenizer() -> str:
 SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
                "dms": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
                "simlayerkv": dict(n_recent=8, lazy_threshold=0.0),  # every layer lazy on a short prompt
-               "qfilter": dict(tokenizer=tiny_tokenizer(), qfilter_sequences=2, qfilter_length=256)}
+               "qfilter": dict(tokenizer=tiny_tokenizer(), qfilter_sequences=2, qfilter_length=256),
+               "kvgrad": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24)}
 
 
 def small(method, family="llama", **knobs):

@@ -7,8 +7,8 @@ forward has returned, ``finish``
 
 1. runs the method's passes, if it has any, and scores every such layer from them (one set of passes
    per prompt, shared by every config with the same score knobs in sweep mode);
-2. shares the budget: one top-k over every layer's and head's scores (``budgets.global_sizes``), or
-   the per-layer strategies as at once;
+2. shares the budget: one top-k over every layer's and head's scores (``budgets.global_sizes``, or the
+   method's own ``global_sizes(scores, total, cfg, top_k)``), or the per-layer strategies as at once;
 3. selects each layer's kept entries; the caller puts the cache layers in place.
 
 The attachment calls it from a forward hook on the decoder (``decoder_of``): in ``generate()`` that is
@@ -24,9 +24,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..strategies.budgets import global_sizes
-from .step import LayerPrefill
 from ..scoring.observe import Observation
+from ..strategies.budgets import global_sizes
+from .observation import layer_wo_factor
+from .step import LayerPrefill
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -56,8 +57,12 @@ def finish(model, cache, prefills: list[LayerPrefill], input_ids, shared: dict |
     sizes = [None] * len(prefills)
     if cfg.get("layer_budget") == "global":  # every evicted layer is deferred: len(prefills) layers share it
         heads = prefills[0].key.shape[1]
-        parts = [global_sizes([p.scores[i] for p in prefills], len(prefills) * heads * (budget - cfg.window_size))
-                 for i, (_, _, budget) in enumerate(prefills[0].parts)]
+        own = getattr(cfg.scorer.module, "global_sizes", None)  # a method's own split (KVCompose)
+        parts = []
+        for i, (_, _, budget) in enumerate(prefills[0].parts):
+            scores = [p.scores[i] for p in prefills]
+            total = len(prefills) * heads * (budget - cfg.window_size)
+            parts.append(global_sizes(scores, total) if own is None else own(scores, total, cfg.score_knobs(), global_sizes))
         sizes = [[part[layer] for part in parts] for layer in range(len(prefills))]
     return [(p, *p.result(p.select(s))) for p, s in zip(prefills, sizes)]
 
@@ -67,13 +72,16 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
 
     Each sample (its real tokens only, batch 1 as the reference) runs every pass on a shallow copy of
     the cache, so no pass's tokens stay in it: at each scored layer the pass's queries observe
-    [sinks | the pass's positions | the pass's own keys].
+    [sinks | the pass's positions | the pass's own keys]. A method with ``run_pass(decoder, ids, position_ids,
+    cache, modules)`` runs each pass itself and returns a weight per pass token [1, r] for each attention
+    module (``Observation.query_weights``); its layers are scored after the pass.
     """
     if input_ids is None:
         raise ValueError(f"method {prefills[0].plan.cfg.method} reads the prompt's token ids: call the model "
                          "with input_ids (not inputs_embeds)")
     cfg = prefills[0].plan.cfg
     knobs, decoder = cfg.score_knobs(), decoder_of(model)
+    run = getattr(cfg.scorer.module, "run_pass", None)  # a pass that is more than a forward (KVgrad's backward)
     lengths = prefills[0].key_valid.sum(-1).tolist()
     b, n = input_ids.shape
     out: dict = {}
@@ -82,13 +90,23 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
         sinks, passes = cfg.scorer.module.passes(input_ids[s, pad:], knobs, model)
         base = [_sample_view(layer, s, length) for layer in cache.layers]
         for start, stop, ids in passes:
-            def score(prefill, query, key):
-                context = key[:, :, :length]
-                keys = torch.cat([context[:, :, :sinks], context[:, :, start:stop], key[:, :, length:]], 2)
-                obs = Observation(queries=query, keys=keys, values=keys, window=query.shape[2], budget=keys.shape[2],
+            observed = []
+
+            def observe(prefill, query, key, value):
+                def part(x):  # [sinks | the pass's positions | the pass's own entries]
+                    return torch.cat([x[:, :, :sinks], x[:, :, start:stop], x[:, :, length:]], 2).detach()
+
+                keys = part(key)
+                obs = Observation(queries=query.detach(), keys=keys, values=part(value), window=query.shape[2],
+                                  budget=keys.shape[2], scaling=prefill.scaling, softcap=prefill.softcap,
                                   key_valid=torch.ones(1, keys.shape[2], dtype=torch.bool, device=keys.device),
-                                  scaling=prefill.scaling, softcap=prefill.softcap, layer=prefill.plan.rank,
-                                  num_layers=prefill.plan.num_evicted)
+                                  wo_factor=lambda m=prefill.module, at=keys.device: layer_wo_factor(m, at),
+                                  layer=prefill.plan.rank, num_layers=prefill.plan.num_evicted)
+                observed.append((prefill, obs))
+                if run is None:  # scored at once; after the pass when it weighs its tokens (query_weights)
+                    record(*observed.pop())
+
+            def record(prefill, obs):
                 r = cfg.scorer.score(obs, knobs)
                 if prefill.module.layer_idx not in out:
                     out[prefill.module.layer_idx] = r.new_zeros(b, r.shape[1], n)
@@ -98,8 +116,14 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
             view = copy.copy(cache)
             view.layers = [copy.copy(layer) for layer in base]
             position_ids = torch.arange(length, length + ids.shape[0], device=ids.device)[None]
-            with _scoring(prefills, score):
-                decoder(input_ids=ids[None], position_ids=position_ids, cache=view, use_cache=True)
+            with _scoring(prefills, observe):
+                if run is None:
+                    decoder(input_ids=ids[None], position_ids=position_ids, cache=view, use_cache=True)
+                else:
+                    weights = run(decoder, ids[None], position_ids, view, [p.module for p in prefills])
+            for prefill, obs in observed:
+                obs.query_weights = weights[prefill.module]
+                record(prefill, obs)
     return out
 
 
@@ -116,9 +140,10 @@ def _sample_view(layer, sample: int, length: int):
 
 @contextmanager
 def _scoring(prefills, score):
-    """Each prefill's attention module calls ``score(prefill, query, key)`` after its attention, in the block."""
+    """Each prefill's attention module calls ``score(prefill, query, key, value)`` after its attention, in the
+    block."""
     for p in prefills:
-        p.module._restkv.replay = lambda query, key, p=p: score(p, query, key)
+        p.module._restkv.replay = lambda query, key, value, p=p: score(p, query, key, value)
     try:
         yield
     finally:

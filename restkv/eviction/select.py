@@ -66,7 +66,8 @@ def head_scores(obs: Observation, cfg: CompressionConfig, raw: Tensor | None = N
 
 def ranking(obs: Observation, cfg: CompressionConfig, scores: Tensor, keep) -> Tensor:
     """What the top-k ranks [b, H, P]: the scores, turned by each ranking strategy that applies
-    (``restkv.strategies.RANKINGS``: CriticalKV's two stages, ChunkKV's chunks, then set-level refinement)
+    (``restkv.strategies.RANKINGS``: CriticalKV's two stages, ChunkKV's chunks (entropy-gated with
+    ``low_entropy_chunk_length``), then set-level refinement)
     into its key. ``keep``: entries per head."""
     key = scores
     for strategy in RANKINGS:

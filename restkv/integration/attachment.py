@@ -46,7 +46,7 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
     state: LayerState | None = getattr(module, "_restkv", None)
     if state is not None and state.replay is not None:  # a pass after the prefill that a deferred selection reads
         out = backend(module, query, key, value, attention_mask, **kwargs)
-        state.replay(query, key)
+        state.replay(query, key, value)
         return out
     if state is None or state.cache is None or not state.plan.evicts:
         return backend(module, query, key, value, attention_mask, **kwargs)
@@ -128,7 +128,7 @@ class LayerState:
     embed: Callable | None = None  # positions -> (cos, sin) of the layer's RoPE (``restkv.scoring.rope.rotary_function``)
     rope: Rope | None = None
     pending: list | None = None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
-    replay: Callable | None = None  # ``replay(query, key)`` after the attention of a pass (``restkv.eviction.deferred``)
+    replay: Callable | None = None  # ``replay(query, key, value)`` after a pass's attention (``restkv.eviction.deferred``)
 
 
 def _wrap(backend, implementation):

@@ -16,7 +16,8 @@ merging): PyramidKV is SnapKV's score with ``layer_budget="pyramid"``.
 
 A method whose scores come from forward passes of its own after the prefill (KVzip) also has
 ``passes(context_ids, cfg)`` (see ``restkv.eviction.deferred``) and ``check_model(values, model)`` (run by
-``configure`` before any work).
+``configure`` before any work); one that shares ``layer_budget="global"``'s entries among the layers
+and heads in its own way (KVCompose's composite tokens) has ``global_sizes(scores, total, cfg, top_k)`` (``top_k``: the plain split, to fall back on).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import (cam, cur, defensivekv, expected_attention, h2o, keydiff, kvzip, l2norm, lacache, lagkv, leverage,
-               noncausal, qfilter, random, restkv, simlayerkv, snapkv, streamingllm, tova)
+from . import (cam, cur, defensivekv, expected_attention, finch, h2o, keydiff, kvcompose, kvgrad, kvzip, l2norm,
+               lacache, lagkv, leverage, noncausal, qfilter, random, restkv, simlayerkv, snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ REGISTRY = _register(
     Method("criticalkv", snapkv, _KVPRESS_SNAPKV | {"critical": True}),
     Method("critical_adakv", snapkv, _KVPRESS_SNAPKV | {"critical": True, "head_budget": "adakv"}),
     Method("chunkkv", snapkv, _KVPRESS_SNAPKV | {"chunk_size": 20}),
+    Method("entropy_gated_chunkkv", snapkv, _KVPRESS_SNAPKV | {"chunk_size": 10, "low_entropy_chunk_length": 4}),
     Method("defensivekv", defensivekv, {"head_budget": "adakv", "floor": 0.0}),
     Method("layer_defensivekv", defensivekv, {"layer_budget": "global"}),
     Method("kvzip", kvzip, {"layer_budget": "global"}),
@@ -128,5 +130,8 @@ REGISTRY = _register(
     Method("simlayerkv", simlayerkv, {"head_budget": "threshold", "threshold": 0.5}),
     Method("dms", kvzip, _DMS),
     Method("qfilter", qfilter),
+    Method("finch", finch),
+    Method("kvcompose", kvcompose, {"layer_budget": "global"}),
+    Method("kvgrad", kvgrad, {"layer_budget": "global"}),
 )
 METHODS = tuple(REGISTRY)

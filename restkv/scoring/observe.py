@@ -43,6 +43,7 @@ class Observation:
     memo: dict = field(default_factory=dict)
     head_valid: "torch.Tensor | None" = None  # [b, H, L] bool when heads hold different entries (decoding)
     data: Any = None  # the method's constants of this layer (``restkv.integration.calibration``: Q-Filters' filters)
+    query_weights: "torch.Tensor | None" = None  # [b, Lq] a weight per query (KVgrad: the objective's gradient)
 
     @property
     def prefix_len(self) -> int:
