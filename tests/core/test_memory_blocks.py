@@ -50,3 +50,48 @@ def test_pivot_merge_blocked_equals_one_block(monkeypatch):
     blocked = merge.pivot_merge(k.double(), v.double(), idx, evicted)
     for a, b in zip(blocked, whole):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _refine_case(seed=0, b=2, hkv=2, g=2, r=5, n=40, d=8):
+    from restkv.strategies.refine import top_set
+
+    gen = torch.Generator().manual_seed(seed)
+    attention = torch.randn(b, hkv * g, r, n, generator=gen).softmax(-1)
+    values = torch.randn(b, hkv, n, d, generator=gen)
+    w_o = torch.randn(3 * d, hkv * g * d, generator=gen) / d
+    prefix = n - 4
+    scores = torch.randn(b, hkv, prefix, generator=gen)
+    return attention, values, w_o, top_set(scores, 12), scores
+
+
+def test_refinement_terms_blocked_equal_the_whole(monkeypatch):
+    from restkv.scoring import output_error as oe
+
+    attention, values, w_o, keep, _ = _refine_case()
+    P = keep.shape[-1]
+    layer = oe.layer_terms(values, w_o, P)
+    state = oe.output_change(attention, values, keep, w_o)
+    terms = oe.state_terms(attention, layer, *state)
+    whole = oe.single_errors(terms, layer, state[0], keep)
+    removals = keep.float().topk(6, -1).indices
+    additions = (~keep).float().topk(5, -1).indices
+    swaps = oe.swap_errors(terms, layer, state[0], removals, additions)
+    monkeypatch.setattr(oe, "TERMS_BLOCK", 1)  # one entry per block
+    small = oe.layer_terms(values, w_o, P)
+    torch.testing.assert_close(small[3], layer[3], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(oe.single_errors_blocked(attention, small, state, keep), whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(oe.swap_errors_at(attention, small, state, removals, additions), swaps,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_swap_search_blocked_equals_one_block(monkeypatch):
+    from restkv.scoring import output_error as oe
+    from restkv.strategies.refine import swap_search
+
+    attention, values, w_o, keep, scores = _refine_case(seed=4)
+    whole = swap_search(attention, values, keep, scores, w_o, rounds=6, pool=8, batch=4, stop=False)
+    monkeypatch.setattr(oe, "TERMS_BLOCK", 3 * 2 * 2 * 5)
+    blocked = swap_search(attention, values, keep, scores, w_o, rounds=6, pool=8, batch=4, stop=False)
+    assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[2], whole[2])
+    assert int(whole[2].sum()) > 0  # the search swapped something
+    torch.testing.assert_close(blocked[1], whole[1])
