@@ -95,3 +95,58 @@ def test_swap_search_blocked_equals_one_block(monkeypatch):
     assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[2], whole[2])
     assert int(whole[2].sum()) > 0  # the search swapped something
     torch.testing.assert_close(blocked[1], whole[1])
+
+
+def test_kvzip_passes_store_nothing_in_the_cache(monkeypatch):
+    import restkv
+    from helpers import generate, prompt, small, tiny_model
+    from restkv.eviction import deferred
+
+    model, ids = tiny_model(), prompt(90)
+    views = []
+    made = deferred._pass_layer
+
+    def recorded(layer):
+        views.append((layer, made(layer)))
+        return views[-1][1]
+
+    monkeypatch.setattr(deferred, "_pass_layer", recorded)
+    with restkv.compressing(model, **small("kvzip", max_capacity_prompt=40)):
+        tokens, _ = generate(model, ids, n=3)
+    assert views and len(views) % model.config.num_hidden_layers == 0  # every layer of every pass
+    for base, view in views:
+        assert view.keys is base.keys and view.values is base.values  # nothing stored: no second copy
+        assert view.keys.shape[2] == 90
+    monkeypatch.setattr(deferred, "_pass_layer", made)
+
+
+def _held_during_prefill(model, ids, configs):
+    """Per layer, when its attention returns during ``prefill_caches``: the entries each layer holds then."""
+    from restkv.eviction.plans import attention_modules
+    from restkv.integration.sweeps import prefill_caches
+
+    seen = []
+
+    def hook(module, args, output):
+        cache = module._restkv.cache
+        seen.append([layer.keys.shape[2] for layer in cache.layers[: module.layer_idx + 1]])
+
+    hooks = [m.register_forward_hook(hook) for m in attention_modules(model)]
+    try:
+        pre = prefill_caches(model, ids, None, configs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, pre
+
+
+def test_sweep_releases_each_full_layer_once_every_config_has_its_own():
+    from helpers import prompt, sweep_equals_separate_runs, tiny_model
+
+    model, ids = tiny_model(), prompt(70)
+    configs = [dict(method="snapkv", max_capacity_prompt=40), dict(method="restkv", max_capacity_prompt=48)]
+    seen, _ = _held_during_prefill(model, ids, configs)
+    assert seen == [[0], [0, 0], [0, 0, 0]]
+    seen, _ = _held_during_prefill(model, ids, configs + [dict(method="fullkv")])  # a config reads the full cache
+    assert seen == [[70], [70, 70], [70, 70, 70]]
+    sweep_equals_separate_runs(model, ids, configs, 4)
