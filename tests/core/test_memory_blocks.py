@@ -4,6 +4,7 @@ hold no second full copy of the cache."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from restkv.config import CompressionConfig
@@ -150,3 +151,35 @@ def test_sweep_releases_each_full_layer_once_every_config_has_its_own():
     seen, _ = _held_during_prefill(model, ids, configs + [dict(method="fullkv")])  # a config reads the full cache
     assert seen == [[70], [70, 70], [70, 70, 70]]
     sweep_equals_separate_runs(model, ids, configs, 4)
+
+
+QUERY_WINDOW_CASES = [
+    dict(metric_mode="after"),
+    dict(metric_mode="after", temporal="ema"),
+    dict(metric_mode="before", temporal="max", use_norm=True),
+    dict(metric_mode="before", temporal="inv-ema", pooling="avgpool"),
+    dict(indicator="attn", temporal="last"),
+    dict(indicator="attn-v", pooling="none"),
+]
+
+
+@pytest.mark.parametrize("knobs", QUERY_WINDOW_CASES)
+def test_query_window_blocked_equals_one_block(knobs, monkeypatch):
+    from restkv.methods import restkv as rk
+    from restkv.scoring import observe
+    from restkv.scoring.observe import wo_factor
+
+    cfg = CompressionConfig(method="restkv", max_capacity_prompt=16, window_size=6, query_window=23,
+                            **knobs).score_knobs()
+    R = wo_factor(torch.randn(32, 32, generator=torch.Generator().manual_seed(1)), 4)
+
+    def scores():
+        obs = _obs(b=2, n=50, window=6)
+        obs.wo_factor = R
+        return rk.score(obs, cfg)
+
+    monkeypatch.setattr(observe, "QUERY_BLOCK", 64)  # one block of all 23 rows: the unblocked computation
+    whole = scores()
+    monkeypatch.setattr(observe, "QUERY_BLOCK", 4)
+    blocked = scores()
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
