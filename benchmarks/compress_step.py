@@ -108,9 +108,10 @@ def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = Non
     return [{"time": statistics.median(t), "cpu": statistics.median(c), "reps": len(t)} for t, c in zip(times, cpu)]
 
 
-def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,
-            memory: bool, device: str = "cpu") -> list:
-    """Time (``memory=False``) or peak extra memory of ``select`` per method at one length (in a child)."""
+def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: str, device: str = "cpu",
+               heads: tuple[int, int] = (HQ, HKV)) -> tuple[list, int]:
+    """One call of the eviction step (``select``) per spec on a random layer of ``heads`` (query, KV) heads
+    and ``length`` entries -> (calls, bytes of the layer's K+V). The inputs and W_O factor are built here."""
     import torch
 
     from transformers import LlamaConfig
@@ -121,16 +122,16 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
     from restkv.scoring.rope import Rope, rotary_function
     from restkv.eviction.select import select
 
-    torch.set_num_threads(threads)
+    hq, hkv = heads
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
-    q = torch.randn(1, HQ, length, D, dtype=dt, device=device)
-    k = torch.randn(1, HKV, length, D, dtype=dt, device=device)
-    v = torch.randn(1, HKV, length, D, dtype=dt, device=device)
+    q = torch.randn(1, hq, length, D, dtype=dt, device=device)
+    k = torch.randn(1, hkv, length, D, dtype=dt, device=device)
+    v = torch.randn(1, hkv, length, D, dtype=dt, device=device)
     valid = torch.ones(1, length, dtype=torch.bool, device=device)
-    o_proj = torch.randn(HIDDEN, HQ * D, dtype=dt, device=device) / HIDDEN**0.5
-    wo = wo_factor(o_proj, HQ)
-    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HQ, head_dim=D,
+    o_proj = torch.randn(HIDDEN, hq * D, dtype=dt, device=device) / HIDDEN**0.5
+    wo = wo_factor(o_proj, hq)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=hq, head_dim=D,
                                               rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
     rope = Rope.of(rotary_function(rotary.to(device)), torch.arange(length, device=device)[None])
     cfgs = [CompressionConfig.from_kwargs(**{"max_capacity_prompt": budget, "window_size": window, **parse_method(s)})
@@ -139,11 +140,21 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
     def run(cfg):
         obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,
                           wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS)
-        return select(obs, cfg)
+        with torch.no_grad():
+            return select(obs, cfg)
 
-    with torch.no_grad():
-        results = time_and_peak([lambda cfg=cfg: run(cfg) for cfg in cfgs], reps, memory, device=device)
-    return [{**r, "kv_bytes": 2 * k.numel() * k.element_size()} for r in results]
+    return [lambda cfg=cfg: run(cfg) for cfg in cfgs], 2 * k.numel() * k.element_size()
+
+
+def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,
+            memory: bool, device: str = "cpu") -> list:
+    """Time (``memory=False``) or peak extra memory of ``select`` per method at one length (in a child)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    calls, kv_bytes = step_calls(specs, length, budget, window, dtype, device)
+    results = time_and_peak(calls, reps, memory, device=device)
+    return [{**r, "kv_bytes": kv_bytes} for r in results]
 
 
 def measure_in_child(args, specs, length, memory):

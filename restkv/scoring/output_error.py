@@ -15,7 +15,18 @@ from __future__ import annotations
 from ..lazy import F, torch
 from .observe import group_view, weighted_values
 
-TERMS_BLOCK = 1 << 24  # float32 elements of a block of the per-entry terms ([g, g, b, H, r, block])
+TERMS_BLOCK = None  # float32 elements of a block of per-entry terms (None: about the layer's K+V elements)
+MIN_BLOCK = 64  # entries
+
+
+def entries_per_block(per_entry: int, values: "torch.Tensor", prefix: int) -> int:
+    """Prefix entries per block of a term of ``per_entry`` elements per entry: ``TERMS_BLOCK`` elements when
+    set (tests shrink it), else as many as the layer's K+V (2 b H P d), at least ``MIN_BLOCK``."""
+    forced = globals()["TERMS_BLOCK"]
+    if forced:
+        return max(1, forced // per_entry)
+    b, heads, _, d = values.shape
+    return max(MIN_BLOCK, 2 * b * heads * prefix * d // per_entry)
 
 
 def kept_keys(keep: "torch.Tensor", n_keys: int, hq: int) -> "torch.Tensor":
@@ -62,7 +73,7 @@ def layer_terms(values, o_proj_weight, prefix: int) -> tuple:
     M = torch.einsum("kaex,kcey->kacxy", W, W)
     v = values[:, :, :prefix].float()
     vMv = v.new_empty(g, g, v.shape[0], hkv, prefix)
-    block = max(1, globals()["TERMS_BLOCK"] // (g * g * v.shape[0] * hkv * d))  # no [g, g, b, H, P, d] whole
+    block = entries_per_block(g * g * v.shape[0] * hkv * d, v, prefix)  # no [g, g, b, H, P, d] whole
     for s in range(0, prefix, block):
         part = v[:, :, s : s + block]
         vMv[..., s : s + block] = (torch.einsum("bknx,kacxy->acbkny", part, M) * part).sum(-1)
@@ -137,13 +148,13 @@ def swap_errors(terms: tuple, layer: tuple, delta, removals, additions) -> "torc
 
 def single_errors_blocked(attention, layer: tuple, state: tuple, keep) -> "torch.Tensor":
     """``single_errors(state_terms(...))`` [b, H, P] a block of prefix entries at a time, so that no [g, g, b, H,
-    r, P] term is formed whole (``TERMS_BLOCK`` elements per block). ``state``: (delta, o^S, z) of
+    r, P] term is formed whole (``entries_per_block``). ``state``: (delta, o^S, z) of
     ``output_change``."""
     delta, o_kept, z = state
     W, M, v, vMv = layer
     b, heads, P = keep.shape
     g, r = M.shape[1], attention.shape[2]
-    block = max(1, globals()["TERMS_BLOCK"] // (g * g * b * heads * r))  # read at call time (tests shrink it)
+    block = entries_per_block(g * g * b * heads * r, v, P)
     out = torch.empty(b, heads, P, device=keep.device)
     for s in range(0, P, block):
         e = min(P, s + block)
