@@ -27,7 +27,9 @@ Usage::
     python benchmarks/gpu_check.py                      # cuda, the 8B shape, 4K check, 32K and 128K
     python benchmarks/gpu_check.py --device cpu --tiny  # the same code on a small model (the test suite runs it)
 
-Needs torch, transformers, accelerate-free; no network (the model is random, the prompts random ids).
+Needs only torch and transformers (no accelerate, no flash_attn, no network: the model is random, the prompts
+random ids). Timed on the 8B shape: about 4 prefills of 128K and 4 of 32K per backend, well under 8 minutes
+on one H200 by estimate (not yet run on a GPU).
 """
 
 from __future__ import annotations
