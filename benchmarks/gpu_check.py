@@ -50,16 +50,38 @@ import restkv
 from devices import PeakMemory, device_of, sync
 
 METHODS = ("snapkv", "restkv", "adakv")
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 SHAPES = {
-    "llama3.1-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                        head_dim=128, intermediate_size=14336, vocab_size=128256),
-    "tiny": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=128, vocab_size=256),
+    "llama3.1-8b": dict(
+        num_hidden_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+    ),
+    "tiny": dict(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=256,
+    ),
 }
 RUNS = {  # check length, timed lengths, budget, greedy tokens checked, decode steps timed, warm-up length
-    "llama3.1-8b": dict(check=4096, lengths=(32768, 131072), budget=1024, new_tokens=16, steps=32, warm=2048),
+    "llama3.1-8b": dict(
+        check=4096, lengths=(32768, 131072), budget=1024, new_tokens=16, steps=32, warm=2048
+    ),
     "tiny": dict(check=256, lengths=(512, 1024), budget=64, new_tokens=8, steps=4, warm=160),
 }
 TIE = {torch.float32: 1e-4, torch.float16: 0.05, torch.bfloat16: 0.25}  # logit margin read as a tie
@@ -68,8 +90,14 @@ REFERENCE = "restkv_masked_reference"
 
 def build_model(shape: str, device, dtype: torch.dtype, max_len: int):
     """A randomly initialised Llama of ``shape``, built on ``device`` in ``dtype`` (sdpa)."""
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(max_len, 131072), rope_parameters=dict(LLAMA3_ROPE),
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=max(max_len, 131072),
+        rope_parameters=dict(LLAMA3_ROPE),
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     config._attn_implementation = "sdpa"
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -158,11 +186,25 @@ def masked_reference(model, ids, kept, tokens, attn: str):
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         held = kept[module.layer_idx]
         if query.shape[2] > 1 or held is None:
-            return backend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            return backend(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling=scaling,
+                dropout=dropout,
+                **kwargs,
+            )
         g = query.shape[1] // key.shape[1]
         allowed = held_mask(held, prompt_len, key.shape[2], query.shape[1])
-        out = F.scaled_dot_product_attention(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1),
-                                             attn_mask=allowed, scale=scaling)
+        out = F.scaled_dot_product_attention(
+            query,
+            key.repeat_interleave(g, 1),
+            value.repeat_interleave(g, 1),
+            attn_mask=allowed,
+            scale=scaling,
+        )
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(REFERENCE, attend)
@@ -222,7 +264,12 @@ def timed(model, ids, method: str, budget: int, steps: int) -> dict:
             times.append(time.perf_counter() - t0)
         del cache
     restkv.detach(model)
-    return {"prefill": seconds, "decode": 1e3 * statistics.median(times), "peak": mem.peak, "extra": mem.extra}
+    return {
+        "prefill": seconds,
+        "decode": 1e3 * statistics.median(times),
+        "peak": mem.peak,
+        "extra": mem.extra,
+    }
 
 
 def warm_up(model, length: int, budget: int, vocab: int) -> None:
@@ -245,24 +292,43 @@ def table(model, attn: str, run: dict, dtype, seed: int = 0):
     rows = []
     for length in (run["check"], *run["lengths"]):
         ids = torch.randint(0, vocab, (1, length), generator=gen).to(device)
-        results = {m: timed(model, ids, m, run["budget"], run["steps"]) for m in ("fullkv", *METHODS)}
+        results = {
+            m: timed(model, ids, m, run["budget"], run["steps"]) for m in ("fullkv", *METHODS)
+        }
         for method, r in results.items():
             equal = "-"
             if length == run["check"] and method != "fullkv":
                 equal = check(model, ids, method, run["budget"], run["new_tokens"], attn, dtype)
-            rows.append((attn, length, method, equal, r["prefill"], r["prefill"] / results["fullkv"]["prefill"],
-                         r["prefill"] / results["snapkv"]["prefill"], r["decode"],
-                         results["fullkv"]["decode"] / r["decode"], r["peak"], r["extra"]))
+            rows.append(
+                (
+                    attn,
+                    length,
+                    method,
+                    equal,
+                    r["prefill"],
+                    r["prefill"] / results["fullkv"]["prefill"],
+                    r["prefill"] / results["snapkv"]["prefill"],
+                    r["decode"],
+                    results["fullkv"]["decode"] / r["decode"],
+                    r["peak"],
+                    r["extra"],
+                )
+            )
     return rows
 
 
 def print_table(rows) -> None:
-    print("| backend | L | method | greedy = masked full cache | prefill (s) | / full | / SnapKV | "
-          "decode (ms/token) | speed-up vs full | peak memory (GiB) | peak over weights (GiB) |")
+    print(
+        "| backend | L | method | greedy = masked full cache | prefill (s) | / full | / SnapKV | "
+        "decode (ms/token) | speed-up vs full | peak memory (GiB) | peak over weights (GiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for attn, length, method, equal, s, x_full, x_snap, ms, speed, peak, extra in rows:
-        print(f"| {attn} | {length} | {method} | {equal} | {s:.3f} | {x_full:.3f} | {x_snap:.3f} | {ms:.2f} | "
-              f"{speed:.2f} | {peak / 2**30:.2f} | {extra / 2**30:.2f} |", flush=True)
+        print(
+            f"| {attn} | {length} | {method} | {equal} | {s:.3f} | {x_full:.3f} | {x_snap:.3f} | {ms:.2f} | "
+            f"{speed:.2f} | {peak / 2**30:.2f} | {extra / 2**30:.2f} |",
+            flush=True,
+        )
 
 
 def versions(device) -> str:
@@ -275,11 +341,29 @@ def versions(device) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a 4-layer model and short prompts (runs on CPU)")
+    p.add_argument(
+        "--tiny", action="store_true", help="a 4-layer model and short prompts (runs on CPU)"
+    )
     p.add_argument("--dtype", default=None, help="default: bfloat16 (float32 with --tiny)")
-    p.add_argument("--budget", type=int, default=None, help="entries kept per KV head (default 1024; 64 with --tiny)")
-    p.add_argument("--lengths", type=int, nargs="*", default=None, help="timed prompt lengths (default 32768 131072)")
-    p.add_argument("--attn", nargs="+", default=None, help="backends (default: sdpa and every importable flash)")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="entries kept per KV head (default 1024; 64 with --tiny)",
+    )
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="*",
+        default=None,
+        help="timed prompt lengths (default 32768 131072)",
+    )
+    p.add_argument(
+        "--attn",
+        nargs="+",
+        default=None,
+        help="backends (default: sdpa and every importable flash)",
+    )
     args = p.parse_args(argv)
     shape = "tiny" if args.tiny else "llama3.1-8b"
     run = dict(RUNS[shape])
@@ -289,14 +373,20 @@ def main(argv=None):
         run["lengths"] = tuple(args.lengths)
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     if dtype not in TIE:
-        raise ValueError(f"--dtype: one of {', '.join(str(t).split('.')[1] for t in TIE)}, not {args.dtype}")
+        raise ValueError(
+            f"--dtype: one of {', '.join(str(t).split('.')[1] for t in TIE)}, not {args.dtype}"
+        )
     attns = args.attn or ["sdpa", *flash_backends()]
     torch.manual_seed(0)
-    model = build_model(shape, args.device, dtype, max(run["check"], *run["lengths"]) + run["steps"] + 8)
+    model = build_model(
+        shape, args.device, dtype, max(run["check"], *run["lengths"]) + run["steps"] + 8
+    )
     device = device_of(model)
-    print(f"random Llama ({shape}): {model.config.num_hidden_layers} layers, {model.config.num_attention_heads}/"
-          f"{model.config.num_key_value_heads} heads, head_dim {model.config.head_dim}, {str(dtype)[6:]}, "
-          f"budget {run['budget']}; {versions(device)}; flash kernels: {', '.join(flash_backends()) or 'none'}\n")
+    print(
+        f"random Llama ({shape}): {model.config.num_hidden_layers} layers, {model.config.num_attention_heads}/"
+        f"{model.config.num_key_value_heads} heads, head_dim {model.config.head_dim}, {str(dtype)[6:]}, "
+        f"budget {run['budget']}; {versions(device)}; flash kernels: {', '.join(flash_backends()) or 'none'}\n"
+    )
     rows = []
     for attn in attns:
         rows += table(model, attn, run, dtype)

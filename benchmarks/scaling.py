@@ -30,11 +30,22 @@ import sys
 import compress_step
 
 # knobs whose work grows with the prompt on top of their method's (each measured as its own row)
-VARIANTS = ["restkv:query_window={qw}", "restkv:metric_mode=before", "snapkv:refine_rounds=2", "snapkv:merge=pivot",
-            "snapkv:merge=cam", "restkv:query_proxy=expected"]
+VARIANTS = [
+    "restkv:query_window={qw}",
+    "restkv:metric_mode=before",
+    "snapkv:refine_rounds=2",
+    "snapkv:merge=pivot",
+    "snapkv:merge=cam",
+    "restkv:query_proxy=expected",
+]
 QUICK = dict(lengths=[1024, 2048, 4096], heads=(8, 2), budget=128, window=16, query_window=64)
-FULL = dict(lengths=[8192, 32768, 131072], heads=(compress_step.HQ, compress_step.HKV), budget=1024, window=32,
-            query_window=1024)
+FULL = dict(
+    lengths=[8192, 32768, 131072],
+    heads=(compress_step.HQ, compress_step.HKV),
+    budget=1024,
+    window=32,
+    query_window=1024,
+)
 
 
 def specs(methods: list[str] | None, query_window: int) -> list[str]:
@@ -52,8 +63,9 @@ def one_layer(spec: str, budget: int, window: int) -> str | None:
     from restkv.eviction.plans import is_deferred
 
     try:
-        cfg = CompressionConfig.from_kwargs(max_capacity_prompt=budget, window_size=window,
-                                            **compress_step.parse_method(spec))
+        cfg = CompressionConfig.from_kwargs(
+            max_capacity_prompt=budget, window_size=window, **compress_step.parse_method(spec)
+        )
     except ValueError as e:
         return str(e).split(":")[0]
     if is_deferred(cfg):
@@ -68,16 +80,35 @@ def child(specs_: list[str], length: int, args, memory: bool) -> list[dict]:
     import torch
 
     torch.set_num_threads(args.threads)
-    calls, kv_bytes = compress_step.step_calls(specs_, length, args.budget, args.window, args.dtype, args.device,
-                                               tuple(args.heads))
+    calls, kv_bytes = compress_step.step_calls(
+        specs_, length, args.budget, args.window, args.dtype, args.device, tuple(args.heads)
+    )
     results = compress_step.time_and_peak(calls, args.reps, memory, device=args.device)
     return [{**r, "kv_bytes": kv_bytes} for r in results]
 
 
 def run_child(specs_: list[str], length: int, args, memory: bool) -> list[dict]:
-    cmd = [sys.executable, __file__, "--child", str(length), *specs_, "--budget", str(args.budget), "--window",
-           str(args.window), "--dtype", args.dtype, "--reps", str(args.reps), "--threads", str(args.threads),
-           "--device", args.device, "--heads", *map(str, args.heads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        str(length),
+        *specs_,
+        "--budget",
+        str(args.budget),
+        "--window",
+        str(args.window),
+        "--dtype",
+        args.dtype,
+        "--reps",
+        str(args.reps),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+        "--heads",
+        *map(str, args.heads),
+    ]
     env = dict(os.environ)
     if memory:
         cmd.append("--memory")
@@ -98,14 +129,24 @@ def exponent(lengths: list[int], values: list[float]) -> float | None:
     return sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
 
 
-def table(names: list[str], lengths: list[int], times: dict, peaks: dict, kv_bytes: dict) -> list[dict]:
+def table(
+    names: list[str], lengths: list[int], times: dict, peaks: dict, kv_bytes: dict
+) -> list[dict]:
     """One row per method: its times, peaks, exponents and the multiple of the layer's K+V."""
     rows = []
     for i, name in enumerate(names):
         t = [times[n][i]["time"] for n in lengths]
         p = [peaks[n][i]["peak"] for n in lengths]
-        rows.append({"method": name, "time": t, "peak": p, "time_exp": exponent(lengths, t),
-                     "peak_exp": exponent(lengths, p), "multiple": p[-1] / kv_bytes[lengths[-1]]})
+        rows.append(
+            {
+                "method": name,
+                "time": t,
+                "peak": p,
+                "time_exp": exponent(lengths, t),
+                "peak_exp": exponent(lengths, p),
+                "multiple": p[-1] / kv_bytes[lengths[-1]],
+            }
+        )
     return rows
 
 
@@ -115,12 +156,25 @@ def fmt(x, spec=".2f") -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="L = 1K, 2K, 4K on 8/2 heads, budget 128, window 16")
+    p.add_argument(
+        "--quick", action="store_true", help="L = 1K, 2K, 4K on 8/2 heads, budget 128, window 16"
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=None)
-    p.add_argument("--heads", type=int, nargs=2, default=None, metavar=("QUERY", "KV"),
-                   help="heads of the layer (default Llama-3-8B's 32 8)")
-    p.add_argument("--methods", nargs="+", default=None, help="method[:knob=value,...]; default every registered "
-                   "method and the knob variants that add work growing with L")
+    p.add_argument(
+        "--heads",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("QUERY", "KV"),
+        help="heads of the layer (default Llama-3-8B's 32 8)",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="method[:knob=value,...]; default every registered "
+        "method and the knob variants that add work growing with L",
+    )
     p.add_argument("--budget", type=int, default=None)
     p.add_argument("--window", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
@@ -135,7 +189,9 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     if args.heads[0] % args.heads[1]:
-        raise ValueError(f"--heads: query heads ({args.heads[0]}) must be a multiple of KV heads ({args.heads[1]})")
+        raise ValueError(
+            f"--heads: query heads ({args.heads[0]}) must be a multiple of KV heads ({args.heads[1]})"
+        )
     if args.child:
         length, *names = args.child
         print(json.dumps(child(names, int(length), args, args.memory)))
@@ -144,11 +200,16 @@ def main(argv=None):
     for spec in specs(args.methods, preset["query_window"]):
         why = one_layer(spec, args.budget, args.window)
         (skipped.append((spec, why)) if why else names.append(spec))
-    reduced = "" if tuple(args.heads) == (compress_step.HQ, compress_step.HKV) else (
-        f" (heads reduced from Llama-3-8B's {compress_step.HQ}/{compress_step.HKV})")
-    print(f"eviction step on one layer: {args.heads[0]} query / {args.heads[1]} KV heads{reduced}, head_dim "
-          f"{compress_step.D}, {args.dtype}, budget {args.budget}, window {args.window}, {args.device}, "
-          f"median of {args.reps}\n")
+    reduced = (
+        ""
+        if tuple(args.heads) == (compress_step.HQ, compress_step.HKV)
+        else (f" (heads reduced from Llama-3-8B's {compress_step.HQ}/{compress_step.HKV})")
+    )
+    print(
+        f"eviction step on one layer: {args.heads[0]} query / {args.heads[1]} KV heads{reduced}, head_dim "
+        f"{compress_step.D}, {args.dtype}, budget {args.budget}, window {args.window}, {args.device}, "
+        f"median of {args.reps}\n"
+    )
     times, peaks, kv_bytes = {}, {}, {}
     for n in args.lengths:
         times[n] = run_child(names, n, args, memory=False)
@@ -157,12 +218,16 @@ def main(argv=None):
     rows = table(names, args.lengths, times, peaks, kv_bytes)
     head = " | ".join(f"time L={n} (ms)" for n in args.lengths)
     mem = " | ".join(f"peak L={n} (MiB)" for n in args.lengths)
-    print(f"| method | {head} | time exponent | {mem} | memory exponent | peak / layer K+V at L={args.lengths[-1]} |")
+    print(
+        f"| method | {head} | time exponent | {mem} | memory exponent | peak / layer K+V at L={args.lengths[-1]} |"
+    )
     print("|---|" + "---|" * (2 * len(args.lengths) + 3))
     for r in rows:
         t = " | ".join(f"{x * 1e3:.1f}" for x in r["time"])
         m = " | ".join(f"{x / 2**20:.1f}" for x in r["peak"])
-        print(f"| {r['method']} | {t} | {fmt(r['time_exp'])} | {m} | {fmt(r['peak_exp'])} | {r['multiple']:.2f} |")
+        print(
+            f"| {r['method']} | {t} | {fmt(r['time_exp'])} | {m} | {fmt(r['peak_exp'])} | {r['multiple']:.2f} |"
+        )
     for spec, why in skipped:
         print(f"| {spec} | not measured on one layer: {why} |")
     return rows, skipped

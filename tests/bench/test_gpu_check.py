@@ -36,7 +36,9 @@ def test_masked_reference_equals_the_suites():
         theirs = masked_reference_logits(model, ids, kept, 6)
         restkv.detach(model)
         torch.testing.assert_close(ours, theirs.float(), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(logits, ours, atol=1e-4, rtol=1e-4)  # the evicted run, token by token
+        torch.testing.assert_close(
+            logits, ours, atol=1e-4, rtol=1e-4
+        )  # the evicted run, token by token
 
 
 def test_agreement_fails_on_a_clear_difference():

@@ -18,14 +18,36 @@ def test_exponent_is_the_log_log_slope():
 
 
 def test_quick_run(capsys):
-    methods = ["snapkv", "restkv:query_window=64", "snapkv:refine_rounds=1", "snapkv:merge=pivot", "kvzip"]
-    rows, skipped = scaling.main(["--quick", "--lengths", "512", "1024", "2048", "--methods", *methods, "--reps", "1",
-                                  "--threads", "1"])
+    methods = [
+        "snapkv",
+        "restkv:query_window=64",
+        "snapkv:refine_rounds=1",
+        "snapkv:merge=pivot",
+        "kvzip",
+    ]
+    rows, skipped = scaling.main(
+        [
+            "--quick",
+            "--lengths",
+            "512",
+            "1024",
+            "2048",
+            "--methods",
+            *methods,
+            "--reps",
+            "1",
+            "--threads",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert [r["method"] for r in rows] == methods[:-1]
     assert [s for s, _ in skipped] == ["kvzip"]
     for r in rows:
         assert len(r["time"]) == len(r["peak"]) == 3
-        assert r["peak_exp"] is not None and r["peak_exp"] < 1.5, (r, out)  # linear in L, not quadratic
+        assert r["peak_exp"] is not None and r["peak_exp"] < 1.5, (
+            r,
+            out,
+        )  # linear in L, not quadratic
     assert "heads reduced from Llama-3-8B's 32/8" in out
     assert "| kvzip | not measured on one layer" in out

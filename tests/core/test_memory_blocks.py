@@ -36,7 +36,7 @@ def test_h2o_low_precision_keys_equal_a_float64_loop():
                 continue
             seen = real.clone()
             seen[t + 1 :] = False
-            logits = (q[b, :, t] [:, None] @ k[b].transpose(-1, -2))[:, 0] * obs.scaling
+            logits = (q[b, :, t][:, None] @ k[b].transpose(-1, -2))[:, 0] * obs.scaling
             ref[b] += logits.masked_fill(~seen, float("-inf")).softmax(-1)
     torch.testing.assert_close(got.double(), ref[..., : obs.prefix_len], rtol=1e-4, atol=1e-5)
 
@@ -80,9 +80,12 @@ def test_refinement_terms_blocked_equal_the_whole(monkeypatch):
     monkeypatch.setattr(oe, "TERMS_BLOCK", 1)  # one entry per block
     small = oe.layer_terms(values, w_o, P)
     torch.testing.assert_close(small[3], layer[3], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(oe.single_errors_blocked(attention, small, state, keep), whole, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(oe.swap_errors_at(attention, small, state, removals, additions), swaps,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        oe.single_errors_blocked(attention, small, state, keep), whole, rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(
+        oe.swap_errors_at(attention, small, state, removals, additions), swaps, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_swap_search_blocked_equals_one_block(monkeypatch):
@@ -92,7 +95,9 @@ def test_swap_search_blocked_equals_one_block(monkeypatch):
     attention, values, w_o, keep, scores = _refine_case(seed=4)
     whole = swap_search(attention, values, keep, scores, w_o, rounds=6, pool=8, batch=4, stop=False)
     monkeypatch.setattr(oe, "TERMS_BLOCK", 3 * 2 * 2 * 5)
-    blocked = swap_search(attention, values, keep, scores, w_o, rounds=6, pool=8, batch=4, stop=False)
+    blocked = swap_search(
+        attention, values, keep, scores, w_o, rounds=6, pool=8, batch=4, stop=False
+    )
     assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[2], whole[2])
     assert int(whole[2].sum()) > 0  # the search swapped something
     torch.testing.assert_close(blocked[1], whole[1])
@@ -116,7 +121,9 @@ def test_kvzip_passes_store_nothing_in_the_cache(monkeypatch):
         tokens, _ = generate(model, ids, n=3)
     assert views and len(views) % model.config.num_hidden_layers == 0  # every layer of every pass
     for base, view in views:
-        assert view.keys is base.keys and view.values is base.values  # nothing stored: no second copy
+        assert (
+            view.keys is base.keys and view.values is base.values
+        )  # nothing stored: no second copy
         assert view.keys.shape[2] == 90
     monkeypatch.setattr(deferred, "_pass_layer", made)
 
@@ -145,10 +152,15 @@ def test_sweep_releases_each_full_layer_once_every_config_has_its_own():
     from helpers import prompt, sweep_equals_separate_runs, tiny_model
 
     model, ids = tiny_model(), prompt(70)
-    configs = [dict(method="snapkv", max_capacity_prompt=40), dict(method="restkv", max_capacity_prompt=48)]
+    configs = [
+        dict(method="snapkv", max_capacity_prompt=40),
+        dict(method="restkv", max_capacity_prompt=48),
+    ]
     seen, _ = _held_during_prefill(model, ids, configs)
     assert seen == [[0], [0, 0], [0, 0, 0]]
-    seen, _ = _held_during_prefill(model, ids, configs + [dict(method="fullkv")])  # a config reads the full cache
+    seen, _ = _held_during_prefill(
+        model, ids, configs + [dict(method="fullkv")]
+    )  # a config reads the full cache
     assert seen == [[70], [70, 70], [70, 70, 70]]
     sweep_equals_separate_runs(model, ids, configs, 4)
 
@@ -169,8 +181,9 @@ def test_query_window_blocked_equals_one_block(knobs, monkeypatch):
     from restkv.scoring import observe
     from restkv.scoring.observe import wo_factor
 
-    cfg = CompressionConfig(method="restkv", max_capacity_prompt=16, window_size=6, query_window=23,
-                            **knobs).score_knobs()
+    cfg = CompressionConfig(
+        method="restkv", max_capacity_prompt=16, window_size=6, query_window=23, **knobs
+    ).score_knobs()
     R = wo_factor(torch.randn(32, 32, generator=torch.Generator().manual_seed(1)), 4)
 
     def scores():
@@ -178,7 +191,9 @@ def test_query_window_blocked_equals_one_block(knobs, monkeypatch):
         obs.wo_factor = R
         return rk.score(obs, cfg)
 
-    monkeypatch.setattr(observe, "QUERY_BLOCK", 64)  # one block of all 23 rows: the unblocked computation
+    monkeypatch.setattr(
+        observe, "QUERY_BLOCK", 64
+    )  # one block of all 23 rows: the unblocked computation
     whole = scores()
     monkeypatch.setattr(observe, "QUERY_BLOCK", 4)
     blocked = scores()
