@@ -9,7 +9,9 @@ Each length runs in two subprocesses, one for time and one for memory; every met
 warm-up call. Time: median of ``--reps`` calls, each on a fresh ``Observation`` (nothing cached
 between calls), taken round robin over the methods; both wall time and process CPU time are shown
 (CPU time counts all threads; with one thread it is the compute time, robust to other processes
-sharing the cores). Peak extra memory: the process's peak resident set during one call (VmHWM,
+sharing the cores); on CUDA (``--device cuda``) clocks are read after ``torch.cuda.synchronize(device)``.
+Peak extra memory: on CUDA ``torch.cuda.max_memory_allocated(device)`` during one call minus the memory
+allocated before it; on CPU the process's peak resident set during one call (VmHWM,
 reset through ``/proc/self/clear_refs`` just before) minus its resident set before it; inputs are
 allocated beforehand and not counted. The memory child runs with a fixed glibc mmap threshold
 (128 KiB), so every large buffer goes back to the system when torch frees it and earlier calls leave
@@ -18,6 +20,7 @@ no reusable heap behind; the timing child keeps glibc's defaults, as a real run 
 Usage::
 
     python benchmarks/compress_step.py --lengths 4096 16384 32768
+    python benchmarks/compress_step.py --device cuda --lengths 32768 131072
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from devices import PeakMemory, process_status, sync  # noqa: F401  (process_status: re-exported)
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
 LAYER, LAYERS = 15, 32  # a middle layer of Llama-3-8B's 32 (LaCache's ladder depends on the depth)
@@ -70,34 +75,25 @@ def method_spec(knobs: dict) -> str:
     return knobs["method"] + (":" + rest if rest else "")
 
 
-def process_status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = None) -> list[dict]:
+def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = None, device="cpu") -> list[dict]:
     """Per call (a function of no arguments): ``{"time", "cpu", "reps"}``, medians over ``reps`` calls, or
-    (``memory``) ``{"peak"}``, the peak extra resident memory of one call.
+    (``memory``) ``{"peak"}``, the peak extra memory of one call on ``device`` (``devices.PeakMemory``: the
+    CUDA allocator's peak on a CUDA device, the resident set on CPU).
 
     Every call is warmed up first (one-time initialisation and code pages are not counted). Timed calls go
-    round robin, so that load from other processes affects all of them alike. A call whose warm-up took more
-    than ``slow`` CPU seconds is timed once.
+    round robin, so that load from other processes affects all of them alike; on CUDA the clock is read after
+    ``torch.cuda.synchronize(device)``. A call whose warm-up took more than ``slow`` CPU seconds is timed once.
     """
     peaks, warm = [], []
     for call in calls:
         c0 = time.process_time()
         call()
+        sync(device)
         warm.append(time.process_time() - c0)
         if memory:
-            before = process_status("VmRSS")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            out = call()
-            peaks.append(process_status("VmHWM") - before)
+            with PeakMemory(device) as mem:
+                out = call()
+            peaks.append(mem.extra)
             del out
     if memory:
         return [{"peak": p} for p in peaks]
@@ -106,16 +102,19 @@ def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = Non
         for call, t, c, w in zip(calls, times, cpu, warm):
             if i and slow is not None and w > slow:
                 continue
+            sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
             call()
+            sync(device)
             t.append(time.perf_counter() - t0)
             c.append(time.process_time() - c0)
     return [{"time": statistics.median(t), "cpu": statistics.median(c), "reps": len(t)} for t, c in zip(times, cpu)]
 
 
-def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,
-            memory: bool) -> list:
-    """Time (``memory=False``) or peak extra memory of ``select`` per method at one length (in a child)."""
+def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: str, device: str = "cpu",
+               heads: tuple[int, int] = (HQ, HKV)) -> tuple[list, int]:
+    """One call of the eviction step (``select``) per spec on a random layer of ``heads`` (query, KV) heads
+    and ``length`` entries -> (calls, bytes of the layer's K+V). The inputs and W_O factor are built here."""
     import torch
 
     from transformers import LlamaConfig
@@ -126,18 +125,18 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
     from restkv.scoring.rope import Rope, rotary_function
     from restkv.eviction.select import select
 
-    torch.set_num_threads(threads)
+    hq, hkv = heads
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
-    q = torch.randn(1, HQ, length, D, dtype=dt)
-    k = torch.randn(1, HKV, length, D, dtype=dt)
-    v = torch.randn(1, HKV, length, D, dtype=dt)
-    valid = torch.ones(1, length, dtype=torch.bool)
-    o_proj = torch.randn(HIDDEN, HQ * D, dtype=dt) / HIDDEN**0.5
-    wo = wo_factor(o_proj, HQ)
-    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HQ, head_dim=D,
+    q = torch.randn(1, hq, length, D, dtype=dt, device=device)
+    k = torch.randn(1, hkv, length, D, dtype=dt, device=device)
+    v = torch.randn(1, hkv, length, D, dtype=dt, device=device)
+    valid = torch.ones(1, length, dtype=torch.bool, device=device)
+    o_proj = torch.randn(HIDDEN, hq * D, dtype=dt, device=device) / HIDDEN**0.5
+    wo = wo_factor(o_proj, hq)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=hq, head_dim=D,
                                               rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
-    rope = Rope.of(rotary_function(rotary), torch.arange(length)[None])
+    rope = Rope.of(rotary_function(rotary.to(device)), torch.arange(length, device=device)[None])
     cfgs = [CompressionConfig.from_kwargs(**{"max_capacity_prompt": budget, "window_size": window, **parse_method(s)})
             for s in specs]
 
@@ -147,17 +146,28 @@ def measure(specs: list[str], length: int, budget: int, window: int, dtype: str,
         data = filters if cfg.scorer.name == "qfilter" else None
         obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,
                           wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS, data=data)
-        return select(obs, cfg)
+        with torch.no_grad():
+            return select(obs, cfg)
 
-    with torch.no_grad():
-        results = time_and_peak([lambda cfg=cfg: run(cfg) for cfg in cfgs], reps, memory)
-    return [{**r, "kv_bytes": 2 * k.numel() * k.element_size()} for r in results]
+    return [lambda cfg=cfg: run(cfg) for cfg in cfgs], 2 * k.numel() * k.element_size()
+
+
+def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,
+            memory: bool, device: str = "cpu") -> list:
+    """Time (``memory=False``) or peak extra memory of ``select`` per method at one length (in a child)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    calls, kv_bytes = step_calls(specs, length, budget, window, dtype, device)
+    results = time_and_peak(calls, reps, memory, device=device)
+    return [{**r, "kv_bytes": kv_bytes} for r in results]
 
 
 def measure_in_child(args, specs, length, memory):
     """``measure`` in a fresh process (``args``: budget, window, dtype, reps, threads)."""
     cmd = [sys.executable, __file__, "--child", str(length), *specs, "--budget", str(args.budget), "--window",
-           str(args.window), "--dtype", args.dtype, "--reps", str(args.reps), "--threads", str(args.threads)]
+           str(args.window), "--dtype", args.dtype, "--reps", str(args.reps), "--threads", str(args.threads),
+           "--device", args.device]
     env = dict(os.environ)
     if memory:
         cmd.append("--memory")
@@ -177,6 +187,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:n]: where the layer's tensors and the step run")
     p.add_argument("--h2o-max-length", type=int, default=4096, help="skip h2o (if listed) above this length: it scores every query, O(L^2)")
     p.add_argument("--child", nargs="+", metavar="LENGTH METHOD", help=argparse.SUPPRESS)
     p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
@@ -184,11 +195,12 @@ def main():
     if args.child:
         length, *specs = args.child
         print(json.dumps(measure(specs, int(length), args.budget, args.window, args.dtype, args.reps, args.threads,
-                                 args.memory)))
+                                 args.memory, args.device)))
         return
     methods = ["snapkv"] + [m for m in args.methods if m != "snapkv"]
+    where = f"{args.threads} CPU threads" if args.device == "cpu" else args.device
     print(f"compress step, one layer: {HQ} q heads, {HKV} KV heads, head_dim {D}, {args.dtype}, "
-          f"budget {args.budget}, window {args.window}, {args.threads} CPU threads, median of {args.reps}\n")
+          f"budget {args.budget}, window {args.window}, {where}, median of {args.reps}\n")
     print("| L | method | CPU time (ms) | x SnapKV | wall (ms) | x SnapKV | peak extra (MiB) | x SnapKV | x layer K+V |")
     print("|---|---|---|---|---|---|---|---|---|")
     for length in args.lengths:

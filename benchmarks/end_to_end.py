@@ -10,7 +10,10 @@ Two tables:
    entries were kept, so these caches hold random keys and values of the exact shapes (and cost no
    prefill); the compressed ones are the ``CompressedLayer`` the eviction path produces.
 
-Peak extra memory: on CUDA ``max_memory_allocated`` minus the memory allocated before; on CPU the
+Every method is warmed up on a short prompt before the first timed prefill (CUDA initialisation and
+ReST-KV's W_O factorisation are not timed). Clocks are read after ``torch.cuda.synchronize`` of the model's
+device, and memory is counted on that device (``cuda:1`` too). Peak extra memory: on CUDA
+``max_memory_allocated(device)`` minus the memory allocated before; on CPU the
 process's peak resident set (VmHWM, reset through ``/proc/self/clear_refs``) minus its resident set
 before. On CPU the decode table runs first; the prefill table then runs with a fixed glibc mmap
 threshold, so that buffers freed by one prefill cannot hide the next one's peak (all methods, the
@@ -39,7 +42,7 @@ import restkv
 from restkv.cache import CompressedLayer
 from restkv.eviction.select import Kept
 
-from compress_step import process_status  # same folder: the process-status reader
+from devices import PeakMemory, device_of, sync  # same folder: clocks and memory counters per device
 
 PRESETS = {  # head shapes are Llama-3-8B's in both: 32 query heads, 8 KV heads, head_dim 128, hidden 4096
     "small": dict(num_hidden_layers=2, intermediate_size=1024, vocab_size=1024),
@@ -65,37 +68,6 @@ def build_model(preset: str, layers: int | None, device: str, dtype: torch.dtype
     return model.eval()
 
 
-def _sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-
-class PeakMemory:
-    """Peak extra memory over a ``with`` block (CUDA allocator, or resident set on CPU)."""
-
-    def __init__(self, device: str):
-        self.device, self.extra = device, 0
-
-    def __enter__(self):
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.before = torch.cuda.memory_allocated()
-        else:
-            self.before = process_status("VmRSS")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            self.extra = torch.cuda.max_memory_allocated() - self.before
-        else:
-            self.extra = process_status("VmHWM") - self.before
-
-
 def cache_bytes(cache) -> int:
     """Bytes of keys and values held by a cache."""
     total = 0
@@ -109,14 +81,14 @@ def cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def prefill(model, ids, method: str, budget: int, window: int, device: str):
+def prefill(model, ids, method: str, budget: int, window: int):
     """One prefill with ``method`` -> (wall s, process CPU s, peak extra bytes, KV bytes held)."""
+    device = device_of(model)
     restkv.configure(model, method=method, max_capacity_prompt=budget, window_size=window)
-    _sync(device)
     with PeakMemory(device) as mem:
         t0, c0 = time.perf_counter(), time.process_time()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        _sync(device)
+        sync(device)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
     return seconds, cpu, mem.extra, cache_bytes(cache)
@@ -156,17 +128,18 @@ def _with_layers(model, layers):
 
 
 @torch.no_grad()
-def decode_ms(model, cache, length: int, steps: int, device: str) -> float:
+def decode_ms(model, cache, length: int, steps: int) -> float:
     """Median ms per token of greedy decoding ``steps`` tokens after a prompt of ``length``."""
+    device = device_of(model)
     tok = torch.zeros(1, 1, dtype=torch.long, device=device)
     times = []
     for i in range(steps + 1):  # the first step is a warm-up
         pos = torch.full((1, 1), length + i, dtype=torch.long, device=device)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         logits = model(input_ids=tok, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
         tok = logits[:, -1].argmax(-1, keepdim=True)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times[1:])
 
@@ -209,9 +182,9 @@ def main():
         for length in args.decode_lengths:
             full = None
             for budget in [None] + args.budgets:
-                cache = synthetic_cache(model, length, budget, args.device, dtype)
+                cache = synthetic_cache(model, length, budget, device_of(model), dtype)
                 held = cache_bytes(cache)
-                ms = decode_ms(model, cache, length, args.steps, args.device)
+                ms = decode_ms(model, cache, length, args.steps)
                 del cache
                 full = full or ms
                 name = "full" if budget is None else f"budget {budget}"
@@ -224,11 +197,13 @@ def main():
         print("| L | method | prefill wall (s) | x full | CPU (s) | x full | peak extra (MiB) | KV held (MiB) |")
         print("|---|---|---|---|---|---|---|---|")
         for length in args.prefill_lengths:
-            ids = torch.randint(0, cfg.vocab_size, (1, length), device=args.device)
-            prefill(model, ids[:, :256], "fullkv", args.prefill_budget, args.window, args.device)  # warm-up
+            ids = torch.randint(0, cfg.vocab_size, (1, length), device=device_of(model))
+            warm = min(length, 4 * args.window + 256)
+            for method in ["fullkv"] + args.methods:  # warm-ups that evict (a budget under the short prompt)
+                prefill(model, ids[:, :warm], method, min(args.prefill_budget, warm // 2), args.window)
             full = None
             for method in ["fullkv"] + args.methods:
-                s, cpu, peak, held = prefill(model, ids, method, args.prefill_budget, args.window, args.device)
+                s, cpu, peak, held = prefill(model, ids, method, args.prefill_budget, args.window)
                 full = full or (s, cpu)
                 print(f"| {length} | {method} | {s:.2f} | {s / full[0]:.3f} | {cpu:.2f} | {cpu / full[1]:.3f} | "
                       f"{peak / 2**20:.0f} | {held / 2**20:.1f} |", flush=True)

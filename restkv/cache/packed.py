@@ -40,10 +40,11 @@ class SegmentIndex:
         [S, 1, 1, width + room] bool, True on the slots a segment holds.
     """
 
-    def __init__(self, lengths: Tensor, room: int = 0):
+    def __init__(self, lengths: Tensor, room: int = 0, sizes: tuple[int, int] | None = None):
         S, device = lengths.numel(), lengths.device
         self.lengths, self.room = lengths, room
-        sizes = torch.stack([lengths.sum(), lengths.max()]).tolist() if S else [0, 0]  # one host read per index
+        if sizes is None:  # N and the longest segment, unless known (the same lengths with more room)
+            sizes = torch.stack([lengths.sum(), lengths.max()]).tolist() if S else [0, 0]  # one host read
         self.packed, self.width = sizes
         starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]
         j = torch.arange(self.width, device=device)
@@ -167,7 +168,7 @@ class VarlenLayer(DynamicLayer):
             grown[-1][: head + segments * self.steps] = x[: head + segments * self.steps]
         self.keys, self.values, self.capacity = grown[0], grown[1], room
         if room > self.index.room:
-            self.index = SegmentIndex(self.index.lengths, room)
+            self.index = SegmentIndex(self.index.lengths, room, (self.index.packed, self.index.width))
 
     def growth(self, q: int) -> int:
         """Steps of room added when ``q`` more do not fit."""

@@ -19,10 +19,12 @@ calls it after its one prefill.
 from __future__ import annotations
 
 import copy
+import functools
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from ..scoring.observe import Observation
 from ..strategies.budgets import global_sizes
@@ -71,7 +73,8 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
     """The method's scores of every prompt position from its passes: {layer_idx: [b, H, n] float32}.
 
     Each sample (its real tokens only, batch 1 as the reference) runs every pass on a shallow copy of
-    the cache, so no pass's tokens stay in it: at each scored layer the pass's queries observe
+    the cache whose layers store nothing (``_pass_layer``), so no pass's tokens stay in it and no second
+    copy of the cache is held: at each scored layer the pass's queries observe
     [sinks | the pass's positions | the pass's own keys]. A method with ``run_pass(decoder, ids, position_ids,
     cache, modules)`` runs each pass itself and returns a weight per pass token [1, r] for each attention
     module (``Observation.query_weights``); its layers are scored after the pass.
@@ -114,7 +117,7 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
                 row[:, pad : pad + sinks], row[:, pad + start : pad + stop] = r[0, :, :sinks], r[0, :, sinks:]
 
             view = copy.copy(cache)
-            view.layers = [copy.copy(layer) for layer in base]
+            view.layers = [_pass_layer(layer) for layer in base]
             position_ids = torch.arange(length, length + ids.shape[0], device=ids.device)[None]
             with _scoring(prefills, observe):
                 if run is None:
@@ -125,6 +128,21 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
                 obs.query_weights = weights[prefill.module]
                 record(prefill, obs)
     return out
+
+
+def _pass_layer(layer):
+    """A shallow copy of a cache layer for one pass: a full layer returns its entries and the pass's
+    without storing them, so that the pass holds no second copy of the prompt's entries; the copy of a
+    layer is made there, one layer at a time, and freed after its attention."""
+    view = copy.copy(layer)
+    if type(layer) is DynamicLayer:
+        view.update = functools.partial(_attend_without_storing, view)
+    return view
+
+
+def _attend_without_storing(view, key_states, value_states, *args, **kwargs):
+    """``DynamicLayer.update`` of a pass's view: [held | new] keys and values, the view left as it was."""
+    return torch.cat([view.keys, key_states], -2), torch.cat([view.values, value_states], -2)
 
 
 def _sample_view(layer, sample: int, length: int):

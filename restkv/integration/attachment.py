@@ -158,8 +158,10 @@ def _capture(module, args, kwargs):
     state = module._restkv
     state.cache = kwargs.get("cache", kwargs.get("past_key_values"))
     hidden = kwargs.get("hidden_states", args[0] if args else None)
-    state.rope = None if hidden is None else capture(state.embed, kwargs, hidden.shape[0])
     check_cache(state, state.cache, module.layer_idx)
+    # only a prefill's scorers read the forward's RoPE: no capture (no kernel) per decoded token
+    fresh = state.cache is None or state.cache.get_seq_length(module.layer_idx) == 0
+    state.rope = capture(state.embed, kwargs, hidden.shape[0]) if fresh and hidden is not None else None
 
 
 def _release(module, args, kwargs, output):

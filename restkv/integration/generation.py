@@ -13,11 +13,16 @@ from ..eviction.plans import plan_layers
 ABSENT = object()  # an argument not given (None means something)
 
 
+CHECK_EVERY = 32  # decoded tokens between the host reads that end the loop or compact the batch
+
+
 def greedy_decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tensor | None, steps: int,
             eos: Tensor | None, pad: int, compact: bool = False) -> tuple[Tensor, Tensor]:
     """Greedy decoding as ``generate(do_sample=False)`` does it, from the token chosen at prefill.
 
     With ``compact``, rows that reached EOS leave the batch (and the cache) once they are half of it.
+    Whether every row has finished is read on the host once every ``CHECK_EVERY`` tokens (no host sync per
+    token); rows decoded past their EOS give ``pad`` there, as ``generate`` does.
     Returns the tokens [b, <= steps] and, per row, the number of tokens up to its EOS (``steps`` if none).
     """
     b, device = first.shape[0], first.device
@@ -37,14 +42,15 @@ def greedy_decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tenso
         if eos is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
             stops = unfinished & torch.isin(tok, eos)
-            length[rows[stops]] = step + 1
+            length[rows] = torch.where(stops, step + 1, length[rows])
             unfinished &= ~stops
         out[rows, step] = tok
-        if eos is None:
+        if eos is None or ((step + 1) % CHECK_EVERY and step + 1 < steps):
             continue
-        if not bool(unfinished.any()):
-            return out[:, : step + 1], length
-        if compact and 2 * int(unfinished.sum()) <= unfinished.numel():
+        left, longest = torch.stack([unfinished.sum(), length.max()]).tolist()  # one host read
+        if not left:
+            return out[:, :longest], length
+        if compact and 2 * left <= unfinished.numel():
             keep = unfinished.nonzero().squeeze(1)
             for layer in cache.layers:
                 layer.reorder_cache(keep)

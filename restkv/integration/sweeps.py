@@ -75,6 +75,14 @@ def _decode_together(model, caches, first, position_ids, mask, steps, eos, pad) 
     return [t[:, : int(n.max())] for t, n in zip(tokens.split(b), length.split(b))]
 
 
+def release(layer) -> None:
+    """Empty a full cache layer that no config reads any more (its entries freed once the layer's forward
+    returns)."""
+    b, h, _, d = layer.keys.shape
+    layer.keys = layer.keys.new_empty(b, h, 0, d)
+    layer.values = layer.values.new_empty(b, h, 0, layer.values.shape[-1])
+
+
 @dataclass
 class Prefill:
     """One prefill's result for several configs (``prefill_caches``)."""
@@ -99,6 +107,8 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
     per layer, so configs that read the same window attention or the same scores compute them once.
     Deferred configs (``restkv.eviction.deferred``) are finished after the prefill, configs with the same
     method and score knobs on one set of passes (KVzip's reconstruction runs once per prompt).
+    Without deferred configs, a layer's full cache is released as soon as every config has its own layer,
+    so the prefill holds the full entries of one layer at a time, as a single config's prefill does.
     """
     plans = [layer_plans(model, as_config(c)) for c in configs]
     modules = attention_modules(model)
@@ -107,6 +117,8 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
     layers: list[dict] = [{} for _ in plans]
     deferred: list[list] = [[] for _ in plans]
 
+    replays = any(p.deferred for plan in plans for p in plan)  # passes or a global budget read the full cache
+
     def evict_each(state, module, query, key, value, attention_mask, kwargs):
         i, memo = index[module], {}
         for c, plan in enumerate(plans):
@@ -114,6 +126,8 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
                                             deferred[c], rope=state.rope)
             if layer is not None:
                 layers[c][module.layer_idx] = layer
+        if not replays and all(module.layer_idx in own for own in layers):
+            release(state.cache.layers[module.layer_idx])  # every config holds its own: the full one goes
 
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)

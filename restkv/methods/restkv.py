@@ -30,7 +30,7 @@ from ..scoring import observe
 from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob, positive
 from ..lazy import torch
 from ..scoring.observe import group_view, weighted_values
-from ..scoring.smoothing import TEMPORAL, aggregate_rows, pool1d, shifted_box_filter
+from ..scoring.smoothing import TEMPORAL, RowAggregate, aggregate_rows, pool1d, shifted_box_filter
 from . import expected_attention as expected
 from . import random
 
@@ -182,9 +182,18 @@ def window_drift(window_attention: "torch.Tensor", top: int) -> "torch.Tensor":
     those positions over the rows of the window's first (older) half and their top keys, minus the
     same mean over the second half. Per sample (the original uses batch element 0 for every sample).
     """
-    w = window_attention.shape[-2]
-    top = max(1, min(top, window_attention.shape[-1]))
-    mean_pos = window_attention.topk(top, dim=-1, sorted=False).indices.float().mean(-1)  # [b, Hq, w]
+    return drift_of(top_mean_positions(window_attention, top))
+
+
+def top_mean_positions(attention: "torch.Tensor", top: int) -> "torch.Tensor":
+    """Mean position of each row's top-``top`` keys: attention [b, Hq, r, L] -> [b, Hq, r]."""
+    top = max(1, min(top, attention.shape[-1]))
+    return attention.topk(top, dim=-1, sorted=False).indices.float().mean(-1)
+
+
+def drift_of(mean_pos: "torch.Tensor") -> "torch.Tensor":
+    """``window_drift`` from the rows' mean top positions [b, Hq, r] -> [b, Hq]."""
+    w = mean_pos.shape[-1]
     return mean_pos[..., : w // 2].mean(-1) - mean_pos[..., w // 2 :].mean(-1)
 
 
@@ -210,24 +219,63 @@ def adaptive_pool(scores: "torch.Tensor", drift: "torch.Tensor", kernel_size: in
 
 
 def over_time(x: "torch.Tensor", obs, cfg) -> "torch.Tensor":
-    """The observed query rows of x [b, H, r, N] reduced by ``temporal`` -> [b, H, N]; rows of padding
-    queries (a query window longer than a sample) are left out by renormalising the weights of the real ones."""
-    s = aggregate_rows(x, cfg.temporal, cfg.get("alpha"))
-    if x.shape[-2] == obs.window:  # the window (as the original): no renormalisation, no host sync
+    """The observed query rows of x [b, H, r, N] reduced by ``temporal`` -> [b, H, N] (``over_time_blocks``)."""
+    agg = RowAggregate(x.shape[-2], cfg.temporal, cfg.get("alpha"))
+    agg.add(0, x)
+    return renormalised(agg.value, x.shape[-2], obs, cfg)
+
+
+def renormalised(s: "torch.Tensor", rows: int, obs, cfg) -> "torch.Tensor":
+    """The rows' aggregate s [b, H, N] with the rows of padding queries (a query window longer than a sample)
+    left out by renormalising the weights of the real ones."""
+    if rows == obs.window:  # the window (as the original): no renormalisation, no host sync
         return s
-    real = obs.key_valid[:, obs.keys.shape[2] - x.shape[-2] :]  # [b, r]
+    real = obs.key_valid[:, obs.keys.shape[2] - rows :]  # [b, r]
     return s / aggregate_rows(real.float()[:, None, :, None], cfg.temporal, cfg.get("alpha")).clamp_min(_EPS)
 
 
-def proxy_row(obs, cfg, A: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]:
+def row_terms(obs, cfg, A: "torch.Tensor") -> dict:
+    """What the score aggregates over the observed rows, from a block of them A [b, Hq, rb, L]: per name
+    [b, Hq, rb, P or 1]."""
+    P = obs.prefix_len
+    if cfg.indicator != "reconstruction":
+        return {"s": A[..., :P]}
+    if cfg.metric_mode == "after":
+        if cfg.query_proxy == "expected":
+            return {}
+        return {"a": A[..., :P], "mass": A[..., P:].sum(-1, keepdim=True)}
+    R = obs.wo if cfg.use_wo else None
+    out = obs.window_output if A is obs.window_attention else weighted_values(A, obs.values)
+    dist, o_norm = output_distance_rows(out, obs.values, P, R)
+    rows = exact_dominant(dist.mul_(odds(A[..., :P])), A, obs.values, R, 1.0)
+    return {"s": rows / o_norm.clamp_min(_EPS) if cfg.use_norm else rows}
+
+
+def over_time_blocks(obs, cfg, rows: int, top: int | None) -> tuple[dict, "torch.Tensor | None"]:
+    """``row_terms`` of the ``rows`` observed queries reduced by ``temporal``, a block of rows at a time
+    (``Observation.recent_attention_blocks``) -> ({name: [b, Hq, P or 1]}, the adaptive drift [b, Hq] or None
+    when ``top`` is None)."""
+    sums: dict = {}
+    mean_pos = []
+    for start, A in obs.recent_attention_blocks(rows):
+        for name, x in row_terms(obs, cfg, A).items():
+            sums.setdefault(name, RowAggregate(rows, cfg.temporal, cfg.get("alpha"))).add(start, x)
+        if top is not None:
+            mean_pos.append(top_mean_positions(A, top))
+    drift = None if top is None else drift_of(torch.cat(mean_pos, -1))
+    return {name: renormalised(agg.value, rows, obs, cfg) for name, agg in sums.items()}, drift
+
+
+def proxy_row(obs, cfg, observed: dict) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]:
     """The aggregated attention row standing for the future queries -> (a [b, Hq, 1, P], its mass on the
-    window [b, Hq, 1, 1], counted [b, L] or None): the observed rows A over time, ExpectedAttention's row, or their mean."""
-    P = A.shape[-1] - obs.window
+    window [b, Hq, 1, 1], counted [b, L] or None): the observed rows over time (``observed``: "a" and "mass"),
+    ExpectedAttention's row, or their mean."""
     rows = []
     if cfg.query_proxy != "expected":
-        rows.append((over_time(A[..., :P], obs, cfg), over_time(A[..., P:].sum(-1, keepdim=True), obs, cfg)))
+        rows.append((observed["a"], observed["mass"]))
     counted = None
     if cfg.query_proxy != "window":
+        P = obs.prefix_len
         e, counted = expected.expected_attention(obs, cfg.n_future_positions, cfg.n_sink, cfg.use_covariance)
         rows.append((e[..., :P], e[..., P:].sum(-1, keepdim=True)))
     a, mass = (sum(r) / len(rows) for r in zip(*rows))
@@ -239,29 +287,24 @@ def score(obs, cfg):
     if cfg.indicator == "random":
         return random.score(obs, cfg)
     P = obs.prefix_len
-    A = obs.recent_attention(cfg.query_window)  # [b, Hq, r, L]
+    rows = min(cfg.query_window or obs.window, obs.queries.shape[2])
+    top = obs.budget - obs.window if cfg.pooling == "adaptive" else None
+    observed, drift = over_time_blocks(obs, cfg, rows, top)  # no [b, Hq, r, L] tensor for a long query window
     counted = None
     if cfg.indicator != "reconstruction":
-        s = over_time(A[..., :P], obs, cfg)
+        s = observed["s"]
         if cfg.indicator == "attn-v":  # times ||v_n||, each query head with its KV head's values
             norms = torch.linalg.vector_norm(obs.values[:, :, :P], dim=-1, dtype=torch.float32)
             s = s * norms.repeat_interleave(s.shape[1] // norms.shape[1], 1)
     elif cfg.metric_mode == "after":
         R, tau = (obs.wo, cfg.tau) if cfg.use_wo else (None, 1.0)
-        a, window_mass, counted = proxy_row(obs, cfg, A)  # [b, Hq, 1, P], [b, Hq, 1, 1]
+        a, window_mass, counted = proxy_row(obs, cfg, observed)  # [b, Hq, 1, P], [b, Hq, 1, 1]
         o = weighted_values(a, obs.values)[:, :, 0]  # [b, Hq, d] output of the aggregated row, prefix only
         s = output_distance(o, obs.values, P, R).pow_(tau).mul_(odds(a[:, :, 0]))
         s = exact_dominant(s[:, :, None], a, obs.values, R, tau, window_mass)[:, :, 0]
     else:  # before: every observed query with its full output, then over time
-        R = obs.wo if cfg.use_wo else None
-        out = obs.window_output if A is obs.window_attention else weighted_values(A, obs.values)
-        dist, o_norm = output_distance_rows(out, obs.values, P, R)
-        rows = exact_dominant(dist.mul_(odds(A[..., :P])), A, obs.values, R, 1.0)
-        if cfg.use_norm:
-            rows = rows / o_norm.clamp_min(_EPS)
-        s = over_time(rows, obs, cfg)
+        s = observed["s"]
     if cfg.pooling == "adaptive":
-        drift = window_drift(A, obs.budget - obs.window)
         n_pad = (~obs.key_valid[:, :P]).sum(-1)
         s = adaptive_pool(s, drift, cfg.kernel_size, cfg.scale, n_pad)
     else:

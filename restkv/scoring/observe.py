@@ -16,6 +16,7 @@ from ..lazy import torch
 NEG = -3.4028234663852886e38  # the most negative float32
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38, the smallest normal float32
 VALUE_BLOCK = 4096  # positions converted to float32 at a time
+QUERY_BLOCK = None  # query rows of a block of a long query window (None: about the layer's K+V, see below)
 PROJECTION_BLOCK = 1 << 22  # float32 elements of a block of W_O-projected values ([b, Hkv, n, hidden])
 
 
@@ -140,6 +141,24 @@ class Observation:
         if rows == self.window:
             return self.window_attention
         return self.shared(f"recent_attention_{rows}", lambda: self.attention(n - rows, n))
+
+    def recent_attention_blocks(self, rows: int):
+        """The ``recent_attention(rows)`` rows in blocks, oldest first: yields (first row, [b, Hq, rb, L]).
+
+        The window's (shared) is one block; longer query windows come in blocks of about the layer's
+        K+V in float32 attention (at least the window; ``QUERY_BLOCK`` rows when set), so that no
+        [b, Hq, r, L] tensor is formed.
+        """
+        n = self.keys.shape[2]
+        rows = min(rows or self.window, self.queries.shape[2])
+        if rows == self.window:
+            yield 0, self.window_attention
+            return
+        b, hq = self.queries.shape[:2]
+        hkv, d = self.keys.shape[1], self.keys.shape[-1]
+        block = globals()["QUERY_BLOCK"] or max(self.window, 2 * hkv * d * self.keys.element_size() // (4 * hq))
+        for start in range(n - rows, n, block):
+            yield start - (n - rows), self.attention(start, min(n, start + block))
 
     @property
     def window_output(self) -> "torch.Tensor":

@@ -15,6 +15,19 @@ from __future__ import annotations
 from ..lazy import F, torch
 from .observe import group_view, weighted_values
 
+TERMS_BLOCK = None  # float32 elements of a block of per-entry terms (None: about the layer's K+V elements)
+MIN_BLOCK = 64  # entries
+
+
+def entries_per_block(per_entry: int, values: "torch.Tensor", prefix: int) -> int:
+    """Prefix entries per block of a term of ``per_entry`` elements per entry: ``TERMS_BLOCK`` elements when
+    set (tests shrink it), else as many as the layer's K+V (2 b H P d), at least ``MIN_BLOCK``."""
+    forced = globals()["TERMS_BLOCK"]
+    if forced:
+        return max(1, forced // per_entry)
+    b, heads, _, d = values.shape
+    return max(MIN_BLOCK, 2 * b * heads * prefix * d // per_entry)
+
 
 def kept_keys(keep: "torch.Tensor", n_keys: int, hq: int) -> "torch.Tensor":
     """Prefix mask [b, H, P] -> mask of every key [b, Hq, 1, N] (keys from P on kept)."""
@@ -53,13 +66,18 @@ def layer_output_error(attention, values, keep, o_proj_weight) -> "torch.Tensor"
 def layer_terms(values, o_proj_weight, prefix: int) -> tuple:
     """What the swap errors of a layer read that no swap changes: W_O^h by group [H, g, D, d],
     ``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d], the prefix values v [b, H, P, d] and ``v_n^T M_ac v_n``
-    [g, g, b, H, P] (a, c: query heads of one group). Cost O(b H g^2 P d^2)."""
+    [g, g, b, H, P] (a, c: query heads of one group), a block of entries at a time. Cost O(b H g^2 P d^2)."""
     hkv, d = values.shape[1], values.shape[-1]
     g = o_proj_weight.shape[1] // d // hkv
     W = o_proj_weight.float().view(-1, hkv, g, d).permute(1, 2, 0, 3)
     M = torch.einsum("kaex,kcey->kacxy", W, W)
     v = values[:, :, :prefix].float()
-    return W, M, v, torch.einsum("bknx,kacxy,bkny->acbkn", v, M, v)
+    vMv = v.new_empty(g, g, v.shape[0], hkv, prefix)
+    block = entries_per_block(g * g * v.shape[0] * hkv * d, v, prefix)  # no [g, g, b, H, P, d] whole
+    for s in range(0, prefix, block):
+        part = v[:, :, s : s + block]
+        vMv[..., s : s + block] = (torch.einsum("bknx,kacxy->acbkny", part, M) * part).sum(-1)
+    return W, M, v, vMv
 
 
 def state_terms(attention, layer: tuple, delta, o_kept, z) -> tuple:
@@ -126,3 +144,37 @@ def swap_errors(terms: tuple, layer: tuple, delta, removals, additions) -> "torc
     linear = (x * c_i[..., None] - y * c_j[..., None, :]).sum(0)
     quad = (x[:, None] * x * K_i[..., None] + y[:, None] * y * K_j[..., None, :] - 2 * x[:, None] * y * K_ij).sum((0, 1))
     return _quadratic(delta, 2 * linear + quad)
+
+
+def single_errors_blocked(attention, layer: tuple, state: tuple, keep) -> "torch.Tensor":
+    """``single_errors(state_terms(...))`` [b, H, P] a block of prefix entries at a time, so that no [g, g, b, H,
+    r, P] term is formed whole (``entries_per_block``). ``state``: (delta, o^S, z) of
+    ``output_change``."""
+    delta, o_kept, z = state
+    W, M, v, vMv = layer
+    b, heads, P = keep.shape
+    g, r = M.shape[1], attention.shape[2]
+    block = entries_per_block(g * g * b * heads * r, v, P)
+    out = torch.empty(b, heads, P, device=keep.device)
+    for s in range(0, P, block):
+        e = min(P, s + block)
+        part = (W, M, v[:, :, s:e], vMv[..., s:e])
+        terms = state_terms(attention[..., s:e], part, delta, o_kept, z)
+        out[..., s:e] = single_errors(terms, part, delta, keep[..., s:e])
+    return out
+
+
+def swap_errors_at(attention, layer: tuple, state: tuple, removals, additions) -> "torch.Tensor":
+    """``swap_errors`` [b, H, R, A] from the terms of the pooled entries only (``removals`` [b, H, R],
+    ``additions`` [b, H, A]): O(b H g^2 r (R + A)) memory, whatever the prompt length."""
+    delta, o_kept, z = state
+    W, M, v, vMv = layer
+    b, heads, n_out = removals.shape
+    g, r, d = M.shape[1], attention.shape[2], v.shape[-1]
+    cols = torch.cat([removals, additions], -1)  # [b, H, R + A]
+    m = cols.shape[-1]
+    a = group_view(attention, heads).gather(-1, cols[:, :, None, None].expand(-1, -1, g, r, -1))
+    part = (W, M, v.gather(2, cols[..., None].expand(-1, -1, -1, d)), vMv.gather(-1, cols.expand(g, g, -1, -1, -1)))
+    terms = state_terms(a.flatten(1, 2), part, delta, o_kept, z)
+    at = torch.arange(m, device=cols.device).expand(b, heads, m)
+    return swap_errors(terms, part, delta, at[..., :n_out], at[..., n_out:])

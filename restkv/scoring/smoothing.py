@@ -36,6 +36,37 @@ def aggregate_rows(x: "torch.Tensor", temporal: str, alpha: float | None = None)
     return torch.matmul(weights if temporal == "ema" else weights.flip(0), x)
 
 
+class RowAggregate:
+    """``aggregate_rows`` of ``rows`` query rows given in blocks, oldest first: ``add(start, x)`` with x
+    [..., rb, P] the rows ``start:start + rb``, then ``value`` [..., P]. One block of every row is
+    ``aggregate_rows`` itself (the same result bit for bit)."""
+
+    def __init__(self, rows: int, temporal: str, alpha: float | None = None):
+        self.rows, self.temporal, self.alpha = rows, temporal, alpha
+        self.value = None
+
+    def add(self, start: int, x: "torch.Tensor") -> None:
+        n = x.shape[-2]
+        if n == self.rows:
+            self.value = aggregate_rows(x, self.temporal, self.alpha)
+            return
+        if self.temporal == "last":
+            if start + n == self.rows:
+                self.value = x[..., -1, :]
+            return
+        if self.temporal == "max":
+            part = x.amax(-2)
+            self.value = part if self.value is None else torch.maximum(self.value, part)
+            return
+        if self.temporal == "mean":
+            part = x.sum(-2) / self.rows
+        else:
+            weights = ema_weights(self.rows, self.alpha, x.device)
+            weights = weights if self.temporal == "ema" else weights.flip(0)
+            part = torch.matmul(weights[start : start + n], x)
+        self.value = part if self.value is None else self.value + part
+
+
 def pool1d(scores: "torch.Tensor", mode: str, kernel_size: int) -> "torch.Tensor":
     """Stride-1 pooling along the last axis with ``kernel_size // 2`` padding (SnapKV's smoothing)."""
     if mode == "none" or kernel_size == 1:

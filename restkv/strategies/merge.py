@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..knobs import Knob
 from ..lazy import F, torch
 
+MERGE_BLOCK = 1 << 22  # float32 elements of a block of the [L, B] key similarity of pivot merging
 KNOBS = (Knob("merge", "none", "merge evicted entries into kept ones: pivot (into the most similar kept key, "
               "keys and values) or cam (values into the following entries, CaM)", choices=("none", "cam", "pivot")),)
 
@@ -52,21 +53,32 @@ def pivot_merge(keys, values, kept_idx, evicted):
     Returns
     -------
     The kept keys and values [b, Hkv, B, d] after merging, in the input dtype.
+
+    The similarity of every entry to the kept keys is formed a block of entries at a time
+    (``MERGE_BLOCK`` float32 elements per KV head), so the extra memory stays a few kept-set sizes.
     """
     d = keys.shape[-1]
     gather = kept_idx[..., None].expand(-1, -1, -1, d)
     kept_k = keys.gather(2, gather).float()
     kept_v = values.gather(2, gather).float()
-    sim = F.normalize(keys.float(), dim=-1, eps=1e-6) @ F.normalize(kept_k, dim=-1, eps=1e-6).transpose(-1, -2)
-    target = sim.argmax(-1)  # [b, Hkv, L]
-    weight = evicted.float()
-    count = torch.zeros_like(kept_k[..., 0]).scatter_add_(2, target, weight)  # n_r
+    pivots = F.normalize(kept_k, dim=-1, eps=1e-6).transpose(-1, -2)
+    count = torch.zeros_like(kept_k[..., 0])  # n_r
+    incoming_k = torch.zeros_like(kept_k)
+    incoming_v = torch.zeros_like(kept_v)
+    block = max(1, globals()["MERGE_BLOCK"] // max(1, kept_idx.shape[-1]))  # read at call time (tests shrink it)
+    for s in range(0, keys.shape[2], block):
+        e = min(keys.shape[2], s + block)
+        target = (F.normalize(keys[:, :, s:e].float(), dim=-1, eps=1e-6) @ pivots).argmax(-1)  # [b, Hkv, block]
+        weight = evicted[..., s:e].float()
+        count.scatter_add_(2, target, weight)
+        into = target[..., None].expand(-1, -1, -1, d)
+        incoming_k.scatter_add_(2, into, keys[:, :, s:e].float() * weight[..., None])
+        incoming_v.scatter_add_(2, into, values[:, :, s:e].float() * weight[..., None])
 
-    def merge(full, kept):
-        incoming = torch.zeros_like(kept).scatter_add_(2, target[..., None].expand(-1, -1, -1, d), full.float() * weight[..., None])
+    def merge(kept, incoming):
         return (kept * (1 + count[..., None] / 2) + incoming / 2) / (1 + count[..., None])
 
-    return merge(keys, kept_k).to(keys.dtype), merge(values, kept_v).to(values.dtype)
+    return merge(kept_k, incoming_k).to(keys.dtype), merge(kept_v, incoming_v).to(values.dtype)
 
 
 def cam_values(obs, scores, kept):

@@ -25,7 +25,7 @@ from ..knobs import Knob
 from ..lazy import F, torch
 from ..methods import REGISTRY
 from ..scoring.observe import group_view
-from ..scoring.output_error import layer_terms, output_change, single_errors, state_terms, swap_errors
+from ..scoring.output_error import layer_terms, output_change, single_errors_blocked, swap_errors_at
 
 POOL = 32
 KNOBS = (
@@ -158,14 +158,14 @@ def swap_search(attention, values, keep, scores, o_proj_weight, rounds: int = 64
     ladder = sorted({max(1, batch >> s) for s in range(batch.bit_length())}, reverse=True)
     for _ in range(rounds):
         error = delta.norm(dim=-1).mean(-1)  # [b]
-        terms = state_terms(attention, layer, delta, o_kept, z)
-        rank = single_errors(terms, layer, delta, keep) if pool_by == "effect" else None
+        state = (delta, o_kept, z)
+        rank = single_errors_blocked(attention, layer, state, keep) if pool_by == "effect" else None
         addable = ~keep if allowed is None else ~keep & allowed
         out_rank, in_rank = (scores, -scores) if rank is None else (rank, rank)  # lowest first
         removals = out_rank.masked_fill(~keep, float("inf")).topk(n, largest=False).indices
         additions = in_rank.masked_fill(~addable, float("inf")).topk(n, largest=False).indices
         eligible = keep.gather(-1, removals)[..., :, None] & addable.gather(-1, additions)[..., None, :]
-        gain = error[:, None, None, None] - swap_errors(terms, layer, delta, removals, additions)
+        gain = error[:, None, None, None] - swap_errors_at(attention, layer, state, removals, additions)
         i, j, best = _disjoint_best(gain.masked_fill(~eligible, float("-inf")), batch)
         ok = best > 1e-6 * error[:, None, None]
         if stop and not bool(ok.any()):

@@ -103,7 +103,10 @@ def test_sweep_with_headkv_table(tmp_path):
         _assert_same(result, _separate(model, ids, mask, cfg), cfg)
 
 
-def test_batched_decode_drops_finished_rows_and_matches_separate_runs():
+def test_batched_decode_drops_finished_rows_and_matches_separate_runs(monkeypatch):
+    from restkv.integration import generation
+
+    monkeypatch.setattr(generation, "CHECK_EVERY", 1)  # read the finished rows at every token (default: every 32)
     model = tiny_model("llama", "sdpa")
     ids, mask = _batch(True)
     configs = [c for c in CONFIGS if c["method"] in ("restkv", "snapkv", "h2o", "pyramidkv")]

@@ -1,0 +1,49 @@
+"""benchmarks/gpu_check.py on CPU (``--device cpu --tiny``): the correctness rows say equal, and its masked
+full-cache reference equals the test suite's own (tests/helpers.py) on the same kept sets."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from helpers import ROOT, masked_reference_logits
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+import restkv  # noqa: E402
+
+
+def test_tiny_run_prints_equal_rows(capsys):
+    rows = gpu_check.main(["--device", "cpu", "--tiny", "--lengths", "320"])
+    checked = {row[2]: row[3] for row in rows if row[1] == gpu_check.RUNS["tiny"]["check"]}
+    assert checked == {"fullkv": "-", "snapkv": "yes", "restkv": "yes", "adakv": "yes"}
+    assert {row[1] for row in rows} == {256, 320}
+    out = capsys.readouterr().out
+    assert "| sdpa | 256 | adakv | yes |" in out
+
+
+def test_masked_reference_equals_the_suites():
+    torch.manual_seed(0)
+    model = gpu_check.build_model("tiny", "cpu", torch.float32, 512)
+    ids = torch.randint(0, 256, (1, 200))
+    for method in ("snapkv", "adakv"):
+        restkv.configure(model, method=method, max_capacity_prompt=48)
+        tokens, logits = gpu_check.greedy(model, ids, 6)
+        kept = restkv.kept_positions(model)
+        restkv.detach(model)
+        ours = gpu_check.masked_reference(model, ids, kept, tokens, "sdpa")
+        theirs = masked_reference_logits(model, ids, kept, 6)
+        restkv.detach(model)
+        torch.testing.assert_close(ours, theirs.float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            logits, ours, atol=1e-4, rtol=1e-4
+        )  # the evicted run, token by token
+
+
+def test_agreement_fails_on_a_clear_difference():
+    ref = torch.zeros(1, 3, 5)
+    ref[0, :, 1] = 1.0
+    assert gpu_check.agreement(torch.tensor([[1, 1, 1]]), ref, 1e-4) == "yes"
+    assert gpu_check.agreement(torch.tensor([[1, 2, 1]]), ref, 1e-4).startswith("NO (token 1")
+    assert gpu_check.agreement(torch.tensor([[1, 2, 1]]), ref, 2.0) == "yes, 1 ties"

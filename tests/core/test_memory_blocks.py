@@ -1,0 +1,200 @@
+"""Memory linear in the prompt: the blocked float32 work (H2O, pivot merging, refinement, ReST-KV's
+query_window) equals the unblocked computation with a small block forced, and KVzip's passes and sweep mode
+hold no second full copy of the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from restkv.config import CompressionConfig
+from restkv.methods import h2o
+from restkv.scoring.observe import Observation
+from restkv.strategies import merge
+
+
+def _obs(b=1, hq=4, hkv=2, n=40, d=8, window=6, budget=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1:, :5] = False  # a left-padded second sample
+    return Observation(q, k, v, valid, window=window, budget=budget, scaling=d**-0.5)
+
+
+def test_h2o_low_precision_keys_equal_a_float64_loop():
+    obs = _obs(b=2, n=37, dtype=torch.bfloat16)
+    cfg = CompressionConfig(method="h2o").score_knobs()
+    got = h2o.score(obs, cfg)
+    q, k = obs.queries.double(), obs.keys.double().repeat_interleave(2, 1)
+    ref = torch.zeros(2, 4, 37, dtype=torch.float64)
+    for b in range(2):
+        real = obs.key_valid[b]
+        for t in range(37):
+            if not real[t]:
+                continue
+            seen = real.clone()
+            seen[t + 1 :] = False
+            logits = (q[b, :, t][:, None] @ k[b].transpose(-1, -2))[:, 0] * obs.scaling
+            ref[b] += logits.masked_fill(~seen, float("-inf")).softmax(-1)
+    torch.testing.assert_close(got.double(), ref[..., : obs.prefix_len], rtol=1e-4, atol=1e-5)
+
+
+def test_pivot_merge_blocked_equals_one_block(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 3, 50, 8, generator=g), torch.randn(2, 3, 50, 8, generator=g)
+    idx = torch.randperm(50, generator=g)[:12].sort().values.expand(2, 3, 12).contiguous()
+    evicted = torch.ones(2, 3, 50, dtype=torch.bool).scatter_(2, idx, False)
+    whole = merge.pivot_merge(k.double(), v.double(), idx, evicted)
+    monkeypatch.setattr(merge, "MERGE_BLOCK", 12 * 7)  # blocks of 7 entries
+    blocked = merge.pivot_merge(k.double(), v.double(), idx, evicted)
+    for a, b in zip(blocked, whole):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _refine_case(seed=0, b=2, hkv=2, g=2, r=5, n=40, d=8):
+    from restkv.strategies.refine import top_set
+
+    gen = torch.Generator().manual_seed(seed)
+    attention = torch.randn(b, hkv * g, r, n, generator=gen).softmax(-1)
+    values = torch.randn(b, hkv, n, d, generator=gen)
+    w_o = torch.randn(3 * d, hkv * g * d, generator=gen) / d
+    prefix = n - 4
+    scores = torch.randn(b, hkv, prefix, generator=gen)
+    return attention, values, w_o, top_set(scores, 12), scores
+
+
+def test_refinement_terms_blocked_equal_the_whole(monkeypatch):
+    from restkv.scoring import output_error as oe
+
+    attention, values, w_o, keep, _ = _refine_case()
+    P = keep.shape[-1]
+    layer = oe.layer_terms(values, w_o, P)
+    state = oe.output_change(attention, values, keep, w_o)
+    terms = oe.state_terms(attention, layer, *state)
+    whole = oe.single_errors(terms, layer, state[0], keep)
+    removals = keep.float().topk(6, -1).indices
+    additions = (~keep).float().topk(5, -1).indices
+    swaps = oe.swap_errors(terms, layer, state[0], removals, additions)
+    monkeypatch.setattr(oe, "TERMS_BLOCK", 1)  # one entry per block
+    small = oe.layer_terms(values, w_o, P)
+    torch.testing.assert_close(small[3], layer[3], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        oe.single_errors_blocked(attention, small, state, keep), whole, rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(
+        oe.swap_errors_at(attention, small, state, removals, additions), swaps, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_swap_search_blocked_equals_one_block(monkeypatch):
+    from restkv.scoring import output_error as oe
+    from restkv.strategies.refine import swap_search
+
+    attention, values, w_o, keep, scores = _refine_case(seed=4)
+    whole = swap_search(attention, values, keep, scores, w_o, rounds=6, pool=8, batch=4, stop=False)
+    monkeypatch.setattr(oe, "TERMS_BLOCK", 3 * 2 * 2 * 5)
+    blocked = swap_search(
+        attention, values, keep, scores, w_o, rounds=6, pool=8, batch=4, stop=False
+    )
+    assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[2], whole[2])
+    assert int(whole[2].sum()) > 0  # the search swapped something
+    torch.testing.assert_close(blocked[1], whole[1])
+
+
+def test_kvzip_passes_store_nothing_in_the_cache(monkeypatch):
+    import restkv
+    from helpers import generate, prompt, small, tiny_model
+    from restkv.eviction import deferred
+
+    model, ids = tiny_model(), prompt(90)
+    views = []
+    made = deferred._pass_layer
+
+    def recorded(layer):
+        views.append((layer, made(layer)))
+        return views[-1][1]
+
+    monkeypatch.setattr(deferred, "_pass_layer", recorded)
+    with restkv.compressing(model, **small("kvzip", max_capacity_prompt=40)):
+        tokens, _ = generate(model, ids, n=3)
+    assert views and len(views) % model.config.num_hidden_layers == 0  # every layer of every pass
+    for base, view in views:
+        assert (
+            view.keys is base.keys and view.values is base.values
+        )  # nothing stored: no second copy
+        assert view.keys.shape[2] == 90
+    monkeypatch.setattr(deferred, "_pass_layer", made)
+
+
+def _held_during_prefill(model, ids, configs):
+    """Per layer, when its attention returns during ``prefill_caches``: the entries each layer holds then."""
+    from restkv.eviction.plans import attention_modules
+    from restkv.integration.sweeps import prefill_caches
+
+    seen = []
+
+    def hook(module, args, output):
+        cache = module._restkv.cache
+        seen.append([layer.keys.shape[2] for layer in cache.layers[: module.layer_idx + 1]])
+
+    hooks = [m.register_forward_hook(hook) for m in attention_modules(model)]
+    try:
+        pre = prefill_caches(model, ids, None, configs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, pre
+
+
+def test_sweep_releases_each_full_layer_once_every_config_has_its_own():
+    from helpers import prompt, sweep_equals_separate_runs, tiny_model
+
+    model, ids = tiny_model(), prompt(70)
+    configs = [
+        dict(method="snapkv", max_capacity_prompt=40),
+        dict(method="restkv", max_capacity_prompt=48),
+    ]
+    seen, _ = _held_during_prefill(model, ids, configs)
+    assert seen == [[0], [0, 0], [0, 0, 0]]
+    seen, _ = _held_during_prefill(
+        model, ids, configs + [dict(method="fullkv")]
+    )  # a config reads the full cache
+    assert seen == [[70], [70, 70], [70, 70, 70]]
+    sweep_equals_separate_runs(model, ids, configs, 4)
+
+
+QUERY_WINDOW_CASES = [
+    dict(metric_mode="after"),
+    dict(metric_mode="after", temporal="ema"),
+    dict(metric_mode="before", temporal="max", use_norm=True),
+    dict(metric_mode="before", temporal="inv-ema", pooling="avgpool"),
+    dict(indicator="attn", temporal="last"),
+    dict(indicator="attn-v", pooling="none"),
+]
+
+
+@pytest.mark.parametrize("knobs", QUERY_WINDOW_CASES)
+def test_query_window_blocked_equals_one_block(knobs, monkeypatch):
+    from restkv.methods import restkv as rk
+    from restkv.scoring import observe
+    from restkv.scoring.observe import wo_factor
+
+    cfg = CompressionConfig(
+        method="restkv", max_capacity_prompt=16, window_size=6, query_window=23, **knobs
+    ).score_knobs()
+    R = wo_factor(torch.randn(32, 32, generator=torch.Generator().manual_seed(1)), 4)
+
+    def scores():
+        obs = _obs(b=2, n=50, window=6)
+        obs.wo_factor = R
+        return rk.score(obs, cfg)
+
+    monkeypatch.setattr(
+        observe, "QUERY_BLOCK", 64
+    )  # one block of all 23 rows: the unblocked computation
+    whole = scores()
+    monkeypatch.setattr(observe, "QUERY_BLOCK", 4)
+    blocked = scores()
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
