@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..observe import wo_factor
 from . import settings
 from .scoring import kept_entries, slot_rows
 
@@ -34,7 +35,9 @@ class WorkerState:
     """One model runner's eviction state."""
 
     cfg: object
-    o_proj: dict = field(default_factory=dict)  # attention layer name -> its o_proj weight
+    o_proj: dict = field(default_factory=dict)  # attention layer name -> its o_proj module
+    o_proj_weight: dict = field(default_factory=dict)  # attention layer name -> W_O [hidden, Hq d], when read
+    wo: dict = field(default_factory=dict)  # attention layer name -> R [Hq, d, d] (``observe.wo_factor``), when read
     rank: dict = field(default_factory=dict)  # attention layer name -> its index among the attention layers
     offsets: dict = field(default_factory=dict)  # request id -> entries evicted (logical - held)
     pending: dict = field(default_factory=dict)  # request id -> entries kept, block row not yet truncated
@@ -46,12 +49,43 @@ _RECORDED = 8  # requests whose kept positions stay readable (``WorkerState.kept
 _CURRENT: list = [None]  # the WorkerState of the step in flight (read by the attention wrapper)
 
 
+def o_proj_weight(state: WorkerState, name: str, dtype: torch.dtype):
+    """The layer's W_O [hidden, Hq d] (None: no o_proj found), read once.
+
+    vLLM's CPU linear layers repack their weight for oneDNN and drop the dense one
+    (``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``), so it is read back exactly
+    through the layer itself: ``o_proj(I) - o_proj(0)`` = W_O^T (products with 1 and 0 are exact).
+    """
+    module = state.o_proj.get(name)
+    if module is None:
+        return None
+    if name not in state.o_proj_weight:
+        weight = module.weight
+        if weight.numel() == 0:
+            width = module.input_size_per_partition
+            eye = torch.eye(width, dtype=dtype, device=weight.device)
+            weight = (_output(module(eye)) - _output(module(torch.zeros_like(eye[:1])))).t()
+        state.o_proj_weight[name] = weight.detach().contiguous()
+    return state.o_proj_weight[name]
+
+
+def layer_wo(state: WorkerState, name: str, dtype: torch.dtype, heads: int) -> torch.Tensor:
+    """The layer's W_O factor R [Hq, d, d], computed once."""
+    if name not in state.wo:
+        state.wo[name] = wo_factor(o_proj_weight(state, name, dtype), heads)
+    return state.wo[name]
+
+
+def _output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _index_layers(state: WorkerState, model) -> None:
     for module in model.modules():
         attn, o_proj = getattr(module, "attn", None), getattr(module, "o_proj", None)
         name = getattr(attn, "layer_name", None)
         if name is not None and o_proj is not None:
-            state.o_proj[name] = o_proj.weight
+            state.o_proj[name] = o_proj
     names = sorted(state.o_proj, key=lambda n: int(_LAYER.search(n).group(1)) if _LAYER.search(n) else 0)
     state.rank.update({name: i for i, name in enumerate(names)})
 
@@ -198,8 +232,11 @@ def _evict_layer(impl, state: WorkerState, layer, query, key, value, kv_cache, m
         q = query[start : start + n].reshape(n, hq, d)
         k = key[start : start + n].reshape(n, hkv, d)
         v = value[start : start + n].reshape(n, hkv, d)
+        has_o_proj = name in state.o_proj
+        weight = functools.partial(o_proj_weight, state, name, query.dtype) if has_o_proj else None
+        wo = functools.partial(layer_wo, state, name, query.dtype, hq) if has_o_proj else None
         kept = kept_entries(state.cfg, q, k, v, impl.scale, impl.logits_soft_cap, state.rank.get(name, 0),
-                            max(len(state.rank), 1), state.o_proj.get(name))
+                            max(len(state.rank), 1), weight, wo)
         rows_k, rows_v = slot_rows(kept)
         slots = metadata.slot_mapping[start : start + kept_count]
         ops.cpu_attn_reshape_and_cache(rows_k.to(key.dtype), rows_v.to(value.dtype), key_cache, value_cache, slots,

@@ -16,7 +16,7 @@ from ..select import Kept, select
 
 @torch.no_grad()
 def kept_entries(cfg: CompressionConfig, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                 softcap: float | None, layer: int, num_layers: int, o_proj_weight=None) -> Kept:
+                 softcap: float | None, layer: int, num_layers: int, o_proj_weight=None, wo=None) -> Kept:
     """What one request keeps in one layer.
 
     Parameters
@@ -27,8 +27,10 @@ def kept_entries(cfg: CompressionConfig, query: torch.Tensor, key: torch.Tensor,
         The layer's attention scale and logit softcap (None: none).
     layer, num_layers
         The layer's index and the model's number of attention layers (for per-layer budgets and scores).
-    o_proj_weight : Tensor, optional
-        The layer's o_proj weight [hidden, Hq d] (ReST-KV's W_O terms).
+    o_proj_weight : callable, optional
+        Returns the layer's o_proj weight [hidden, Hq d] (ReST-KV's W_O terms), called only if a score reads it.
+    wo : callable, optional
+        Returns the W_O factor R [Hq, d, d] (``restkv.observe.wo_factor`` of that weight; by default computed here).
 
     Returns
     -------
@@ -41,7 +43,7 @@ def kept_entries(cfg: CompressionConfig, query: torch.Tensor, key: torch.Tensor,
         queries=query.transpose(0, 1)[None], keys=key.transpose(0, 1)[None], values=value.transpose(0, 1)[None],
         key_valid=torch.ones(1, n, dtype=torch.bool, device=key.device), window=cfg.window_size, budget=budget,
         scaling=scale, softcap=softcap or None, layer=layer, num_layers=num_layers,
-        wo_factor=None if o_proj_weight is None else (lambda: wo_factor(o_proj_weight, hq)),
+        wo_factor=wo or (None if o_proj_weight is None else (lambda: wo_factor(o_proj_weight(), hq))),
         wo_weight=o_proj_weight,
     )
     return select(obs, cfg)
