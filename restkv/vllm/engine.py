@@ -1,16 +1,17 @@
-"""The overrides of vLLM 0.32.0's V1 engine that evict after prefill (see ``restkv.vllm`` for the list).
+"""The overrides of vLLM 0.32.0's V1 engine that evict after prefill (see ``restkv.vllm`` for the
+list).
 
 Three places change, each a wrapper around the original that passes through when the plugin is off:
 
-- attention (worker): after ``CPUAttentionBackendImpl.forward`` of a step that holds a request's whole
-  prompt, each layer scores the request's queries and keys (``restkv.vllm.scoring``) and writes its kept
-  entries into the request's first B slots with vLLM's own cache writer (``cpu_attn_reshape_and_cache``),
-  one row per kept index j holding each KV head's j-th entry;
+- attention (worker): after ``CPUAttentionBackendImpl.forward`` of a step that holds a request's
+  whole prompt, each layer scores the request's queries and keys (``restkv.vllm.scoring``) and
+  writes its kept entries into the request's first B slots with vLLM's own cache writer
+  (``cpu_attn_reshape_and_cache``), one row per kept index j holding each KV head's j-th entry;
 - model runner (worker): positions stay logical (RoPE continues at L) while the slot mapping and the
-  sequence lengths count held entries (``_prepare_inputs``, offset L - B per evicted request); the next
-  step truncates the request's block-table row to its kept blocks (``_update_states``);
-- KV cache (scheduler): once the step has run, the request's blocks past the kept ones go back to the
-  pool (``Scheduler.update_from_output``) and its later allocations count held entries
+  sequence lengths count held entries (``_prepare_inputs``, offset L - B per evicted request); the
+  next step truncates the request's block-table row to its kept blocks (``_update_states``);
+- KV cache (scheduler): once the step has run, the request's blocks past the kept ones go back to
+  the pool (``Scheduler.update_from_output``) and its later allocations count held entries
   (``KVCacheCoordinator.get_num_blocks_to_allocate`` / ``allocate_new_blocks``).
 """
 
@@ -35,14 +36,20 @@ class WorkerState:
     """One model runner's eviction state."""
 
     cfg: object
-    o_proj: dict = field(default_factory=dict)  # attention layer name -> its o_proj module
-    o_proj_weight: dict = field(default_factory=dict)  # attention layer name -> W_O [hidden, Hq d], when read
-    wo: dict = field(default_factory=dict)  # attention layer name -> R [Hq, d, d] (``observe.wo_factor``), when read
-    rank: dict = field(default_factory=dict)  # attention layer name -> its index among the attention layers
-    offsets: dict = field(default_factory=dict)  # request id -> entries evicted (logical - held)
-    pending: dict = field(default_factory=dict)  # request id -> entries kept, block row not yet truncated
-    step: list = field(default_factory=list)  # (first token, tokens, request id, kept) evicting in this step
-    kept: dict = field(default_factory=dict)  # request id -> {layer name: kept positions [Hkv, B]} (last few)
+    # attention layer name -> its o_proj module, W_O [hidden, Hq d] and R [Hq, d, d] (once read)
+    o_proj: dict = field(default_factory=dict)
+    o_proj_weight: dict = field(default_factory=dict)
+    wo: dict = field(default_factory=dict)
+    # attention layer name -> its index among the attention layers
+    rank: dict = field(default_factory=dict)
+    # request id -> entries evicted (logical - held)
+    offsets: dict = field(default_factory=dict)
+    # request id -> entries kept, its block-table row not truncated yet
+    pending: dict = field(default_factory=dict)
+    # (first token, tokens, request id, kept) of each request evicting in this step
+    step: list = field(default_factory=list)
+    # request id -> {layer name: kept positions [Hkv, B]} (the last few requests)
+    kept: dict = field(default_factory=dict)
 
 
 _RECORDED = 8  # requests whose kept positions stay readable (``WorkerState.kept``)
@@ -86,11 +93,14 @@ def _index_layers(state: WorkerState, model) -> None:
         name = getattr(attn, "layer_name", None)
         if name is not None and o_proj is not None:
             state.o_proj[name] = o_proj
-    names = sorted(state.o_proj, key=lambda n: int(_LAYER.search(n).group(1)) if _LAYER.search(n) else 0)
+    names = sorted(
+        state.o_proj, key=lambda n: int(_LAYER.search(n).group(1)) if _LAYER.search(n) else 0
+    )
     state.rank.update({name: i for i, name in enumerate(names)})
 
 
 # ---- worker: model runner ----
+
 
 def _runner_init(orig):
     @functools.wraps(orig)
@@ -114,13 +124,16 @@ def _load_model(orig):
 
 
 def _update_states(orig):
-    """Before the original: forget finished and resumed requests, truncate the rows evicted last step."""
+    """Before the original: forget finished and resumed requests, truncate the rows evicted last
+    step."""
 
     @functools.wraps(orig)
     def update_states(self, scheduler_output):
         state = getattr(self, "_restkv", None)
         if state is not None:
-            gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+            gone = set(scheduler_output.finished_req_ids) | set(
+                scheduler_output.scheduled_cached_reqs.resumed_req_ids
+            )
             for req_id in gone:
                 state.offsets.pop(req_id, None)
                 state.pending.pop(req_id, None)
@@ -133,7 +146,8 @@ def _update_states(orig):
 
 
 def _truncate(runner, req_id: str, kept: int) -> None:
-    """Keep the first blocks of the request's block ids and block-table row: those holding ``kept`` entries."""
+    """Keep the first blocks of the request's block ids and block-table row: those holding ``kept``
+    entries."""
     req_state = runner.requests.get(req_id)
     row = runner.input_batch.req_id_to_index.get(req_id)
     for group, table in enumerate(runner.input_batch.block_table.block_tables):
@@ -162,14 +176,18 @@ def _prepare_inputs(orig):
 
 def _held_entries(runner, state: WorkerState, scheduled: np.ndarray) -> None:
     num_reqs = runner.input_batch.num_reqs
-    offsets = np.array([state.offsets.get(r, 0) for r in runner.input_batch.req_ids[:num_reqs]], dtype=np.int64)
+    offsets = np.array(
+        [state.offsets.get(r, 0) for r in runner.input_batch.req_ids[:num_reqs]], dtype=np.int64
+    )
     if not offsets.any():
         return
     tokens = int(scheduled.sum())
     per_token = torch.from_numpy(np.repeat(offsets, scheduled)).to(runner.positions.device)
     runner.seq_lens[:num_reqs] -= torch.from_numpy(offsets).to(runner.seq_lens)
     held = runner.positions[:tokens] - per_token
-    runner.input_batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], held)
+    runner.input_batch.block_table.compute_slot_mapping(
+        num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], held
+    )
 
 
 def _evictions(runner, state: WorkerState, scheduled: np.ndarray) -> list:
@@ -178,15 +196,20 @@ def _evictions(runner, state: WorkerState, scheduled: np.ndarray) -> list:
     starts = runner.query_start_loc.np[:num_reqs]
     out = []
     for i in range(num_reqs):
-        kept = settings.kept_entries(int(batch.num_computed_tokens_cpu[i]), int(scheduled[i]),
-                                     int(batch.num_prompt_tokens[i]), state.cfg.max_capacity_prompt)
+        kept = settings.kept_entries(
+            int(batch.num_computed_tokens_cpu[i]),
+            int(scheduled[i]),
+            int(batch.num_prompt_tokens[i]),
+            state.cfg.max_capacity_prompt,
+        )
         if kept is not None:
             out.append((int(starts[i]), int(scheduled[i]), batch.req_ids[i], kept))
     return out
 
 
 def _execute_model(orig):
-    """Around the original: expose the step's evictions to the attention layers, then record their offsets."""
+    """Around the original: expose the step's evictions to the attention layers, then record their
+    offsets."""
 
     @functools.wraps(orig)
     def execute_model(self, *args, **kwargs):
@@ -207,6 +230,7 @@ def _execute_model(orig):
 
 
 # ---- worker: attention ----
+
 
 def _attention_forward(orig):
     @functools.wraps(orig)
@@ -235,13 +259,31 @@ def _evict_layer(impl, state: WorkerState, layer, query, key, value, kv_cache, m
         has_o_proj = name in state.o_proj
         weight = functools.partial(o_proj_weight, state, name, query.dtype) if has_o_proj else None
         wo = functools.partial(layer_wo, state, name, query.dtype, hq) if has_o_proj else None
-        kept = kept_entries(state.cfg, q, k, v, impl.scale, impl.logits_soft_cap, state.rank.get(name, 0),
-                            max(len(state.rank), 1), weight, wo)
+        kept = kept_entries(
+            state.cfg,
+            q,
+            k,
+            v,
+            impl.scale,
+            impl.logits_soft_cap,
+            state.rank.get(name, 0),
+            max(len(state.rank), 1),
+            weight,
+            wo,
+        )
         rows_k, rows_v = slot_rows(kept)
         slots = metadata.slot_mapping[start : start + kept_count]
-        ops.cpu_attn_reshape_and_cache(rows_k.to(key.dtype), rows_v.to(value.dtype), key_cache, value_cache, slots,
-                                       layer.isa, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-                                       kv_cache_dtype=impl.kv_cache_dtype)
+        ops.cpu_attn_reshape_and_cache(
+            rows_k.to(key.dtype),
+            rows_v.to(value.dtype),
+            key_cache,
+            value_cache,
+            slots,
+            layer.isa,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
         _record(state, req_id, name, kept.positions[0])
 
 
@@ -253,25 +295,47 @@ def _record(state: WorkerState, req_id: str, layer_name: str, positions: torch.T
 
 # ---- scheduler ----
 
+
 def check_config(vllm_config) -> object:
-    """The plugin's config for this engine (None: off); a one-line ValueError for what the plugin does not handle."""
+    """The plugin's config for this engine (None: off); a one-line ValueError for what the plugin
+    does not handle."""
     cfg = settings.from_env(vllm_config.additional_config)
     if cfg is None:
         return None
     refusals = (
-        (vllm_config.cache_config.enable_prefix_caching,
-         "prefix caching shares blocks that eviction rewrites: pass enable_prefix_caching=False"),
-        (vllm_config.scheduler_config.enable_chunked_prefill,
-         "chunked prefill splits the prompt's queries over steps: pass enable_chunked_prefill=False"),
-        (vllm_config.speculative_config is not None, "speculative decoding is not supported: drop speculative_config"),
-        (vllm_config.scheduler_config.async_scheduling,
-         "asynchronous scheduling allocates the next step before eviction frees blocks: pass async_scheduling=False"),
-        (vllm_config.model_config.get_sliding_window() is not None,
-         "sliding-window attention layers are not supported (full-attention models only)"),
-        (vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size > 1,
-         "tensor and pipeline parallelism are not supported (one worker)"),
+        (
+            vllm_config.cache_config.enable_prefix_caching,
+            "prefix caching shares blocks that eviction rewrites: pass enable_prefix_caching=False",
+        ),
+        (
+            vllm_config.scheduler_config.enable_chunked_prefill,
+            "chunked prefill splits the prompt's queries over steps: "
+            "pass enable_chunked_prefill=False",
+        ),
+        (
+            vllm_config.speculative_config is not None,
+            "speculative decoding is not supported: drop speculative_config",
+        ),
+        (
+            vllm_config.scheduler_config.async_scheduling,
+            "asynchronous scheduling allocates the next step before eviction frees blocks: "
+            "pass async_scheduling=False",
+        ),
+        (
+            vllm_config.model_config.get_sliding_window() is not None,
+            "sliding-window attention layers are not supported (full-attention models only)",
+        ),
+        (
+            vllm_config.parallel_config.tensor_parallel_size
+            * vllm_config.parallel_config.pipeline_parallel_size
+            > 1,
+            "tensor and pipeline parallelism are not supported (one worker)",
+        ),
         (vllm_config.cache_config.cache_dtype != "auto", "kv_cache_dtype must be 'auto'"),
-        (vllm_config.device_config.device_type != "cpu", "the plugin runs on vLLM's CPU attention backend only"),
+        (
+            vllm_config.device_config.device_type != "cpu",
+            "the plugin runs on vLLM's CPU attention backend only",
+        ),
     )
     for refused, why in refusals:
         if refused:
@@ -301,7 +365,8 @@ def _scheduler_init(orig):
 
 
 def _update_from_output(orig):
-    """After the original: free the blocks past the kept ones of each request that evicted in that step."""
+    """After the original: free the blocks past the kept ones of each request that evicted in that
+    step."""
 
     @functools.wraps(orig)
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -322,7 +387,9 @@ def _scheduled_evictions(scheduler, cfg, scheduler_output) -> list:
         request = scheduler.requests.get(req_id)
         if request is None:
             continue
-        before = request.num_computed_tokens - n  # the scheduler counted the step's tokens when it scheduled them
+        before = (
+            request.num_computed_tokens - n
+        )  # the scheduler counted the step's tokens when it scheduled them
         kept = settings.kept_entries(before, n, request.num_prompt_tokens, cfg.max_capacity_prompt)
         if kept is not None:
             out.append((request, n, kept))
@@ -347,20 +414,44 @@ def _held(coordinator, request_id: str, tokens: int) -> int:
 
 def _num_blocks_to_allocate(orig):
     @functools.wraps(orig)
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
-                                   total_computed_tokens, num_local_computed_tokens, num_tokens_main_model, **kwargs):
-        return orig(self, request_id, _held(self, request_id, num_tokens), new_computed_blocks, num_encoder_tokens,
-                    _held(self, request_id, total_computed_tokens), _held(self, request_id, num_local_computed_tokens),
-                    _held(self, request_id, num_tokens_main_model), **kwargs)
+    def get_num_blocks_to_allocate(
+        self,
+        request_id,
+        num_tokens,
+        new_computed_blocks,
+        num_encoder_tokens,
+        total_computed_tokens,
+        num_local_computed_tokens,
+        num_tokens_main_model,
+        **kwargs,
+    ):
+        return orig(
+            self,
+            request_id,
+            _held(self, request_id, num_tokens),
+            new_computed_blocks,
+            num_encoder_tokens,
+            _held(self, request_id, total_computed_tokens),
+            _held(self, request_id, num_local_computed_tokens),
+            _held(self, request_id, num_tokens_main_model),
+            **kwargs,
+        )
 
     return get_num_blocks_to_allocate
 
 
 def _allocate_new_blocks(orig):
     @functools.wraps(orig)
-    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens=0):
-        return orig(self, request_id, _held(self, request_id, num_tokens),
-                    _held(self, request_id, num_tokens_main_model), num_encoder_tokens)
+    def allocate_new_blocks(
+        self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens=0
+    ):
+        return orig(
+            self,
+            request_id,
+            _held(self, request_id, num_tokens),
+            _held(self, request_id, num_tokens_main_model),
+            num_encoder_tokens,
+        )
 
     return allocate_new_blocks
 
@@ -375,6 +466,7 @@ def _forget(orig):
 
 
 # ---- installation ----
+
 
 def install() -> None:
     """Wrap the overridden vLLM functions (idempotent)."""

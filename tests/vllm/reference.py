@@ -1,7 +1,8 @@
-"""restkv's transformers path on the packaged SmolLM2: greedy tokens and kept positions, as JSON on stdout.
+"""restkv's transformers path on the packaged SmolLM2: greedy tokens and kept positions, as JSON on
+stdout.
 
-Run with restkv's own environment: ``python tests/vllm/reference.py '<knobs json>' <new tokens> <prompt ids json>``
-(knobs ``{}``: no eviction). The vLLM plugin's tests compare against it.
+Run with restkv's own environment: ``python tests/vllm/reference.py '<knobs json>' <new tokens>
+<prompt ids json>`` (knobs ``{}``: no eviction). The vLLM plugin's tests compare against it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,15 @@ def main(knobs: dict, new_tokens: int, prompt: list[int]) -> dict:
         restkv.configure(model, **knobs)
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
-    kept = [None if p is None else p[0].tolist() for p in restkv.kept_positions(model)] if knobs else []
-    return {"tokens": out[0, len(prompt):].tolist(), "kept": kept}
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
+        )
+    kept = (
+        [None if p is None else p[0].tolist() for p in restkv.kept_positions(model)]
+        if knobs
+        else []
+    )
+    return {"tokens": out[0, len(prompt) :].tolist(), "kept": kept}
 
 
 if __name__ == "__main__":
