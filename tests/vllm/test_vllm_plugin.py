@@ -76,13 +76,14 @@ def model_dir(prompt) -> str:
 _RUNS: dict = {}
 
 
-def engine_run(model_dir: str, prompt: list[int], knobs: dict | None) -> dict:
-    """Greedy tokens, kept positions and block counts of one engine (cached per knobs)."""
-    key = json.dumps(knobs, sort_keys=True)
+def engine_run(model_dir: str, prompt: list[int], knobs: dict | None, more=()) -> dict:
+    """Greedy tokens, kept positions and block counts of one engine on ``prompt`` and ``more``
+    prompts submitted with it (cached per knobs and prompts)."""
+    key = json.dumps([knobs, len(more)], sort_keys=True)
     if key not in _RUNS:
         spec = {
             "model": model_dir,
-            "prompts": [prompt],
+            "prompts": [prompt, *more],
             "max_tokens": NEW_TOKENS,
             "block_size": BLOCK,
         }
@@ -94,7 +95,18 @@ def engine_run(model_dir: str, prompt: list[int], knobs: dict | None) -> dict:
     return _RUNS[key]
 
 
+_REFS: dict = {}
+
+
 def reference(prompt: list[int], knobs: dict) -> dict:
+    """restkv's transformers path on ``prompt`` (cached per knobs and prompt)."""
+    key = json.dumps([knobs, prompt], sort_keys=True)
+    if key not in _REFS:
+        _REFS[key] = _reference(prompt, knobs)
+    return _REFS[key]
+
+
+def _reference(prompt: list[int], knobs: dict) -> dict:
     out = _run(
         [
             _restkv_python(),
@@ -125,6 +137,22 @@ def test_eviction_matches_restkv_transformers_path(model_dir, prompt, knobs):
     for layer, (ours, theirs) in enumerate(zip(kept, ref["kept"])):
         assert ours == theirs, f"layer {layer}: kept positions differ"
     assert run["tokens"][0] == ref["tokens"]
+
+
+def test_a_batch_evicts_each_request_on_its_own(model_dir, prompt):
+    """Three requests in one step: two longer than the budget (300 and 200 tokens), one shorter."""
+    more = [prompt[50:250], prompt[100:200]]
+    run = engine_run(model_dir, prompt, SNAPKV, more)
+    for i, p in enumerate([prompt, *more]):
+        ref = reference(p, SNAPKV)
+        assert run["tokens"][i] == ref["tokens"], f"request {i}"
+        if len(p) > SNAPKV["max_capacity_prompt"]:
+            assert run["kept"][i] == ref["kept"], f"request {i}"
+    scheduled, after_prefill = run["steps"][0]
+    blocks = [-(-len(p) // BLOCK) for p in [prompt, *more]]
+    kept = [min(b, -(-SNAPKV["max_capacity_prompt"] // BLOCK)) for b in blocks]
+    assert run["free_at_start"] - scheduled == sum(blocks)
+    assert after_prefill - scheduled == sum(blocks) - sum(kept)
 
 
 def test_evicted_blocks_return_to_the_pool(model_dir, prompt):
