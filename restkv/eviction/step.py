@@ -36,7 +36,7 @@ class LayerPrefill:
 
     def __init__(self, plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo=None, rope=None):
         b, _, n, _ = key.shape
-        key_valid = _key_valid(attention_mask, b, n, key.device)
+        key_valid = key_valid_of(attention_mask, b, n, key.device)
         self.seen, self.start = n, 0 if plan.window is None else max(0, n - plan.window + 1)
         if self.start:  # the entries older than the window are out of reach: evict among the visible ones
             self.offset = key_valid[:, : self.start].sum(-1)  # [b] real tokens before them
@@ -155,7 +155,7 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
     return prefill.result(prefill.select())
 
 
-def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
+def key_valid_of(mask, batch: int, n: int, device) -> torch.Tensor:
     """[b, n] bool: which keys are real tokens, read off whatever mask the backend received at prefill."""
     if mask is None:
         return torch.ones(batch, n, dtype=torch.bool, device=device)

@@ -35,14 +35,15 @@ from ..cache import KeptLayer, VarlenLayer
 from ..eviction.decode import decode_step
 from ..eviction.deferred import decoder_of, finish
 from ..eviction.step import evict_layer
-from ..eviction.plans import SUPPORTED_BACKENDS, LayerPlan, attention_modules
+from ..eviction.plans import LayerPlan, attention_modules, backend_kind
 from ..scoring.rope import Rope, capture, rotary_function, rotary_module
+from . import chunked
 
 # The cache layers a prefill is evicted from: the model's own dynamic layers.
 PREFILL_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
-def _attention_with_eviction(backend, implementation, module, query, key, value, attention_mask, **kwargs):
+def _attention_with_eviction(backend, kind, module, query, key, value, attention_mask, **kwargs):
     state: LayerState | None = getattr(module, "_restkv", None)
     if state is not None and state.replay is not None:  # a pass after the prefill that a deferred selection reads
         out = backend(module, query, key, value, attention_mask, **kwargs)
@@ -55,14 +56,18 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
         if isinstance(layer, VarlenLayer):
             out = layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5, kwargs.get("softcap")), None
         else:
-            mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1],
+            mask = layer.attention_mask(query.shape[2], kind, query.dtype, query.shape[1] // key.shape[1],
                                         state.plan.window)
             out = backend(module, query, key, value, mask, **kwargs)
         if getattr(layer, "policy", None) is not None:  # eviction during decoding (``decode_interval``)
             decode_step(state.cache, module, query, kwargs)
         return out
     out = backend(module, query, key, value, attention_mask, **kwargs)
-    if type(layer) in PREFILL_LAYERS and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
+    if type(layer) not in PREFILL_LAYERS:
+        return out
+    if state.chunks is not None:  # a chunk of a chunked prefill: evicted after the last one
+        chunked.record(state, query, key, attention_mask, kwargs)
+    elif query.shape[2] == key.shape[2]:  # prefill of a fresh cache
         state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
     return out
 
@@ -129,12 +134,13 @@ class LayerState:
     rope: Rope | None = None
     pending: list | None = None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
     replay: Callable | None = None  # ``replay(query, key)`` after the attention of a pass (``restkv.eviction.deferred``)
+    chunks: "chunked.Chunks | None" = None  # what a chunked prefill in flight recorded (``restkv.integration.chunked``)
 
 
-def _wrap(backend, implementation):
+def _wrap(backend, kind):
     if getattr(backend, "_restkv_wrapped", False):
         return backend
-    wrapped = functools.partial(_attention_with_eviction, backend, implementation)
+    wrapped = functools.partial(_attention_with_eviction, backend, kind)
     wrapped = functools.wraps(backend)(wrapped)
     wrapped._restkv_wrapped = True
     return wrapped
@@ -143,18 +149,27 @@ def _wrap(backend, implementation):
 def install(*modeling_modules) -> None:
     """Route sdpa / flash-attention and the given families' eager attention through restkv.
 
-    Idempotent, and a pass-through for models without an attachment.
+    Idempotent, and a pass-through for models without an attachment. Every registered backend restkv
+    attends through is wrapped: sdpa and the flash ones, hub kernels' names included (``backend_kind``).
     """
-    for name in SUPPORTED_BACKENDS[1:]:
-        backend = AttentionInterface._global_mapping.get(name)
-        if backend is not None:
-            AttentionInterface.register(name, _wrap(backend, name))
+    for name in list(AttentionInterface._global_mapping):
+        wrap_backend(name)
     for mod in modeling_modules:
         if hasattr(mod, "eager_attention_forward"):
             mod.eager_attention_forward = _wrap(mod.eager_attention_forward, "eager")
 
 
+def wrap_backend(name: str) -> None:
+    """Wrap the attention function registered as ``name`` (sdpa or a flash kernel), if not yet. transformers
+    registers a hub kernel again when it first loads it, in the first forward: each layer's forward checks."""
+    backend = AttentionInterface._global_mapping.get(name)
+    kind = backend_kind(name)
+    if backend is not None and kind not in (None, "eager") and not getattr(backend, "_restkv_wrapped", False):
+        AttentionInterface.register(name, _wrap(backend, kind))
+
+
 def _capture(module, args, kwargs):
+    wrap_backend(getattr(getattr(module, "config", None), "_attn_implementation", None))
     state = module._restkv
     state.cache = kwargs.get("cache", kwargs.get("past_key_values"))
     hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -197,16 +212,21 @@ class Attachment:
             self._hooks += [m.register_forward_pre_hook(_capture, with_kwargs=True),
                             m.register_forward_hook(_release, with_kwargs=True)]
         self._hooks.append(decoder_of(self.model).register_forward_hook(self._finish, with_kwargs=True))
+        if hasattr(self.model, "_prefill"):  # generate()'s prefill: chunked prefill evicts after its last chunk
+            self.model._prefill = functools.partial(chunked.chunked_prefill, self, self.model._prefill, PREFILL_LAYERS)
         self.model._restkv = self
         return self
 
     def _finish(self, decoder, args, kwargs, output) -> None:
         """After a forward of the decoder: finish the deferred layers of its prefill, if any."""
+        self.finish_pending(kwargs.get("input_ids", args[0] if args else None))
+
+    def finish_pending(self, input_ids) -> None:
+        """Finish the deferred layers of the prefill of ``input_ids`` [b, n], if any."""
         if not self.pending:
             return
         (_, cache), prefills = self.pending[0], [p for p, _ in self.pending]
         del self.pending[:]  # the passes' own forwards find nothing to finish
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
         for prefill, layer, positions in finish(self.model, cache, prefills, input_ids):
             prefill.module._restkv.kept = positions
             if layer is not None:
@@ -216,6 +236,8 @@ class Attachment:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if "_prefill" in vars(self.model):
+            del self.model._prefill
         for m in self.modules:
             if getattr(m, "_restkv", None) is not None:
                 del m._restkv
