@@ -72,6 +72,9 @@ class KeptLayer:
 
         Returns None when nothing is masked (one query, no kept padding), a 2D [b, n] padding mask
         for flash-attention, a bool [b, 1 or Hq, q, n] mask for sdpa, and an additive one for eager.
+        Flash-attention takes one padding mask per sample: where heads hold different entries (per-head
+        budgets without ``varlen``) or a sliding window bounds the kept entries, it gets the bool mask,
+        and the caller attends with sdpa (``restkv.cache.packed.masked_attention``).
         ``window``: the layer's sliding window W; a query at position t then sees only entries at
         positions > t - W (as the model's sliding-window mask), once the tokens seen exceed W.
         """
@@ -80,11 +83,7 @@ class KeptLayer:
             return None
         valid = self.key_valid()
         per_head = valid.dim() == 3
-        if implementation.startswith("flash"):
-            if per_head or sliding:
-                raise NotImplementedError("flash-attention takes one padding mask per sample: per-head budgets need "
-                                          "the variable-length layout, and a sliding window over kept entries needs "
-                                          "attn_implementation='sdpa' or 'eager'")
+        if implementation.startswith("flash") and not (per_head or sliding):
             return None if self.all_valid else valid.long()
         n = valid.shape[-1]
         q = torch.arange(query_length, device=valid.device)[:, None]
@@ -93,7 +92,7 @@ class KeptLayer:
         if sliding:
             heads = heads & self.within_window(query_length, window)  # [b, Hkv, q, n]
         allowed = causal[None, None] & (heads.repeat_interleave(groups, 1) if heads.shape[1] > 1 else heads)
-        if implementation == "sdpa":
+        if implementation != "eager":
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(
             ~allowed, torch.finfo(dtype).min

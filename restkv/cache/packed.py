@@ -73,12 +73,15 @@ class SegmentIndex:
 
 def masked_attention(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scaling: float,
                      softcap: float | None = None) -> Tensor:
-    """query [B, H, q, d] over keys/values [B, 1, L, d] where ``visible`` [B, H or 1, q or 1, L] -> [B, H, q, d].
+    """query [B, H, q, d] over keys/values [B, K, L, d] (H a multiple of K) where ``visible`` [B, H or 1, q or 1, L]
+    -> [B, H, q, d].
 
     The fused kernel (sdpa) in the input dtype; with ``softcap`` the logits are capped, in float32.
     """
     if not softcap:
         return scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True)
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = (x.repeat_interleave(groups, 1) if 1 < groups < query.shape[1] else x for x in (keys, values))
     logits = (query.float() @ keys.float().transpose(-1, -2)).mul_(scaling).div_(softcap).tanh_().mul_(softcap)
     probs = logits.masked_fill_(~visible, float("-inf")).softmax(-1)
     return (probs @ values.float()).to(query.dtype)

@@ -31,7 +31,7 @@ from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, F
                                       StaticLayer)
 from transformers.modeling_utils import AttentionInterface
 
-from ..cache import KeptLayer, VarlenLayer
+from ..cache import KeptLayer, VarlenLayer, masked_attention
 from ..eviction.decode import decode_step
 from ..eviction.deferred import decoder_of, finish
 from ..eviction.step import evict_layer
@@ -58,7 +58,12 @@ def _attention_with_eviction(backend, kind, module, query, key, value, attention
         else:
             mask = layer.attention_mask(query.shape[2], kind, query.dtype, query.shape[1] // key.shape[1],
                                         state.plan.window)
-            out = backend(module, query, key, value, mask, **kwargs)
+            if kind == "flash" and mask is not None and mask.dim() == 4:  # more than one padding mask per sample
+                scaling = kwargs.get("scaling") or module.head_dim**-0.5
+                out = masked_attention(query, key, value, mask, scaling, kwargs.get("softcap"))
+                out = out.transpose(1, 2).contiguous(), None
+            else:
+                out = backend(module, query, key, value, mask, **kwargs)
         if getattr(layer, "policy", None) is not None:  # eviction during decoding (``decode_interval``)
             decode_step(state.cache, module, query, kwargs)
         return out
