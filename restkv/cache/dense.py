@@ -21,7 +21,7 @@ class KeptLayer:
     those of the full prompt), ``stored`` the entries actually held.
     """
 
-    is_croppable = False
+    is_croppable = True  # the decoded tail (assisted decoding's rejected candidates), never the kept prompt
 
     def keep(self, kept: Kept, seen: int) -> None:
         b, hkv, _, d = kept.keys.shape
@@ -49,9 +49,18 @@ class KeptLayer:
         self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
         self.valid = self.valid.index_select(0, beam_idx.to(self.valid.device))
         self.prompt_end = self.prompt_end.index_select(0, beam_idx.to(self.prompt_end.device))
+        if getattr(self, "recent", None) is not None:  # the queries decoding-time eviction observes
+            self.recent = self.recent.index_select(0, beam_idx.to(self.recent.device))
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a compressed cache layer cannot be cropped")
+        """Remove the last decoded entries: ``-tokens_to_remove`` of them (a positive value: the tokens seen
+        to keep, transformers' older convention)."""
+        remove = cropped_tokens(tokens_to_remove, self.seen, self.stored - self.positions.shape[-1], self)
+        if remove:
+            self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
+            self.values = self.values[..., : self.values.shape[-2] - remove, :]
+            self.seen -= remove
+            self.stored -= remove
 
     def key_valid(self) -> Tensor:
         """[b, n] (or [b, Hkv, n]) validity of every stored entry (decoded entries are always valid)."""
@@ -107,6 +116,16 @@ class KeptLayer:
         entry = torch.cat([self.positions, (end + step).unsqueeze(1).expand(-1, self.positions.shape[1], -1)], -1)
         query = end + (decoded - query_length) + torch.arange(query_length, device=end.device)  # [b, q]
         return query[:, None, :, None] - entry[:, :, None, :] < window
+
+
+def cropped_tokens(tokens_to_remove: int, seen: int, decoded: int, layer) -> int:
+    """How many entries a ``crop(tokens_to_remove)`` removes from a layer that has seen ``seen`` tokens,
+    ``decoded`` of them since its last eviction; raises when that reaches into what the eviction kept."""
+    remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, seen - tokens_to_remove)
+    if remove > decoded or (remove and getattr(layer, "policy", None) is not None):
+        raise ValueError(f"crop: cannot remove {remove} entries; only the {decoded} decoded since the eviction "
+                         "can be (and none with decode_interval)")
+    return remove
 
 
 class CompressedLayer(KeptLayer, DynamicLayer):

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 from transformers.cache_utils import DynamicLayer
 
+from .dense import cropped_tokens
 from .kept import Kept, appended_positions
 
 
@@ -126,7 +127,7 @@ class VarlenLayer(DynamicLayer):
     ``restkv.cache.pruned``).
     """
 
-    is_croppable = False
+    is_croppable = True  # the appended steps (assisted decoding's rejected candidates)
 
     def __init__(self, kept: Kept, seen: int):
         super().__init__()
@@ -196,10 +197,35 @@ class VarlenLayer(DynamicLayer):
         return query_length, self.seen
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported with per-head budgets")
+        """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples): each new sample's
+        segments gather the packed rows and appended steps of its source sample (one host read, the new index)."""
+        b, heads, d = self.shape
+        beam_idx = beam_idx.to(self.device)
+        old, steps = self.index, self.steps
+        segment = (beam_idx[:, None] * heads + torch.arange(heads, device=self.device)).flatten()  # new -> old
+        index = SegmentIndex(old.lengths[segment], old.room)
+        packed = old.rows[segment, : index.width].masked_select(index.visible[:, 0, 0, : index.width])
+        S, S_new = old.lengths.numel(), segment.numel()
+        appended = old.packed + torch.arange(steps, device=self.device)[:, None] * S + segment
+        rows = torch.cat([packed, appended.flatten()])
+        for name in ("keys", "values"):
+            buf = getattr(self, name)
+            grown = buf.new_empty(index.packed + S_new * max(self.capacity, steps), d)
+            grown[: rows.numel()] = buf.index_select(0, rows)
+            setattr(self, name, grown)
+        self.packed_positions = self.packed_positions.index_select(0, packed)
+        self.positions = self.positions.index_select(0, beam_idx)
+        self.index, self.key_rows = index, index.packed
+        self.capacity = max(self.capacity, steps)
+        self.shape = (beam_idx.numel(), heads, d)
+        if getattr(self, "recent", None) is not None:
+            self.recent = self.recent.index_select(0, beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a compressed cache layer cannot be cropped")
+        """Remove the last appended steps: ``-tokens_to_remove`` of them (a positive value: the tokens seen to keep)."""
+        remove = cropped_tokens(tokens_to_remove, self.seen, self.steps, self)
+        self.steps -= remove
+        self.seen -= remove
 
     def attend(self, query: Tensor, scaling: float, softcap: float | None = None) -> Tensor:
         """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout)."""

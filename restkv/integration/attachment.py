@@ -37,7 +37,7 @@ from ..eviction.deferred import decoder_of, finish
 from ..eviction.step import evict_layer
 from ..eviction.plans import LayerPlan, attention_modules, backend_kind
 from ..scoring.rope import Rope, capture, rotary_function, rotary_module
-from . import chunked
+from . import chunked, modes
 
 # The cache layers a prefill is evicted from: the model's own dynamic layers.
 PREFILL_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
@@ -53,17 +53,7 @@ def _attention_with_eviction(backend, kind, module, query, key, value, attention
         return backend(module, query, key, value, attention_mask, **kwargs)
     layer = state.cache.layers[module.layer_idx]
     if isinstance(layer, (VarlenLayer, KeptLayer)):
-        if isinstance(layer, VarlenLayer):
-            out = layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5, kwargs.get("softcap")), None
-        else:
-            mask = layer.attention_mask(query.shape[2], kind, query.dtype, query.shape[1] // key.shape[1],
-                                        state.plan.window)
-            if kind == "flash" and mask is not None and mask.dim() == 4:  # more than one padding mask per sample
-                scaling = kwargs.get("scaling") or module.head_dim**-0.5
-                out = masked_attention(query, key, value, mask, scaling, kwargs.get("softcap"))
-                out = out.transpose(1, 2).contiguous(), None
-            else:
-                out = backend(module, query, key, value, mask, **kwargs)
+        out = _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs)
         if getattr(layer, "policy", None) is not None:  # eviction during decoding (``decode_interval``)
             decode_step(state.cache, module, query, kwargs)
         return out
@@ -73,8 +63,50 @@ def _attention_with_eviction(backend, kind, module, query, key, value, attention
     if state.chunks is not None:  # a chunk of a chunked prefill: evicted after the last one
         chunked.record(state, query, key, attention_mask, kwargs)
     elif query.shape[2] == key.shape[2]:  # prefill of a fresh cache
+        prompt = state.prompt_length or query.shape[2]
+        if prompt < query.shape[2]:  # tokens after the prompt in the same forward (assisted decoding's candidates)
+            return _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value, attention_mask,
+                                        kwargs)
         state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
     return out
+
+
+def _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs):
+    """The attention of ``query`` [b, Hq, q, d] over a layer holding kept entries (``key``, ``value`` what its
+    update returned): the packed layout attends itself, the dense one through the backend with its mask (on
+    flash, sdpa where one padding mask per sample cannot express it)."""
+    scaling = kwargs.get("scaling") or module.head_dim**-0.5
+    if isinstance(layer, VarlenLayer):
+        return layer.attend(query, scaling, kwargs.get("softcap")), None
+    mask = layer.attention_mask(query.shape[2], kind, query.dtype, query.shape[1] // key.shape[1], state.plan.window)
+    if kind == "flash" and mask is not None and mask.dim() == 4:  # heads or a window differ: sdpa's mask
+        out = masked_attention(query, key, value, mask, scaling, kwargs.get("softcap"))
+        return out.transpose(1, 2).contiguous(), None
+    return backend(module, query, key, value, mask, **kwargs)
+
+
+def _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value, attention_mask, kwargs):
+    """A fresh cache given the ``prompt`` and more tokens in one forward: evict over the prompt (whose outputs
+    the full forward ``out`` holds), then the rest are decoded tokens attending the kept entries, as if fed
+    one forward later."""
+    if state.plan.deferred:
+        raise ValueError(f"method={state.plan.cfg.method!r}: a selection deferred after the prefill cannot take tokens "
+                         "in the prefill's forward (assisted decoding); generate without an assistant")
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :prompt] if attention_mask.dim() == 2 else attention_mask[..., :prompt, :prompt]
+    rope = state.rope
+    if rope is not None:
+        state.rope = Rope(rope.cos[:, :prompt], rope.sin[:, :prompt], rope.next_position - (query.shape[2] - prompt),
+                          rope.embed)
+    head = (x[:, :, :prompt] for x in (query, key, value))
+    state.on_prefill(state, module, *head, attention_mask, kwargs)
+    state.rope = rope
+    layer = state.cache.layers[module.layer_idx]
+    if not isinstance(layer, (VarlenLayer, KeptLayer)):  # nothing evicted: the full forward stands
+        return out
+    keys, values = layer.update(key[:, :, prompt:], value[:, :, prompt:])
+    tail, _ = _attend_kept(layer, backend, kind, state, module, query[:, :, prompt:], keys, values, kwargs)
+    return torch.cat([out[0][:, :prompt], tail], 1), None
 
 
 def check_cache(state: "LayerState", cache, layer_idx: int) -> None:
@@ -139,6 +171,7 @@ class LayerState:
     rope: Rope | None = None
     pending: list | None = None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
     replay: Callable | None = None  # ``replay(query, key)`` after the attention of a pass (``restkv.eviction.deferred``)
+    prompt_length: int | None = None  # the prompt of the generate() call in flight (``restkv.integration.modes``)
     chunks: "chunked.Chunks | None" = None  # what a chunked prefill in flight recorded (``restkv.integration.chunked``)
 
 
@@ -219,6 +252,8 @@ class Attachment:
         self._hooks.append(decoder_of(self.model).register_forward_hook(self._finish, with_kwargs=True))
         if hasattr(self.model, "_prefill"):  # generate()'s prefill: chunked prefill evicts after its last chunk
             self.model._prefill = functools.partial(chunked.chunked_prefill, self, self.model._prefill, PREFILL_LAYERS)
+        if hasattr(self.model, "generate"):  # decoding modes checked, the prompt's length known (assisted decoding)
+            self.model.generate = functools.partial(modes.generate, self, self.model.generate)
         self.model._restkv = self
         return self
 
@@ -241,8 +276,9 @@ class Attachment:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if "_prefill" in vars(self.model):
-            del self.model._prefill
+        for name in ("_prefill", "generate"):
+            if name in vars(self.model):
+                delattr(self.model, name)
         for m in self.modules:
             if getattr(m, "_restkv", None) is not None:
                 del m._restkv
