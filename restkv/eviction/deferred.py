@@ -27,6 +27,7 @@ from torch import nn
 from ..strategies.budgets import global_sizes
 from .step import LayerPrefill
 from ..scoring.observe import Observation
+from ..scoring.precision import float32_scoring
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -51,8 +52,14 @@ def finish(model, cache, prefills: list[LayerPrefill], input_ids, shared: dict |
         shared = {} if shared is None else shared
         if key not in shared:
             shared[key] = replay_scores(model, cache, prefills, input_ids)
-        for p in prefills:
+    with float32_scoring(prefills[0].key.device.type):
+        for p in prefills if cfg.scorer.replays else ():
             p.score(shared[key][p.module.layer_idx])
+        return _select(cfg, prefills)
+
+
+def _select(cfg, prefills: list[LayerPrefill]) -> list:
+    """Each deferred layer's selection, its budget shared across layers when ``layer_budget="global"``."""
     sizes = [None] * len(prefills)
     if cfg.get("layer_budget") == "global":  # every evicted layer is deferred: len(prefills) layers share it
         heads = prefills[0].key.shape[1]
@@ -89,7 +96,8 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
                                   key_valid=torch.ones(1, keys.shape[2], dtype=torch.bool, device=keys.device),
                                   scaling=prefill.scaling, softcap=prefill.softcap, layer=prefill.plan.rank,
                                   num_layers=prefill.plan.num_evicted)
-                r = cfg.scorer.score(obs, knobs)
+                with float32_scoring(keys.device.type):
+                    r = cfg.scorer.score(obs, knobs)
                 if prefill.module.layer_idx not in out:
                     out[prefill.module.layer_idx] = r.new_zeros(b, r.shape[1], n)
                 row = out[prefill.module.layer_idx][s]
