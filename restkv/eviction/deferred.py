@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..strategies.budgets import global_sizes
+from .plans import cache_argument
 from .step import LayerPrefill
 from ..scoring.observe import Observation
 from ..scoring.precision import float32_scoring
@@ -107,7 +108,7 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
             view.layers = [copy.copy(layer) for layer in base]
             position_ids = torch.arange(length, length + ids.shape[0], device=ids.device)[None]
             with _scoring(prefills, score):
-                decoder(input_ids=ids[None], position_ids=position_ids, cache=view, use_cache=True)
+                decoder(input_ids=ids[None], position_ids=position_ids, use_cache=True, **{cache_argument(decoder): view})
     return out
 
 

@@ -3,6 +3,7 @@ sliding windows, HeadKV table) before any work and gives each attention layer it
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,12 @@ def backend_kind(implementation: str) -> str | None:
     masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
     flash = masks.get("flash_attention_2")
     return "flash" if flash is not None and masks.get(implementation) is flash else None
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The keyword a model's (or decoder's) forward takes its cache by: ``cache`` in recent transformers,
+    ``past_key_values`` before (5.17)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, Fp8QuantizedLayer, QuantizedLayer,
-                                      StaticLayer)
+import transformers.cache_utils as cache_utils
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 from transformers.modeling_utils import AttentionInterface
 
 from ..cache import KeptLayer, VarlenLayer, masked_attention
@@ -39,6 +39,9 @@ from ..eviction.plans import LayerPlan, attention_modules, backend_kind
 from ..scoring.rope import Rope, capture, rotary_function, rotary_module
 from . import chunked, modes
 
+# transformers' quantized cache layers (transformers 5.17 has no Fp8QuantizedLayer)
+QUANTIZED_LAYERS = tuple(getattr(cache_utils, name) for name in ("QuantizedLayer", "Fp8QuantizedLayer")
+                         if hasattr(cache_utils, name))
 # The cache layers a prefill is evicted from: the model's own dynamic layers.
 PREFILL_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
@@ -135,7 +138,7 @@ def unsupported_cache(cache, kind) -> str:
     if offloaded:
         fix = ("the kept entries are few: pass no cache (nor cache_implementation='offloaded'), or offload the "
                "model's layers instead (--device_map)")
-    elif isinstance(kind, type) and issubclass(kind, (QuantizedLayer, Fp8QuantizedLayer)):
+    elif isinstance(kind, type) and issubclass(kind, QUANTIZED_LAYERS):
         fix = ("eviction quantizes the kept entries itself: pass no cache and set quant_method "
                "(configure(model, ..., quant_method='quanto' or 'hqq', nbits=...))")
     elif isinstance(kind, type) and issubclass(kind, StaticLayer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import prompt, tiny_model
+from helpers import cache_of, prompt, tiny_model
 from test_registry import knobs_for
 
 import restkv
@@ -16,10 +16,8 @@ def run(model, ids, mask=None, n=4, **kw):
     mask = torch.ones_like(ids) if mask is None else mask
     out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0, **kw)
-    cache = getattr(out, "cache", None)
-    cache = out.past_key_values if cache is None else cache
     entries = []
-    for layer in cache.layers:
+    for layer in cache_of(out).layers:
         if hasattr(layer, "stored_entries"):
             keys, values, valid, positions = layer.stored_entries()
             entries.append((keys * valid[..., None], values * valid[..., None], positions))

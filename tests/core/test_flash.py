@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from flash_reference import CALLS, flash_model, reference_flash
-from helpers import prompt, tiny_model
+from helpers import CACHE, prompt, tiny_model
 from test_registry import knobs_for
 
 import restkv
@@ -119,7 +119,7 @@ def test_compressed_context_on_flash(knobs):
 
     def ask(model):
         cache = restkv.compress_context(model, context, mask, max_capacity_prompt=20, window_size=4, **knobs)
-        out = model.generate(ids, attention_mask=full_mask, cache=cache, max_new_tokens=6, do_sample=False,
+        out = model.generate(ids, attention_mask=full_mask, max_new_tokens=6, do_sample=False, **{CACHE(model): cache},
                              pad_token_id=0)
         restkv.detach(model)
         return out[:, ids.shape[1]:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import prompt, tiny_model
+from helpers import cache_of, prompt, tiny_model
 
 import restkv
 from restkv.cache import KeptLayer, VarlenLayer
@@ -85,7 +85,7 @@ def test_beam_search_on_the_packed_layout_equals_the_dense_layout(knobs):
         restkv.configure(model, window_size=4, varlen=varlen, **budget, **knobs)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=10, num_beams=3, num_return_sequences=2,
                              do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        layer_types = {type(layer) for layer in out.cache.layers} if hasattr(out, "cache") else set()
+        layer_types = {type(layer) for layer in cache_of(out).layers}
         results.append((out.sequences[:, ids.shape[1]:], out.sequences_scores, layer_types))
     assert any(issubclass(t, VarlenLayer) for t in results[0][2])
     assert not any(issubclass(t, VarlenLayer) for t in results[1][2])
