@@ -21,7 +21,7 @@ class KeptLayer:
     those of the full prompt), ``stored`` the entries actually held.
     """
 
-    is_croppable = True  # the decoded tail (assisted decoding's rejected candidates), never the kept prompt
+    is_croppable = True  # the decoded tail (an assistant's rejected candidates), not the kept prompt
 
     def keep(self, kept: Kept, seen: int) -> None:
         b, hkv, _, d = kept.keys.shape
@@ -55,7 +55,8 @@ class KeptLayer:
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last decoded entries: ``-tokens_to_remove`` of them (a positive value: the tokens seen
         to keep, transformers' older convention)."""
-        remove = cropped_tokens(tokens_to_remove, self.seen, self.stored - self.positions.shape[-1], self)
+        decoded = self.stored - self.positions.shape[-1]
+        remove = cropped_tokens(tokens_to_remove, self.seen, decoded, self)
         if remove:
             self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
             self.values = self.values[..., : self.values.shape[-2] - remove, :]
@@ -123,8 +124,8 @@ def cropped_tokens(tokens_to_remove: int, seen: int, decoded: int, layer) -> int
     ``decoded`` of them since its last eviction; raises when that reaches into what the eviction kept."""
     remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, seen - tokens_to_remove)
     if remove > decoded or (remove and getattr(layer, "policy", None) is not None):
-        raise ValueError(f"crop: cannot remove {remove} entries; only the {decoded} decoded since the eviction "
-                         "can be (and none with decode_interval)")
+        raise ValueError(f"crop: cannot remove {remove} entries; only the {decoded} decoded since "
+                         "the eviction can be (and none with decode_interval)")
     return remove
 
 

@@ -82,7 +82,8 @@ def masked_attention(query: Tensor, keys: Tensor, values: Tensor, visible: Tenso
     if not softcap:
         return scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True)
     groups = query.shape[1] // keys.shape[1]
-    keys, values = (x.repeat_interleave(groups, 1) if 1 < groups < query.shape[1] else x for x in (keys, values))
+    if 1 < groups < query.shape[1]:  # several KV heads, each serving a group
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
     logits = (query.float() @ keys.float().transpose(-1, -2)).mul_(scaling).div_(softcap).tanh_().mul_(softcap)
     probs = logits.masked_fill_(~visible, float("-inf")).softmax(-1)
     return (probs @ values.float()).to(query.dtype)
@@ -197,14 +198,17 @@ class VarlenLayer(DynamicLayer):
         return query_length, self.seen
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples): each new sample's
-        segments gather the packed rows and appended steps of its source sample (one host read, the new index)."""
+        """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples): each
+        new sample's segments gather the packed rows and appended steps of its source sample (one host
+        read, the new index)."""
         b, heads, d = self.shape
         beam_idx = beam_idx.to(self.device)
         old, steps = self.index, self.steps
-        segment = (beam_idx[:, None] * heads + torch.arange(heads, device=self.device)).flatten()  # new -> old
+        head = torch.arange(heads, device=self.device)
+        segment = (beam_idx[:, None] * heads + head).flatten()  # each new segment's old one
         index = SegmentIndex(old.lengths[segment], old.room)
-        packed = old.rows[segment, : index.width].masked_select(index.visible[:, 0, 0, : index.width])
+        held = index.visible[:, 0, 0, : index.width]
+        packed = old.rows[segment, : index.width].masked_select(held)
         S, S_new = old.lengths.numel(), segment.numel()
         appended = old.packed + torch.arange(steps, device=self.device)[:, None] * S + segment
         rows = torch.cat([packed, appended.flatten()])
@@ -222,7 +226,8 @@ class VarlenLayer(DynamicLayer):
             self.recent = self.recent.index_select(0, beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last appended steps: ``-tokens_to_remove`` of them (a positive value: the tokens seen to keep)."""
+        """Remove the last appended steps: ``-tokens_to_remove`` of them (a positive value: the
+        tokens seen to keep)."""
         remove = cropped_tokens(tokens_to_remove, self.seen, self.steps, self)
         self.steps -= remove
         self.seen -= remove

@@ -108,7 +108,8 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
             view.layers = [copy.copy(layer) for layer in base]
             position_ids = torch.arange(length, length + ids.shape[0], device=ids.device)[None]
             with _scoring(prefills, score):
-                decoder(input_ids=ids[None], position_ids=position_ids, use_cache=True, **{cache_argument(decoder): view})
+                decoder(input_ids=ids[None], position_ids=position_ids, use_cache=True,
+                        **{cache_argument(decoder): view})
     return out
 
 

@@ -67,40 +67,45 @@ def _attention_with_eviction(backend, kind, module, query, key, value, attention
         chunked.record(state, query, key, attention_mask, kwargs)
     elif query.shape[2] == key.shape[2]:  # prefill of a fresh cache
         prompt = state.prompt_length or query.shape[2]
-        if prompt < query.shape[2]:  # tokens after the prompt in the same forward (assisted decoding's candidates)
-            return _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value, attention_mask,
-                                        kwargs)
+        if prompt < query.shape[2]:  # more tokens in the prompt's forward (an assistant's candidates)
+            return _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value,
+                                        attention_mask, kwargs)
         state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
     return out
 
 
 def _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs):
-    """The attention of ``query`` [b, Hq, q, d] over a layer holding kept entries (``key``, ``value`` what its
-    update returned): the packed layout attends itself, the dense one through the backend with its mask (on
-    flash, sdpa where one padding mask per sample cannot express it)."""
+    """The attention of ``query`` [b, Hq, q, d] over a layer holding kept entries (``key``, ``value``
+    what its update returned): the packed layout attends itself, the dense one through the backend
+    with its mask (on flash, sdpa where one padding mask per sample cannot express it)."""
     scaling = kwargs.get("scaling") or module.head_dim**-0.5
     if isinstance(layer, VarlenLayer):
         return layer.attend(query, scaling, kwargs.get("softcap")), None
-    mask = layer.attention_mask(query.shape[2], kind, query.dtype, query.shape[1] // key.shape[1], state.plan.window)
-    if kind == "flash" and mask is not None and mask.dim() == 4:  # heads or a window differ: sdpa's mask
+    groups = query.shape[1] // key.shape[1]
+    mask = layer.attention_mask(query.shape[2], kind, query.dtype, groups, state.plan.window)
+    if kind == "flash" and mask is not None and mask.dim() == 4:  # heads or a window differ: sdpa
         out = masked_attention(query, key, value, mask, scaling, kwargs.get("softcap"))
         return out.transpose(1, 2).contiguous(), None
     return backend(module, query, key, value, mask, **kwargs)
 
 
-def _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value, attention_mask, kwargs):
-    """A fresh cache given the ``prompt`` and more tokens in one forward: evict over the prompt (whose outputs
-    the full forward ``out`` holds), then the rest are decoded tokens attending the kept entries, as if fed
-    one forward later."""
+def _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value, attention_mask,
+                         kwargs):
+    """A fresh cache given the ``prompt`` and more tokens in one forward: evict over the prompt (whose
+    outputs the full forward ``out`` holds), then the rest are decoded tokens attending the kept
+    entries, as if fed one forward later."""
     if state.plan.deferred:
-        raise ValueError(f"method={state.plan.cfg.method!r}: a selection deferred after the prefill cannot take tokens "
-                         "in the prefill's forward (assisted decoding); generate without an assistant")
-    if attention_mask is not None:
-        attention_mask = attention_mask[:, :prompt] if attention_mask.dim() == 2 else attention_mask[..., :prompt, :prompt]
+        raise ValueError(f"method={state.plan.cfg.method!r}: a selection deferred after the prefill "
+                         "cannot take tokens in the prefill's forward (assisted decoding); "
+                         "generate without an assistant")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        attention_mask = attention_mask[:, :prompt]
+    elif attention_mask is not None:
+        attention_mask = attention_mask[..., :prompt, :prompt]
     rope = state.rope
     if rope is not None:
-        state.rope = Rope(rope.cos[:, :prompt], rope.sin[:, :prompt], rope.next_position - (query.shape[2] - prompt),
-                          rope.embed)
+        after = rope.next_position - (query.shape[2] - prompt)
+        state.rope = Rope(rope.cos[:, :prompt], rope.sin[:, :prompt], after, rope.embed)
     head = (x[:, :, :prompt] for x in (query, key, value))
     state.on_prefill(state, module, *head, attention_mask, kwargs)
     state.rope = rope
@@ -108,7 +113,8 @@ def _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, 
     if not isinstance(layer, (VarlenLayer, KeptLayer)):  # nothing evicted: the full forward stands
         return out
     keys, values = layer.update(key[:, :, prompt:], value[:, :, prompt:])
-    tail, _ = _attend_kept(layer, backend, kind, state, module, query[:, :, prompt:], keys, values, kwargs)
+    queries = query[:, :, prompt:]
+    tail, _ = _attend_kept(layer, backend, kind, state, module, queries, keys, values, kwargs)
     return torch.cat([out[0][:, :prompt], tail], 1), None
 
 
@@ -174,8 +180,8 @@ class LayerState:
     rope: Rope | None = None
     pending: list | None = None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
     replay: Callable | None = None  # ``replay(query, key)`` after the attention of a pass (``restkv.eviction.deferred``)
-    prompt_length: int | None = None  # the prompt of the generate() call in flight (``restkv.integration.modes``)
-    chunks: "chunked.Chunks | None" = None  # what a chunked prefill in flight recorded (``restkv.integration.chunked``)
+    prompt_length: int | None = None  # the prompt of the generate() in flight (``modes``)
+    chunks: "chunked.Chunks | None" = None  # what a chunked prefill recorded (``chunked``)
 
 
 def _wrap(backend, kind):
@@ -201,11 +207,13 @@ def install(*modeling_modules) -> None:
 
 
 def wrap_backend(name: str) -> None:
-    """Wrap the attention function registered as ``name`` (sdpa or a flash kernel), if not yet. transformers
-    registers a hub kernel again when it first loads it, in the first forward: each layer's forward checks."""
+    """Wrap the attention function registered as ``name`` (sdpa or a flash kernel), if not yet.
+    transformers registers a hub kernel again when it first loads it, in the first forward: each
+    layer's forward checks."""
     backend = AttentionInterface._global_mapping.get(name)
     kind = backend_kind(name)
-    if backend is not None and kind not in (None, "eager") and not getattr(backend, "_restkv_wrapped", False):
+    wrapped = getattr(backend, "_restkv_wrapped", False)
+    if backend is not None and kind not in (None, "eager") and not wrapped:
         AttentionInterface.register(name, _wrap(backend, kind))
 
 
@@ -253,9 +261,10 @@ class Attachment:
             self._hooks += [m.register_forward_pre_hook(_capture, with_kwargs=True),
                             m.register_forward_hook(_release, with_kwargs=True)]
         self._hooks.append(decoder_of(self.model).register_forward_hook(self._finish, with_kwargs=True))
-        if hasattr(self.model, "_prefill"):  # generate()'s prefill: chunked prefill evicts after its last chunk
-            self.model._prefill = functools.partial(chunked.chunked_prefill, self, self.model._prefill, PREFILL_LAYERS)
-        if hasattr(self.model, "generate"):  # decoding modes checked, the prompt's length known (assisted decoding)
+        if hasattr(self.model, "_prefill"):  # generate()'s prefill: chunked, evicts after the last chunk
+            prefill = self.model._prefill
+            self.model._prefill = functools.partial(chunked.chunked_prefill, self, prefill, PREFILL_LAYERS)
+        if hasattr(self.model, "generate"):  # modes checked, the prompt's length known (assisted decoding)
             self.model.generate = functools.partial(modes.generate, self, self.model.generate)
         self.model._restkv = self
         return self

@@ -1,16 +1,17 @@
-"""Chunked prefill (``generate(..., prefill_chunk_size=N)``): one eviction after the last chunk, over the
-whole prompt.
+"""Chunked prefill (``generate(..., prefill_chunk_size=N)``): one eviction after the last chunk,
+over the whole prompt.
 
-transformers' ``_prefill`` runs the prompt as forwards of N tokens into the same cache. While it runs, an
-attached layer records each chunk's queries [b, Hq, N, d], which of the chunk's keys are real tokens and
-its RoPE instead of evicting (``record``); once the last chunk has returned, each layer is evicted from
-its full cache with every chunk's queries, as an unchunked prefill is (the same kept entries, cache and
-tokens for every method), and the deferred selections are finished. The prompt's queries are held until
-then: [b, Hq, L, d] per layer, Hq / Hkv times the keys.
+transformers' ``_prefill`` runs the prompt as forwards of N tokens into the same cache. While it
+runs, an attached layer records each chunk's queries [b, Hq, N, d], which of the chunk's keys are
+real tokens and its RoPE instead of evicting (``record``); once the last chunk has returned, each
+layer is evicted from its full cache with every chunk's queries, as an unchunked prefill is (the
+same kept entries, cache and tokens for every method), and the deferred selections are finished. The
+prompt's queries are held until then: [b, Hq, L, d] per layer, Hq / Hkv times the keys.
 
-A prefill that starts from a cache holding tokens already (a continued conversation) evicts nothing, as
-without chunks. Layers that evict among a sliding window's entries (a model whose every layer is
-sliding-window) would need the entries the window has dropped: ``check`` refuses them before any forward.
+A prefill that starts from a cache holding tokens already (a continued conversation) evicts nothing,
+as without chunks. Layers that evict among a sliding window's entries (a model whose every layer is
+sliding-window) would need the entries the window has dropped: ``check`` refuses them before any
+forward.
 """
 
 from __future__ import annotations
@@ -30,24 +31,25 @@ class Chunks:
     queries: list = field(default_factory=list)  # [b, Hq, n_i, d] per chunk
     valid: list = field(default_factory=list)  # [b, n_i] bool per chunk: real tokens
     ropes: list = field(default_factory=list)  # the chunks' ``Rope`` (None when the layer has none)
-    kwargs: dict = field(default_factory=dict)  # the last chunk's backend arguments (scaling, softcap)
+    kwargs: dict = field(default_factory=dict)  # the last chunk's backend arguments (scaling...)
 
     @property
     def length(self) -> int:
         return sum(q.shape[2] for q in self.queries)
 
     def rope(self) -> Rope | None:
-        """The RoPE of the whole prompt: the chunks' cos/sin joined, the next position after the last chunk."""
+        """The whole prompt's RoPE: the chunks' cos/sin joined, the next position after them."""
         if not self.ropes or any(r is None for r in self.ropes):
             return None
         last = self.ropes[-1]
-        return Rope(torch.cat([r.cos for r in self.ropes], 1), torch.cat([r.sin for r in self.ropes], 1),
-                    last.next_position, last.embed)
+        cos = torch.cat([r.cos for r in self.ropes], 1)
+        sin = torch.cat([r.sin for r in self.ropes], 1)
+        return Rope(cos, sin, last.next_position, last.embed)
 
 
 def record(state, query, key, attention_mask, kwargs) -> None:
-    """Keep a chunk's queries [b, Hq, n, d], its keys' validity (read off the backend's ``attention_mask``
-    over the ``key`` [b, Hkv, past + n, d] it attends) and its RoPE."""
+    """Keep a chunk's queries [b, Hq, n, d], its keys' validity (read off the backend's
+    ``attention_mask`` over the ``key`` [b, Hkv, past + n, d] it attends) and its RoPE."""
     b, _, n, _ = query.shape
     total = key.shape[2]
     mask = attention_mask
@@ -63,19 +65,22 @@ def check(attachment, chunk_size) -> None:
     """Refuse, before any forward, a chunked prefill that eviction cannot follow."""
     if chunk_size is None:
         return
-    if any(s.plan.evicts and s.plan.window is not None and s.plan.cfg.evicts for s in attachment.states):
-        raise ValueError("prefill_chunk_size: eviction on a model whose evicted layers are sliding-window needs the "
-                         "whole prompt's entries in one forward; generate without prefill_chunk_size")
+    states = attachment.states
+    if any(s.plan.evicts and s.plan.window is not None and s.plan.cfg.evicts for s in states):
+        raise ValueError("prefill_chunk_size: eviction on a model whose evicted layers are "
+                         "sliding-window needs the whole prompt's entries in one forward; "
+                         "generate without prefill_chunk_size")
 
 
 def evict_recorded(attachment, cache, layer_types: tuple) -> None:
-    """After the last chunk: evict each layer that recorded the whole prompt, from its full cache layer."""
+    """After the last chunk: evict each layer that recorded the whole prompt, from its cache."""
     for module, state in zip(attachment.modules, attachment.states):
         chunks, state.chunks = state.chunks, None
         if chunks is None or not chunks.queries:
             continue
         layer = cache.layers[module.layer_idx]
-        if type(layer) not in layer_types or layer.keys.shape[2] != chunks.length:  # a continued cache
+        continued = layer.keys.shape[2] != chunks.length  # the cache held tokens before
+        if type(layer) not in layer_types or continued:
             state.kept = None
             continue
         query = torch.cat(chunks.queries, 2)
@@ -88,8 +93,9 @@ def evict_recorded(attachment, cache, layer_types: tuple) -> None:
             state.cache = state.rope = None
 
 
-def chunked_prefill(attachment, prefill, layer_types, input_ids, generation_config, model_kwargs, *args, **kwargs):
-    """transformers' ``_prefill`` with eviction once after the last chunk (see the module's docstring)."""
+def chunked_prefill(attachment, prefill, layer_types, input_ids, generation_config, model_kwargs,
+                    *args, **kwargs):
+    """transformers' ``_prefill``, evicting once after the last chunk (the module's docstring)."""
     chunk_size = getattr(generation_config, "prefill_chunk_size", None)
     if chunk_size is None:
         return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
