@@ -133,3 +133,32 @@ def test_sampling_with_num_return_sequences_equals_the_repeated_batch():
     assert torch.equal(sampled, repeated)
     assert all(k.shape[0] == 3 and torch.equal(k[0], k[2]) for k in kept)
     assert not torch.equal(sampled[0], sampled[1]) or not torch.equal(sampled[1], sampled[2])  # really sampled
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_crop_removes_the_decoded_tail_only(packed):
+    """A cropped layer holds what one that never saw the removed tokens holds; the kept prompt stays."""
+    from restkv.cache import CompressedLayer, Kept
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 2, 6, 4, generator=g), torch.randn(2, 2, 6, 4, generator=g)
+    valid = torch.ones(2, 2, 6, dtype=torch.bool)
+    valid[1, 0, :2] = False
+    kept = Kept(keys, values, torch.arange(6).expand(2, 2, 6).masked_fill(~valid, -1), valid, per_head=True)
+
+    def layer():
+        return VarlenLayer(kept, seen=40) if packed else CompressedLayer(kept, seen=40, room=3)
+
+    steps = [torch.randn(2, 2, 1, 4, generator=g) for _ in range(5)]
+    cropped, ref = layer(), layer()
+    for k in steps[:4]:
+        cropped.update(k, -k)
+    cropped.crop(-3)  # transformers' convention: a negative count
+    cropped.update(steps[4], -steps[4])
+    for k in (steps[0], steps[4]):
+        ref.update(k, -k)
+    assert cropped.get_seq_length() == ref.get_seq_length() == 42
+    for got, want in zip(cropped.stored_entries(), ref.stored_entries()):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="crop"):
+        cropped.crop(-3)  # only 2 decoded entries: the kept prompt cannot go
