@@ -99,7 +99,7 @@ def test_the_cache_stays_bounded_at_every_step(knobs, per_head):
     cache, tok, sizes = cache_of(out), out.logits[:, -1:].argmax(-1), []
 
     def before_attention(module, args, kwargs):  # what the layer holds once this step's entry is appended
-        layer = kwargs["cache"].layers[module.layer_idx]
+        layer = kwargs[CACHE(module)].layers[module.layer_idx]
         sizes.append(held_per_head(layer) + 1)
 
     hooks = [m.self_attn.register_forward_pre_hook(before_attention, with_kwargs=True) for m in model.model.layers]
