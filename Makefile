@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
-.PHONY: demo test install clean kvpress-venv vllm-install vllm-test
+.PHONY: demo test test-lowest install clean kvpress-venv vllm-install vllm-test
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -47,8 +47,21 @@ vllm-install: $(VLLM_STAMP)
 vllm-test: $(STAMP) $(VLLM_STAMP)
 	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q tests/vllm
 
+# The quick suite on the lowest transformers requirements.txt allows: a venv that installs only that version
+# and takes everything else from $(VENV) (a .pth file); `make test` covers the highest.
+LOWEST := .venv-lowest
+LOWEST_TRANSFORMERS := $(shell sed -n 's/^transformers>=\([0-9.]*\).*/\1/p' requirements.txt)
+
+test-lowest: $(STAMP)
+	test -x $(LOWEST)/bin/python || $(BIN)/python -m venv $(LOWEST)
+	$(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> "$$($(LOWEST)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/restkv-base.pth"
+	$(LOWEST)/bin/python -m pip install -q "transformers==$(LOWEST_TRANSFORMERS)"
+	$(LOWEST)/bin/python -c "import transformers; assert transformers.__version__ == '$(LOWEST_TRANSFORMERS)'"
+	PYTHONPATH=$(CURDIR) $(LOWEST)/bin/python -m pytest -q -m "not slow" tests
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(LOWEST)
 
 # kvpress (transformers < 5.3) in a venv of its own, for benchmarks/kvpress_compare.py; never a dependency
 kvpress-venv:

@@ -26,6 +26,7 @@ import torch
 
 import restkv
 from restkv.bench.cli import add_common_args
+from restkv.compat import cache_argument
 from restkv.bench.grid import method_configs
 from restkv.bench.models import essays_dir, load_from_args
 
@@ -61,7 +62,7 @@ def teacher_forced(model, ids: torch.Tensor, length: int, last: torch.Tensor, ca
     restkv.configure(model, method="fullkv")  # decoding reads each cache's own layers
     out = []
     for cache in caches:
-        rest = model(ids[None, length:-1], cache=cache, use_cache=True).logits[0]
+        rest = model(ids[None, length:-1], use_cache=True, **{cache_argument(model): cache}).logits[0]
         out.append(torch.cat([last, rest]).float().log_softmax(-1))
     return out
 

@@ -25,8 +25,15 @@ from transformers import (
 )
 
 import restkv
+from restkv.compat import cache_argument as CACHE  # "cache", or "past_key_values" (transformers 5.17)
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
+
+
+def cache_of(out):
+    """The cache a forward or ``generate()`` returned (``cache``, or ``past_key_values`` in transformers 5.17)."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
 
 
 def tiny_tokenizer() -> str:
@@ -179,12 +186,12 @@ def masked_reference_logits(model, ids, kept, n_new, window=None, channels=None,
     previous = model.config._attn_implementation
     model.config._attn_implementation = name
     try:
-        out = model(ids, use_cache=True, cache=DynamicCache())  # full layers, also for a sliding-window model
-        cache, steps_out = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1]]
+        out = model(ids, use_cache=True, **{CACHE(model): DynamicCache()})  # full layers, sliding-window model too
+        cache, steps_out = cache_of(out), [out.logits[:, -1]]
         for t in range(n_new - 1):
             step[0] = t
             nxt = steps_out[-1].argmax(-1, keepdim=True)
-            out = model(nxt, cache=cache, use_cache=True)
+            out = model(nxt, use_cache=True, **{CACHE(model): cache})
             steps_out.append(out.logits[:, -1])
     finally:
         model.config._attn_implementation = previous

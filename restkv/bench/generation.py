@@ -97,6 +97,7 @@ def answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, que
 
 
 def _answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep):
+    from restkv.compat import cache_argument
     from restkv.integration.context import ContextCache, answer
     from restkv.integration.sweeps import prefill_caches
 
@@ -122,9 +123,9 @@ def _answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, qu
             else:
                 cache = restkv.compress_context(model, context, mask, **kwargs)
                 full = torch.cat([context, question], 1)
-                out = model.generate(full, attention_mask=torch.cat([mask, torch.ones_like(question)], 1), cache=cache,
+                out = model.generate(full, attention_mask=torch.cat([mask, torch.ones_like(question)], 1),
                                      max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
-                                     top_k=None, pad_token_id=pad)
+                                     top_k=None, pad_token_id=pad, **{cache_argument(model): cache})
                 tokens = out[:, full.shape[1]:]
             for j, (r, text) in enumerate(zip(rows, tokenizer.batch_decode(tokens, skip_special_tokens=True))):
                 texts[c][r], kept[c][r] = text, (cache.kept, j)

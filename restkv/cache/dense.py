@@ -21,7 +21,7 @@ class KeptLayer:
     those of the full prompt), ``stored`` the entries actually held.
     """
 
-    is_croppable = False
+    is_croppable = True  # the decoded tail (an assistant's rejected candidates), not the kept prompt
 
     def keep(self, kept: Kept, seen: int) -> None:
         b, hkv, _, d = kept.keys.shape
@@ -49,9 +49,19 @@ class KeptLayer:
         self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
         self.valid = self.valid.index_select(0, beam_idx.to(self.valid.device))
         self.prompt_end = self.prompt_end.index_select(0, beam_idx.to(self.prompt_end.device))
+        if getattr(self, "recent", None) is not None:  # the queries decoding-time eviction observes
+            self.recent = self.recent.index_select(0, beam_idx.to(self.recent.device))
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a compressed cache layer cannot be cropped")
+        """Remove the last decoded entries: ``-tokens_to_remove`` of them (a positive value: the tokens seen
+        to keep, transformers' older convention)."""
+        decoded = self.stored - self.positions.shape[-1]
+        remove = cropped_tokens(tokens_to_remove, self.seen, decoded, self)
+        if remove:
+            self.keys = self.keys[..., : self.keys.shape[-2] - remove, :]
+            self.values = self.values[..., : self.values.shape[-2] - remove, :]
+            self.seen -= remove
+            self.stored -= remove
 
     def key_valid(self) -> Tensor:
         """[b, n] (or [b, Hkv, n]) validity of every stored entry (decoded entries are always valid)."""
@@ -72,6 +82,9 @@ class KeptLayer:
 
         Returns None when nothing is masked (one query, no kept padding), a 2D [b, n] padding mask
         for flash-attention, a bool [b, 1 or Hq, q, n] mask for sdpa, and an additive one for eager.
+        Flash-attention takes one padding mask per sample: where heads hold different entries (per-head
+        budgets without ``varlen``) or a sliding window bounds the kept entries, it gets the bool mask,
+        and the caller attends with sdpa (``restkv.cache.packed.masked_attention``).
         ``window``: the layer's sliding window W; a query at position t then sees only entries at
         positions > t - W (as the model's sliding-window mask), once the tokens seen exceed W.
         """
@@ -80,11 +93,7 @@ class KeptLayer:
             return None
         valid = self.key_valid()
         per_head = valid.dim() == 3
-        if implementation.startswith("flash"):
-            if per_head or sliding:
-                raise NotImplementedError("flash-attention takes one padding mask per sample: per-head budgets need "
-                                          "the variable-length layout, and a sliding window over kept entries needs "
-                                          "attn_implementation='sdpa' or 'eager'")
+        if implementation.startswith("flash") and not (per_head or sliding):
             return None if self.all_valid else valid.long()
         n = valid.shape[-1]
         q = torch.arange(query_length, device=valid.device)[:, None]
@@ -93,7 +102,7 @@ class KeptLayer:
         if sliding:
             heads = heads & self.within_window(query_length, window)  # [b, Hkv, q, n]
         allowed = causal[None, None] & (heads.repeat_interleave(groups, 1) if heads.shape[1] > 1 else heads)
-        if implementation == "sdpa":
+        if implementation != "eager":
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(
             ~allowed, torch.finfo(dtype).min
@@ -108,6 +117,16 @@ class KeptLayer:
         entry = torch.cat([self.positions, (end + step).unsqueeze(1).expand(-1, self.positions.shape[1], -1)], -1)
         query = end + (decoded - query_length) + torch.arange(query_length, device=end.device)  # [b, q]
         return query[:, None, :, None] - entry[:, :, None, :] < window
+
+
+def cropped_tokens(tokens_to_remove: int, seen: int, decoded: int, layer) -> int:
+    """How many entries a ``crop(tokens_to_remove)`` removes from a layer that has seen ``seen`` tokens,
+    ``decoded`` of them since its last eviction; raises when that reaches into what the eviction kept."""
+    remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, seen - tokens_to_remove)
+    if remove > decoded or (remove and getattr(layer, "policy", None) is not None):
+        raise ValueError(f"crop: cannot remove {remove} entries; only the {decoded} decoded since "
+                         "the eviction can be (and none with decode_interval)")
+    return remove
 
 
 class CompressedLayer(KeptLayer, DynamicLayer):

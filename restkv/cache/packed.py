@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 from transformers.cache_utils import DynamicLayer
 
+from .dense import cropped_tokens
 from .kept import Kept, appended_positions
 
 
@@ -74,12 +75,16 @@ class SegmentIndex:
 
 def masked_attention(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scaling: float,
                      softcap: float | None = None) -> Tensor:
-    """query [B, H, q, d] over keys/values [B, 1, L, d] where ``visible`` [B, H or 1, q or 1, L] -> [B, H, q, d].
+    """query [B, H, q, d] over keys/values [B, K, L, d] (H a multiple of K) where ``visible`` [B, H or 1, q or 1, L]
+    -> [B, H, q, d].
 
     The fused kernel (sdpa) in the input dtype; with ``softcap`` the logits are capped, in float32.
     """
     if not softcap:
         return scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True)
+    groups = query.shape[1] // keys.shape[1]
+    if 1 < groups < query.shape[1]:  # several KV heads, each serving a group
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
     logits = (query.float() @ keys.float().transpose(-1, -2)).mul_(scaling).div_(softcap).tanh_().mul_(softcap)
     probs = logits.masked_fill_(~visible, float("-inf")).softmax(-1)
     return (probs @ values.float()).to(query.dtype)
@@ -124,7 +129,7 @@ class VarlenLayer(DynamicLayer):
     ``restkv.cache.pruned``).
     """
 
-    is_croppable = False
+    is_croppable = True  # the appended steps (assisted decoding's rejected candidates)
 
     def __init__(self, kept: Kept, seen: int):
         super().__init__()
@@ -194,10 +199,39 @@ class VarlenLayer(DynamicLayer):
         return query_length, self.seen
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported with per-head budgets")
+        """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples): each
+        new sample's segments gather the packed rows and appended steps of its source sample (one host
+        read, the new index)."""
+        b, heads, d = self.shape
+        beam_idx = beam_idx.to(self.device)
+        old, steps = self.index, self.steps
+        head = torch.arange(heads, device=self.device)
+        segment = (beam_idx[:, None] * heads + head).flatten()  # each new segment's old one
+        index = SegmentIndex(old.lengths[segment], old.room)
+        held = index.visible[:, 0, 0, : index.width]
+        packed = old.rows[segment, : index.width].masked_select(held)
+        S, S_new = old.lengths.numel(), segment.numel()
+        appended = old.packed + torch.arange(steps, device=self.device)[:, None] * S + segment
+        rows = torch.cat([packed, appended.flatten()])
+        for name in ("keys", "values"):
+            buf = getattr(self, name)
+            grown = buf.new_empty(index.packed + S_new * max(self.capacity, steps), d)
+            grown[: rows.numel()] = buf.index_select(0, rows)
+            setattr(self, name, grown)
+        self.packed_positions = self.packed_positions.index_select(0, packed)
+        self.positions = self.positions.index_select(0, beam_idx)
+        self.index, self.key_rows = index, index.packed
+        self.capacity = max(self.capacity, steps)
+        self.shape = (beam_idx.numel(), heads, d)
+        if getattr(self, "recent", None) is not None:
+            self.recent = self.recent.index_select(0, beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a compressed cache layer cannot be cropped")
+        """Remove the last appended steps: ``-tokens_to_remove`` of them (a positive value: the
+        tokens seen to keep)."""
+        remove = cropped_tokens(tokens_to_remove, self.seen, self.steps, self)
+        self.steps -= remove
+        self.seen -= remove
 
     def attend(self, query: Tensor, scaling: float, softcap: float | None = None) -> Tensor:
         """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout)."""

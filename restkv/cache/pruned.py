@@ -91,5 +91,9 @@ class PrunedVarlenLayer(VarlenLayer):
         out[N:] = self.keys[self.key_rows : self.key_rows + appended]
         return out
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("num_beams > 1 with pruning_ratio and per-head budgets (packed layout) is not supported: "
+                         "set varlen=False or pruning_ratio=None")
+
     def stored_entries(self):
         raise NotImplementedError("pruned key channels are not scored again while decoding (decode_interval)")

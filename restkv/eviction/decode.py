@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..cache import Kept, cache_layer, stack_samples
+from ..scoring.precision import float32_scoring
 from ..scoring.rope import Rope
 from ..strategies.budgets import fits
 from .observation import observation
@@ -60,7 +61,7 @@ def decode_step(cache, module, query, kwargs) -> None:
 def shrink(layer, module, kwargs):
     """The layer scored again over what it holds and cut back to its budget (a new cache layer, armed);
     the layer itself (with its count reset) when nothing exceeds the budget."""
-    with torch.no_grad():
+    with torch.no_grad(), float32_scoring(layer.recent.device.type):
         return _shrink(layer, module, kwargs)
 
 

@@ -27,8 +27,10 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from ..scoring.observe import Observation
+from ..scoring.precision import float32_scoring
 from ..strategies.budgets import global_sizes
 from .observation import layer_wo_factor
+from ..compat import cache_argument
 from .step import LayerPrefill
 
 
@@ -54,8 +56,14 @@ def finish(model, cache, prefills: list[LayerPrefill], input_ids, shared: dict |
         shared = {} if shared is None else shared
         if key not in shared:
             shared[key] = replay_scores(model, cache, prefills, input_ids)
-        for p in prefills:
+    with float32_scoring(prefills[0].key.device.type):
+        for p in prefills if cfg.scorer.replays else ():
             p.score(shared[key][p.module.layer_idx])
+        return _select(cfg, prefills)
+
+
+def _select(cfg, prefills: list[LayerPrefill]) -> list:
+    """Each deferred layer's selection, its budget shared across layers when ``layer_budget="global"``."""
     sizes = [None] * len(prefills)
     if cfg.get("layer_budget") == "global":  # every evicted layer is deferred: len(prefills) layers share it
         heads = prefills[0].key.shape[1]
@@ -110,7 +118,8 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
                     record(*observed.pop())
 
             def record(prefill, obs):
-                r = cfg.scorer.score(obs, knobs)
+                with float32_scoring(obs.keys.device.type):
+                    r = cfg.scorer.score(obs, knobs)
                 if prefill.module.layer_idx not in out:
                     out[prefill.module.layer_idx] = r.new_zeros(b, r.shape[1], n)
                 row = out[prefill.module.layer_idx][s]
@@ -121,7 +130,8 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
             position_ids = torch.arange(length, length + ids.shape[0], device=ids.device)[None]
             with _scoring(prefills, observe):
                 if run is None:
-                    decoder(input_ids=ids[None], position_ids=position_ids, cache=view, use_cache=True)
+                    decoder(input_ids=ids[None], position_ids=position_ids, use_cache=True,
+                            **{cache_argument(decoder): view})
                 else:
                     weights = run(decoder, ids[None], position_ids, view, [p.module for p in prefills])
             for prefill, obs in observed:

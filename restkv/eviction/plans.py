@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..strategies.budgets import headkv_budgets, load_head_importance
 from ..config import CompressionConfig
@@ -39,6 +40,17 @@ def is_deferred(cfg) -> bool:
 
 
 SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def backend_kind(implementation: str) -> str | None:
+    """"eager", "sdpa" or "flash": the attention ``implementation`` is, by the mask function transformers
+    registered for it (a flash kernel from the hub, e.g. "kernels-community/flash-attn2", registers flash's);
+    None: a backend restkv does not attend through."""
+    if implementation in ("eager", "sdpa"):
+        return implementation
+    masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    flash = masks.get("flash_attention_2")
+    return "flash" if flash is not None and masks.get(implementation) is flash else None
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -80,10 +92,9 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig, head_importance: str |
     """
     config = model.config.get_text_config()
     implementation = model.config._attn_implementation
-    if implementation not in SUPPORTED_BACKENDS:
-        raise ValueError(
-            f"attn_implementation {implementation!r} is not supported; use one of {', '.join(SUPPORTED_BACKENDS)}"
-        )
+    if backend_kind(implementation) is None:
+        raise ValueError(f"attn_implementation {implementation!r} is not supported; use one of "
+                         f"{', '.join(SUPPORTED_BACKENDS)} or a flash kernel from the hub")
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention module with layer_idx and o_proj")

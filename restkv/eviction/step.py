@@ -17,6 +17,7 @@ from ..strategies.budgets import fits, layer_budgets, sample_budgets
 from ..cache import CompressedLayer, cache_layer
 from ..cache import Kept, stack_samples
 from ..scoring.observe import Observation, relative_positions
+from ..scoring.precision import float32_scoring
 from ..scoring.rope import Rope
 from .decode import arm
 from .observation import observation
@@ -36,7 +37,7 @@ class LayerPrefill:
 
     def __init__(self, plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo=None, rope=None):
         b, _, n, _ = key.shape
-        key_valid = _key_valid(attention_mask, b, n, key.device)
+        key_valid = key_valid_of(attention_mask, b, n, key.device)
         self.seen, self.start = n, 0 if plan.window is None else max(0, n - plan.window + 1)
         if self.start:  # the entries older than the window are out of reach: evict among the visible ones
             self.offset = key_valid[:, : self.start].sum(-1)  # [b] real tokens before them
@@ -143,19 +144,21 @@ def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwar
         positions [b, Hkv, kept] (from each sample's first real token, -1 on kept padding).
 
     On a sliding-window layer (``plan.window`` W) the entries scored and kept from are the last W - 1
-    (``LayerPrefill``), and when nothing is evicted the model's own sliding-window layer stays.
+    (``LayerPrefill``), and when nothing is evicted the model's own sliding-window layer stays. Scores are
+    float32 whatever the caller's autocast, TF32 setting or default dtype (``float32_scoring``).
     """
-    prefill = LayerPrefill(plan, module, query, key, value, attention_mask, kwargs, memo, rope)
-    if plan.deferred and not prefill.keeps_all:
-        if not plan.cfg.scorer.replays:
-            prefill.score()
-        prefill.release()
-        pending.append(prefill)
-        return None, None
-    return prefill.result(prefill.select())
+    with float32_scoring(key.device.type):
+        prefill = LayerPrefill(plan, module, query, key, value, attention_mask, kwargs, memo, rope)
+        if plan.deferred and not prefill.keeps_all:
+            if not plan.cfg.scorer.replays:
+                prefill.score()
+            prefill.release()
+            pending.append(prefill)
+            return None, None
+        return prefill.result(prefill.select())
 
 
-def _key_valid(mask, batch: int, n: int, device) -> torch.Tensor:
+def key_valid_of(mask, batch: int, n: int, device) -> torch.Tensor:
     """[b, n] bool: which keys are real tokens, read off whatever mask the backend received at prefill."""
     if mask is None:
         return torch.ones(batch, n, dtype=torch.bool, device=device)

@@ -27,22 +27,26 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, Fp8QuantizedLayer, QuantizedLayer,
-                                      StaticLayer)
+import transformers.cache_utils as cache_utils
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 from transformers.modeling_utils import AttentionInterface
 
-from ..cache import KeptLayer, VarlenLayer
+from ..cache import KeptLayer, VarlenLayer, masked_attention
 from ..eviction.decode import decode_step
 from ..eviction.deferred import decoder_of, finish
 from ..eviction.step import evict_layer
-from ..eviction.plans import SUPPORTED_BACKENDS, LayerPlan, attention_modules
+from ..eviction.plans import LayerPlan, attention_modules, backend_kind
 from ..scoring.rope import Rope, capture, rotary_function, rotary_module
+from . import chunked, modes
 
+# transformers' quantized cache layers (transformers 5.17 has no Fp8QuantizedLayer)
+QUANTIZED_LAYERS = tuple(getattr(cache_utils, name) for name in ("QuantizedLayer", "Fp8QuantizedLayer")
+                         if hasattr(cache_utils, name))
 # The cache layers a prefill is evicted from: the model's own dynamic layers.
 PREFILL_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
-def _attention_with_eviction(backend, implementation, module, query, key, value, attention_mask, **kwargs):
+def _attention_with_eviction(backend, kind, module, query, key, value, attention_mask, **kwargs):
     state: LayerState | None = getattr(module, "_restkv", None)
     if state is not None and state.replay is not None:  # a pass after the prefill that a deferred selection reads
         out = backend(module, query, key, value, attention_mask, **kwargs)
@@ -52,19 +56,66 @@ def _attention_with_eviction(backend, implementation, module, query, key, value,
         return backend(module, query, key, value, attention_mask, **kwargs)
     layer = state.cache.layers[module.layer_idx]
     if isinstance(layer, (VarlenLayer, KeptLayer)):
-        if isinstance(layer, VarlenLayer):
-            out = layer.attend(query, kwargs.get("scaling") or module.head_dim**-0.5, kwargs.get("softcap")), None
-        else:
-            mask = layer.attention_mask(query.shape[2], implementation, query.dtype, query.shape[1] // key.shape[1],
-                                        state.plan.window)
-            out = backend(module, query, key, value, mask, **kwargs)
+        out = _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs)
         if getattr(layer, "policy", None) is not None:  # eviction during decoding (``decode_interval``)
             decode_step(state.cache, module, query, kwargs)
         return out
     out = backend(module, query, key, value, attention_mask, **kwargs)
-    if type(layer) in PREFILL_LAYERS and query.shape[2] == key.shape[2]:  # prefill of a fresh cache
+    if type(layer) not in PREFILL_LAYERS:
+        return out
+    if state.chunks is not None:  # a chunk of a chunked prefill: evicted after the last one
+        chunked.record(state, query, key, attention_mask, kwargs)
+    elif query.shape[2] == key.shape[2]:  # prefill of a fresh cache
+        prompt = state.prompt_length or query.shape[2]
+        if prompt < query.shape[2]:  # more tokens in the prompt's forward (an assistant's candidates)
+            return _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value,
+                                        attention_mask, kwargs)
         state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
     return out
+
+
+def _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs):
+    """The attention of ``query`` [b, Hq, q, d] over a layer holding kept entries (``key``, ``value``
+    what its update returned): the packed layout attends itself, the dense one through the backend
+    with its mask (on flash, sdpa where one padding mask per sample cannot express it)."""
+    scaling = kwargs.get("scaling") or module.head_dim**-0.5
+    if isinstance(layer, VarlenLayer):
+        return layer.attend(query, scaling, kwargs.get("softcap")), None
+    groups = query.shape[1] // key.shape[1]
+    mask = layer.attention_mask(query.shape[2], kind, query.dtype, groups, state.plan.window)
+    if kind == "flash" and mask is not None and mask.dim() == 4:  # heads or a window differ: sdpa
+        out = masked_attention(query, key, value, mask, scaling, kwargs.get("softcap"))
+        return out.transpose(1, 2).contiguous(), None
+    return backend(module, query, key, value, mask, **kwargs)
+
+
+def _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value, attention_mask,
+                         kwargs):
+    """A fresh cache given the ``prompt`` and more tokens in one forward: evict over the prompt (whose
+    outputs the full forward ``out`` holds), then the rest are decoded tokens attending the kept
+    entries, as if fed one forward later."""
+    if state.plan.deferred:
+        raise ValueError(f"method={state.plan.cfg.method!r}: a selection deferred after the prefill "
+                         "cannot take tokens in the prefill's forward (assisted decoding); "
+                         "generate without an assistant")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        attention_mask = attention_mask[:, :prompt]
+    elif attention_mask is not None:
+        attention_mask = attention_mask[..., :prompt, :prompt]
+    rope = state.rope
+    if rope is not None:
+        after = rope.next_position - (query.shape[2] - prompt)
+        state.rope = Rope(rope.cos[:, :prompt], rope.sin[:, :prompt], after, rope.embed)
+    head = (x[:, :, :prompt] for x in (query, key, value))
+    state.on_prefill(state, module, *head, attention_mask, kwargs)
+    state.rope = rope
+    layer = state.cache.layers[module.layer_idx]
+    if not isinstance(layer, (VarlenLayer, KeptLayer)):  # nothing evicted: the full forward stands
+        return out
+    keys, values = layer.update(key[:, :, prompt:], value[:, :, prompt:])
+    queries = query[:, :, prompt:]
+    tail, _ = _attend_kept(layer, backend, kind, state, module, queries, keys, values, kwargs)
+    return torch.cat([out[0][:, :prompt], tail], 1), None
 
 
 def check_cache(state: "LayerState", cache, layer_idx: int) -> None:
@@ -93,7 +144,7 @@ def unsupported_cache(cache, kind) -> str:
     if offloaded:
         fix = ("the kept entries are few: pass no cache (nor cache_implementation='offloaded'), or offload the "
                "model's layers instead (--device_map)")
-    elif isinstance(kind, type) and issubclass(kind, (QuantizedLayer, Fp8QuantizedLayer)):
+    elif isinstance(kind, type) and issubclass(kind, QUANTIZED_LAYERS):
         fix = ("eviction quantizes the kept entries itself: pass no cache and set quant_method "
                "(configure(model, ..., quant_method='quanto' or 'hqq', nbits=...))")
     elif isinstance(kind, type) and issubclass(kind, StaticLayer):
@@ -129,12 +180,14 @@ class LayerState:
     rope: Rope | None = None
     pending: list | None = None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
     replay: Callable | None = None  # ``replay(query, key, value)`` after a pass's attention (``restkv.eviction.deferred``)
+    prompt_length: int | None = None  # the prompt of the generate() in flight (``modes``)
+    chunks: "chunked.Chunks | None" = None  # what a chunked prefill recorded (``chunked``)
 
 
-def _wrap(backend, implementation):
+def _wrap(backend, kind):
     if getattr(backend, "_restkv_wrapped", False):
         return backend
-    wrapped = functools.partial(_attention_with_eviction, backend, implementation)
+    wrapped = functools.partial(_attention_with_eviction, backend, kind)
     wrapped = functools.wraps(backend)(wrapped)
     wrapped._restkv_wrapped = True
     return wrapped
@@ -143,25 +196,38 @@ def _wrap(backend, implementation):
 def install(*modeling_modules) -> None:
     """Route sdpa / flash-attention and the given families' eager attention through restkv.
 
-    Idempotent, and a pass-through for models without an attachment.
+    Idempotent, and a pass-through for models without an attachment. Every registered backend restkv
+    attends through is wrapped: sdpa and the flash ones, hub kernels' names included (``backend_kind``).
     """
-    for name in SUPPORTED_BACKENDS[1:]:
-        backend = AttentionInterface._global_mapping.get(name)
-        if backend is not None:
-            AttentionInterface.register(name, _wrap(backend, name))
+    for name in list(AttentionInterface._global_mapping):
+        wrap_backend(name)
     for mod in modeling_modules:
         if hasattr(mod, "eager_attention_forward"):
             mod.eager_attention_forward = _wrap(mod.eager_attention_forward, "eager")
 
 
+def wrap_backend(name: str) -> None:
+    """Wrap the attention function registered as ``name`` (sdpa or a flash kernel), if not yet.
+    transformers registers a hub kernel again when it first loads it, in the first forward: each
+    layer's forward checks."""
+    backend = AttentionInterface._global_mapping.get(name)
+    kind = backend_kind(name)
+    wrapped = getattr(backend, "_restkv_wrapped", False)
+    if backend is not None and kind not in (None, "eager") and not wrapped:
+        AttentionInterface.register(name, _wrap(backend, kind))
+
+
 def _capture(module, args, kwargs):
+    wrap_backend(getattr(getattr(module, "config", None), "_attn_implementation", None))
     state = module._restkv
     state.cache = kwargs.get("cache", kwargs.get("past_key_values"))
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     check_cache(state, state.cache, module.layer_idx)
-    # only a prefill's scorers read the forward's RoPE: no capture (no kernel) per decoded token
+    # only a prefill's scorers read the forward's RoPE (a chunked prefill's every chunk): no capture (no
+    # kernel) per decoded token
     fresh = state.cache is None or state.cache.get_seq_length(module.layer_idx) == 0
-    state.rope = capture(state.embed, kwargs, hidden.shape[0]) if fresh and hidden is not None else None
+    prefill = fresh or state.chunks is not None
+    state.rope = capture(state.embed, kwargs, hidden.shape[0]) if prefill and hidden is not None else None
 
 
 def _release(module, args, kwargs, output):
@@ -199,16 +265,24 @@ class Attachment:
             self._hooks += [m.register_forward_pre_hook(_capture, with_kwargs=True),
                             m.register_forward_hook(_release, with_kwargs=True)]
         self._hooks.append(decoder_of(self.model).register_forward_hook(self._finish, with_kwargs=True))
+        if hasattr(self.model, "_prefill"):  # generate()'s prefill: chunked, evicts after the last chunk
+            prefill = self.model._prefill
+            self.model._prefill = functools.partial(chunked.chunked_prefill, self, prefill, PREFILL_LAYERS)
+        if hasattr(self.model, "generate"):  # modes checked, the prompt's length known (assisted decoding)
+            self.model.generate = functools.partial(modes.generate, self, self.model.generate)
         self.model._restkv = self
         return self
 
     def _finish(self, decoder, args, kwargs, output) -> None:
         """After a forward of the decoder: finish the deferred layers of its prefill, if any."""
+        self.finish_pending(kwargs.get("input_ids", args[0] if args else None))
+
+    def finish_pending(self, input_ids) -> None:
+        """Finish the deferred layers of the prefill of ``input_ids`` [b, n], if any."""
         if not self.pending:
             return
         (_, cache), prefills = self.pending[0], [p for p, _ in self.pending]
         del self.pending[:]  # the passes' own forwards find nothing to finish
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
         for prefill, layer, positions in finish(self.model, cache, prefills, input_ids):
             prefill.module._restkv.kept = positions
             if layer is not None:
@@ -218,6 +292,9 @@ class Attachment:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for name in ("_prefill", "generate"):
+            if name in vars(self.model):
+                delattr(self.model, name)
         for m in self.modules:
             if getattr(m, "_restkv", None) is not None:
                 del m._restkv

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache
 
+from ..compat import cache_argument
 from .attach import configure
 from .attachment import attached
 from .generation import ABSENT, eos_and_pad, full_plans, greedy_decode
@@ -125,7 +126,7 @@ def answer(model: nn.Module, cache: ContextCache, question_ids: Tensor, attentio
     model_mask = None if bool((mask == 1).all()) else mask
     cache.rewind()
     with attached(model, full_plans(model)):  # decoding reads each cache's own layers
-        out = model(input_ids=question_ids, attention_mask=model_mask, position_ids=position_ids, cache=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(input_ids=question_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=True,
+                    logits_to_keep=1, **{cache_argument(model): cache})
         first = out.logits[:, -1].float().argmax(-1).to(question_ids.device)
         return greedy_decode(model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad)[0]

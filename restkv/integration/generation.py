@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ..config import CompressionConfig
+from ..compat import cache_argument
 from ..eviction.plans import plan_layers
 
 
@@ -36,8 +37,8 @@ def greedy_decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tenso
             pos = pos + 1
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
-            logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, cache=cache,
-                           use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
+                           logits_to_keep=1, **{cache_argument(model): cache}).logits
             tok = logits[:, -1].float().argmax(-1).to(device)
         if eos is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))

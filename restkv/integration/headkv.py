@@ -40,6 +40,7 @@ from transformers.cache_utils import DynamicCache
 from ..config import CompressionConfig
 from ..data.answers import qa_f1
 from ..data.needles import NEEDLES, Haystack, Needle, make_case
+from ..compat import cache_argument
 from ..eviction.plans import plan_layers
 from ..lazy import F, torch
 from .attachment import attached
@@ -81,14 +82,15 @@ def answer_attention(model, tokenizer, ids, answer):
     stops = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     device = model.get_input_embeddings().weight.device
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([ids[:-1]], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=torch.tensor([ids[:-1]], device=device), use_cache=True, logits_to_keep=1,
+          **{cache_argument(model): cache})
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")  # the one backend that returns attention weights
     token, tokens, steps = ids[-1], [], []
     try:
         for _ in range(limit):
-            out = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True,
-                        output_attentions=True)
+            out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True, output_attentions=True,
+                        **{cache_argument(model): cache})
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
             steps.append([a[0, :, -1].float() for a in out.attentions])  # per layer [Hq, entries so far]

@@ -29,6 +29,7 @@ runs under ``torch.inference_mode`` too (the passes leave it).
 
 from __future__ import annotations
 
+from ..compat import cache_argument
 from ..knobs import GQA_AGG, Knob
 from ..lazy import torch
 from . import kvzip
@@ -72,7 +73,7 @@ def run_pass(decoder, ids, position_ids, cache, modules) -> dict:
             ids = ids.clone()  # not inference tensors: autograd saves them
             position_ids = position_ids.clone()
             embeds = decoder.get_input_embeddings()(ids).detach().requires_grad_(True)
-            decoder(inputs_embeds=embeds, position_ids=position_ids, cache=cache, use_cache=True)
+            decoder(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, **{cache_argument(decoder): cache})
             phi = last["h"].float().square().sum()
             grads = torch.autograd.grad(phi, [outputs[m] for m in modules], allow_unused=True)
     finally:

@@ -8,7 +8,7 @@ import torch
 import restkv
 from restkv.integration.context import ContextCache, answer
 from restkv.integration.sweeps import prefill_caches
-from helpers import prompt, tiny_model
+from helpers import CACHE, prompt, tiny_model
 
 KNOBS = [dict(method="snapkv"), dict(method="adakv", floor=0.0), dict(method="restkv", gqa_agg="none"),
          dict(method="restkv", decode_interval=3), dict(method="fullkv")]
@@ -28,7 +28,7 @@ def padded_context():
 
 def ask(model, cache, context, mask, question, n=8):
     ids = torch.cat([context, question], 1)
-    out = model.generate(ids, attention_mask=torch.cat([mask, torch.ones_like(question)], 1), cache=cache,
+    out = model.generate(ids, attention_mask=torch.cat([mask, torch.ones_like(question)], 1), **{CACHE(model): cache},
                          max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[:, ids.shape[1]:]
 

@@ -13,7 +13,7 @@ from restkv.cache import VarlenLayer
 from restkv.config import CompressionConfig, declared
 from restkv.eviction.plans import is_deferred
 from restkv.methods import REGISTRY
-from helpers import generate, masked_reference_logits, prompt, small, tiny_model
+from helpers import CACHE, cache_of, generate, masked_reference_logits, prompt, small, tiny_model
 
 B, W = 24, 6
 CASES = [  # (method knobs, per-head budgets)
@@ -40,10 +40,10 @@ def decode(model, ids, n, record=False):
     """Greedy decoding step by step on the configured model: logits [b, n, V] and, per step, the positions
     every layer holds (``record``), checked against nothing here."""
     out = model(ids, use_cache=True)
-    cache, logits, held = out.cache, [out.logits[:, -1]], []
+    cache, logits, held = cache_of(out), [out.logits[:, -1]], []
     for _ in range(n - 1):
         held.append([layer.stored_entries()[3] for layer in cache.layers] if record else cache)
-        out = model(logits[-1].argmax(-1, keepdim=True), cache=cache, use_cache=True)
+        out = model(logits[-1].argmax(-1, keepdim=True), use_cache=True, **{CACHE(model): cache})
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1), held, cache
 
@@ -96,16 +96,16 @@ def test_the_cache_stays_bounded_at_every_step(knobs, per_head):
     interval = 5
     restkv.configure(model, max_capacity_prompt=B, window_size=W, decode_interval=interval, **knobs)
     out = model(ids, use_cache=True)
-    cache, tok, sizes = out.cache, out.logits[:, -1:].argmax(-1), []
+    cache, tok, sizes = cache_of(out), out.logits[:, -1:].argmax(-1), []
 
     def before_attention(module, args, kwargs):  # what the layer holds once this step's entry is appended
-        layer = kwargs["cache"].layers[module.layer_idx]
+        layer = kwargs[CACHE(module)].layers[module.layer_idx]
         sizes.append(held_per_head(layer) + 1)
 
     hooks = [m.self_attn.register_forward_pre_hook(before_attention, with_kwargs=True) for m in model.model.layers]
     try:
         for _ in range(3 * interval + 2):
-            out = model(tok, cache=cache, use_cache=True)
+            out = model(tok, use_cache=True, **{CACHE(model): cache})
             tok = out.logits[:, -1:].argmax(-1)
     finally:
         for h in hooks:
@@ -136,8 +136,8 @@ def test_a_short_prompt_is_bounded_once_decoding_outgrows_the_budget():
     model = tiny_model("llama", "sdpa")
     restkv.configure(model, method="snapkv", max_capacity_prompt=B, window_size=W, decode_interval=4)
     out = model.generate(prompt(10), max_new_tokens=30, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
-    assert all(layer.keys.shape[-2] < B + 4 for layer in out.cache.layers)
-    assert out.cache.get_seq_length() == 10 + 29
+    assert all(layer.keys.shape[-2] < B + 4 for layer in cache_of(out).layers)
+    assert cache_of(out).get_seq_length() == 10 + 29
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

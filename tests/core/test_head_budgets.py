@@ -11,7 +11,7 @@ import restkv
 from restkv.strategies.budgets import adakv_budgets, headkv_budgets, load_head_importance
 from restkv.cache import VarlenLayer, held_bytes
 from restkv.cache.packed import varlen_attention
-from helpers import generate, masked_reference_logits, prompt, tiny_model
+from helpers import CACHE, cache_of, generate, masked_reference_logits, prompt, tiny_model
 
 
 def test_varlen_attention_equals_dense_per_segment():
@@ -80,8 +80,8 @@ def test_varlen_bytes_follow_the_sum_of_head_lengths():
     restkv.configure(model, method="adakv", max_capacity_prompt=32, window_size=8, floor=0.0)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                          return_dict_in_generate=True, pad_token_id=0)
-    prefilled = model(ids, use_cache=True).cache
-    for layer, after, kept in zip(out.cache.layers, prefilled.layers, restkv.kept_positions(model)):
+    prefilled = cache_of(model(ids, use_cache=True))
+    for layer, after, kept in zip(cache_of(out).layers, prefilled.layers, restkv.kept_positions(model)):
         assert isinstance(layer, VarlenLayer)
         per_head = (kept >= 0).sum(-1).flatten()  # after prefill
         assert int(per_head.sum()) == 2 * 2 * 32  # AdaKV keeps the uniform total per layer
@@ -147,7 +147,7 @@ def test_masked_layout_equals_varlen(backend):
         restkv.configure(model, method="adakv", max_capacity_prompt=24, window_size=6, floor=0.0, varlen=varlen)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
                              return_dict_in_generate=True, output_logits=True, pad_token_id=0)
-        results.append((out.sequences, torch.stack(out.logits, 1), held_bytes(out.cache.layers[0])))
+        results.append((out.sequences, torch.stack(out.logits, 1), held_bytes(cache_of(out).layers[0])))
     (seq_v, logit_v, bytes_v), (seq_m, logit_m, bytes_m) = results
     assert torch.equal(seq_v, seq_m)
     torch.testing.assert_close(logit_v, logit_m, rtol=1e-4, atol=1e-4)
@@ -161,7 +161,7 @@ def test_varlen_teacher_forcing_several_tokens_equals_masked_layout():
     for varlen in (True, False):
         restkv.configure(model, method="adakv", max_capacity_prompt=24, window_size=6, floor=0.0, varlen=varlen)
         out = model(ids[:, :80], use_cache=True)
-        logits.append(model(ids[:, 80:], cache=out.cache, use_cache=True).logits)
+        logits.append(model(ids[:, 80:], use_cache=True, **{CACHE(model): cache_of(out)}).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 

@@ -7,7 +7,7 @@ import torch
 
 import restkv
 from restkv.cache import held_bytes
-from helpers import prompt, tiny_model
+from helpers import cache_of, prompt, tiny_model
 
 pytest.importorskip("hqq", reason="the quant extra (hqq) is not installed")
 
@@ -16,7 +16,7 @@ def _run(model, ids, **knobs):
     restkv.configure(model, **knobs)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                          return_dict_in_generate=True, output_logits=True, pad_token_id=0)
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), out.cache
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), cache_of(out)
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])

@@ -125,12 +125,12 @@ def test_adaptive_pooling_reproduces_the_original_kernel_and_shift():
 def test_one_set_per_query_head_decodes_as_the_masked_full_cache(backend, knobs):
     """gqa_agg="none": each query head keeps its own entries (the original's caches), decoding exact on them."""
     import restkv
-    from helpers import generate, masked_reference_logits, prompt, tiny_model
+    from helpers import cache_of, generate, masked_reference_logits, prompt, tiny_model
 
     model = tiny_model("llama", backend)  # 6 query heads, 2 KV heads
     ids = prompt(70)
     restkv.configure(model, max_capacity_prompt=20, window_size=4, gqa_agg="none", **knobs)
-    layer = model(ids, use_cache=True).cache.layers[0]
+    layer = cache_of(model(ids, use_cache=True)).layers[0]
     assert layer.keys.shape[0] == 6 * 20  # 6 query heads x 20 entries, packed (AdaKV: 20 on average)
     tokens, logits = generate(model, ids, n=5)
     kept = restkv.kept_positions(model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers.cache_utils as cache_utils
 from transformers.cache_utils import DynamicCache, QuantizedCache, StaticCache
 
 import restkv
@@ -57,7 +58,9 @@ STATIC = "do not set cache_implementation='static'"
     (lambda m: QuantizedCache("hqq", m.config), QUANT),
     (lambda m: QuantizedCache("fp8", m.config), QUANT),
 ], ids=["static", "quanto", "hqq", "fp8"])
-def test_caches_that_cannot_be_evicted_into_are_refused_before_prefill(make, what):
+def test_caches_that_cannot_be_evicted_into_are_refused_before_prefill(make, what, request):
+    if request.node.callspec.id == "fp8" and not hasattr(cache_utils, "Fp8QuantizedLayer"):
+        pytest.skip("this transformers has no fp8 quantized cache (5.17)")
     model = _model()
     generate(model, prompt(60))  # an earlier run's kept positions must not linger
     cache = make(model)
