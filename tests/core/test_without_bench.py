@@ -35,7 +35,8 @@ from helpers import prompt, small, tiny_model
 
 model = tiny_model("llama", "sdpa")
 ids = prompt(90)
-table = {{f"{{layer}}-{{head}}": [0.1 * (head + 1) + layer] for layer in range(3) for head in range(4)}}
+layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+table = {{f"{{layer}}-{{head}}": [0.1 * (head + 1) + layer] for layer in range(layers) for head in range(heads)}}
 with open({table!r}, "w") as fh:
     json.dump(table, fh)
 done = []
