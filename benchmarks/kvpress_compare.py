@@ -154,6 +154,8 @@ PAIRS = (
     Pair("LagKV", dict(method="lagkv", window_size=1), press("LagKVPress", compression_ratio=RATIO)),
     Pair("NonCausalAttn", dict(method="noncausal", window_size=1),
          press("NonCausalAttnPress", compression_ratio=RATIO)),
+    # the blend of the two rows above (blending: the compression ratio in both), with Leverage's sketch draw
+    Pair("Compactor", dict(method="compactor", window_size=1), press("CompactorPress", compression_ratio=RATIO)),
     # content-dependent kept sets (no compression_ratio): restkv's budget set far above the prompt caps nothing
     Pair("QFilter", dict(method="qfilter", window_size=1), press("QFilterPress", compression_ratio=RATIO)),
     Pair("SimLayerKV", dict(method="simlayerkv", window_size=1, n_recent=256, max_capacity_prompt=UNCAPPED),
