@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import (cam, compactor, cur, defensivekv, expected_attention, finch, h2o, keydiff, kvcompose, kvgrad,
-               kvzip, l2norm, lacache, lagkv, leverage, noncausal, qfilter, random, restkv, simlayerkv, snapkv,
-               streamingllm, tova)
+from . import (cam, compactor, cur, defensivekv, expected_attention, finch, h2o, keydiff,
+               kvcompose, kvgrad, kvzip, l2norm, lacache, lagkv, leverage, noncausal, qfilter,
+               random, restkv, simlayerkv, snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,9 @@ from . import leverage, noncausal, streamingllm
 KNOBS = (
     *leverage.KNOBS,
     *noncausal.KNOBS,
-    streamingllm.KNOBS[0].but(default=8, help="first tokens always kept and left out of the scores"),
+    streamingllm.KNOBS[0].but(
+        default=8, help="first tokens always kept and left out of the scores"
+    ),
     Knob(
         "recent_tokens",
         4,
@@ -62,15 +64,23 @@ def sinks(obs, count: int) -> "torch.Tensor":
 
 
 def middle(obs, cfg):
-    """The observation of the entries before the last ``recent_tokens``, its sinks made padding (so the
-    entries it holds are still left padded), no window, a memo of its own."""
+    """The observation of the entries before the last ``recent_tokens``, its sinks made padding
+    (so the entries it holds are still left padded), no window, a memo of its own."""
     n = obs.keys.shape[2]
     cut = max(1, n - cfg.recent_tokens)
     queries = obs.queries[:, :, : max(0, obs.queries.shape[2] - (n - cut))]
     held = ~sinks(obs, cfg.sink_tokens)[:, :cut]
     head_valid = None if obs.head_valid is None else obs.head_valid[..., :cut] & held[:, None]
-    return replace(obs, queries=queries, keys=obs.keys[:, :, :cut], values=obs.values[:, :, :cut],
-                   key_valid=obs.key_valid[:, :cut] & held, head_valid=head_valid, window=0, memo={})
+    return replace(
+        obs,
+        queries=queries,
+        keys=obs.keys[:, :, :cut],
+        values=obs.values[:, :, :cut],
+        key_valid=obs.key_valid[:, :cut] & held,
+        head_valid=head_valid,
+        window=0,
+        memo={},
+    )
 
 
 def blending(obs, cfg) -> "torch.Tensor | float":
@@ -82,7 +92,8 @@ def blending(obs, cfg) -> "torch.Tensor | float":
 
 
 def score(obs, cfg):
-    """``blending * leverage + attention`` of the middle entries, the others above them -> [b, Hkv, P]."""
+    """``blending * leverage + attention`` of the middle entries, the others above them
+    -> [b, Hkv, P]."""
     n = obs.keys.shape[2]
     P = obs.prefix_len
     inner = middle(obs, cfg)

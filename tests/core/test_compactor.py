@@ -1,5 +1,6 @@
-"""Compactor (kvpress 0.5.5's ``CompactorPress``) against a float64 loop of its blend: the leverage and
-non-causal attention loops run on the tokens between the protected ones, blended, the protected tokens above."""
+"""Compactor (kvpress 0.5.5's ``CompactorPress``) against a float64 loop of its blend: the leverage
+and non-causal attention loops run on the tokens between the protected ones, blended, the protected
+tokens above."""
 
 from __future__ import annotations
 
@@ -8,10 +9,24 @@ import torch
 from test_methods_kvpress import case, check, leverage_loops, noncausal_loops, scores_of
 
 
-def compactor_loops(q, k, v, pos, P, budget, sinks=8, recent=4, dimension=48, seed=0, layer=1, size=256,
-                    blending=None):
-    """[b, Hkv, P] float64: ``blending * leverage + attention`` of the unprotected real tokens (each
-    loop's statistics over them alone), the protected tokens at the sample's largest score plus 1."""
+def compactor_loops(
+    q,
+    k,
+    v,
+    pos,
+    P,
+    budget,
+    sinks=8,
+    recent=4,
+    dimension=48,
+    seed=0,
+    layer=1,
+    size=256,
+    blending=None,
+):
+    """[b, Hkv, P] float64: ``blending * leverage + attention`` of the unprotected real tokens
+    (each loop's statistics over them alone), the protected tokens at the sample's largest score
+    plus 1."""
     b, _, n, _ = k.shape
     inner = pos.clone()
     for i in range(b):
@@ -32,17 +47,25 @@ def compactor_loops(q, k, v, pos, P, budget, sinks=8, recent=4, dimension=48, se
     return out
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(),
-    dict(blending=0.35, attention_chunk=7, sketch_dimension=5, sketch_seed=3),
-    dict(sink_tokens=0, recent_tokens=0, attention_chunk=16),
-    dict(sink_tokens=3, recent_tokens=6, blending=2.0),
-])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(),
+        dict(blending=0.35, attention_chunk=7, sketch_dimension=5, sketch_seed=3),
+        dict(sink_tokens=0, recent_tokens=0, attention_chunk=16),
+        dict(sink_tokens=3, recent_tokens=6, blending=2.0),
+    ],
+)
 def test_compactor_equals_float64_loops(knobs):
     obs, q, k, v, pos = case(n=36, pad=(0, 5), window=2)
     got = scores_of(obs, method="compactor", **knobs)
     ref = compactor_loops(
-        q, k, v, pos, obs.prefix_len, obs.budget,
+        q,
+        k,
+        v,
+        pos,
+        obs.prefix_len,
+        obs.budget,
         sinks=knobs.get("sink_tokens", 8),
         recent=knobs.get("recent_tokens", 4),
         dimension=knobs.get("sketch_dimension", 48),
@@ -55,12 +78,13 @@ def test_compactor_equals_float64_loops(knobs):
 
 
 def test_the_default_blending_follows_the_budget():
-    """blending=None is the compression ratio: the scores change with the budget, and equal the explicit
-    ratio's."""
+    """blending=None is the compression ratio: the scores change with the budget, and equal the
+    explicit ratio's."""
     obs, *_ = case(n=36, pad=(0, 0), window=2)
     ratio = 1 - obs.budget / 36
-    torch.testing.assert_close(scores_of(obs, method="compactor"),
-                               scores_of(obs, method="compactor", blending=ratio))
+    torch.testing.assert_close(
+        scores_of(obs, method="compactor"), scores_of(obs, method="compactor", blending=ratio)
+    )
     wide = scores_of(obs, method="compactor")
     obs.budget = 30
     obs.memo.clear()
