@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate, prompt, tiny_model
+from helpers import generate, masked_reference_logits, prompt, tiny_model
+from test_decode_eviction import decode
 
 import restkv
 from restkv.config import CompressionConfig
@@ -68,3 +69,24 @@ def test_bad_layer_ratios_are_refused_before_any_work(knobs, message):
     model = tiny_model()
     with pytest.raises(ValueError, match=message):
         restkv.configure(model, method="snapkv", window_size=WINDOW, **knobs)
+
+
+def test_decoding_keeps_each_layer_within_its_own_budget():
+    """With ``decode_interval``, each layer is cut back to its own budget (held <= budget + interval),
+    and the logits are the full cache's masked to what each layer holds."""
+    model = tiny_model("llama", "eager", seed=3)
+    ids = torch.cat([prompt(50, seed=1), prompt(50, seed=2)])
+    restkv.configure(
+        model, method="snapkv", window_size=6, decode_interval=4, layer_ratios="0.5,0.25,0.7"
+    )
+    logits, held, _ = decode(model, ids, 14, record=True)
+    budgets = torch.tensor([25, 37, 15])  # int(50 (1 - r))
+    lengths = torch.stack(
+        [torch.stack([(p >= 0).sum(-1) for p in step]) for step in held]
+    )  # [steps, layers, b, H]
+    assert (lengths <= budgets[None, :, None, None] + 4).all()
+    assert (
+        lengths.amin((0, 2, 3)) == budgets
+    ).all()  # each layer back at its budget after an eviction
+    ref = masked_reference_logits(model, ids, held, 14)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
