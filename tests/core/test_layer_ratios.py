@@ -72,8 +72,8 @@ def test_bad_layer_ratios_are_refused_before_any_work(knobs, message):
 
 
 def test_decoding_keeps_each_layer_within_its_own_budget():
-    """With ``decode_interval``, each layer is cut back to its own budget (held <= budget + interval),
-    and the logits are the full cache's masked to what each layer holds."""
+    """With ``decode_interval``, each layer is cut back to its own budget (held <= budget +
+    interval), and the logits are the full cache's masked to what each layer holds."""
     model = tiny_model("llama", "eager", seed=3)
     ids = torch.cat([prompt(50, seed=1), prompt(50, seed=2)])
     restkv.configure(
