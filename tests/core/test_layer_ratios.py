@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate, masked_reference_logits, prompt, tiny_model
+from helpers import (
+    generate,
+    masked_reference_logits,
+    prompt,
+    sweep_equals_separate_runs,
+    tiny_model,
+)
 from test_decode_eviction import decode
 
 import restkv
@@ -90,3 +96,13 @@ def test_decoding_keeps_each_layer_within_its_own_budget():
     ).all()  # each layer back at its budget after an eviction
     ref = masked_reference_logits(model, ids, held, 14)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_sweep_mode_equals_configure_and_generate():
+    model = tiny_model()
+    configs = [
+        dict(method="snapkv", window_size=WINDOW, layer_ratios="0.5,0.25,0.95"),
+        dict(method="snapkv", window_size=WINDOW, max_capacity_prompt=30),
+        dict(method="compactor", window_size=WINDOW, layer_ratios="40,20,12"),
+    ]
+    sweep_equals_separate_runs(model, prompt(N), configs, 4)
