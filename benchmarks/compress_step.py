@@ -42,7 +42,7 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "l2norm", "expected_attention", "keydiff", "criticalkv", "criticalkv:value_norm=l2", "critical_adakv",
                    "chunkkv", "defensivekv", "tova", "lacache", "random", "snapkv:refine_rounds=2", "snapkv:refine_rounds=8",
                    "restkv:refine_rounds=8", "restkv:refine_rounds=2,refine_pool=16", "adakv:refine_rounds=8",
-                   "cur", "leverage", "lagkv", "noncausal", "simlayerkv",
+                   "cur", "leverage", "lagkv", "noncausal", "compactor", "simlayerkv",
                    "noncausal:head_budget=threshold,threshold=0.0", "qfilter",
                    "finch", "entropy_gated_chunkkv"]
 

@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 RATIO = "<compression_ratio>"
 # presses that draw from torch's global random state at every call (a Gaussian sketch): each runs on its own
 # prefill, after torch.manual_seed(0), since a shared prefill interleaves the draws of several presses
-UNSEEDED = {"LeverageScorePress"}
+UNSEEDED = {"LeverageScorePress", "CompactorPress"}  # CompactorPress holds a LeverageScorePress
 
 
 def press(name: str, attributes: dict | None = None, **args) -> dict:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from ..strategies.budgets import headkv_budgets, load_head_importance
+from ..strategies.budgets import check_layers, headkv_budgets, load_head_importance
 from ..config import CompressionConfig
 from ..strategies.think import pruned_channels
 
@@ -115,6 +115,7 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig, head_importance: str |
                          "sliding-window (it evicts among the window's entries at prefill)")
     if cfg.evicts:
         cfg.scorer.check_layers(cfg, len(evicted))
+        check_layers(cfg, len(evicted))
         cfg.scorer.check_model(cfg, model)
     if cfg.get("pruning_ratio") is not None:
         pruned_channels(cfg.pruning_ratio, modules[0].head_dim)

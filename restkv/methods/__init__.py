@@ -25,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import (cam, cur, defensivekv, expected_attention, finch, h2o, keydiff, kvcompose, kvgrad, kvzip, l2norm,
-               lacache, lagkv, leverage, noncausal, qfilter, random, restkv, simlayerkv, snapkv, streamingllm, tova)
+from . import (cam, compactor, cur, defensivekv, expected_attention, finch, h2o, keydiff,
+               kvcompose, kvgrad, kvzip, l2norm, lacache, lagkv, leverage, noncausal, qfilter,
+               random, restkv, simlayerkv, snapkv, streamingllm, tova)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ REGISTRY = _register(
     Method("leverage", leverage),
     Method("lagkv", lagkv),
     Method("noncausal", noncausal),
+    Method("compactor", compactor),
     Method("simlayerkv", simlayerkv, {"head_budget": "threshold", "threshold": 0.5}),
     Method("dms", kvzip, _DMS),
     Method("qfilter", qfilter),

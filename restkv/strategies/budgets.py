@@ -14,6 +14,12 @@ scores lose everywhere keeps its window only. Inside a layer the heads split the
 says (AdaKV's split without a floor, ``head_budget`` is not read), in the packed per-head layout. The
 selection waits for every layer's prefill (``restkv.eviction.deferred``); the full cache is held until then.
 This is Layer-DefensiveKV's allocation and KVzip's non-layerwise one.
+
+``layer_ratios`` (kvpress's ``PerLayerCompressionPress``) gives each evicted layer its own budget,
+in place of ``max_capacity_prompt``: comma-separated compression ratios in [0, 1) (a layer of L
+prompt tokens keeps ``int(L (1 - r))``, as kvpress, L with padding in a batch; at least
+``window_size + 1``, at most L) or budgets (integers above ``window_size``, window included), one
+per evicted layer.
 """
 
 from __future__ import annotations
@@ -51,6 +57,12 @@ KNOBS = (
          when={"head_budget": ("headkv",)}),
     Knob("headkv_beta", 1.2, "HeadKV: each head keeps B - B // headkv_beta, the rest is shared by importance",
          check=lambda b: b > 1.0, rule="> 1", when={"head_budget": ("headkv",)}),
+    Knob("layer_ratios", None, "a budget per evicted layer instead of max_capacity_prompt: "
+         "comma-separated compression ratios in [0, 1) (a layer keeps int(L (1 - r)) of L tokens) "
+         "or budgets (integers), one per layer (kvpress's PerLayerCompressionPress)",
+         check=lambda t: _parsed(t) is not None,
+         rule="comma-separated numbers, all ratios in [0, 1) or all integers >= 1",
+         when={"layer_budget": ("uniform",)}),
     Knob("varlen", True, "per-head budgets: pack each head's entries (memory = the sum of head lengths); false: "
          "pad to the longest head and mask", when={"head_budget": PER_HEAD}),
 )
@@ -67,8 +79,51 @@ def check(values: dict) -> None:
         raise ValueError("head_budget='threshold' needs threshold=VALUE (entries scoring below it are evicted)")
     if values.get("head_budget") == "headkv" and values.get("max_capacity_prompt_ratio") is not None:
         raise ValueError("head_budget='headkv' needs max_capacity_prompt (its table is sized by it), not a ratio")
+    given = values.get("layer_ratios")
+    if given is not None:
+        _check_layer_ratios(values, _parsed(given))
     if values.get("gqa_agg") == "none" and (values.get("head_budget") == "headkv" or values.get("varlen") is False):
         raise ValueError("gqa_agg='none' (one set per query head) works with head_budget uniform or adakv, varlen=True")
+
+
+def _parsed(text: str) -> list | None:
+    """``layer_ratios`` as numbers: ints (budgets) or floats in [0, 1) (ratios); None if neither."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    if all("." not in part and "e" not in part.lower() for part in text.split(",")):
+        return [int(v) for v in values] if all(v >= 1 for v in values) else None
+    return values if all(0 <= v < 1 for v in values) else None
+
+
+def _check_layer_ratios(values: dict, given: list) -> None:
+    if values.get("max_capacity_prompt_ratio") is not None:
+        raise ValueError("layer_ratios sets every layer's budget: "
+                         "max_capacity_prompt_ratio must be None with it")
+    if values.get("head_budget") == "headkv":
+        raise ValueError("head_budget='headkv' needs max_capacity_prompt (its table is sized "
+                         "by it), not layer_ratios")
+    window = values["window_size"]
+    if isinstance(given[0], int) and min(given) <= window:
+        raise ValueError(f"layer_ratios: each layer's budget must be larger than window_size "
+                         f"({window}), got {min(given)}")
+
+
+def check_layers(values: dict, num_layers: int) -> None:
+    """``layer_ratios`` names one value per evicted layer (run by ``configure`` on the model)."""
+    given = values.get("layer_ratios")
+    if given is not None and len(_parsed(given)) != num_layers:
+        raise ValueError(f"layer_ratios must give one value per evicted layer ({num_layers}), "
+                         f"got {len(_parsed(given))}")
+
+
+def ratio_budgets(cfg, prompt_len: int) -> list[int]:
+    """``layer_ratios``' budget of each evicted layer for ``prompt_len`` tokens (window in it)."""
+    values = _parsed(cfg.layer_ratios)
+    if isinstance(values[0], float):
+        values = [int(prompt_len * (1 - r)) for r in values]
+    return [min(prompt_len, max(cfg.window_size + 1, v)) for v in values]
 
 
 def fits(cfg, length: int, budget: int) -> bool:
@@ -106,6 +161,8 @@ def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prom
 def layer_budgets(cfg, num_layers: int, prompt_len: int, budget: int | None = None) -> list[int]:
     """Budget of each evicted layer for a prompt of ``prompt_len`` tokens (``budget``: the config's by default)."""
     budget = cfg.max_capacity_prompt if budget is None else budget
+    if cfg.get("layer_ratios") is not None:
+        return ratio_budgets(cfg, prompt_len)
     if cfg.get("layer_budget") == "pyramid":
         return pyramid_budgets(budget, cfg.window_size, num_layers, cfg.beta, prompt_len)
     return [budget] * num_layers
@@ -115,6 +172,8 @@ def sample_budgets(cfg, real_lengths) -> list[int]:
     """The budget of each sample: the config's, or ``round(L * max_capacity_prompt_ratio)`` of its real
     length L (Python's rounding, as the original; at least ``window_size + 1``)."""
     ratio = cfg.get("max_capacity_prompt_ratio")
+    if cfg.get("layer_ratios") is not None:  # the smallest layer's: all are kept when it holds them
+        return [min(ratio_budgets(cfg, int(n))) for n in real_lengths]
     if ratio is None:
         return [cfg.max_capacity_prompt] * len(real_lengths)
     return [max(cfg.window_size + 1, round(int(n) * ratio)) for n in real_lengths]
