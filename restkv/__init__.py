@@ -17,9 +17,22 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it (imported on first use: it imports torch and transformers)
 _LAZY = {
-    **dict.fromkeys(("configure", "compressing", "detach", "install", "kept_positions", "replace_gemma",
-                     "replace_gemma2", "replace_gemma3", "replace_llama", "replace_mistral", "replace_qwen2"),
-                    "integration.attach"),
+    **dict.fromkeys(
+        (
+            "configure",
+            "compressing",
+            "detach",
+            "install",
+            "kept_positions",
+            "replace_gemma",
+            "replace_gemma2",
+            "replace_gemma3",
+            "replace_llama",
+            "replace_mistral",
+            "replace_qwen2",
+        ),
+        "integration.attach",
+    ),
     "memory_report": "cache",
     "sweep": "integration.sweeps",
     "sweep_caches": "integration.sweeps",

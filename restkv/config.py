@@ -22,20 +22,56 @@ _QUANTIZED = {"quant_method": tuple(QUANT_BITS)}
 
 # Read by every run (fullkv ignores the budget and window).
 GENERAL = (
-    Knob("max_capacity_prompt", 512, "entries kept per KV head per layer after prefill (the budget B), window "
-         "included", check=lambda b: b >= 1, rule=">= 1 and larger than window_size",
-         when={"max_capacity_prompt_ratio": (None,)}),
-    Knob("max_capacity_prompt_ratio", None, "the budget as a fraction of each sample's prompt instead: "
-         "round(L * ratio) entries (window included, at least window_size + 1)", check=lambda r: 0 < r <= 1,
-         rule="in (0, 1]", nullable=True, of=float),
-    Knob("window_size", 32, "the last prompt tokens: always kept, and their queries observe the prefix",
-         check=lambda w: w >= 1, rule=">= 1"),
-    Knob("quant_method", None, "hold the kept entries in transformers' quantized cache layer: quanto (2/4 "
-         "bits) or hqq (1/2/3/4/8 bits); none: full precision", choices=tuple(QUANT_BITS), nullable=True),
+    Knob(
+        "max_capacity_prompt",
+        512,
+        "entries kept per KV head per layer after prefill (the budget B), window included",
+        check=lambda b: b >= 1,
+        rule=">= 1 and larger than window_size",
+        when={"max_capacity_prompt_ratio": (None,)},
+    ),
+    Knob(
+        "max_capacity_prompt_ratio",
+        None,
+        "the budget as a fraction of each sample's prompt instead: "
+        "round(L * ratio) entries (window included, at least window_size + 1)",
+        check=lambda r: 0 < r <= 1,
+        rule="in (0, 1]",
+        nullable=True,
+        of=float,
+    ),
+    Knob(
+        "window_size",
+        32,
+        "the last prompt tokens: always kept, and their queries observe the prefix",
+        check=lambda w: w >= 1,
+        rule=">= 1",
+    ),
+    Knob(
+        "quant_method",
+        None,
+        "hold the kept entries in transformers' quantized cache layer: quanto (2/4 "
+        "bits) or hqq (1/2/3/4/8 bits); none: full precision",
+        choices=tuple(QUANT_BITS),
+        nullable=True,
+    ),
     Knob("nbits", 4, "bits per quantized key/value element", when=_QUANTIZED),
-    Knob("residual_length", 32, "decoded entries kept in full precision before they are quantized in one go",
-         check=lambda n: n >= 0, rule=">= 0", when=_QUANTIZED),
-    Knob("q_group_size", 64, "quantization group size", check=lambda n: n >= 1, rule=">= 1", when=_QUANTIZED),
+    Knob(
+        "residual_length",
+        32,
+        "decoded entries kept in full precision before they are quantized in one go",
+        check=lambda n: n >= 0,
+        rule=">= 0",
+        when=_QUANTIZED,
+    ),
+    Knob(
+        "q_group_size",
+        64,
+        "quantization group size",
+        check=lambda n: n >= 1,
+        rule=">= 1",
+        when=_QUANTIZED,
+    ),
 ) + think.KNOBS
 # read by every method that evicts
 EVICTION = tuple(knob for strategy in STRATEGIES for knob in strategy.KNOBS)
@@ -47,8 +83,17 @@ for _part in (*STRATEGIES, *(m.module for m in REGISTRY.values())):
 # Named knob sets. "paper": ReST-KV exactly as published (ICLR 2026 paper and its code).
 PRESETS = {
     "paper": dict(
-        method="restkv", indicator="reconstruction", window_size=32, kernel_size=5, pooling="adaptive", scale=2000.0,
-        temporal="ema", alpha=0.3, metric_mode="after", use_wo=True, tau=1.0,
+        method="restkv",
+        indicator="reconstruction",
+        window_size=32,
+        kernel_size=5,
+        pooling="adaptive",
+        scale=2000.0,
+        temporal="ema",
+        alpha=0.3,
+        metric_mode="after",
+        use_wo=True,
+        tau=1.0,
     ),
 }
 
@@ -97,7 +142,9 @@ class Knobs(Mapping):
         try:
             return self._values[name]
         except KeyError:
-            raise AttributeError(f"{name} is not read by this config (its knobs: {', '.join(self._values)})") from None
+            raise AttributeError(
+                f"{name} is not read by this config (its knobs: {', '.join(self._values)})"
+            ) from None
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is frozen")
@@ -115,7 +162,9 @@ class Knobs(Mapping):
         return hash(tuple(sorted(self._values.items(), key=lambda kv: kv[0])))
 
     def __eq__(self, other):
-        return isinstance(other, Knobs) and type(self) is type(other) and self._values == other._values
+        return (
+            isinstance(other, Knobs) and type(self) is type(other) and self._values == other._values
+        )
 
     def __repr__(self):
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
@@ -187,15 +236,21 @@ def _check_choice(name, value, choices):
 
 def _unalias(kwargs: dict) -> tuple[dict, dict]:
     """Knobs with every alias replaced by its knob, and {knob: the alias it was given as}."""
-    out, given_as = dict(kwargs), {}
+    out = dict(kwargs)
+    given_as = {}
     for old, (new, mapping) in ALIASES.items():
         if old in out:
             if new in out:
-                raise ValueError(f"{old} and {new} are one knob ({old} is its other name); give one of them")
+                raise ValueError(
+                    f"{old} and {new} are one knob ({old} is its other name); give one of them"
+                )
             value = out.pop(old)
             if value not in mapping:
-                raise ValueError(f"{old} must be one of {', '.join(map(str, mapping))}; got {value!r}")
-            out[new], given_as[new] = mapping[value], old
+                raise ValueError(
+                    f"{old} must be one of {', '.join(map(str, mapping))}; got {value!r}"
+                )
+            out[new] = mapping[value]
+            given_as[new] = old
     return out, given_as
 
 
@@ -209,12 +264,18 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
     preset = given.pop("preset", None) if preset is None else preset
     unknown = sorted(set(given) - _known()) + sorted(set(defaults) - _known())
     if unknown:
-        raise ValueError(f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(sorted(_known()))}")
+        raise ValueError(
+            f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(sorted(_known()))}"
+        )
     for name in filter(None, (preset, default_preset)):
         _check_choice("preset", name, tuple(PRESETS))
-    method = given.get("method", PRESETS[preset]["method"] if preset else defaults.get("method", "restkv"))
+    method = given.get(
+        "method", PRESETS[preset]["method"] if preset else defaults.get("method", "restkv")
+    )
     if preset and PRESETS[preset]["method"] != method:
-        raise ValueError(f"preset {preset!r} holds {PRESETS[preset]['method']}'s knobs; method is {method}")
+        raise ValueError(
+            f"preset {preset!r} holds {PRESETS[preset]['method']}'s knobs; method is {method}"
+        )
     if default_preset and PRESETS[default_preset]["method"] == method and not preset:
         preset = default_preset  # a runner's --preset reaches the configs of its method only
     base = {**(_unalias(PRESETS[preset])[0] if preset else {}), **defaults}
@@ -226,7 +287,9 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
 
     for name in given:
         if name != "method" and name not in knobs:
-            raise ValueError(f"{called(name)} is not a knob of method {method} (its knobs: {', '.join(knobs)})")
+            raise ValueError(
+                f"{called(name)} is not a knob of method {method} (its knobs: {', '.join(knobs)})"
+            )
     values = {name: knob.default for name, knob in knobs.items()}
     values.update({k: v for k, v in base.items() if k in knobs})
     values.update({k: v for k, v in given.items() if k != "method"})
@@ -241,7 +304,9 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
     current = {k: values[k] for k in read}
     for name in given:
         if name in knobs and name not in read:
-            raise ValueError(f"{called(name)} is read by method {method} only when {knobs[name].condition(current)}")
+            raise ValueError(
+                f"{called(name)} is read by method {method} only when {knobs[name].condition(current)}"
+            )
     values = {"method": method, **{k: values[k] for k in knobs if k in read}}
     if REGISTRY[method].evicts:
         _check_general(values)
@@ -258,8 +323,10 @@ def _no_check(values: dict) -> None:
 
 def _check_general(values: dict) -> None:
     if "max_capacity_prompt" in values and values["window_size"] >= values["max_capacity_prompt"]:
-        raise ValueError(f"window_size ({values['window_size']}) must be smaller than max_capacity_prompt "
-                         f"({values['max_capacity_prompt']}): the budget holds the window and at least one more entry")
+        raise ValueError(
+            f"window_size ({values['window_size']}) must be smaller than max_capacity_prompt "
+            f"({values['max_capacity_prompt']}): the budget holds the window and at least one more entry"
+        )
 
 
 def _check_quant(values: dict) -> None:
@@ -267,15 +334,22 @@ def _check_quant(values: dict) -> None:
     if method is None:
         return
     if values.get("pruning_ratio") is not None:
-        raise ValueError("pruning_ratio (ThinK) holds its own key layout: quant_method must be none with it")
+        raise ValueError(
+            "pruning_ratio (ThinK) holds its own key layout: quant_method must be none with it"
+        )
     _check_choice("nbits", values["nbits"], QUANT_BITS[method])
     if values.get("head_budget", "uniform") != "uniform" and values.get("varlen"):
         raise ValueError("quant_method needs head_budget='uniform' (or varlen=False)")
     if values.get("gqa_agg") == "none":
         raise ValueError("quant_method needs per-KV-head sets: gqa_agg other than 'none'")
     module, package = QUANT_PACKAGES[method]
-    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
-        raise ValueError(f"quant_method={method!r} needs the {package} package: pip install {package}")
+    if (
+        importlib.util.find_spec(module.split(".")[0]) is None
+        or importlib.util.find_spec(module) is None
+    ):
+        raise ValueError(
+            f"quant_method={method!r} needs the {package} package: pip install {package}"
+        )
 
 
 def knob_table() -> str:

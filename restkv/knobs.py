@@ -69,8 +69,11 @@ class Knob:
     def condition(self, values: dict | None = None) -> str:
         """The ``when`` clause in words (``"pooling is adaptive"``); given ``values``, only its unmet parts."""
         parts = [(k, v) for k, v in self.when if values is None or values.get(k) not in v]
-        return " and ".join(f"{k} is {' or '.join(map(str, v))}" + ("" if values is None else f" (not {values.get(k)!r})")
-                            for k, v in parts)
+        return " and ".join(
+            f"{k} is {' or '.join(map(str, v))}"
+            + ("" if values is None else f" (not {values.get(k)!r})")
+            for k, v in parts
+        )
 
     def validate(self, value):
         """The value, checked (ints accepted for floats); raises ``ValueError`` naming the knob."""
@@ -79,11 +82,19 @@ class Knob:
         kind = self.kind
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if kind is bool and not isinstance(value, bool) or kind is not bool and (
-                isinstance(value, bool) or not isinstance(value, kind)):
-            raise ValueError(f"{self.name} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}")
+        if (
+            kind is bool
+            and not isinstance(value, bool)
+            or kind is not bool
+            and (isinstance(value, bool) or not isinstance(value, kind))
+        ):
+            raise ValueError(
+                f"{self.name} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}"
+            )
         if self.choices and value not in self.choices:
-            raise ValueError(f"{self.name} must be one of {', '.join(map(str, self.choices))}; got {value!r}")
+            raise ValueError(
+                f"{self.name} must be one of {', '.join(map(str, self.choices))}; got {value!r}"
+            )
         if self.check is not None and not self.check(value):
             raise ValueError(f"{self.name} must be {self.rule}, got {value!r}")
         return value
@@ -95,13 +106,35 @@ def positive(x) -> bool:
 
 # Knobs read by several methods (a method may change the default with ``.but(default=...)``).
 POOLINGS = ("avgpool", "maxpool", "none")
-POOLING = Knob("pooling", "none", "spatial smoothing of the scores over neighbouring positions", choices=POOLINGS)
-KERNEL_SIZE = Knob("kernel_size", 7, "odd width of the pooling window", check=lambda k: k >= 1 and k % 2 == 1,
-                   rule="an odd integer >= 1", when={"pooling": ("avgpool", "maxpool", "adaptive")})
-GQA_AGG = Knob("gqa_agg", "mean", "reduction of per-query-head scores over a GQA group: mean, max, the scale-free "
-               "sum_norm (each head's scores over their sum) and rank (each head's ranks), or none: one kept set "
-               "per query head, as the original (g times the memory)",
-               choices=("mean", "max", "sum_norm", "rank", "none"), stage="select")
+POOLING = Knob(
+    "pooling",
+    "none",
+    "spatial smoothing of the scores over neighbouring positions",
+    choices=POOLINGS,
+)
+KERNEL_SIZE = Knob(
+    "kernel_size",
+    7,
+    "odd width of the pooling window",
+    check=lambda k: k >= 1 and k % 2 == 1,
+    rule="an odd integer >= 1",
+    when={"pooling": ("avgpool", "maxpool", "adaptive")},
+)
+GQA_AGG = Knob(
+    "gqa_agg",
+    "mean",
+    "reduction of per-query-head scores over a GQA group: mean, max, the scale-free "
+    "sum_norm (each head's scores over their sum) and rank (each head's ranks), or none: one kept set "
+    "per query head, as the original (g times the memory)",
+    choices=("mean", "max", "sum_norm", "rank", "none"),
+    stage="select",
+)
 VALUE_NORMS = ("l1", "l2")
-VALUE_NORM = Knob("value_norm", "l1", "norm of the values after the head's slice of o_proj: l1 (the reference) or "
-                  "l2 (exact from a d x d factor, hidden / d times cheaper)", choices=VALUE_NORMS, stage="select")
+VALUE_NORM = Knob(
+    "value_norm",
+    "l1",
+    "norm of the values after the head's slice of o_proj: l1 (the reference) or "
+    "l2 (exact from a d x d factor, hidden / d times cheaper)",
+    choices=VALUE_NORMS,
+    stage="select",
+)

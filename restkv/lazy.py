@@ -12,8 +12,18 @@ import importlib
 import importlib.util
 
 # module -> the extra of ``setup.py`` that installs it (``pip install -e '.[bench]'``)
-EXTRAS = {"jieba": "bench", "rouge": "bench", "rouge_score": "bench", "fuzzywuzzy": "bench", "wonderwords": "bench",
-          "matplotlib": "bench", "nbclient": "bench", "hqq": "quant", "optimum": "quant", "flash_attn": "flash"}
+EXTRAS = {
+    "jieba": "bench",
+    "rouge": "bench",
+    "rouge_score": "bench",
+    "fuzzywuzzy": "bench",
+    "wonderwords": "bench",
+    "matplotlib": "bench",
+    "nbclient": "bench",
+    "hqq": "quant",
+    "optimum": "quant",
+    "flash_attn": "flash",
+}
 
 
 class MissingExtra(ModuleNotFoundError):
@@ -27,8 +37,11 @@ def missing_extra(*modules: str, needed_by: str = "this") -> MissingExtra | None
         return None
     extras = sorted({EXTRAS.get(m.split(".")[0], "bench") for m in absent})
     names = "".join(f"[{e}]" for e in extras).replace("][", ",")
-    return MissingExtra(f"{needed_by} needs {', '.join(absent)}, of restkv's {' and '.join(extras)} extra: "
-                        f"pip install -e '.{names}' (in a clone) or pip install 'restkv{names}'", name=absent[0])
+    return MissingExtra(
+        f"{needed_by} needs {', '.join(absent)}, of restkv's {' and '.join(extras)} extra: "
+        f"pip install -e '.{names}' (in a clone) or pip install 'restkv{names}'",
+        name=absent[0],
+    )
 
 
 def require(*modules: str, needed_by: str = "this") -> None:

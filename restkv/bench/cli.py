@@ -15,6 +15,7 @@ SETTINGS = {"attn_implementation": "sdpa", "dtype": "float32"}
 
 def typed(convert, name):
     """``convert`` (an argparse ``type``) marked with the type name that ``--help`` shows."""
+
     def parse(text):
         return convert(text)
 
@@ -33,14 +34,29 @@ def _type_name(action):
 
 # Example values for ``--help`` of flags without a default worth showing, by destination.
 EXAMPLES = {
-    "max_length": "4096", "offload_folder": "offload", "pruning_ratio": "0.5",
-    "head_importance": "heads/Llama-3.1-8B-Instruct.json", "tokenizer": "meta-llama/Llama-3.1-8B-Instruct",
-    "max_num_examples": "10", "max_new_tokens": "64", "datasets": "qasper hotpotqa",
-    "tasks": "niah_single_1 vt", "num_samples": "20", "context_length": "4096",
-    "haystack_dir": "data/PaulGrahamEssays", "needle": "'The secret code is {key}.'",
-    "retrieval_question": "'What is the secret code?'", "answer": "'{key}'", "s_len": "1000",
-    "e_len": "32001", "step": "200", "model_provider": "Mistral", "model_version": "Mistral_restkv_128",
-    "variant": "restkv_paper preset=paper", "device_map": "auto", "chunk_size": "8",
+    "max_length": "4096",
+    "offload_folder": "offload",
+    "pruning_ratio": "0.5",
+    "head_importance": "heads/Llama-3.1-8B-Instruct.json",
+    "tokenizer": "meta-llama/Llama-3.1-8B-Instruct",
+    "max_num_examples": "10",
+    "max_new_tokens": "64",
+    "datasets": "qasper hotpotqa",
+    "tasks": "niah_single_1 vt",
+    "num_samples": "20",
+    "context_length": "4096",
+    "haystack_dir": "data/PaulGrahamEssays",
+    "needle": "'The secret code is {key}.'",
+    "retrieval_question": "'What is the secret code?'",
+    "answer": "'{key}'",
+    "s_len": "1000",
+    "e_len": "32001",
+    "step": "200",
+    "model_provider": "Mistral",
+    "model_version": "Mistral_restkv_128",
+    "variant": "restkv_paper preset=paper",
+    "device_map": "auto",
+    "chunk_size": "8",
 }
 
 
@@ -136,11 +152,13 @@ def results_dir(path: str) -> None:
 
 
 # How each benchmark's results are tabulated ({path}: its results folder; needles: its results file).
-TABULATE = {"needle": "python -m restkv.bench.needle.report {path}",
-            "ruler": "python eval_ruler.py --results_dir {path}",
-            "longbench": "python eval.py --results_dir {path}",
-            "longbench_e": "python eval.py --e --results_dir {path}",
-            "infinite_bench": "python eval_infinite.py --results_dir {path}"}
+TABULATE = {
+    "needle": "python -m restkv.bench.needle.report {path}",
+    "ruler": "python eval_ruler.py --results_dir {path}",
+    "longbench": "python eval.py --results_dir {path}",
+    "longbench_e": "python eval.py --e --results_dir {path}",
+    "infinite_bench": "python eval_infinite.py --results_dir {path}",
+}
 
 
 def other_results(root, wanted):
@@ -157,8 +175,10 @@ def other_results(root, wanted):
             continue
         if benchmark in TABULATE and benchmark != wanted:
             where = meta.parent / "results.jsonl" if benchmark == "needle" else meta.parent
-            hints.append(f"{meta.parent} holds {benchmark} results: tabulate them with "
-                         + TABULATE[benchmark].format(path=where))
+            hints.append(
+                f"{meta.parent} holds {benchmark} results: tabulate them with "
+                + TABULATE[benchmark].format(path=where)
+            )
     return "; " + "; ".join(hints) if hints else ""
 
 
@@ -167,7 +187,10 @@ class Runner:
     plan``, see :func:`startup`) and its work (``run(args, plan)``)."""
 
     def __init__(self, description, adders, prepare, run):
-        self.description, self.adders, self.prepare, self.run = description, adders, prepare, run
+        self.description = description
+        self.adders = adders
+        self.prepare = prepare
+        self.run = run
 
     def build_parser(self):
         parser = ArgumentParser(description=self.description)
@@ -201,62 +224,122 @@ def add_common_args(parser):
     core's own defaults apply.
     """
     g = parser.add_argument_group("model and methods")
-    g.add_argument("--method", nargs="+", default=None, metavar="METHOD",
-                   help="one or more methods (space or comma separated), e.g. restkv snapkv fullkv "
-                        "(default: restkv, the needle runner restkv snapkv fullkv; none when only --variant is given)")
-    g.add_argument("--variant", nargs=2, action="append", metavar=("NAME", "KNOBS"),
-                   help="an extra config per budget labelled NAME_<budget>, with KNOBS (knob=value,... over the "
-                        "command line's knobs; method restkv unless given), e.g. restkv_paper preset=paper (repeatable)")
-    model = g.add_argument("--model_path", "--model_name", default="smollm2-135m",
-                           help="registry name (smollm2-135m, gemma3-270m), local path or hub id "
-                                "(--model_name: the original needle runner's name)")
+    g.add_argument(
+        "--method",
+        nargs="+",
+        default=None,
+        metavar="METHOD",
+        help="one or more methods (space or comma separated), e.g. restkv snapkv fullkv "
+        "(default: restkv, the needle runner restkv snapkv fullkv; none when only --variant is given)",
+    )
+    g.add_argument(
+        "--variant",
+        nargs=2,
+        action="append",
+        metavar=("NAME", "KNOBS"),
+        help="an extra config per budget labelled NAME_<budget>, with KNOBS (knob=value,... over the "
+        "command line's knobs; method restkv unless given), e.g. restkv_paper preset=paper (repeatable)",
+    )
+    model = g.add_argument(
+        "--model_path",
+        "--model_name",
+        default="smollm2-135m",
+        help="registry name (smollm2-135m, gemma3-270m), local path or hub id "
+        "(--model_name: the original needle runner's name)",
+    )
     model.example = "meta-llama/Llama-3.1-8B-Instruct"
-    budgets = g.add_argument("--max_capacity_prompts", "--max_capacity_prompt", nargs="+", type=int,
-                             help="KV budgets per head and layer (window included); one run per "
-                                  "budget (default: 128, or none with --max_capacity_prompts_ratio)")
+    budgets = g.add_argument(
+        "--max_capacity_prompts",
+        "--max_capacity_prompt",
+        nargs="+",
+        type=int,
+        help="KV budgets per head and layer (window included); one run per "
+        "budget (default: 128, or none with --max_capacity_prompts_ratio)",
+    )
     budgets.example = "128 512"
-    ratios = g.add_argument("--max_capacity_prompts_ratio", nargs="+", type=float,
-                            help="budgets as a fraction of each prompt instead: round(L * ratio) "
-                                 "(window included); one run per ratio, labelled <method>_r<ratio>")
+    ratios = g.add_argument(
+        "--max_capacity_prompts_ratio",
+        nargs="+",
+        type=float,
+        help="budgets as a fraction of each prompt instead: round(L * ratio) "
+        "(window included); one run per ratio, labelled <method>_r<ratio>",
+    )
     ratios.example = "0.1 0.2"
-    g.add_argument("--attn_implementation", default=SETTINGS["attn_implementation"],
-                   choices=BACKENDS,
-                   help="attention backend (flash_attention_2: CUDA and the flash-attn package, "
-                        "pip install -e '.[flash]'); not sdpa: in each label")
-    g.add_argument("--dtype", default=SETTINGS["dtype"], choices=DTYPE_NAMES,
-                   help="model weights and activations; not float32: in each label")
-    g.add_argument("--device", default="cpu",
-                   help="cpu, cuda, cuda:N, or auto (cuda when there is one, else cpu with a note)")
-    g.add_argument("--batch_size", "--eval_batch_size", type=int, default=1,
-                   help="prompts per forward")
+    g.add_argument(
+        "--attn_implementation",
+        default=SETTINGS["attn_implementation"],
+        choices=BACKENDS,
+        help="attention backend (flash_attention_2: CUDA and the flash-attn package, "
+        "pip install -e '.[flash]'); not sdpa: in each label",
+    )
+    g.add_argument(
+        "--dtype",
+        default=SETTINGS["dtype"],
+        choices=DTYPE_NAMES,
+        help="model weights and activations; not float32: in each label",
+    )
+    g.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda, cuda:N, or auto (cuda when there is one, else cpu with a note)",
+    )
+    g.add_argument(
+        "--batch_size", "--eval_batch_size", type=int, default=1, help="prompts per forward"
+    )
     g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--save_dir", default="results",
-                   help="results folder (records of other settings never mix)")
-    add_switch(g, "--use_cache", default=True,
-               help="the original's flag: decoding always runs on the (evicted) KV cache; only "
-                    "true is accepted")
-    g.add_argument("--chat_template", default="auto", choices=("auto", "on", "off"),
-                   help="apply the model's chat template (auto: when it has one)")
-    g.add_argument("--max_length", type=int, default=None,
-                   help="prompt length cap in tokens (default: the model's max context)")
-    g.add_argument("--no_sweep", action="store_true",
-                   help="one prefill per config (configure + generate) instead of one shared prefill")
-    g.add_argument("--query_agnostic", action="store_true",
-                   help="compress each prompt's context (the prompt up to where its question starts) without its "
-                        "question, then read the question and answer on the compressed cache "
-                        "(restkv.compress_context): a context compressed once serves any question")
-    g.add_argument("--device_map", default=None,
-                   help="load with this device map (e.g. auto: layers spread over the GPUs, then CPU/disk)")
-    g.add_argument("--offload_folder", default=None, help="folder of disk-offloaded weights (--device_map)")
+    g.add_argument(
+        "--save_dir", default="results", help="results folder (records of other settings never mix)"
+    )
+    add_switch(
+        g,
+        "--use_cache",
+        default=True,
+        help="the original's flag: decoding always runs on the (evicted) KV cache; only "
+        "true is accepted",
+    )
+    g.add_argument(
+        "--chat_template",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="apply the model's chat template (auto: when it has one)",
+    )
+    g.add_argument(
+        "--max_length",
+        type=int,
+        default=None,
+        help="prompt length cap in tokens (default: the model's max context)",
+    )
+    g.add_argument(
+        "--no_sweep",
+        action="store_true",
+        help="one prefill per config (configure + generate) instead of one shared prefill",
+    )
+    g.add_argument(
+        "--query_agnostic",
+        action="store_true",
+        help="compress each prompt's context (the prompt up to where its question starts) without its "
+        "question, then read the question and answer on the compressed cache "
+        "(restkv.compress_context): a context compressed once serves any question",
+    )
+    g.add_argument(
+        "--device_map",
+        default=None,
+        help="load with this device map (e.g. auto: layers spread over the GPUs, then CPU/disk)",
+    )
+    g.add_argument(
+        "--offload_folder", default=None, help="folder of disk-offloaded weights (--device_map)"
+    )
     add_knob_args(parser)
     return parser
 
 
 # Groups of the --help text, by where a knob is declared.
-_GROUPS = (("general", "eviction knobs (unset: the core's defaults)"),
-           ("budgets", "budgets of layers and heads (unset: the core's defaults)"),
-           ("quant", "KV quantization of the kept entries (unset: full precision)"),
-           ("method", "method knobs (each reaches the configs whose method reads it)"))
+_GROUPS = (
+    ("general", "eviction knobs (unset: the core's defaults)"),
+    ("budgets", "budgets of layers and heads (unset: the core's defaults)"),
+    ("quant", "KV quantization of the kept entries (unset: full precision)"),
+    ("method", "method knobs (each reaches the configs whose method reads it)"),
+)
 # The original's plural flag names, still accepted.
 _PLURAL = {"window_size": "--window_sizes", "kernel_size": "--kernel_sizes"}
 
@@ -280,6 +363,7 @@ def _parser_of(knob):
     name = {bool: "bool", str: "text"}.get(knob.kind, knob.kind.__name__)
     if not (knob.nullable or knob.default is None):
         return typed(convert, name)
+
     def maybe(text):
         return None if str(text).lower() == "none" else convert(text)
 
@@ -299,8 +383,11 @@ def knob_flags():
     ``(knob versions [(owners, Knob)], alias target or None)``."""
     from restkv import config
 
-    flags = {name: (versions, None) for name, versions in config.all_knobs().items()
-             if name not in ("max_capacity_prompt", "max_capacity_prompt_ratio")}  # the runners take lists of them
+    flags = {
+        name: (versions, None)
+        for name, versions in config.all_knobs().items()
+        if name not in ("max_capacity_prompt", "max_capacity_prompt_ratio")
+    }  # the runners take lists of them
     flags.update({alias: ([], target) for alias, target in config.ALIASES.items()})
     return flags
 
@@ -313,25 +400,38 @@ def add_knob_args(parser):
     from restkv import PRESETS
 
     groups = {key: parser.add_argument_group(title) for key, title in _GROUPS}
-    groups["general"].add_argument("--preset", choices=tuple(PRESETS),
-                                   help="named knob set of one method; explicit knobs override it")
+    groups["general"].add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        help="named knob set of one method; explicit knobs override it",
+    )
     for name, (versions, alias) in knob_flags().items():
         names = [f"--{name}"] + ([_PLURAL[name]] if name in _PLURAL else [])
         if alias is not None:
             target, mapping = alias
             if all(isinstance(v, bool) for v in mapping):
-                text = f"the original's name of --{target} {mapping[True]} (false: {mapping[False]})"
+                text = (
+                    f"the original's name of --{target} {mapping[True]} (false: {mapping[False]})"
+                )
                 add_switch(groups["method"], *names, dest=name, help=text)
             else:
-                groups["method"].add_argument(*names, dest=name, choices=tuple(mapping),
-                                              help=f"the original's name of --{target}")
+                groups["method"].add_argument(
+                    *names,
+                    dest=name,
+                    choices=tuple(mapping),
+                    help=f"the original's name of --{target}",
+                )
             continue
         knob = versions[0][1]
         choices = [c for _, k in versions for c in k.choices]
         readers = sorted({m for owners, _ in versions for m in owners})
-        usual = max(versions, key=lambda v: len(v[0]))  # the default most methods have, then the others
-        defaults = ", ".join([f"{usual[1].default}"] + [f"{'/'.join(o)}: {k.default}" for o, k in versions
-                                                       if k.default != usual[1].default])
+        usual = max(
+            versions, key=lambda v: len(v[0])
+        )  # the default most methods have, then the others
+        defaults = ", ".join(
+            [f"{usual[1].default}"]
+            + [f"{'/'.join(o)}: {k.default}" for o, k in versions if k.default != usual[1].default]
+        )
         cond = f"; when {knob.condition()}" if knob.when else ""
         who = "" if len(readers) > 8 else f"; read by {', '.join(readers)}"
         text = f"{knob.help} (default: {defaults}{who}{cond})".replace("%", "%%")
@@ -339,8 +439,12 @@ def add_knob_args(parser):
             add_switch(groups[_group(name)], *names, dest=name, help=text)
             continue
         action = groups[_group(name)].add_argument(
-            *names, dest=name, type=_parser_of(knob), choices=list(dict.fromkeys(choices)) or None,
-            help=text)
+            *names,
+            dest=name,
+            type=_parser_of(knob),
+            choices=list(dict.fromkeys(choices)) or None,
+            help=text,
+        )
         action.example = None if choices else _knob_example(versions)
     return parser
 
@@ -369,22 +473,31 @@ def check_common(args):
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
     if getattr(args, "use_cache", True) is False:
-        raise ValueError("--use_cache: restkv always decodes on the KV cache (the one it evicts); "
-                         "only --use_cache (true) is accepted")
+        raise ValueError(
+            "--use_cache: restkv always decodes on the KV cache (the one it evicts); "
+            "only --use_cache (true) is accepted"
+        )
 
 
 def add_dataset_args(parser):
     """Flags of the dataset runners (LongBench, InfiniteBench): example cap and generation-length override."""
-    parser.add_argument("--max_num_examples", type=int, default=None,
-                        help="first N records of each dataset only")
-    parser.add_argument("--max_new_tokens", type=int, default=None,
-                        help="override the official number of new tokens of every dataset")
+    parser.add_argument(
+        "--max_num_examples", type=int, default=None, help="first N records of each dataset only"
+    )
+    parser.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=None,
+        help="override the official number of new tokens of every dataset",
+    )
     return parser
 
 
 # The package each flash-attention backend needs.
-FLASH_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
-                  "flash_attention_3": ("flash_attn_interface", "flash-attn 3")}
+FLASH_PACKAGES = {
+    "flash_attention_2": ("flash_attn", "flash-attn"),
+    "flash_attention_3": ("flash_attn_interface", "flash-attn 3"),
+}
 
 
 def check_backend(args, file=None):
@@ -413,19 +526,24 @@ def check_backend(args, file=None):
     if device.startswith("cuda") and not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-        raise ValueError(f"--device {device}: no CUDA device here{shown}; use --device cpu "
-                         "(or auto)")
+        raise ValueError(
+            f"--device {device}: no CUDA device here{shown}; use --device cpu (or auto)"
+        )
     if backend in FLASH_PACKAGES:
         module, package = FLASH_PACKAGES[backend]
         if importlib.util.find_spec(module) is None:
-            raise ValueError(f"--attn_implementation {backend}: {package} is not installed; install "
-                             "restkv's flash extra (pip install -e '.[flash]', on a CUDA machine) or use "
-                             "--attn_implementation sdpa")
+            raise ValueError(
+                f"--attn_implementation {backend}: {package} is not installed; install "
+                "restkv's flash extra (pip install -e '.[flash]', on a CUDA machine) or use "
+                "--attn_implementation sdpa"
+            )
         on_cuda = device.startswith("cuda") or getattr(args, "device_map", None)
         if not on_cuda:
-            raise ValueError(f"--attn_implementation {backend} runs on CUDA only "
-                             f"(--device {device}); "
-                             "add --device cuda, or use --attn_implementation sdpa")
+            raise ValueError(
+                f"--attn_implementation {backend} runs on CUDA only "
+                f"(--device {device}); "
+                "add --device cuda, or use --attn_implementation sdpa"
+            )
 
 
 def run_settings(args):

@@ -58,7 +58,8 @@ def dataset_task(predictor, dataset):
     With ``--max_length`` set, the prompt alone is capped at it (the original's per-model
     length); otherwise prompt plus generation are capped at the model's max context.
     """
-    args, tokenizer = predictor.args, predictor.tokenizer
+    args = predictor.args
+    tokenizer = predictor.tokenizer
     new_tokens = args.max_new_tokens or dataset.max_new_tokens
     reserve = 0 if args.max_length else new_tokens
     chat = args.chat_template if dataset.chat else "off"
@@ -70,15 +71,28 @@ def dataset_task(predictor, dataset):
         text = dataset.text(record, wrapped)
         if not agnostic:
             return prompt_ids(tokenizer, text, predictor.max_length, chat, reserve), None
-        return prompt_ids(tokenizer, text, predictor.max_length, chat, reserve, dataset.question(record, wrapped))
+        return prompt_ids(
+            tokenizer, text, predictor.max_length, chat, reserve, dataset.question(record, wrapped)
+        )
 
     def record(rec, prompt, out):
-        return {**dataset.output(rec), "pred": out.text, "prompt_tokens": len(prompt[0]),
-                "quant": predictor.quant[out.label]}
+        return {
+            **dataset.output(rec),
+            "pred": out.text,
+            "prompt_tokens": len(prompt[0]),
+            "quant": predictor.quant[out.label],
+        }
 
-    return Task(dataset.name, dataset.records, prompt, record, new_tokens,
-                per_label(os.path.join(predictor.out_dir, dataset.name), predictor.labels, dataset.key),
-                ids=_first, question_start=_second if agnostic else None)
+    return Task(
+        dataset.name,
+        dataset.records,
+        prompt,
+        record,
+        new_tokens,
+        per_label(os.path.join(predictor.out_dir, dataset.name), predictor.labels, dataset.key),
+        ids=_first,
+        question_start=_second if agnostic else None,
+    )
 
 
 def _first(pair):
@@ -139,12 +153,20 @@ def run_datasets(args, plan):
     dict
         ``{(dataset name, label): predictions file}``.
     """
-    configs, datasets = plan.configs, plan.datasets
+    configs = plan.configs
+    datasets = plan.datasets
     predictor = Predictor(args, configs)
-    predictor.write_metadata({"labels": predictor.labels, "configs": configs_meta(configs),
-                              "tasks": [d.name for d in datasets], "max_length": predictor.max_length,
-                              "processes": predictor.shard.size, "settings": prompt_settings(args),
-                              **plan.meta})
+    predictor.write_metadata(
+        {
+            "labels": predictor.labels,
+            "configs": configs_meta(configs),
+            "tasks": [d.name for d in datasets],
+            "max_length": predictor.max_length,
+            "processes": predictor.shard.size,
+            "settings": prompt_settings(args),
+            **plan.meta,
+        }
+    )
     tasks = [dataset_task(predictor, d) for d in datasets]
     predictor.predict(tasks)
     return {(t.name, label): path for t in tasks for label, path in t.store.paths.items()}

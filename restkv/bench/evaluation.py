@@ -15,8 +15,17 @@ def percent(scores: list) -> float | None:
     return round(100 * sum(scores) / len(scores), 2) if scores else None
 
 
-def evaluate_files(root, names: dict, score: Callable, title: str, csv_path: str, about: str, missing: str,
-                   buckets: tuple = (), bucket_of: Callable | None = None):
+def evaluate_files(
+    root,
+    names: dict,
+    score: Callable,
+    title: str,
+    csv_path: str,
+    about: str,
+    missing: str,
+    buckets: tuple = (),
+    bucket_of: Callable | None = None,
+):
     """Score every ``<task>/<label>.jsonl`` under ``root`` and write the table.
 
     Parameters
@@ -39,7 +48,9 @@ def evaluate_files(root, names: dict, score: Callable, title: str, csv_path: str
     found = find_predictions(root, names)
     if not found:
         raise FileNotFoundError(missing)
-    rows, per_folder, stats = {}, {}, {}
+    rows = {}
+    per_folder = {}
+    stats = {}
     for label, files in found.items():
         rows[label] = {}
         stats[label] = {}
@@ -57,7 +68,9 @@ def evaluate_files(root, names: dict, score: Callable, title: str, csv_path: str
                         per_bucket[b].append(s)
             stem = os.path.basename(path)[: -len(".jsonl")]
             per_folder.setdefault(os.path.dirname(path), {})[stem] = entry
-        rows[label].update({b: round(sum(s) / len(s), 2) if s else None for b, s in per_bucket.items()})
+        rows[label].update(
+            {b: round(sum(s) / len(s), 2) if s else None for b, s in per_bucket.items()}
+        )
     for folder, entries in per_folder.items():
         with open(os.path.join(folder, "metrics.json"), "w", encoding="utf-8") as fh:
             json.dump(entries, fh, ensure_ascii=False, indent=2)

@@ -26,9 +26,17 @@ def generate_batch(model, tokenizer, prompts, max_new_tokens):
     """
     input_ids, mask, pad = left_pad(tokenizer, prompts, input_device(model))
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad)
-    return tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        )
+    return tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True)
 
 
 def sweep_batch(model, tokenizer, prompts, configs, max_new_tokens):
@@ -50,10 +58,14 @@ def sweep_batch(model, tokenizer, prompts, configs, max_new_tokens):
     input_ids, mask, pad = left_pad(tokenizer, prompts, input_device(model))
     with torch.inference_mode():
         results = restkv.sweep(model, input_ids, mask, configs, max_new_tokens, pad_token_id=pad)
-    return [(tokenizer.batch_decode(tokens, skip_special_tokens=True), kept) for tokens, kept in results]
+    return [
+        (tokenizer.batch_decode(tokens, skip_special_tokens=True), kept) for tokens, kept in results
+    ]
 
 
-def decode_configs(model, tokenizer, prompts, configs, max_new_tokens, sweep=True, question_starts=None):
+def decode_configs(
+    model, tokenizer, prompts, configs, max_new_tokens, sweep=True, question_starts=None
+):
     """Continuations and kept positions of a batch under each config.
 
     With ``sweep`` one prefill serves every config (:func:`sweep_batch`); without it each config
@@ -67,17 +79,26 @@ def decode_configs(model, tokenizer, prompts, configs, max_new_tokens, sweep=Tru
         Per config: the continuations and the per-layer kept positions.
     """
     if question_starts is not None:
-        return answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep)
+        return answer_after_context(
+            model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep
+        )
     if sweep:
         return sweep_batch(model, tokenizer, prompts, configs, max_new_tokens)
     out = []
     for kwargs in configs:
         restkv.configure(model, **kwargs)
-        out.append((generate_batch(model, tokenizer, prompts, max_new_tokens), restkv.kept_positions(model)))
+        out.append(
+            (
+                generate_batch(model, tokenizer, prompts, max_new_tokens),
+                restkv.kept_positions(model),
+            )
+        )
     return out
 
 
-def answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep=True):
+def answer_after_context(
+    model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep=True
+):
     """Query-agnostic decoding: each prompt's context (its ids before ``question_starts``) is compressed
     without its question, then the question is read on the compressed cache and answered greedily.
 
@@ -93,26 +114,36 @@ def answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, que
         padded with -1 to the longest).
     """
     with torch.inference_mode():
-        return _answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep)
+        return _answer_after_context(
+            model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep
+        )
 
 
-def _answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep):
+def _answer_after_context(
+    model, tokenizer, prompts, configs, max_new_tokens, question_starts, sweep
+):
     from restkv.compat import cache_argument
     from restkv.integration.context import ContextCache, answer
     from restkv.integration.sweeps import prefill_caches
 
     ids = [encode(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
     if any(not 1 <= s < len(x) for x, s in zip(ids, question_starts)):
-        raise ValueError("question_starts: each must leave a context and a question of at least one token")
+        raise ValueError(
+            "question_starts: each must leave a context and a question of at least one token"
+        )
     groups = {}
     for row, (x, s) in enumerate(zip(ids, question_starts)):
         groups.setdefault(len(x) - s, []).append(row)
     device = input_device(model)
     texts = [[None] * len(ids) for _ in configs]
-    kept = [[None] * len(ids) for _ in configs]  # per config and row: (per-layer kept, the row's index there)
+    kept = [
+        [None] * len(ids) for _ in configs
+    ]  # per config and row: (per-layer kept, the row's index there)
     for rows in groups.values():
-        context, mask, pad = left_pad(tokenizer, [ids[r][:question_starts[r]] for r in rows], device)
-        question = torch.tensor([ids[r][question_starts[r]:] for r in rows], device=device)
+        context, mask, pad = left_pad(
+            tokenizer, [ids[r][: question_starts[r]] for r in rows], device
+        )
+        question = torch.tensor([ids[r][question_starts[r] :] for r in rows], device=device)
         if sweep:
             pre = prefill_caches(model, context, mask, configs)
             caches = [ContextCache(c, pre.logits, k) for c, k in zip(pre.caches, pre.kept)]
@@ -123,12 +154,23 @@ def _answer_after_context(model, tokenizer, prompts, configs, max_new_tokens, qu
             else:
                 cache = restkv.compress_context(model, context, mask, **kwargs)
                 full = torch.cat([context, question], 1)
-                out = model.generate(full, attention_mask=torch.cat([mask, torch.ones_like(question)], 1),
-                                     max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
-                                     top_k=None, pad_token_id=pad, **{cache_argument(model): cache})
-                tokens = out[:, full.shape[1]:]
-            for j, (r, text) in enumerate(zip(rows, tokenizer.batch_decode(tokens, skip_special_tokens=True))):
-                texts[c][r], kept[c][r] = text, (cache.kept, j)
+                out = model.generate(
+                    full,
+                    attention_mask=torch.cat([mask, torch.ones_like(question)], 1),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                    pad_token_id=pad,
+                    **{cache_argument(model): cache},
+                )
+                tokens = out[:, full.shape[1] :]
+            for j, (r, text) in enumerate(
+                zip(rows, tokenizer.batch_decode(tokens, skip_special_tokens=True))
+            ):
+                texts[c][r] = text
+                kept[c][r] = (cache.kept, j)
     return [(t, _rows_in_order(k)) for t, k in zip(texts, kept)]
 
 

@@ -11,8 +11,21 @@ from __future__ import annotations
 import struct
 
 # value type -> struct format of a scalar
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_STRING = 8
+_ARRAY = 9
 
 
 class _Reader:
@@ -35,7 +48,8 @@ class _Reader:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
-            item, count = self.unpack("I"), self.unpack("Q")
+            item = self.unpack("I")
+            count = self.unpack("Q")
             if item in _SCALARS:  # skipped in one seek
                 self.fh.seek(count * struct.calcsize("<" + _SCALARS[item]), 1)
             else:
@@ -60,7 +74,8 @@ def gguf_context_length(path) -> tuple[str, int]:
         r.unpack("I")  # version
         r.unpack("Q")  # tensor count
         pairs = r.unpack("Q")
-        arch, values = None, {}
+        arch = None
+        values = {}
         for _ in range(pairs):
             key = r.string()
             value = r.value(r.unpack("I"))

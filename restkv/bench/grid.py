@@ -86,14 +86,20 @@ def method_configs(args):
     used = set(ABLATION_FLAGS) & set(knobs) if "ablation" in methods else set()
     for name, text in variants:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.=+-]*", name):
-            raise ValueError(f"variant {name!r}: the name must be a plain file name (letters, digits, _ . = + -)")
+            raise ValueError(
+                f"variant {name!r}: the name must be a plain file name (letters, digits, _ . = + -)"
+            )
         try:
             grid.append((name, {"method": "restkv", **parse_knobs(text)}, name))
         except ValueError as err:
             raise ValueError(f"variant {name}: {err}") from None
     configs = []
     for stem, own, variant in grid:
-        flags = {k: v for k, v in knobs.items() if k not in ABLATION_FLAGS} if stem == "ablation" else knobs
+        flags = (
+            {k: v for k, v in knobs.items() if k not in ABLATION_FLAGS}
+            if stem == "ablation"
+            else knobs
+        )
         if own["method"] == "fullkv" and variant is None:
             configs.append(RunConfig("fullkv", {"method": "fullkv"}))
             continue
@@ -105,7 +111,9 @@ def method_configs(args):
                 run = RunConfig(label, kwargs)
                 diff = resolved_diff(run.cfg)
             except ValueError as err:
-                raise ValueError(f"variant {variant}: {label}: {err}" if variant else f"{label}: {err}") from None
+                raise ValueError(
+                    f"variant {variant}: {label}: {err}" if variant else f"{label}: {err}"
+                ) from None
             used |= set(reached)
             if variant is None:
                 label += "".join(f"-{k}={_short(k, v)}" for k, v in diff.items())
@@ -116,8 +124,10 @@ def method_configs(args):
         print(f"fullkv: {flags} not read (no eviction); ignored", file=sys.stderr)
         unread = []
     if unread and configs:
-        raise ValueError(f"--{unread[0]}: no config of this run reads it (methods {', '.join(methods) or '-'}); "
-                         f"--help lists which methods read which knobs")
+        raise ValueError(
+            f"--{unread[0]}: no config of this run reads it (methods {', '.join(methods) or '-'}); "
+            f"--help lists which methods read which knobs"
+        )
     suffix = settings_suffix(args)  # the backend and dtype, when not the defaults
     configs = [run.relabel(run.label + suffix) for run in configs]
     labels = [label for label, _ in configs]
@@ -132,20 +142,40 @@ def budget_sizes(args):
     ``("r0.1", {"max_capacity_prompt_ratio": 0.1})`` per ratio (the original's -1 budget is dropped beside ratios)."""
     ratios = list(dict.fromkeys(getattr(args, "max_capacity_prompts_ratio", None) or []))
     given = args.max_capacity_prompts
-    budgets = list(dict.fromkeys(int(b) for b in (given if given is not None else [] if ratios else [128])))
+    budgets = list(
+        dict.fromkeys(int(b) for b in (given if given is not None else [] if ratios else [128]))
+    )
     if ratios:
         budgets = [b for b in budgets if b != -1]
     if any(b < 1 for b in budgets):
-        raise ValueError(f"--max_capacity_prompts: each budget must be >= 1 and larger than window_size, got {budgets}")
+        raise ValueError(
+            f"--max_capacity_prompts: each budget must be >= 1 and larger than window_size, got {budgets}"
+        )
     if any(not 0 < r <= 1 for r in ratios):
         raise ValueError(f"--max_capacity_prompts_ratio: ratios must be in (0, 1], got {ratios}")
-    return ([(str(b), {"max_capacity_prompt": b}) for b in budgets]
-            + [(f"r{r:g}", {"max_capacity_prompt_ratio": r}) for r in ratios])
+    return [(str(b), {"max_capacity_prompt": b}) for b in budgets] + [
+        (f"r{r:g}", {"max_capacity_prompt_ratio": r}) for r in ratios
+    ]
 
 
 # The original's `--method ablation`: ReST-KV with its ablation's fixed values, and --indicator / --ts / --ss.
-ABLATION = dict(method="restkv", kernel_size=5, alpha=0.3, scale=2000.0, use_wo=True, metric_mode="after", tau=1.0)
-ABLATION_FLAGS = ("indicator", "ts", "temporal", "use_ema", "ss", "pooling")  # what the ablation config takes
+ABLATION = dict(
+    method="restkv",
+    kernel_size=5,
+    alpha=0.3,
+    scale=2000.0,
+    use_wo=True,
+    metric_mode="after",
+    tau=1.0,
+)
+ABLATION_FLAGS = (
+    "indicator",
+    "ts",
+    "temporal",
+    "use_ema",
+    "ss",
+    "pooling",
+)  # what the ablation config takes
 
 
 def ablation_knobs(flags):
@@ -161,8 +191,13 @@ def ablation_knobs(flags):
         own.update(temporal="mean", pooling="avgpool")
     else:
         ts = flags.get("ts", "none")
-        temporal = {True: "ema", False: "mean"}.get(flags.get("use_ema"), {"none": "last"}.get(ts, ts))
-        own.update(temporal=flags.get("temporal", temporal), pooling=flags.get("pooling", flags.get("ss", "none")))
+        temporal = {True: "ema", False: "mean"}.get(
+            flags.get("use_ema"), {"none": "last"}.get(ts, ts)
+        )
+        own.update(
+            temporal=flags.get("temporal", temporal),
+            pooling=flags.get("pooling", flags.get("ss", "none")),
+        )
     cfg = CompressionConfig.with_defaults(own, method="restkv")
     return {k: cfg[k] for k in own if k in cfg}
 
@@ -181,16 +216,25 @@ def parse_knobs(text):
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
         if not sep or name not in {*flags, "method", "preset"}:
-            raise ValueError(f"knob {item!r}: expected knob=value with a knob of CompressionConfig, method or preset")
+            raise ValueError(
+                f"knob {item!r}: expected knob=value with a knob of CompressionConfig, method or preset"
+            )
         versions, alias = flags.get(name, ([], None))
         try:
             if alias is not None:
-                knobs[name] = str2bool(value) if all(isinstance(v, bool) for v in alias[1]) else value
+                knobs[name] = (
+                    str2bool(value) if all(isinstance(v, bool) for v in alias[1]) else value
+                )
             elif versions:
                 knob = versions[0][1]
                 kind = knob.kind
-                knobs[name] = (None if (knob.nullable or knob.default is None) and value.lower() == "none"
-                               else str2bool(value) if kind is bool else kind(value))
+                knobs[name] = (
+                    None
+                    if (knob.nullable or knob.default is None) and value.lower() == "none"
+                    else str2bool(value)
+                    if kind is bool
+                    else kind(value)
+                )
             else:
                 knobs[name] = value
         except (ValueError, argparse.ArgumentTypeError) as err:
@@ -227,8 +271,12 @@ def knob_diff(kwargs):
 def resolved_diff(cfg):
     """The knobs of a resolved config that differ from those of its method and budget alone."""
     knobs = declared(cfg["method"])  # the method's own defaults (pooling, head_budget, ...)
-    return {k: v for k, v in sorted(cfg.items())
-            if k not in ("method", "max_capacity_prompt", "max_capacity_prompt_ratio") and v != knobs[k].default}
+    return {
+        k: v
+        for k, v in sorted(cfg.items())
+        if k not in ("method", "max_capacity_prompt", "max_capacity_prompt_ratio")
+        and v != knobs[k].default
+    }
 
 
 def _short(knob, value):
@@ -250,8 +298,15 @@ def configs_meta(configs):
     """Run metadata of ``method_configs``: per label its kwargs, non-default knobs, quantization and every
     knob's resolved value (what a rerun into the same folder must match)."""
     runs = [run_config(c) for c in configs]
-    return {run.label: {"configure": run.kwargs, "knobs": resolved_diff(run.cfg), "quant": quant_of(run.cfg),
-                        "resolved": run.cfg.as_dict()} for run in runs}
+    return {
+        run.label: {
+            "configure": run.kwargs,
+            "knobs": resolved_diff(run.cfg),
+            "quant": quant_of(run.cfg),
+            "resolved": run.cfg.as_dict(),
+        }
+        for run in runs
+    }
 
 
 def resolved_knobs(kwargs):
@@ -269,8 +324,10 @@ def check_same_configs(path, previous, current):
         changed = {k: (old[k], v) for k, v in meta["resolved"].items() if k in old and old[k] != v}
         if changed:
             what = ", ".join(f"{k}={a!r} then, {b!r} now" for k, (a, b) in sorted(changed.items()))
-            raise ValueError(f"{path}: results for {label} were made with other knobs ({what}); "
-                             "rerunning into this folder would mix them: use another --save_dir")
+            raise ValueError(
+                f"{path}: results for {label} were made with other knobs ({what}); "
+                "rerunning into this folder would mix them: use another --save_dir"
+            )
 
 
 def announce(name, counts, configs, file=None):

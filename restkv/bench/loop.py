@@ -28,8 +28,10 @@ from .meta import write_metadata
 from .models import load_from_args, model_name
 from .shard import ResultFile, current
 
-QUESTION_START = ("the token holding the first character of the prompt template's text after its context "
-                  "(the chat template's closing tokens included), at most the prompt's last token")
+QUESTION_START = (
+    "the token holding the first character of the prompt template's text after its context "
+    "(the chat template's closing tokens included), at most the prompt's last token"
+)
 
 
 class Store:
@@ -46,7 +48,9 @@ class Store:
     """
 
     def __init__(self, paths, key_fields, key):
-        self.paths, self.key_fields, self.key = dict(paths), tuple(key_fields), key
+        self.paths = dict(paths)
+        self.key_fields = tuple(key_fields)
+        self.key = key
         self._files = {}
 
     def plan(self, units):
@@ -59,7 +63,10 @@ class Store:
 
     def open(self, units, shard):
         """Open every file (or this process's part of it) for the records of ``units``."""
-        self._files = {path: ResultFile(path, self.key_fields, keys, shard) for path, keys in self.plan(units).items()}
+        self._files = {
+            path: ResultFile(path, self.key_fields, keys, shard)
+            for path, keys in self.plan(units).items()
+        }
 
     def done(self, unit, label):
         """Whether the record of ``unit`` under ``label`` is already written."""
@@ -76,8 +83,11 @@ class Store:
 
 def per_label(folder, labels, field):
     """The :class:`Store` of ``<folder>/<label>.jsonl`` files, a record keyed by its unit's ``field``."""
-    return Store({label: os.path.join(folder, f"{label}.jsonl") for label in labels}, (field,),
-                 lambda unit, label: (unit[field],))
+    return Store(
+        {label: os.path.join(folder, f"{label}.jsonl") for label in labels},
+        (field,),
+        lambda unit, label: (unit[field],),
+    )
 
 
 @dataclass
@@ -141,7 +151,9 @@ def check_against_model(model, configs):
     for run in map(run_config, configs):
         if run.cfg.evicts:
             try:
-                layer_plans(model, run.cfg)  # HeadKV's own head scores computed here (once) when it has no file
+                layer_plans(
+                    model, run.cfg
+                )  # HeadKV's own head scores computed here (once) when it has no file
             except ValueError as err:
                 raise SystemExit(f"{run.label}: {err}") from None
 
@@ -178,8 +190,12 @@ class Predictor:
         self.model, self.tokenizer, self.max_length = load_from_args(args, self.shard)
         check_against_model(self.model, configs)
         self.name = model_name(args.model_path)
-        self.out_dir = os.path.join(args.save_dir, getattr(args, "model_version", None) or self.name)
-        self.settings = run_settings(args)  # in every record (and, when not the defaults, in its label)
+        self.out_dir = os.path.join(
+            args.save_dir, getattr(args, "model_version", None) or self.name
+        )
+        self.settings = run_settings(
+            args
+        )  # in every record (and, when not the defaults, in its label)
 
     @property
     def query_agnostic(self):
@@ -195,7 +211,8 @@ class Predictor:
 
     def predict(self, tasks):
         """Write every missing record of ``tasks``, then merge the processes' parts of every file."""
-        paths, first = [], 0
+        paths = []
+        first = 0
         for task in tasks:
             self._predict(task, first)
             first += len(task.units)
@@ -203,29 +220,46 @@ class Predictor:
         self.shard.finish(paths)
 
     def _predict(self, task, first):
-        store, shard, batch_size, agnostic = task.store, self.shard, self.args.batch_size, self.query_agnostic
+        store, shard, batch_size, agnostic = (
+            task.store,
+            self.shard,
+            self.args.batch_size,
+            self.query_agnostic,
+        )
         if agnostic and task.question_start is None:
-            raise ValueError(f"--query_agnostic: task {task.name} does not say where its questions start")
+            raise ValueError(
+                f"--query_agnostic: task {task.name} does not say where its questions start"
+            )
         store.open(task.units, shard)
         try:
+
             def todo(unit):
                 return [run for run in self.configs if not store.done(unit, run.label)]
 
             mine = [u for i, u in enumerate(task.units, first) if shard.mine(i) and todo(u)]
             if task.announce:
                 where = f" (process {shard.rank} of {shard.size})" if shard.size > 1 else ""
-                print(f"{task.name}{where}: {sum(len(todo(u)) for u in mine)} records to run", file=sys.stderr)
+                print(
+                    f"{task.name}{where}: {sum(len(todo(u)) for u in mine)} records to run",
+                    file=sys.stderr,
+                )
             bar = tqdm(total=len(mine), desc=task.name, **task.progress)
             for start in range(0, len(mine), batch_size):
-                batch = mine[start:start + batch_size]
+                batch = mine[start : start + batch_size]
                 left = {run.label for u in batch for run in todo(u)}
                 need = [run for run in self.configs if run.label in left]
                 prompts = [task.prompt(u) for u in batch]
                 starts = [task.question_start(p) for p in prompts] if agnostic else None
                 t0 = time.time()
-                results = decode_configs(self.model, self.tokenizer, [task.ids(p) for p in prompts],
-                                         [run.cfg for run in need], task.max_new_tokens, sweep=not self.args.no_sweep,
-                                         **({"question_starts": starts} if agnostic else {}))
+                results = decode_configs(
+                    self.model,
+                    self.tokenizer,
+                    [task.ids(p) for p in prompts],
+                    [run.cfg for run in need],
+                    task.max_new_tokens,
+                    sweep=not self.args.no_sweep,
+                    **({"question_starts": starts} if agnostic else {}),
+                )
                 seconds = (time.time() - t0) / (len(batch) * len(need))
                 for row, (unit, prompt) in enumerate(zip(batch, prompts)):
                     for (label, kw), (texts, kept) in zip(need, results):
@@ -233,7 +267,11 @@ class Predictor:
                             output = Output(label, kw, texts[row], kept, row, seconds)
                             record = {**task.record(unit, prompt, output), **self.settings}
                             if agnostic:
-                                record = {**record, "query_agnostic": True, "question_start": starts[row]}
+                                record = {
+                                    **record,
+                                    "query_agnostic": True,
+                                    "question_start": starts[row],
+                                }
                             store.write(label, record)
                 bar.update(len(batch))
             bar.close()

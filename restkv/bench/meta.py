@@ -26,7 +26,9 @@ def git_sha(path=None):
     """HEAD commit of the repository holding ``path`` (default: this package), or None."""
     where = path or os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -54,16 +56,25 @@ def write_metadata(save_dir, args, extra=None):
         previous = before.get("configs") or {}
         check_same_configs(path, previous, extra["configs"])
         check_same_settings(path, before, extra, set(previous) & set(extra["configs"]))
-        then, now = bool(before.get("query_agnostic", False)), bool(extra.get("query_agnostic", False))
+        then, now = (
+            bool(before.get("query_agnostic", False)),
+            bool(extra.get("query_agnostic", False)),
+        )
         if then != now:
-            raise ValueError(f"{path}: the results there were made {'with' if then else 'without'} --query_agnostic; "
-                             "rerunning into this folder would mix the two modes: use another --save_dir")
+            raise ValueError(
+                f"{path}: the results there were made {'with' if then else 'without'} --query_agnostic; "
+                "rerunning into this folder would mix the two modes: use another --save_dir"
+            )
         extra["configs"] = {**previous, **extra["configs"]}  # labels of earlier runs stay on record
     meta = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
-        "versions": {"python": platform.python_version(), "torch": _version("torch"),
-                     "transformers": _version("transformers"), "restkv": _version("restkv")},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "restkv": _version("restkv"),
+        },
         "git_sha": git_sha(),
         "platform": platform.platform(),
         "config": config,
@@ -80,8 +91,10 @@ _SUMMARY = ("time", "argv", "git_sha", "versions", "settings", "query_agnostic")
 def _run_summary(meta):
     """What ``runs`` keeps of one run: its time, command line, versions, settings and labels."""
     labels = meta.get("labels")
-    return {**{k: meta[k] for k in _SUMMARY if k in meta},
-            "labels": list(labels) if labels is not None else list(meta.get("configs") or {})}
+    return {
+        **{k: meta[k] for k in _SUMMARY if k in meta},
+        "labels": list(labels) if labels is not None else list(meta.get("configs") or {}),
+    }
 
 
 def _runs(before):
@@ -94,11 +107,14 @@ def _runs(before):
 def check_same_settings(path, before, extra, shared):
     """Raise if labels ``shared`` by the run in ``path`` and this one were made with other prompt ``settings``
     (their records would be resumed into, mixing the two)."""
-    then, now = before.get("settings"), extra.get("settings")
+    then = before.get("settings")
+    now = extra.get("settings")
     if not shared or then is None or now is None:
         return
     changed = {k: (then.get(k), v) for k, v in now.items() if then.get(k) != v}
     if changed:
         what = ", ".join(f"{k}={a!r} then, {b!r} now" for k, (a, b) in sorted(changed.items()))
-        raise ValueError(f"{path}: results for {sorted(shared)[0]} were made with other settings ({what}); "
-                         "rerunning into this folder would mix them: use another --save_dir")
+        raise ValueError(
+            f"{path}: results for {sorted(shared)[0]} were made with other settings ({what}); "
+            "rerunning into this folder would mix them: use another --save_dir"
+        )

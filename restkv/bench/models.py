@@ -8,14 +8,20 @@ from pathlib import Path
 
 from ..integration.convert import atomic_dir, convert_gguf  # noqa: F401 (re-exported)
 from .ggufmeta import gguf_context_length
-from ..integration.models import (REGISTRY, gguf_path, cache_dir, essays_dir, essays_text,  # noqa: F401
-                                  load_model, model_name, resolve)
+from ..integration.models import (  # noqa: F401 (the core's loading, re-exported for the runners)
+    REGISTRY, cache_dir, essays_dir, essays_text, gguf_path, load_model, model_name, resolve)
 from ..lazy import LazyModule, torch
 
 transformers = LazyModule("transformers")
 
 
-LENGTH_FIELDS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len")
+LENGTH_FIELDS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "seq_length",
+    "n_positions",
+    "max_seq_len",
+)
 
 
 def _length_field(config):
@@ -38,7 +44,9 @@ def max_context(model):
     config = model.config if hasattr(model, "config") else model
     found = _length_field(config)
     if found is None:
-        raise ValueError(f"{type(config).__name__} has no max length field (max_position_embeddings, ...)")
+        raise ValueError(
+            f"{type(config).__name__} has no max length field (max_position_embeddings, ...)"
+        )
     return found[1]
 
 
@@ -74,9 +82,14 @@ def context_limit(name_or_path):
     elif os.path.exists(path):
         raise ValueError(f"model_path: {path} holds no config.json")
     else:  # a hub id
-        found, where = _length_field(transformers.AutoConfig.from_pretrained(path)), f"the config of {path}"
+        found, where = (
+            _length_field(transformers.AutoConfig.from_pretrained(path)),
+            f"the config of {path}",
+        )
     if found is None:
-        raise ValueError(f"model_path: {where} has no max length field ({', '.join(LENGTH_FIELDS)})")
+        raise ValueError(
+            f"model_path: {where} has no max length field ({', '.join(LENGTH_FIELDS)})"
+        )
     return found[1], f"{found[0]} of {where}"
 
 
@@ -106,8 +119,10 @@ def check_context(model_path, sizes):
         if tokens is not None and tokens + extra > limit:
             more = f" plus {extra} new tokens" if extra else ""
             most = f"; at most {limit - extra} here" if extra else ""
-            raise ValueError(f"{flag}: {tokens} tokens{more} exceed the context of {model_name(model_path)}: "
-                             f"{limit} tokens ({where}){most}")
+            raise ValueError(
+                f"{flag}: {tokens} tokens{more} exceed the context of {model_name(model_path)}: "
+                f"{limit} tokens ({where}){most}"
+            )
     return limit
 
 
@@ -146,6 +161,11 @@ def load_from_args(args, shard=None):
         kwargs["device_map"] = args.device_map
         if getattr(args, "offload_folder", None):
             kwargs["offload_folder"] = args.offload_folder
-    model, tokenizer = load_model(args.model_path, attn_implementation=args.attn_implementation,
-                                  dtype=args.dtype, device=device, **kwargs)
+    model, tokenizer = load_model(
+        args.model_path,
+        attn_implementation=args.attn_implementation,
+        dtype=args.dtype,
+        device=device,
+        **kwargs,
+    )
     return model, tokenizer, args.max_length or max_context(model)

@@ -30,7 +30,9 @@ def _steps(start, stop, step, kind, item: str, flag: str) -> list:
     if step == 0:
         raise ValueError(f"{flag} {item!r}: the step must not be 0")
     if (stop - start) * step < 0:
-        raise ValueError(f"{flag} {item!r}: a step of {step:g} never goes from {start:g} to {stop:g}")
+        raise ValueError(
+            f"{flag} {item!r}: a step of {step:g} never goes from {start:g} to {stop:g}"
+        )
     count = (stop - start) / step
     steps = round(count)
     if abs(count - steps) > 1e-9 * max(1.0, abs(count)):
@@ -38,7 +40,8 @@ def _steps(start, stop, step, kind, item: str, flag: str) -> list:
         raise ValueError(
             f"{flag} {item!r}: {stop:g} is not on the grid {start:g}, {start + step:g}, ... (which stops at {last:g}); "
             f"start:stop:step includes stop and needs it on the grid. For evenly spaced values give their "
-            f"number: {start:g}:{stop:g}/N")
+            f"number: {start:g}:{stop:g}/N"
+        )
     values = [start + i * step for i in range(steps + 1)]
     return [kind(v) if kind is int else round(v, 6) for v in values]
 

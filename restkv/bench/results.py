@@ -36,7 +36,9 @@ def record_key(fields, record_or_key):
             raise KeyError(f"record lacks key fields {missing}")
         values = [record_or_key[f] for f in fields]
     else:
-        values = list(record_or_key) if isinstance(record_or_key, (tuple, list)) else [record_or_key]
+        values = (
+            list(record_or_key) if isinstance(record_or_key, (tuple, list)) else [record_or_key]
+        )
         if len(values) != len(fields):
             raise ValueError(f"key {record_or_key!r} does not match key fields {list(fields)}")
     return json.dumps(values)

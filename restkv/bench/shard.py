@@ -116,15 +116,19 @@ class ResultFile(Closing):
     """
 
     def __init__(self, path, key_fields, plan, shard):
-        self.path, self.key_fields, self.shard = str(path), tuple(key_fields), shard
+        self.path = str(path)
+        self.key_fields = tuple(key_fields)
+        self.shard = shard
         if shard.size == 1:
             merge(self.path)  # parts left by an earlier sharded run count as done
             self.merged = set()
             self.writer = JsonlWriter(self.path, self.key_fields)
             return
         if shard.main:
-            atomic_write(plan_path(self.path), json.dumps({"key_fields": self.key_fields,
-                                                            "keys": [list(k) for k in plan]}))
+            atomic_write(
+                plan_path(self.path),
+                json.dumps({"key_fields": self.key_fields, "keys": [list(k) for k in plan]}),
+            )
         self.merged = {record_key(self.key_fields, r) for r in _complete_lines(self.path)}
         self.writer = JsonlWriter(part_path(self.path, shard), self.key_fields)
 
@@ -182,14 +186,18 @@ def merge_all(folder):
     """Merge every sharded results file under ``folder``; returns ``{path: records added}``."""
     bases = set()
     for part in glob.glob(os.path.join(glob.escape(folder), "**", "*.part-*-of-*"), recursive=True):
-        bases.add(part[:part.rindex(".part-")])
+        bases.add(part[: part.rindex(".part-")])
     return {base: merge(base) for base in sorted(bases)}
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m restkv.bench.shard", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m restkv.bench.shard", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("merge", help="merge the per-process parts of every results file under a folder")
+    m = sub.add_parser(
+        "merge", help="merge the per-process parts of every results file under a folder"
+    )
     m.add_argument("folder")
     args = parser.parse_args(argv)
     merged = merge_all(args.folder)

@@ -9,6 +9,21 @@ from .pruned import PrunedLayer, PrunedVarlenLayer
 from .quantized import quantized_layer
 from .report import held_bytes, memory_report, tensor_bytes
 
-__all__ = ["CompressedLayer", "Kept", "KeptLayer", "PrunedLayer", "PrunedVarlenLayer", "SegmentIndex", "VarlenLayer",
-           "appended_positions", "cache_layer", "held_bytes", "masked_attention", "memory_report", "quantized_layer",
-           "stack_samples", "tensor_bytes", "varlen_attention"]
+__all__ = [
+    "CompressedLayer",
+    "Kept",
+    "KeptLayer",
+    "PrunedLayer",
+    "PrunedVarlenLayer",
+    "SegmentIndex",
+    "VarlenLayer",
+    "appended_positions",
+    "cache_layer",
+    "held_bytes",
+    "masked_attention",
+    "memory_report",
+    "quantized_layer",
+    "stack_samples",
+    "tensor_bytes",
+    "varlen_attention",
+]

@@ -21,7 +21,9 @@ class KeptLayer:
     those of the full prompt), ``stored`` the entries actually held.
     """
 
-    is_croppable = True  # the decoded tail (an assistant's rejected candidates), not the kept prompt
+    is_croppable = (
+        True  # the decoded tail (an assistant's rejected candidates), not the kept prompt
+    )
 
     def keep(self, kept: Kept, seen: int) -> None:
         b, hkv, _, d = kept.keys.shape
@@ -29,11 +31,17 @@ class KeptLayer:
         self.seen = seen
         self.stored = kept.keys.shape[-2]
         self.positions = kept.positions  # [b, Hkv, B] kept prompt positions
-        self.valid = kept.valid  # [b, B], or [b, Hkv, B] when heads keep different numbers (masked layout)
+        self.valid = (
+            kept.valid
+        )  # [b, B], or [b, Hkv, B] when heads keep different numbers (masked layout)
         self.all_valid = bool(kept.valid.all())
-        self.prompt_end = kept.positions.amax((1, 2)) + 1  # [b] real prompt tokens (the last one is always kept)
+        self.prompt_end = (
+            kept.positions.amax((1, 2)) + 1
+        )  # [b] real prompt tokens (the last one is always kept)
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args, **kwargs
+    ) -> tuple[Tensor, Tensor]:
         self.seen += key_states.shape[-2]
         self.stored += key_states.shape[-2]
         return super().update(key_states, value_states)
@@ -76,8 +84,14 @@ class KeptLayer:
         valid = valid if valid.dim() == 3 else valid[:, None].expand(b, heads, n)
         return keys, self.values, valid, appended_positions(self.positions, n)
 
-    def attention_mask(self, query_length: int, implementation: str, dtype: torch.dtype, groups: int = 1,
-                       window: int | None = None) -> Tensor | None:
+    def attention_mask(
+        self,
+        query_length: int,
+        implementation: str,
+        dtype: torch.dtype,
+        groups: int = 1,
+        window: int | None = None,
+    ) -> Tensor | None:
         """The mask a backend needs for ``query_length`` new queries over the stored entries.
 
         Returns None when nothing is masked (one query, no kept padding), a 2D [b, n] padding mask
@@ -101,7 +115,9 @@ class KeptLayer:
         heads = valid[:, :, None, :] if per_head else valid[:, None, None, :]  # [b, Hkv or 1, 1, n]
         if sliding:
             heads = heads & self.within_window(query_length, window)  # [b, Hkv, q, n]
-        allowed = causal[None, None] & (heads.repeat_interleave(groups, 1) if heads.shape[1] > 1 else heads)
+        allowed = causal[None, None] & (
+            heads.repeat_interleave(groups, 1) if heads.shape[1] > 1 else heads
+        )
         if implementation != "eager":
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(
@@ -111,11 +127,17 @@ class KeptLayer:
     def within_window(self, query_length: int, window: int) -> Tensor:
         """[b, Hkv, q, n] bool: which stored entries each of the ``query_length`` newest queries sees under a
         sliding window (position distance < ``window``); kept prompt entries, then the decoded ones."""
-        decoded = self.stored - self.positions.shape[-1]  # entries appended since prefill (the queries' among them)
+        decoded = (
+            self.stored - self.positions.shape[-1]
+        )  # entries appended since prefill (the queries' among them)
         end = self.prompt_end[:, None]  # [b, 1]
         step = torch.arange(decoded, device=end.device)
-        entry = torch.cat([self.positions, (end + step).unsqueeze(1).expand(-1, self.positions.shape[1], -1)], -1)
-        query = end + (decoded - query_length) + torch.arange(query_length, device=end.device)  # [b, q]
+        entry = torch.cat(
+            [self.positions, (end + step).unsqueeze(1).expand(-1, self.positions.shape[1], -1)], -1
+        )
+        query = (
+            end + (decoded - query_length) + torch.arange(query_length, device=end.device)
+        )  # [b, q]
         return query[:, None, :, None] - entry[:, :, None, :] < window
 
 
@@ -124,8 +146,10 @@ def cropped_tokens(tokens_to_remove: int, seen: int, decoded: int, layer) -> int
     ``decoded`` of them since its last eviction; raises when that reaches into what the eviction kept."""
     remove = -tokens_to_remove if tokens_to_remove <= 0 else max(0, seen - tokens_to_remove)
     if remove > decoded or (remove and getattr(layer, "policy", None) is not None):
-        raise ValueError(f"crop: cannot remove {remove} entries; only the {decoded} decoded since "
-                         "the eviction can be (and none with decode_interval)")
+        raise ValueError(
+            f"crop: cannot remove {remove} entries; only the {decoded} decoded since "
+            "the eviction can be (and none with decode_interval)"
+        )
     return remove
 
 
@@ -139,20 +163,28 @@ class CompressedLayer(KeptLayer, DynamicLayer):
     def __init__(self, kept: Kept, seen: int, room: int = 0):
         DynamicLayer.__init__(self)
         self.device = kept.keys.device
-        self.keys, self.values = kept.keys, kept.values
+        self.keys = kept.keys
+        self.values = kept.values
         self._buffers = None
         if room:
             b, hkv, n, d = kept.keys.shape
             self._buffers = [x.new_empty(b, hkv, n + room, d) for x in (kept.keys, kept.values)]
-            self._buffers[0][:, :, :n], self._buffers[1][:, :, :n] = kept.keys, kept.values
+            self._buffers[0][:, :, :n] = kept.keys
+            self._buffers[1][:, :, :n] = kept.values
             self.keys, self.values = (buf[:, :, :n] for buf in self._buffers)
         self.is_initialized = True
         self.keep(kept, seen)
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        n, q = self.stored, key_states.shape[-2]
-        if (self._buffers is None or n + q > self._buffers[0].shape[-2]
-                or self.keys.data_ptr() != self._buffers[0].data_ptr()):  # out of room, or keys replaced
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args, **kwargs
+    ) -> tuple[Tensor, Tensor]:
+        n = self.stored
+        q = key_states.shape[-2]
+        if (
+            self._buffers is None
+            or n + q > self._buffers[0].shape[-2]
+            or self.keys.data_ptr() != self._buffers[0].data_ptr()
+        ):  # out of room, or keys replaced
             self._buffers = None
             return super().update(key_states, value_states)
         for buf, new in zip(self._buffers, (key_states, value_states)):

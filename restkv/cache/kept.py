@@ -18,8 +18,12 @@ class Kept:
     positions: Tensor  # [b, H, B] position from the sample's first real token, -1 on padding
     valid: Tensor  # [b, B] bool, False on kept padding (same for every head); [b, H, B] with per-head budgets
     per_head: bool = False  # heads keep different numbers of entries
-    kv_heads: int | None = None  # the model's KV heads when H is the query heads (one kept set per query head)
-    index: Tensor | None = None  # [b, H, B] which of the observed entries each slot holds (None: not recorded)
+    kv_heads: int | None = (
+        None  # the model's KV heads when H is the query heads (one kept set per query head)
+    )
+    index: Tensor | None = (
+        None  # [b, H, B] which of the observed entries each slot holds (None: not recorded)
+    )
 
 
 def stack_samples(parts: list[Kept]) -> Kept:
@@ -31,14 +35,23 @@ def stack_samples(parts: list[Kept]) -> Kept:
     heads = parts[0].keys.shape[1]
 
     def pad(t, fill):
-        return F.pad(t, (0, 0, 0, width - t.shape[-2]) if t.dim() == 4 else (0, width - t.shape[-1]), value=fill)
+        return F.pad(
+            t,
+            (0, 0, 0, width - t.shape[-2]) if t.dim() == 4 else (0, width - t.shape[-1]),
+            value=fill,
+        )
 
     def per_head(p):
         return p.valid if p.valid.dim() == 3 else p.valid[:, None].expand(-1, heads, -1)
 
-    return Kept(torch.cat([pad(p.keys, 0) for p in parts]), torch.cat([pad(p.values, 0) for p in parts]),
-                torch.cat([pad(p.positions, -1) for p in parts]), torch.cat([pad(per_head(p), False) for p in parts]),
-                per_head=True, kv_heads=parts[0].kv_heads)
+    return Kept(
+        torch.cat([pad(p.keys, 0) for p in parts]),
+        torch.cat([pad(p.values, 0) for p in parts]),
+        torch.cat([pad(p.positions, -1) for p in parts]),
+        torch.cat([pad(per_head(p), False) for p in parts]),
+        per_head=True,
+        kv_heads=parts[0].kv_heads,
+    )
 
 
 def appended_positions(kept: Tensor, n: int) -> Tensor:

@@ -19,8 +19,12 @@ def cache_layer(kept: Kept, seen: int, cfg, channels: Tensor | None = None):
     (``restkv.cache.pruned``).
     """
     if cfg.quant_method:
-        return quantized_layer(kept, seen, cfg.quant_method, cfg.nbits, cfg.residual_length, cfg.q_group_size)
-    packed = kept.kv_heads is not None or (kept.per_head and cfg.get("varlen", True))  # one segment per head
+        return quantized_layer(
+            kept, seen, cfg.quant_method, cfg.nbits, cfg.residual_length, cfg.q_group_size
+        )
+    packed = kept.kv_heads is not None or (
+        kept.per_head and cfg.get("varlen", True)
+    )  # one segment per head
     if channels is not None:
         return (PrunedVarlenLayer if packed else PrunedLayer)(kept, seen, channels, cfg.window_size)
     if kept.keys.shape[-2] == seen and not kept.per_head and not cfg.get("decode_interval"):

@@ -42,55 +42,87 @@ class SegmentIndex:
     """
 
     def __init__(self, lengths: Tensor, room: int = 0, sizes: tuple[int, int] | None = None):
-        S, device = lengths.numel(), lengths.device
-        self.lengths, self.room = lengths, room
-        if sizes is None:  # N and the longest segment, unless known (the same lengths with more room)
-            sizes = torch.stack([lengths.sum(), lengths.max()]).tolist() if S else [0, 0]  # one host read
+        S = lengths.numel()
+        device = lengths.device
+        self.lengths = lengths
+        self.room = room
+        if (
+            sizes is None
+        ):  # N and the longest segment, unless known (the same lengths with more room)
+            sizes = (
+                torch.stack([lengths.sum(), lengths.max()]).tolist() if S else [0, 0]
+            )  # one host read
         self.packed, self.width = sizes
         starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]
         j = torch.arange(self.width, device=device)
         inside = j < lengths[:, None]
-        appended = self.packed + torch.arange(room, device=device) * S + torch.arange(S, device=device)[:, None]
+        appended = (
+            self.packed
+            + torch.arange(room, device=device) * S
+            + torch.arange(S, device=device)[:, None]
+        )
         self.rows = torch.cat([(starts[:, None] + j).masked_fill_(~inside, 0), appended], 1)
         self.visible = torch.cat([inside, inside.new_ones(S, room)], 1)[:, None, None]
 
     def view(self, keys: Tensor, values: Tensor, steps: int, q: int):
         """Keys and values [S, 1, width + steps, d] gathered from the buffers [>= N + S * steps, d], and
         visible [S, 1, q or 1, width + steps]: ``steps`` appended steps, the last ``q`` the queries' own."""
-        S, n = self.lengths.numel(), self.width + steps
+        S = self.lengths.numel()
+        n = self.width + steps
         rows = self.rows[:, :n].reshape(-1)
         visible = self.visible[..., :n]
         if q > 1:  # appended slot width + t is seen by query i iff t <= steps - q + i
             slot = torch.arange(n, device=rows.device) - self.width
             visible = visible & (slot <= steps - q + torch.arange(q, device=rows.device)[:, None])
-        return (keys.index_select(0, rows).view(S, 1, n, -1), values.index_select(0, rows).view(S, 1, n, -1),
-                visible)
+        return (
+            keys.index_select(0, rows).view(S, 1, n, -1),
+            values.index_select(0, rows).view(S, 1, n, -1),
+            visible,
+        )
 
     def entries(self, packed: Tensor) -> tuple[Tensor, Tensor]:
         """The packed part [N, ...] per segment, padded: [S, width, ...], and [S, width] bool (held)."""
         rows = self.rows[:, : self.width].reshape(-1)
-        padded = packed.index_select(0, rows).view(self.lengths.numel(), self.width, *packed.shape[1:])
+        padded = packed.index_select(0, rows).view(
+            self.lengths.numel(), self.width, *packed.shape[1:]
+        )
         return padded, self.visible[:, 0, 0, : self.width]
 
 
-def masked_attention(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scaling: float,
-                     softcap: float | None = None) -> Tensor:
+def masked_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    visible: Tensor,
+    scaling: float,
+    softcap: float | None = None,
+) -> Tensor:
     """query [B, H, q, d] over keys/values [B, K, L, d] (H a multiple of K) where ``visible`` [B, H or 1, q or 1, L]
     -> [B, H, q, d].
 
     The fused kernel (sdpa) in the input dtype; with ``softcap`` the logits are capped, in float32.
     """
     if not softcap:
-        return scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True)
+        return scaled_dot_product_attention(
+            query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True
+        )
     groups = query.shape[1] // keys.shape[1]
     if 1 < groups < query.shape[1]:  # several KV heads, each serving a group
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    logits = (query.float() @ keys.float().transpose(-1, -2)).mul_(scaling).div_(softcap).tanh_().mul_(softcap)
+    logits = (
+        (query.float() @ keys.float().transpose(-1, -2))
+        .mul_(scaling)
+        .div_(softcap)
+        .tanh_()
+        .mul_(softcap)
+    )
     probs = logits.masked_fill_(~visible, float("-inf")).softmax(-1)
     return (probs @ values.float()).to(query.dtype)
 
 
-def varlen_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, scaling: float) -> Tensor:
+def varlen_attention(
+    query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, scaling: float
+) -> Tensor:
     """The newest ``q`` entries of each packed segment attend causally to their segment.
 
     Parameters
@@ -111,7 +143,9 @@ def varlen_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tenso
     index = SegmentIndex(lengths)
     k, v, visible = index.view(keys, values, 0, 1)
     i = torch.arange(q, device=keys.device)[:, None]
-    visible = visible & (torch.arange(index.width, device=keys.device) <= (lengths - q)[:, None, None, None] + i)
+    visible = visible & (
+        torch.arange(index.width, device=keys.device) <= (lengths - q)[:, None, None, None] + i
+    )
     return masked_attention(query, k, v, visible, scaling)
 
 
@@ -137,12 +171,15 @@ class VarlenLayer(DynamicLayer):
         valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand(b, heads, -1)
         self.device = kept.keys.device
         self.shape = (b, heads, d)
-        self.keys, self.values = kept.keys[valid], kept.values[valid]  # [N, d], segment order
+        self.keys = kept.keys[valid]  # [N, d], segment order
+        self.values = kept.values[valid]
         self.packed_positions = kept.positions[valid]  # [N]
         self.index = SegmentIndex(valid.sum(-1).flatten())
         self.key_rows = self.index.packed
         self.steps = self.capacity = 0  # appended steps, and how many this layer's buffers hold
-        self.token_bytes = b * (kept.kv_heads or heads) * d * 2 * kept.keys.element_size()  # one full-cache token
+        self.token_bytes = (
+            b * (kept.kv_heads or heads) * d * 2 * kept.keys.element_size()
+        )  # one full-cache token
         self.kv_heads = kept.kv_heads
         self.is_initialized = True
         self.seen = seen
@@ -171,22 +208,35 @@ class VarlenLayer(DynamicLayer):
         for x, head in ((self.keys, self.key_rows), (self.values, self.index.packed)):
             grown.append(x.new_empty(head + segments * room, x.shape[-1]))
             grown[-1][: head + segments * self.steps] = x[: head + segments * self.steps]
-        self.keys, self.values, self.capacity = grown[0], grown[1], room
+        self.keys = grown[0]
+        self.values = grown[1]
+        self.capacity = room
         if room > self.index.room:
-            self.index = SegmentIndex(self.index.lengths, room, (self.index.packed, self.index.width))
+            self.index = SegmentIndex(
+                self.index.lengths, room, (self.index.packed, self.index.width)
+            )
 
     def growth(self, q: int) -> int:
         """Steps of room added when ``q`` more do not fit."""
-        return max(q, self.index.packed // max(1, 32 * self.index.lengths.numel()), (self.steps + q) // 4)
+        return max(
+            q, self.index.packed // max(1, 32 * self.index.lengths.numel()), (self.steps + q) // 4
+        )
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args, **kwargs
+    ) -> tuple[Tensor, Tensor]:
         b, hkv, q, d = key_states.shape
         segments = self.index.lengths.numel()
         if self.steps + q > self.capacity:
             self.reserve(self.growth(q))
-        for buf, new, head in ((self.keys, key_states, self.key_rows), (self.values, value_states, self.index.packed)):
+        for buf, new, head in (
+            (self.keys, key_states, self.key_rows),
+            (self.values, value_states, self.index.packed),
+        ):
             start = head + segments * self.steps  # rows step by step, then segment
-            new = new[:, :, None].expand(b, hkv, segments // (b * hkv), q, d).reshape(segments, q, d)
+            new = (
+                new[:, :, None].expand(b, hkv, segments // (b * hkv), q, d).reshape(segments, q, d)
+            )
             buf[start : start + segments * q] = new.transpose(0, 1).reshape(segments * q, d)
         self.steps += q
         self.seen += q
@@ -204,13 +254,15 @@ class VarlenLayer(DynamicLayer):
         read, the new index)."""
         b, heads, d = self.shape
         beam_idx = beam_idx.to(self.device)
-        old, steps = self.index, self.steps
+        old = self.index
+        steps = self.steps
         head = torch.arange(heads, device=self.device)
         segment = (beam_idx[:, None] * heads + head).flatten()  # each new segment's old one
         index = SegmentIndex(old.lengths[segment], old.room)
         held = index.visible[:, 0, 0, : index.width]
         packed = old.rows[segment, : index.width].masked_select(held)
-        S, S_new = old.lengths.numel(), segment.numel()
+        S = old.lengths.numel()
+        S_new = segment.numel()
         appended = old.packed + torch.arange(steps, device=self.device)[:, None] * S + segment
         rows = torch.cat([packed, appended.flatten()])
         for name in ("keys", "values"):
@@ -220,7 +272,8 @@ class VarlenLayer(DynamicLayer):
             setattr(self, name, grown)
         self.packed_positions = self.packed_positions.index_select(0, packed)
         self.positions = self.positions.index_select(0, beam_idx)
-        self.index, self.key_rows = index, index.packed
+        self.index = index
+        self.key_rows = index.packed
         self.capacity = max(self.capacity, steps)
         self.shape = (beam_idx.numel(), heads, d)
         if getattr(self, "recent", None) is not None:
@@ -237,8 +290,14 @@ class VarlenLayer(DynamicLayer):
         """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout)."""
         b, hq, q, d = query.shape
         keys, values, visible = self.index.view(self.attended_keys(), self.values, self.steps, q)
-        out = masked_attention(query.reshape(self.index.lengths.numel(), -1, q, d), keys, values, visible, scaling,
-                               softcap)
+        out = masked_attention(
+            query.reshape(self.index.lengths.numel(), -1, q, d),
+            keys,
+            values,
+            visible,
+            scaling,
+            softcap,
+        )
         return out.reshape(b, hq, q, d).transpose(1, 2)
 
     def attended_keys(self) -> Tensor:
@@ -249,15 +308,19 @@ class VarlenLayer(DynamicLayer):
         """Every stored entry, each head padded after its packed part: keys, values [b, H, n, d], validity and
         positions [b, H, n] (-1 where invalid)."""
         b, heads, d = self.shape
-        S, T, N = self.index.lengths.numel(), self.steps, self.index.packed
+        S = self.index.lengths.numel()
+        T = self.steps
+        N = self.index.packed
 
         def appended(x):  # [S, T, d]
             return x[N : N + S * T].view(T, S, d).transpose(0, 1)
 
         (keys, inside), (values, _) = (self.index.entries(x[:N]) for x in (self.keys, self.values))
         kept, _ = self.index.entries(self.packed_positions)
-        keys, values = (torch.cat([x, appended(buf)], 1).view(b, heads, -1, d)
-                        for x, buf in ((keys, self.keys), (values, self.values)))
+        keys, values = (
+            torch.cat([x, appended(buf)], 1).view(b, heads, -1, d)
+            for x, buf in ((keys, self.keys), (values, self.values))
+        )
         valid = torch.cat([inside, inside.new_ones(S, T)], 1).view(b, heads, -1)
         kept = kept.masked_fill(~inside, -1).view(b, heads, -1)
         return keys, values, valid, appended_positions(kept, kept.shape[-1] + T)

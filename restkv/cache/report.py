@@ -21,7 +21,12 @@ def tensor_bytes(obj) -> int:
 
 def held_bytes(layer) -> int:
     """Bytes of the keys and values a cache layer stores (quantized parts included)."""
-    extra = ("_quantized_keys", "_quantized_values", "pruned_keys", "channels")  # quantized parts, ThinK's older keys
+    extra = (
+        "_quantized_keys",
+        "_quantized_values",
+        "pruned_keys",
+        "channels",
+    )  # quantized parts, ThinK's older keys
     parts = [layer.keys, layer.values, *(getattr(layer, name, None) for name in extra)]
     return sum(tensor_bytes(p) for p in parts)
 
@@ -34,11 +39,13 @@ def memory_report(cache) -> list[dict]:
         if per_token is None:  # an untouched full-precision layer
             b, hkv, _, d = layer.keys.shape
             per_token = b * hkv * d * 2 * layer.keys.element_size()
-        rows.append({
-            "layer": i,
-            "kind": type(layer).__name__,
-            "tokens": layer.get_seq_length(),
-            "full_bytes": layer.get_seq_length() * per_token,
-            "held_bytes": held_bytes(layer),
-        })
+        rows.append(
+            {
+                "layer": i,
+                "kind": type(layer).__name__,
+                "tokens": layer.get_seq_length(),
+                "full_bytes": layer.get_seq_length() * per_token,
+                "held_bytes": held_bytes(layer),
+            }
+        )
     return rows

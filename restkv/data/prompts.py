@@ -41,8 +41,9 @@ def build_prompt(tokenizer, text, chat_template="auto"):
         return text
     if not has_chat_template(tokenizer):
         raise ValueError("chat_template: 'on' but the tokenizer has no chat template")
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def encode(tokenizer, text, offsets=False):
@@ -117,8 +118,10 @@ def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0, question=N
     overhead = len(encode(tokenizer, build_prompt(tokenizer, "", chat_template)))
     cap = max_length - reserve - overhead
     if cap < 1:
-        raise ValueError(f"max_length {max_length} leaves no room for the prompt "
-                         f"({reserve} new tokens, {overhead} template tokens)")
+        raise ValueError(
+            f"max_length {max_length} leaves no room for the prompt "
+            f"({reserve} new tokens, {overhead} template tokens)"
+        )
     ids = tokenizer(text, add_special_tokens=False).input_ids
     if len(ids) > cap:
         text = tokenizer.decode(middle_truncate(ids, cap), skip_special_tokens=True)
@@ -126,5 +129,7 @@ def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0, question=N
     if question is None:
         return encode(tokenizer, prompt)
     if not text.endswith(question):
-        raise ValueError(f"the prompt no longer ends with its question after truncation to {max_length} tokens")
+        raise ValueError(
+            f"the prompt no longer ends with its question after truncation to {max_length} tokens"
+        )
     return split_prompt(tokenizer, prompt, prompt.rfind(text) + len(text) - len(question))

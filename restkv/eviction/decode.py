@@ -27,6 +27,7 @@ from ..strategies.budgets import fits
 from .observation import observation
 from .select import select
 
+
 @dataclass(frozen=True)
 class Policy:
     """How an armed layer evicts while decoding."""
@@ -34,15 +35,19 @@ class Policy:
     plan: object  # the layer's ``evict.LayerPlan``
     budgets: tuple  # this layer's budget per sample (window included), as at prefill
     interval: int
-    embed: object = None  # positions -> (cos, sin) of the layer's RoPE (``restkv.scoring.rope``), if it has one
+    embed: object = (
+        None  # positions -> (cos, sin) of the layer's RoPE (``restkv.scoring.rope``), if it has one
+    )
 
 
 def arm(layer, plan, budgets, query, rope=None) -> None:
     """Make a cache layer evict while decoding: its policy, the prefill's last ``window_size`` queries
     ([b, Hq, w, d], copied) and no new tokens yet. ``rope``: the prefill's ``restkv.scoring.rope.Rope``."""
     cfg = plan.cfg
-    layer.policy = Policy(plan, tuple(budgets), cfg.decode_interval, None if rope is None else rope.embed)
-    layer.recent = query[:, :, -cfg.window_size:].clone()
+    layer.policy = Policy(
+        plan, tuple(budgets), cfg.decode_interval, None if rope is None else rope.embed
+    )
+    layer.recent = query[:, :, -cfg.window_size :].clone()
     layer.since = 0
     if hasattr(layer, "reserve"):  # room for what is appended until the next eviction
         layer.reserve(cfg.decode_interval)
@@ -52,7 +57,7 @@ def decode_step(cache, module, query, kwargs) -> None:
     """After a forward's attention on an armed layer: remember its queries [b, Hq, q, d], and every
     ``decode_interval`` new tokens put the shrunk layer in its place in ``cache``."""
     layer = cache.layers[module.layer_idx]
-    layer.recent = torch.cat([layer.recent, query], 2)[:, :, -layer.policy.plan.cfg.window_size:]
+    layer.recent = torch.cat([layer.recent, query], 2)[:, :, -layer.policy.plan.cfg.window_size :]
     layer.since += query.shape[2]
     if layer.since >= layer.policy.interval:
         cache.layers[module.layer_idx] = shrink(layer, module, kwargs)
@@ -68,15 +73,32 @@ def shrink(layer, module, kwargs):
 def _shrink(layer, module, kwargs):
     policy, (keys, values, valid, positions) = layer.policy, layer.stored_entries()
     budgets = policy.budgets
-    groups = [slice(None)] if len(set(budgets)) == 1 else [slice(i, i + 1) for i in range(keys.shape[0])]
-    parts = [_reselect(policy, module, layer.recent[g], keys[g], values[g], valid[g], positions[g],
-                       budgets[g.start or 0], kwargs, getattr(layer, "kv_heads", None)) for g in groups]
+    groups = (
+        [slice(None)] if len(set(budgets)) == 1 else [slice(i, i + 1) for i in range(keys.shape[0])]
+    )
+    parts = [
+        _reselect(
+            policy,
+            module,
+            layer.recent[g],
+            keys[g],
+            values[g],
+            valid[g],
+            positions[g],
+            budgets[g.start or 0],
+            kwargs,
+            getattr(layer, "kv_heads", None),
+        )
+        for g in groups
+    ]
     if all(evicted is False for _, evicted in parts):
         layer.since = 0
         return layer
     kept = parts[0][0] if len(parts) == 1 else stack_samples([p for p, _ in parts])
     new = cache_layer(kept, layer.seen, policy.plan.cfg)
-    new.policy, new.recent, new.since = policy, layer.recent, 0
+    new.policy = policy
+    new.recent = layer.recent
+    new.since = 0
     if hasattr(new, "reserve"):
         new.reserve(policy.interval)
     return new
@@ -87,13 +109,33 @@ def _reselect(policy, module, recent, keys, values, valid, positions, budget, kw
     (``evicted`` False: all fit the budget and are kept as they are)."""
     plan = policy.plan
     index, held, width, same = relayout(valid, plan.cfg.window_size)
-    keys, values = (x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1])) for x in (keys, values))
+    keys, values = (
+        x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1])) for x in (keys, values)
+    )
     positions = positions.gather(2, index).masked_fill(~held, -1)
     key_valid = held[:, 0] if same else held.any(1)
     if fits(plan.cfg, width, budget):
-        return Kept(keys, values, positions, key_valid if same else held, per_head=not same, kv_heads=kv_heads), False
-    obs = observation(plan, module, recent, keys, values, key_valid, budget, kwargs, {},
-                      _rope(policy.embed, positions), None if same else held)
+        return Kept(
+            keys,
+            values,
+            positions,
+            key_valid if same else held,
+            per_head=not same,
+            kv_heads=kv_heads,
+        ), False
+    obs = observation(
+        plan,
+        module,
+        recent,
+        keys,
+        values,
+        key_valid,
+        budget,
+        kwargs,
+        {},
+        _rope(policy.embed, positions),
+        None if same else held,
+    )
     kept = select(obs, plan.cfg, plan.table)
     valid_kept = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
     real = positions.gather(2, kept.index).masked_fill(~valid_kept, -1)
@@ -121,12 +163,20 @@ def relayout(valid, window: int):
     """
     b, heads, n = valid.shape
     count = valid.sum(-1)  # [b, H]
-    width, differ = torch.stack([count.max(), (count.amin(1) != count.amax(1)).any().long()]).tolist()
+    width, differ = torch.stack(
+        [count.max(), (count.amin(1) != count.amax(1)).any().long()]
+    ).tolist()
     longest = count.amax(1, keepdim=True)[..., None]
     rank = valid.long().cumsum(-1) - 1
-    slot = torch.where(rank < (count - window)[..., None], width - longest + rank, width - count[..., None] + rank)
+    slot = torch.where(
+        rank < (count - window)[..., None], width - longest + rank, width - count[..., None] + rank
+    )
     slot = slot.masked_fill(~valid, width)  # entries not held go to a slot that is dropped
     entries = torch.arange(n, device=valid.device).expand(b, heads, n)
-    index = torch.zeros(b, heads, width + 1, dtype=torch.long, device=valid.device).scatter_(2, slot, entries)
-    held = torch.zeros(b, heads, width + 1, dtype=torch.bool, device=valid.device).scatter_(2, slot, valid)
+    index = torch.zeros(b, heads, width + 1, dtype=torch.long, device=valid.device).scatter_(
+        2, slot, entries
+    )
+    held = torch.zeros(b, heads, width + 1, dtype=torch.bool, device=valid.device).scatter_(
+        2, slot, valid
+    )
     return index[..., :width], held[..., :width], width, not differ

@@ -38,13 +38,17 @@ def decoder_of(model: nn.Module) -> nn.Module:
     """The module that runs the decoder layers (``model.model`` of a causal LM); the model itself if none."""
     for m in model.modules():
         layers = getattr(m, "layers", None)
-        if isinstance(layers, nn.ModuleList) and any(hasattr(x, "o_proj") for x in layers.modules()):
+        if isinstance(layers, nn.ModuleList) and any(
+            hasattr(x, "o_proj") for x in layers.modules()
+        ):
             return m
     return model
 
 
 @torch.no_grad()
-def finish(model, cache, prefills: list[LayerPrefill], input_ids, shared: dict | None = None) -> list:
+def finish(
+    model, cache, prefills: list[LayerPrefill], input_ids, shared: dict | None = None
+) -> list:
     """Finish one config's deferred layers of a prefill -> ``[(prefill, cache layer or None, positions)]``.
 
     ``cache`` the prefill's (full) cache, ``input_ids`` [b, n] its prompt, ``shared`` the passes' scores of
@@ -65,14 +69,20 @@ def finish(model, cache, prefills: list[LayerPrefill], input_ids, shared: dict |
 def _select(cfg, prefills: list[LayerPrefill]) -> list:
     """Each deferred layer's selection, its budget shared across layers when ``layer_budget="global"``."""
     sizes = [None] * len(prefills)
-    if cfg.get("layer_budget") == "global":  # every evicted layer is deferred: len(prefills) layers share it
+    if (
+        cfg.get("layer_budget") == "global"
+    ):  # every evicted layer is deferred: len(prefills) layers share it
         heads = prefills[0].key.shape[1]
         own = getattr(cfg.scorer.module, "global_sizes", None)  # a method's own split (KVCompose)
         parts = []
         for i, (_, _, budget) in enumerate(prefills[0].parts):
             scores = [p.scores[i] for p in prefills]
             total = len(prefills) * heads * (budget - cfg.window_size)
-            parts.append(global_sizes(scores, total) if own is None else own(scores, total, cfg.score_knobs(), global_sizes))
+            parts.append(
+                global_sizes(scores, total)
+                if own is None
+                else own(scores, total, cfg.score_knobs(), global_sizes)
+            )
         sizes = [[part[layer] for part in parts] for layer in range(len(prefills))]
     return [(p, *p.result(p.select(s))) for p, s in zip(prefills, sizes)]
 
@@ -88,11 +98,16 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
     module (``Observation.query_weights``); its layers are scored after the pass.
     """
     if input_ids is None:
-        raise ValueError(f"method {prefills[0].plan.cfg.method} reads the prompt's token ids: call the model "
-                         "with input_ids (not inputs_embeds)")
+        raise ValueError(
+            f"method {prefills[0].plan.cfg.method} reads the prompt's token ids: call the model "
+            "with input_ids (not inputs_embeds)"
+        )
     cfg = prefills[0].plan.cfg
-    knobs, decoder = cfg.score_knobs(), decoder_of(model)
-    run = getattr(cfg.scorer.module, "run_pass", None)  # a pass that is more than a forward (KVgrad's backward)
+    knobs = cfg.score_knobs()
+    decoder = decoder_of(model)
+    run = getattr(
+        cfg.scorer.module, "run_pass", None
+    )  # a pass that is more than a forward (KVgrad's backward)
     lengths = prefills[0].key_valid.sum(-1).tolist()
     b, n = input_ids.shape
     out: dict = {}
@@ -105,16 +120,28 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
 
             def observe(prefill, query, key, value):
                 def part(x):  # [sinks | the pass's positions | the pass's own entries]
-                    return torch.cat([x[:, :, :sinks], x[:, :, start:stop], x[:, :, length:]], 2).detach()
+                    return torch.cat(
+                        [x[:, :, :sinks], x[:, :, start:stop], x[:, :, length:]], 2
+                    ).detach()
 
                 keys = part(key)
-                obs = Observation(queries=query.detach(), keys=keys, values=part(value), window=query.shape[2],
-                                  budget=keys.shape[2], scaling=prefill.scaling, softcap=prefill.softcap,
-                                  key_valid=torch.ones(1, keys.shape[2], dtype=torch.bool, device=keys.device),
-                                  wo_factor=lambda m=prefill.module, at=keys.device: layer_wo_factor(m, at),
-                                  layer=prefill.plan.rank, num_layers=prefill.plan.num_evicted)
+                obs = Observation(
+                    queries=query.detach(),
+                    keys=keys,
+                    values=part(value),
+                    window=query.shape[2],
+                    budget=keys.shape[2],
+                    scaling=prefill.scaling,
+                    softcap=prefill.softcap,
+                    key_valid=torch.ones(1, keys.shape[2], dtype=torch.bool, device=keys.device),
+                    wo_factor=lambda m=prefill.module, at=keys.device: layer_wo_factor(m, at),
+                    layer=prefill.plan.rank,
+                    num_layers=prefill.plan.num_evicted,
+                )
                 observed.append((prefill, obs))
-                if run is None:  # scored at once; after the pass when it weighs its tokens (query_weights)
+                if (
+                    run is None
+                ):  # scored at once; after the pass when it weighs its tokens (query_weights)
                     record(*observed.pop())
 
             def record(prefill, obs):
@@ -123,17 +150,26 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
                 if prefill.module.layer_idx not in out:
                     out[prefill.module.layer_idx] = r.new_zeros(b, r.shape[1], n)
                 row = out[prefill.module.layer_idx][s]
-                row[:, pad : pad + sinks], row[:, pad + start : pad + stop] = r[0, :, :sinks], r[0, :, sinks:]
+                row[:, pad : pad + sinks], row[:, pad + start : pad + stop] = (
+                    r[0, :, :sinks],
+                    r[0, :, sinks:],
+                )
 
             view = copy.copy(cache)
             view.layers = [_pass_layer(layer) for layer in base]
             position_ids = torch.arange(length, length + ids.shape[0], device=ids.device)[None]
             with _scoring(prefills, observe):
                 if run is None:
-                    decoder(input_ids=ids[None], position_ids=position_ids, use_cache=True,
-                            **{cache_argument(decoder): view})
+                    decoder(
+                        input_ids=ids[None],
+                        position_ids=position_ids,
+                        use_cache=True,
+                        **{cache_argument(decoder): view},
+                    )
                 else:
-                    weights = run(decoder, ids[None], position_ids, view, [p.module for p in prefills])
+                    weights = run(
+                        decoder, ids[None], position_ids, view, [p.module for p in prefills]
+                    )
             for prefill, obs in observed:
                 obs.query_weights = weights[prefill.module]
                 record(prefill, obs)
@@ -160,7 +196,10 @@ def _sample_view(layer, sample: int, length: int):
     view = copy.copy(layer)
     held = layer.keys.shape[2]
     drop = held - min(held, length)  # left padding
-    view.keys, view.values = layer.keys[sample : sample + 1, :, drop:], layer.values[sample : sample + 1, :, drop:]
+    view.keys, view.values = (
+        layer.keys[sample : sample + 1, :, drop:],
+        layer.values[sample : sample + 1, :, drop:],
+    )
     if hasattr(layer, "cumulative_length"):
         view.cumulative_length = length
     return view

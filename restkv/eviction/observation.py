@@ -12,15 +12,38 @@ from ..scoring.observe import Observation, wo_factor
 from ..scoring.rope import Rope
 
 
-def observation(plan, module, queries, keys, values, key_valid, budget: int, kwargs, memo: dict,
-                rope: Rope | None = None, head_valid=None) -> Observation:
+def observation(
+    plan,
+    module,
+    queries,
+    keys,
+    values,
+    key_valid,
+    budget: int,
+    kwargs,
+    memo: dict,
+    rope: Rope | None = None,
+    head_valid=None,
+) -> Observation:
     """What the layer's scorer sees: queries [b, Hq, Lq, d] of the last Lq positions, keys/values [b, H, L, d],
     key_valid [b, L] (head_valid [b, H, L] when heads hold different entries), this layer's budget and RoPE."""
     return Observation(
-        queries=queries, keys=keys, values=values, key_valid=key_valid, window=plan.cfg.window_size, budget=budget,
-        scaling=kwargs.get("scaling") or module.head_dim**-0.5, softcap=kwargs.get("softcap"),
-        wo_factor=lambda: layer_wo_factor(module, keys.device), wo_weight=lambda: layer_wo_weight(module, keys.device),
-        rope=rope, layer=plan.rank, num_layers=plan.num_evicted, memo=memo, head_valid=head_valid, data=plan.data,
+        queries=queries,
+        keys=keys,
+        values=values,
+        key_valid=key_valid,
+        window=plan.cfg.window_size,
+        budget=budget,
+        scaling=kwargs.get("scaling") or module.head_dim**-0.5,
+        softcap=kwargs.get("softcap"),
+        wo_factor=lambda: layer_wo_factor(module, keys.device),
+        wo_weight=lambda: layer_wo_weight(module, keys.device),
+        rope=rope,
+        layer=plan.rank,
+        num_layers=plan.num_evicted,
+        memo=memo,
+        head_valid=head_valid,
+        data=plan.data,
     )
 
 

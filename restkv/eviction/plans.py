@@ -13,6 +13,7 @@ from ..strategies.budgets import check_layers, headkv_budgets, load_head_importa
 from ..config import CompressionConfig
 from ..strategies.think import pruned_channels
 
+
 @dataclass(frozen=True)
 class LayerPlan:
     """What one attention layer does at prefill under a config."""
@@ -21,7 +22,9 @@ class LayerPlan:
     rank: int  # index among the evicted layers; -1: not evicted (sliding-window)
     num_evicted: int
     table: torch.Tensor | None = None  # HeadKV: entries per KV head, window excluded [Hkv]
-    window: int | None = None  # the sliding window of an evicted sliding-window layer (None: full attention)
+    window: int | None = (
+        None  # the sliding window of an evicted sliding-window layer (None: full attention)
+    )
     data: object = None  # the method's constants of this layer (``plan_layers``' ``layer_data``), read as ``obs.data``
 
     @property
@@ -43,7 +46,7 @@ SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def backend_kind(implementation: str) -> str | None:
-    """"eager", "sdpa" or "flash": the attention ``implementation`` is, by the mask function transformers
+    """ "eager", "sdpa" or "flash": the attention ``implementation`` is, by the mask function transformers
     registered for it (a flash kernel from the hub, e.g. "kernels-community/flash-attn2", registers flash's);
     None: a backend restkv does not attend through."""
     if implementation in ("eager", "sdpa"):
@@ -63,7 +66,9 @@ def _is_sliding(config, layer_idx: int) -> bool:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return layer_types[layer_idx] != "full_attention"
-    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return getattr(config, "sliding_window", None) is not None and getattr(
+        config, "use_sliding_window", True
+    )
 
 
 def evicted_layers(config, layer_indices) -> dict:
@@ -82,8 +87,12 @@ def evicted_layers(config, layer_indices) -> dict:
     return dict.fromkeys(layer_indices, window) if window else {}
 
 
-def plan_layers(model: nn.Module, cfg: CompressionConfig, head_importance: str | None = None,
-                layer_data: dict | None = None) -> list[LayerPlan]:
+def plan_layers(
+    model: nn.Module,
+    cfg: CompressionConfig,
+    head_importance: str | None = None,
+    layer_data: dict | None = None,
+) -> list[LayerPlan]:
     """Each attention layer's plan under ``cfg``, checked against the model (backend, layers, HeadKV table).
 
     ``head_importance``: the HeadKV table file to use when ``cfg`` names none; ``layer_data``: the method's
@@ -93,26 +102,45 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig, head_importance: str |
     config = model.config.get_text_config()
     implementation = model.config._attn_implementation
     if backend_kind(implementation) is None:
-        raise ValueError(f"attn_implementation {implementation!r} is not supported; use one of "
-                         f"{', '.join(SUPPORTED_BACKENDS)} or a flash kernel from the hub")
+        raise ValueError(
+            f"attn_implementation {implementation!r} is not supported; use one of "
+            f"{', '.join(SUPPORTED_BACKENDS)} or a flash kernel from the hub"
+        )
     modules = attention_modules(model)
     if not modules:
-        raise ValueError(f"{type(model).__name__} has no attention module with layer_idx and o_proj")
+        raise ValueError(
+            f"{type(model).__name__} has no attention module with layer_idx and o_proj"
+        )
     windows = evicted_layers(config, [m.layer_idx for m in modules])
     evicted = list(windows)
     if cfg.evicts and not evicted:
-        raise ValueError("the model has no layer to evict from (no full-attention layer, no sliding window size)")
+        raise ValueError(
+            "the model has no layer to evict from (no full-attention layer, no sliding window size)"
+        )
     if cfg.evicts and cfg.get("gqa_agg") == "none" and any(windows.values()):
-        raise ValueError("gqa_agg='none' (one set per query head, the packed layout) cannot bound decoding by the "
-                         "sliding window of this model's layers; use another gqa_agg")
+        raise ValueError(
+            "gqa_agg='none' (one set per query head, the packed layout) cannot bound decoding by the "
+            "sliding window of this model's layers; use another gqa_agg"
+        )
     if cfg.evicts and cfg.get("decode_interval") and any(windows.values()):
-        raise ValueError("decode_interval: eviction while decoding is not supported on a model with sliding-window "
-                         "layers (it evicts among the window's entries at prefill); set decode_interval=0")
-    if cfg.evicts and any(windows.values()) and (is_deferred(cfg) or cfg.get("pruning_ratio") is not None):
-        knob = "pruning_ratio" if cfg.get("pruning_ratio") is not None else (
-            "layer_budget" if cfg.get("layer_budget") == "global" else "method")
-        raise ValueError(f"{knob}={cfg.get(knob)!r} is not supported on a model whose evicted layers are "
-                         "sliding-window (it evicts among the window's entries at prefill)")
+        raise ValueError(
+            "decode_interval: eviction while decoding is not supported on a model with sliding-window "
+            "layers (it evicts among the window's entries at prefill); set decode_interval=0"
+        )
+    if (
+        cfg.evicts
+        and any(windows.values())
+        and (is_deferred(cfg) or cfg.get("pruning_ratio") is not None)
+    ):
+        knob = (
+            "pruning_ratio"
+            if cfg.get("pruning_ratio") is not None
+            else ("layer_budget" if cfg.get("layer_budget") == "global" else "method")
+        )
+        raise ValueError(
+            f"{knob}={cfg.get(knob)!r} is not supported on a model whose evicted layers are "
+            "sliding-window (it evicts among the window's entries at prefill)"
+        )
     if cfg.evicts:
         cfg.scorer.check_layers(cfg, len(evicted))
         check_layers(cfg, len(evicted))
@@ -123,13 +151,29 @@ def plan_layers(model: nn.Module, cfg: CompressionConfig, head_importance: str |
     if cfg.get("head_budget") == "headkv":
         path = cfg.head_importance or head_importance
         if path is None:
-            raise ValueError("head_importance: HeadKV budgets need a head-importance file; "
-                             "restkv.configure computes the model's own (restkv.integration.headkv)")
-        importance = load_head_importance(path, len(modules), config.num_attention_heads, config.num_key_value_heads)
-        rows = [m.layer_idx for m in modules if m.layer_idx in evicted]  # the pool is the evicted layers' only
-        shared = headkv_budgets(importance[rows], cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta)
+            raise ValueError(
+                "head_importance: HeadKV budgets need a head-importance file; "
+                "restkv.configure computes the model's own (restkv.integration.headkv)"
+            )
+        importance = load_head_importance(
+            path, len(modules), config.num_attention_heads, config.num_key_value_heads
+        )
+        rows = [
+            m.layer_idx for m in modules if m.layer_idx in evicted
+        ]  # the pool is the evicted layers' only
+        shared = headkv_budgets(
+            importance[rows], cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta
+        )
         table = dict(zip(rows, shared))
     data = layer_data or {}
-    return [LayerPlan(cfg, evicted.index(m.layer_idx) if m.layer_idx in evicted else -1, len(evicted),
-                      None if table is None else table.get(m.layer_idx), windows.get(m.layer_idx),
-                      data.get(m.layer_idx)) for m in modules]
+    return [
+        LayerPlan(
+            cfg,
+            evicted.index(m.layer_idx) if m.layer_idx in evicted else -1,
+            len(evicted),
+            None if table is None else table.get(m.layer_idx),
+            windows.get(m.layer_idx),
+            data.get(m.layer_idx),
+        )
+        for m in modules
+    ]

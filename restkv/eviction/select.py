@@ -27,7 +27,9 @@ def reduce_groups(scores: Tensor, hkv: int, how: str, hq: int | None = None) -> 
     values to the query heads before scoring and keeps one kept set per query head (g times the memory).
     """
     if how == "none":
-        return scores if scores.shape[1] == hq else scores.repeat_interleave(hq // scores.shape[1], 1)
+        return (
+            scores if scores.shape[1] == hq else scores.repeat_interleave(hq // scores.shape[1], 1)
+        )
     if scores.shape[1] in (1, hkv):  # already per KV head, or shared by all heads
         return scores
     if how == "sum_norm":
@@ -47,8 +49,15 @@ def raw_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
     budgets, merging) share them: SnapKV's (also PyramidKV/AdaKV/HeadKV's) and H2O's are computed
     once for all budgets in sweep mode.
     """
-    method, knobs = cfg.scorer, cfg.score_knobs()
-    key = ("scores", method.scorer, obs.window, knobs, obs.budget if method.uses_budget(knobs) else None)
+    method = cfg.scorer
+    knobs = cfg.score_knobs()
+    key = (
+        "scores",
+        method.scorer,
+        obs.window,
+        knobs,
+        obs.budget if method.uses_budget(knobs) else None,
+    )
     if key not in obs.memo:
         obs.memo[key] = method.score(obs, knobs)
     return obs.memo[key]
@@ -57,7 +66,9 @@ def raw_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
 def head_scores(obs: Observation, cfg: CompressionConfig, raw: Tensor | None = None) -> Tensor:
     """Scores of the prefix entries per KV head [b, Hkv, P] (per query head with ``gqa_agg="none"``);
     padding scores -inf. ``raw``: the method's scores [b, Hq or Hkv or 1, P] when computed elsewhere."""
-    b, hkv, hq = obs.keys.shape[0], obs.keys.shape[1], obs.queries.shape[1]
+    b = obs.keys.shape[0]
+    hkv = obs.keys.shape[1]
+    hq = obs.queries.shape[1]
     how = cfg.get("gqa_agg", "mean")
     raw = raw_scores(obs, cfg) if raw is None else raw
     s = reduce_groups(raw, hkv, how, hq).expand(b, hq if how == "none" else hkv, -1)
@@ -76,8 +87,13 @@ def ranking(obs: Observation, cfg: CompressionConfig, scores: Tensor, keep) -> T
     return key
 
 
-def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None, sizes: Tensor | None = None,
-           scores: Tensor | None = None) -> Kept:
+def select(
+    obs: Observation,
+    cfg: CompressionConfig,
+    table: Tensor | None = None,
+    sizes: Tensor | None = None,
+    scores: Tensor | None = None,
+) -> Kept:
     """Keep the top prefix entries of each KV head, plus the window, in position order, then merge.
 
     Each head keeps ``budget - window`` prefix entries, or its own number with per-head budgets
@@ -91,23 +107,42 @@ def select(obs: Observation, cfg: CompressionConfig, table: Tensor | None = None
     per_query_head = cfg.get("gqa_agg") == "none" and obs.queries.shape[1] != hkv and not fit
     if fit:
         idx = torch.arange(n, device=obs.keys.device).expand(b, hkv, n)
-        keys, values, sizes = obs.keys, obs.values, None
+        keys = obs.keys
+        values = obs.values
+        sizes = None
     else:
         scores = head_scores(obs, cfg) if scores is None else scores
         base = obs.budget - obs.window
         sizes = head_sizes(cfg, scores, base, table) if sizes is None else sizes
         keep = base if sizes is None else sizes
         idx = _top_then_window(ranking(obs, cfg, scores, keep), keep, obs.window)
-        keys, values = merge(cfg, obs, scores, idx, _gather(obs.keys, idx), _gather(obs.values, idx))
+        keys, values = merge(
+            cfg, obs, scores, idx, _gather(obs.keys, idx), _gather(obs.values, idx)
+        )
     heads = idx.shape[1]
     positions = obs.positions[:, None].expand(b, heads, n).gather(2, idx)
     kv_heads = hkv if per_query_head else None
     if sizes is None:
         valid = obs.key_valid.gather(1, idx[:, 0])
-        return Kept(keys, values, positions.masked_fill(~valid[:, None], -1), valid, kv_heads=kv_heads, index=idx)
+        return Kept(
+            keys,
+            values,
+            positions.masked_fill(~valid[:, None], -1),
+            valid,
+            kv_heads=kv_heads,
+            index=idx,
+        )
     in_head = torch.arange(idx.shape[-1], device=idx.device) < (sizes + obs.window)[..., None]
     valid = in_head & obs.entry_valid.expand(b, heads, n).gather(2, idx)
-    return Kept(keys, values, positions.masked_fill(~valid, -1), valid, per_head=True, kv_heads=kv_heads, index=idx)
+    return Kept(
+        keys,
+        values,
+        positions.masked_fill(~valid, -1),
+        valid,
+        per_head=True,
+        kv_heads=kv_heads,
+        index=idx,
+    )
 
 
 def _top_then_window(scores: Tensor, keep, window: int) -> Tensor:
@@ -133,6 +168,7 @@ def _top_then_window(scores: Tensor, keep, window: int) -> Tensor:
 def _gather(x: Tensor, idx: Tensor) -> Tensor:
     """Entries ``idx`` [b, H, K] of x [b, Hkv, L, d] -> [b, H, K, d]; H a multiple of Hkv (query heads)."""
     b, hkv, _, d = x.shape
-    heads, k = idx.shape[1], idx.shape[2]
+    heads = idx.shape[1]
+    k = idx.shape[2]
     grouped = idx.reshape(b, hkv, (heads // hkv) * k)  # query heads of one KV head are contiguous
     return x.gather(2, grouped[..., None].expand(-1, -1, -1, d)).view(b, heads, k, d)

@@ -35,44 +35,91 @@ class LayerPrefill:
     it carry no query rows.
     """
 
-    def __init__(self, plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo=None, rope=None):
+    def __init__(
+        self,
+        plan: LayerPlan,
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        kwargs,
+        memo=None,
+        rope=None,
+    ):
         b, _, n, _ = key.shape
         key_valid = key_valid_of(attention_mask, b, n, key.device)
-        self.seen, self.start = n, 0 if plan.window is None else max(0, n - plan.window + 1)
-        if self.start:  # the entries older than the window are out of reach: evict among the visible ones
+        self.seen = n
+        self.start = 0 if plan.window is None else max(0, n - plan.window + 1)
+        if (
+            self.start
+        ):  # the entries older than the window are out of reach: evict among the visible ones
             self.offset = key_valid[:, : self.start].sum(-1)  # [b] real tokens before them
             query, key, value = (x[:, :, self.start :] for x in (query, key, value))
             key_valid = key_valid[:, self.start :]
             n = n - self.start
-        self.plan, self.module, self.kwargs, self.rope = plan, module, kwargs, rope
-        self.query, self.key, self.value, self.key_valid, self.n = query, key, value, key_valid, n
+        self.plan = plan
+        self.module = module
+        self.kwargs = kwargs
+        self.rope = rope
+        self.query = query
+        self.key = key
+        self.value = value
+        self.key_valid = key_valid
+        self.n = n
         self.query_shape = (query.shape[1], query.shape[3])
-        self.scaling, self.softcap = kwargs.get("scaling") or module.head_dim**-0.5, kwargs.get("softcap")
-        cfg, self.memo = plan.cfg, {} if memo is None else memo
+        self.scaling, self.softcap = (
+            kwargs.get("scaling") or module.head_dim**-0.5,
+            kwargs.get("softcap"),
+        )
+        cfg = plan.cfg
+        self.memo = {} if memo is None else memo
         by_ratio = cfg.get("max_capacity_prompt_ratio") is not None
-        self.lengths = key_valid.sum(-1).tolist() if by_ratio else [n]  # one host read per layer with a ratio
+        self.lengths = (
+            key_valid.sum(-1).tolist() if by_ratio else [n]
+        )  # one host read per layer with a ratio
         budgets = sample_budgets(cfg, self.lengths)
         self.batched = len(set(budgets)) == 1
         # this layer's budget per sample (each sample on its own real tokens when budgets differ by sample)
         starts = [0] if self.batched else [n - length for length in self.lengths]
-        self.parts = [(slice(None) if self.batched else slice(i, i + 1), s,
-                       layer_budgets(cfg, plan.num_evicted, n - s, B)[plan.rank])
-                      for i, (s, B) in enumerate(zip(starts, budgets))]  # (samples, first position, budget)
-        self.keeps_all = not cfg.evicts or all(fits(cfg, length, bud) for length, bud in zip(self.lengths, budgets))
+        self.parts = [
+            (
+                slice(None) if self.batched else slice(i, i + 1),
+                s,
+                layer_budgets(cfg, plan.num_evicted, n - s, B)[plan.rank],
+            )
+            for i, (s, B) in enumerate(zip(starts, budgets))
+        ]  # (samples, first position, budget)
+        self.keeps_all = not cfg.evicts or all(
+            fits(cfg, length, bud) for length, bud in zip(self.lengths, budgets)
+        )
         ratio = cfg.get("pruning_ratio")
-        self.energy = None if ratio is None else think.query_energy(query, key_valid, cfg.window_size)
+        self.energy = (
+            None if ratio is None else think.query_energy(query, key_valid, cfg.window_size)
+        )
         self.scores = None  # per part, when computed ahead of the selection
 
     def observation(self, part) -> Observation:
         sample, first, budget = part
         if self.query is None:
-            queries = self.key.new_empty(self.key[sample].shape[0], self.query_shape[0], 0, self.query_shape[1])
+            queries = self.key.new_empty(
+                self.key[sample].shape[0], self.query_shape[0], 0, self.query_shape[1]
+            )
         else:
             queries = self.query[sample, :, first:]
         memo = self.memo if self.batched else self.memo.setdefault(sample.start, {})
-        return observation(self.plan, self.module, queries, self.key[sample, :, first:],
-                           self.value[sample, :, first:], self.key_valid[sample, first:], budget, self.kwargs, memo,
-                           rope=None if self.rope is None else self.rope.part(sample, first))
+        return observation(
+            self.plan,
+            self.module,
+            queries,
+            self.key[sample, :, first:],
+            self.value[sample, :, first:],
+            self.key_valid[sample, first:],
+            budget,
+            self.kwargs,
+            memo,
+            rope=None if self.rope is None else self.rope.part(sample, first),
+        )
 
     def score(self, raw=None) -> None:
         """Keep each part's selection scores [b, H, P] (``raw``: the method's scores of every position [b, H, n])."""
@@ -83,41 +130,81 @@ class LayerPrefill:
             self.scores.append(head_scores(obs, self.plan.cfg, own))
 
     def release(self) -> None:
-        self.query, self.memo, self.rope = None, {}, None
+        self.query = None
+        self.memo = {}
+        self.rope = None
 
     def select(self, sizes=None) -> Kept:
         """The kept entries; ``sizes`` (per part, [b, Hkv] prefix entries per head) from a cross-layer budget."""
-        cfg, hkv = self.plan.cfg, self.key.shape[1]
+        cfg = self.plan.cfg
+        hkv = self.key.shape[1]
         if self.keeps_all:
-            return Kept(self.key, self.value, relative_positions(self.key_valid)[:, None].expand(-1, hkv, -1),
-                        self.key_valid)
-        kept = [select(self.observation(part), cfg, self.plan.table, None if sizes is None else sizes[i],
-                       None if self.scores is None else self.scores[i]) for i, part in enumerate(self.parts)]
+            return Kept(
+                self.key,
+                self.value,
+                relative_positions(self.key_valid)[:, None].expand(-1, hkv, -1),
+                self.key_valid,
+            )
+        kept = [
+            select(
+                self.observation(part),
+                cfg,
+                self.plan.table,
+                None if sizes is None else sizes[i],
+                None if self.scores is None else self.scores[i],
+            )
+            for i, part in enumerate(self.parts)
+        ]
         return kept[0] if self.batched else stack_samples(kept)
 
     def result(self, kept: Kept):
         """(the cache layer holding ``kept``, or None: keep the full one; the kept positions [b, H, kept])."""
-        cfg, seen = self.plan.cfg, self.seen
+        cfg = self.plan.cfg
+        seen = self.seen
         if self.start:
-            positions = torch.where(kept.positions >= 0, kept.positions + self.offset[:, None, None], -1)
+            positions = torch.where(
+                kept.positions >= 0, kept.positions + self.offset[:, None, None], -1
+            )
             kept = replace(kept, positions=positions)
             if self.keeps_all and not cfg.quant_method:
                 return None, kept.positions  # the model's sliding-window layer holds exactly these
-            if kept.per_head and kept.kv_heads is None:  # the masked layout: its mask also bounds the window
+            if (
+                kept.per_head and kept.kv_heads is None
+            ):  # the masked layout: its mask also bounds the window
                 return CompressedLayer(kept, seen=seen), kept.positions
             return cache_layer(kept, seen, cfg), kept.positions
         ratio = cfg.get("pruning_ratio")
-        channels = None if ratio is None else think.kept_channels(kept.keys, kept.valid, self.energy, ratio)
+        channels = (
+            None
+            if ratio is None
+            else think.kept_channels(kept.keys, kept.valid, self.energy, ratio)
+        )
         layer = cache_layer(kept, seen, cfg, channels)
         if cfg.get("decode_interval"):
             b = self.key.shape[0]
-            arm(layer, self.plan, [p[2] for p in self.parts] * (b if self.batched else 1), self.query, self.rope)
+            arm(
+                layer,
+                self.plan,
+                [p[2] for p in self.parts] * (b if self.batched else 1),
+                self.query,
+                self.rope,
+            )
         return layer, kept.positions
 
 
 @torch.no_grad()
-def evict_layer(plan: LayerPlan, module, query, key, value, attention_mask, kwargs, memo: dict | None = None,
-                pending: list | None = None, rope: Rope | None = None):
+def evict_layer(
+    plan: LayerPlan,
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    kwargs,
+    memo: dict | None = None,
+    pending: list | None = None,
+    rope: Rope | None = None,
+):
     """Select what the layer keeps from its prefill tensors.
 
     Parameters

@@ -17,8 +17,22 @@ from ..eviction.plans import attention_modules
 from .attachment import Attachment, attached, detach, install
 from .calibration import layer_plans
 
-__all__ = ["FAMILIES", "Attachment", "attached", "compressing", "configure", "detach", "install", "kept_positions",
-           "replace_gemma", "replace_gemma2", "replace_gemma3", "replace_llama", "replace_mistral", "replace_qwen2"]
+__all__ = [
+    "FAMILIES",
+    "Attachment",
+    "attached",
+    "compressing",
+    "configure",
+    "detach",
+    "install",
+    "kept_positions",
+    "replace_gemma",
+    "replace_gemma2",
+    "replace_gemma3",
+    "replace_llama",
+    "replace_mistral",
+    "replace_qwen2",
+]
 
 FAMILIES = {
     "llama": "transformers.models.llama.modeling_llama",

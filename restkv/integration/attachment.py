@@ -40,15 +40,20 @@ from ..scoring.rope import Rope, capture, rotary_function, rotary_module
 from . import chunked, modes
 
 # transformers' quantized cache layers (transformers 5.17 has no Fp8QuantizedLayer)
-QUANTIZED_LAYERS = tuple(getattr(cache_utils, name) for name in ("QuantizedLayer", "Fp8QuantizedLayer")
-                         if hasattr(cache_utils, name))
+QUANTIZED_LAYERS = tuple(
+    getattr(cache_utils, name)
+    for name in ("QuantizedLayer", "Fp8QuantizedLayer")
+    if hasattr(cache_utils, name)
+)
 # The cache layers a prefill is evicted from: the model's own dynamic layers.
 PREFILL_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 def _attention_with_eviction(backend, kind, module, query, key, value, attention_mask, **kwargs):
     state: LayerState | None = getattr(module, "_restkv", None)
-    if state is not None and state.replay is not None:  # a pass after the prefill that a deferred selection reads
+    if (
+        state is not None and state.replay is not None
+    ):  # a pass after the prefill that a deferred selection reads
         out = backend(module, query, key, value, attention_mask, **kwargs)
         state.replay(query, key, value)
         return out
@@ -57,7 +62,9 @@ def _attention_with_eviction(backend, kind, module, query, key, value, attention
     layer = state.cache.layers[module.layer_idx]
     if isinstance(layer, (VarlenLayer, KeptLayer)):
         out = _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs)
-        if getattr(layer, "policy", None) is not None:  # eviction during decoding (``decode_interval``)
+        if (
+            getattr(layer, "policy", None) is not None
+        ):  # eviction during decoding (``decode_interval``)
             decode_step(state.cache, module, query, kwargs)
         return out
     out = backend(module, query, key, value, attention_mask, **kwargs)
@@ -67,9 +74,12 @@ def _attention_with_eviction(backend, kind, module, query, key, value, attention
         chunked.record(state, query, key, attention_mask, kwargs)
     elif query.shape[2] == key.shape[2]:  # prefill of a fresh cache
         prompt = state.prompt_length or query.shape[2]
-        if prompt < query.shape[2]:  # more tokens in the prompt's forward (an assistant's candidates)
-            return _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value,
-                                        attention_mask, kwargs)
+        if (
+            prompt < query.shape[2]
+        ):  # more tokens in the prompt's forward (an assistant's candidates)
+            return _prefill_then_decode(
+                out, prompt, backend, kind, state, module, query, key, value, attention_mask, kwargs
+            )
         state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
     return out
 
@@ -89,15 +99,18 @@ def _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs)
     return backend(module, query, key, value, mask, **kwargs)
 
 
-def _prefill_then_decode(out, prompt, backend, kind, state, module, query, key, value, attention_mask,
-                         kwargs):
+def _prefill_then_decode(
+    out, prompt, backend, kind, state, module, query, key, value, attention_mask, kwargs
+):
     """A fresh cache given the ``prompt`` and more tokens in one forward: evict over the prompt (whose
     outputs the full forward ``out`` holds), then the rest are decoded tokens attending the kept
     entries, as if fed one forward later."""
     if state.plan.deferred:
-        raise ValueError(f"method={state.plan.cfg.method!r}: a selection deferred after the prefill "
-                         "cannot take tokens in the prefill's forward (assisted decoding); "
-                         "generate without an assistant")
+        raise ValueError(
+            f"method={state.plan.cfg.method!r}: a selection deferred after the prefill "
+            "cannot take tokens in the prefill's forward (assisted decoding); "
+            "generate without an assistant"
+        )
     if attention_mask is not None and attention_mask.dim() == 2:
         attention_mask = attention_mask[:, :prompt]
     elif attention_mask is not None:
@@ -129,11 +142,15 @@ def check_cache(state: "LayerState", cache, layer_idx: int) -> None:
         return
     layers = getattr(cache, "layers", None)
     if layers is None:
-        raise ValueError(f"past_key_values: restkv evicts into the model's DynamicCache, not a {type(cache).__name__}: "
-                         "pass no cache or a DynamicCache")
+        raise ValueError(
+            f"past_key_values: restkv evicts into the model's DynamicCache, not a {type(cache).__name__}: "
+            "pass no cache or a DynamicCache"
+        )
     layer = layers[layer_idx] if layer_idx < len(layers) else None
     kind = type(layer) if layer is not None else getattr(cache, "layer_class_to_replicate", None)
-    if getattr(cache, "offloading", False) or not (kind in PREFILL_LAYERS or isinstance(layer, (KeptLayer, VarlenLayer))):
+    if getattr(cache, "offloading", False) or not (
+        kind in PREFILL_LAYERS or isinstance(layer, (KeptLayer, VarlenLayer))
+    ):
         raise ValueError(unsupported_cache(cache, kind))
 
 
@@ -142,14 +159,20 @@ def unsupported_cache(cache, kind) -> str:
     offloaded = bool(getattr(cache, "offloading", False))
     what = f"{type(cache).__name__} ({getattr(kind, '__name__', kind)} layers{', offloaded' if offloaded else ''})"
     if offloaded:
-        fix = ("the kept entries are few: pass no cache (nor cache_implementation='offloaded'), or offload the "
-               "model's layers instead (--device_map)")
+        fix = (
+            "the kept entries are few: pass no cache (nor cache_implementation='offloaded'), or offload the "
+            "model's layers instead (--device_map)"
+        )
     elif isinstance(kind, type) and issubclass(kind, QUANTIZED_LAYERS):
-        fix = ("eviction quantizes the kept entries itself: pass no cache and set quant_method "
-               "(configure(model, ..., quant_method='quanto' or 'hqq', nbits=...))")
+        fix = (
+            "eviction quantizes the kept entries itself: pass no cache and set quant_method "
+            "(configure(model, ..., quant_method='quanto' or 'hqq', nbits=...))"
+        )
     elif isinstance(kind, type) and issubclass(kind, StaticLayer):
-        fix = ("a static cache holds a fixed number of entries; pass no cache (or a DynamicCache), "
-               "and do not set cache_implementation='static'")
+        fix = (
+            "a static cache holds a fixed number of entries; pass no cache (or a DynamicCache), "
+            "and do not set cache_implementation='static'"
+        )
     else:
         fix = "pass no cache or a DynamicCache"
     return f"past_key_values: restkv evicts into the model's DynamicCache, not a {what}: {fix}"
@@ -158,11 +181,22 @@ def unsupported_cache(cache, kind) -> str:
 def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -> None:
     """The default prefill step: evict, and put the kept entries in place of the layer's full cache
     (a deferred plan leaves its layer in ``state.pending`` for the decoder's hook)."""
-    if state.pending and state.pending[-1][1] is not state.cache:  # left by a prefill that did not return
+    if (
+        state.pending and state.pending[-1][1] is not state.cache
+    ):  # left by a prefill that did not return
         del state.pending[:]
     deferred = []
-    layer, state.kept = evict_layer(state.plan, module, query, key, value, attention_mask, kwargs, rope=state.rope,
-                                    pending=deferred)
+    layer, state.kept = evict_layer(
+        state.plan,
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        kwargs,
+        rope=state.rope,
+        pending=deferred,
+    )
     state.pending.extend((prefill, state.cache) for prefill in deferred)
     if layer is not None:
         state.cache.layers[module.layer_idx] = layer
@@ -176,10 +210,16 @@ class LayerState:
     on_prefill: Callable = evict_into_cache
     cache: object = None
     kept: torch.Tensor | None = None  # [b, Hkv, kept] positions of the last prefill
-    embed: Callable | None = None  # positions -> (cos, sin) of the layer's RoPE (``restkv.scoring.rope.rotary_function``)
+    embed: Callable | None = (
+        None  # positions -> (cos, sin) of the layer's RoPE (``restkv.scoring.rope.rotary_function``)
+    )
     rope: Rope | None = None
-    pending: list | None = None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
-    replay: Callable | None = None  # ``replay(query, key, value)`` after a pass's attention (``restkv.eviction.deferred``)
+    pending: list | None = (
+        None  # the attachment's deferred layers of the prefill in flight: (LayerPrefill, cache)
+    )
+    replay: Callable | None = (
+        None  # ``replay(query, key, value)`` after a pass's attention (``restkv.eviction.deferred``)
+    )
     prompt_length: int | None = None  # the prompt of the generate() in flight (``modes``)
     chunks: "chunked.Chunks | None" = None  # what a chunked prefill recorded (``chunked``)
 
@@ -227,7 +267,9 @@ def _capture(module, args, kwargs):
     # kernel) per decoded token
     fresh = state.cache is None or state.cache.get_seq_length(module.layer_idx) == 0
     prefill = fresh or state.chunks is not None
-    state.rope = capture(state.embed, kwargs, hidden.shape[0]) if prefill and hidden is not None else None
+    state.rope = (
+        capture(state.embed, kwargs, hidden.shape[0]) if prefill and hidden is not None else None
+    )
 
 
 def _release(module, args, kwargs, output):
@@ -247,13 +289,23 @@ class Attachment:
         default ``evict_into_cache``. Sweep mode passes one that evaluates many configs.
     """
 
-    def __init__(self, model: nn.Module, plans: list[LayerPlan], on_prefill: Callable | None = None):
-        self.model, self.modules = model, attention_modules(model)
+    def __init__(
+        self, model: nn.Module, plans: list[LayerPlan], on_prefill: Callable | None = None
+    ):
+        self.model = model
+        self.modules = attention_modules(model)
         self.cfg = plans[0].cfg
         rotary = [rotary_module(model, m) for m in self.modules]
         self.pending: list = []  # deferred layers of the prefill in flight, shared by the states
-        self.states = [LayerState(p, on_prefill or evict_into_cache, embed=None if r is None else rotary_function(r, m),
-                                  pending=self.pending) for p, m, r in zip(plans, self.modules, rotary)]
+        self.states = [
+            LayerState(
+                p,
+                on_prefill or evict_into_cache,
+                embed=None if r is None else rotary_function(r, m),
+                pending=self.pending,
+            )
+            for p, m, r in zip(plans, self.modules, rotary)
+        ]
         self._hooks: list = []
 
     def attach(self) -> "Attachment":
@@ -262,13 +314,23 @@ class Attachment:
         install(*{sys.modules[type(m).__module__] for m in self.modules})
         for m, state in zip(self.modules, self.states):
             m._restkv = state
-            self._hooks += [m.register_forward_pre_hook(_capture, with_kwargs=True),
-                            m.register_forward_hook(_release, with_kwargs=True)]
-        self._hooks.append(decoder_of(self.model).register_forward_hook(self._finish, with_kwargs=True))
-        if hasattr(self.model, "_prefill"):  # generate()'s prefill: chunked, evicts after the last chunk
+            self._hooks += [
+                m.register_forward_pre_hook(_capture, with_kwargs=True),
+                m.register_forward_hook(_release, with_kwargs=True),
+            ]
+        self._hooks.append(
+            decoder_of(self.model).register_forward_hook(self._finish, with_kwargs=True)
+        )
+        if hasattr(
+            self.model, "_prefill"
+        ):  # generate()'s prefill: chunked, evicts after the last chunk
             prefill = self.model._prefill
-            self.model._prefill = functools.partial(chunked.chunked_prefill, self, prefill, PREFILL_LAYERS)
-        if hasattr(self.model, "generate"):  # modes checked, the prompt's length known (assisted decoding)
+            self.model._prefill = functools.partial(
+                chunked.chunked_prefill, self, prefill, PREFILL_LAYERS
+            )
+        if hasattr(
+            self.model, "generate"
+        ):  # modes checked, the prompt's length known (assisted decoding)
             self.model.generate = functools.partial(modes.generate, self, self.model.generate)
         self.model._restkv = self
         return self

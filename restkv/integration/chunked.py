@@ -67,9 +67,11 @@ def check(attachment, chunk_size) -> None:
         return
     states = attachment.states
     if any(s.plan.evicts and s.plan.window is not None and s.plan.cfg.evicts for s in states):
-        raise ValueError("prefill_chunk_size: eviction on a model whose evicted layers are "
-                         "sliding-window needs the whole prompt's entries in one forward; "
-                         "generate without prefill_chunk_size")
+        raise ValueError(
+            "prefill_chunk_size: eviction on a model whose evicted layers are "
+            "sliding-window needs the whole prompt's entries in one forward; "
+            "generate without prefill_chunk_size"
+        )
 
 
 def evict_recorded(attachment, cache, layer_types: tuple) -> None:
@@ -86,15 +88,17 @@ def evict_recorded(attachment, cache, layer_types: tuple) -> None:
         query = torch.cat(chunks.queries, 2)
         valid = torch.cat(chunks.valid, 1)
         del chunks.queries[:]
-        state.cache, state.rope = cache, chunks.rope()
+        state.cache = cache
+        state.rope = chunks.rope()
         try:
             state.on_prefill(state, module, query, layer.keys, layer.values, valid, chunks.kwargs)
         finally:
             state.cache = state.rope = None
 
 
-def chunked_prefill(attachment, prefill, layer_types, input_ids, generation_config, model_kwargs,
-                    *args, **kwargs):
+def chunked_prefill(
+    attachment, prefill, layer_types, input_ids, generation_config, model_kwargs, *args, **kwargs
+):
     """transformers' ``_prefill``, evicting once after the last chunk (the module's docstring)."""
     chunk_size = getattr(generation_config, "prefill_chunk_size", None)
     if chunk_size is None:

@@ -54,7 +54,8 @@ class ContextCache(DynamicCache):
         self.__dict__.update(cache.__dict__)
         self.context_layers = list(cache.layers)
         self.context_length = cache.get_seq_length()
-        self.logits, self.kept = logits, kept
+        self.logits = logits
+        self.kept = kept
         self.rewind()
 
     def rewind(self) -> "ContextCache":
@@ -72,8 +73,9 @@ class ContextCache(DynamicCache):
 
 
 @torch.no_grad()
-def compress_context(model: nn.Module, context_ids: Tensor, attention_mask: Tensor | None = None,
-                     **knobs) -> ContextCache:
+def compress_context(
+    model: nn.Module, context_ids: Tensor, attention_mask: Tensor | None = None, **knobs
+) -> ContextCache:
     """Prefill ``context_ids`` on the full cache, evict as ``restkv.configure(model, **knobs)`` would, and
     return the compressed cache for any number of questions.
 
@@ -97,10 +99,14 @@ def compress_context(model: nn.Module, context_ids: Tensor, attention_mask: Tens
         set earlier stays (it does not touch a cache that is already compressed).
     """
     if context_ids.dim() != 2 or context_ids.shape[1] < 1:
-        raise ValueError(f"context_ids must be [batch, n] with n >= 1, got shape {tuple(context_ids.shape)}")
+        raise ValueError(
+            f"context_ids must be [batch, n] with n >= 1, got shape {tuple(context_ids.shape)}"
+        )
     if attention_mask is not None and attention_mask.shape != context_ids.shape:
-        raise ValueError(f"attention_mask must match context_ids {tuple(context_ids.shape)}, "
-                         f"got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must match context_ids {tuple(context_ids.shape)}, "
+            f"got {tuple(attention_mask.shape)}"
+        )
     pre = prefill_caches(model, context_ids, attention_mask, [knobs])
     if getattr(model, "_restkv", None) is None:
         configure(model, method="fullkv")
@@ -108,8 +114,15 @@ def compress_context(model: nn.Module, context_ids: Tensor, attention_mask: Tens
 
 
 @torch.no_grad()
-def answer(model: nn.Module, cache: ContextCache, question_ids: Tensor, attention_mask: Tensor | None,
-           max_new_tokens: int, eos_token_id=ABSENT, pad_token_id: int | None = None) -> Tensor:
+def answer(
+    model: nn.Module,
+    cache: ContextCache,
+    question_ids: Tensor,
+    attention_mask: Tensor | None,
+    max_new_tokens: int,
+    eos_token_id=ABSENT,
+    pad_token_id: int | None = None,
+) -> Tensor:
     """Greedy answer to ``question_ids`` [b, m] on a compressed context (rewound first).
 
     ``attention_mask`` [b, n] is the context's (None: no padding). Returns the generated ids
@@ -120,13 +133,25 @@ def answer(model: nn.Module, cache: ContextCache, question_ids: Tensor, attentio
         raise ValueError("question_ids must hold at least one token")
     eos, pad = eos_and_pad(model, eos_token_id, pad_token_id, question_ids.device)
     b, m = question_ids.shape
-    context = attention_mask if attention_mask is not None else question_ids.new_ones(b, cache.context_length)
+    context = (
+        attention_mask
+        if attention_mask is not None
+        else question_ids.new_ones(b, cache.context_length)
+    )
     mask = torch.cat([context, context.new_ones(b, m)], -1)
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -m:]
     model_mask = None if bool((mask == 1).all()) else mask
     cache.rewind()
     with attached(model, full_plans(model)):  # decoding reads each cache's own layers
-        out = model(input_ids=question_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=True,
-                    logits_to_keep=1, **{cache_argument(model): cache})
+        out = model(
+            input_ids=question_ids,
+            attention_mask=model_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_argument(model): cache},
+        )
         first = out.logits[:, -1].float().argmax(-1).to(question_ids.device)
-        return greedy_decode(model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad)[0]
+        return greedy_decode(
+            model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad
+        )[0]

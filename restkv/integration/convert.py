@@ -48,7 +48,8 @@ def convert_gguf(gguf_file, out_dir):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
-    src, fname = gguf_file.parent, gguf_file.name
+    src = gguf_file.parent
+    fname = gguf_file.name
     quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
     state = quantized.state_dict()
     del quantized
@@ -60,7 +61,9 @@ def convert_gguf(gguf_file, out_dir):
     tied = getattr(model, "_tied_weights_keys", None) or {}
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise RuntimeError(f"{gguf_file}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+        raise RuntimeError(
+            f"{gguf_file}: weights do not match the config (missing {missing}, unexpected {unexpected})"
+        )
     model.tie_weights()
     model.generation_config = GenerationConfig.from_model_config(config)
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)

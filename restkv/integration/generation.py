@@ -17,8 +17,17 @@ ABSENT = object()  # an argument not given (None means something)
 CHECK_EVERY = 32  # decoded tokens between the host reads that end the loop or compact the batch
 
 
-def greedy_decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tensor | None, steps: int,
-            eos: Tensor | None, pad: int, compact: bool = False) -> tuple[Tensor, Tensor]:
+def greedy_decode(
+    model,
+    cache,
+    first: Tensor,
+    position_ids: Tensor,
+    mask: Tensor | None,
+    steps: int,
+    eos: Tensor | None,
+    pad: int,
+    compact: bool = False,
+) -> tuple[Tensor, Tensor]:
     """Greedy decoding as ``generate(do_sample=False)`` does it, from the token chosen at prefill.
 
     With ``compact``, rows that reached EOS leave the batch (and the cache) once they are half of it.
@@ -26,8 +35,10 @@ def greedy_decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tenso
     token); rows decoded past their EOS give ``pad`` there, as ``generate`` does.
     Returns the tokens [b, <= steps] and, per row, the number of tokens up to its EOS (``steps`` if none).
     """
-    b, device = first.shape[0], first.device
-    tok, pos = first, position_ids[:, -1:]
+    b = first.shape[0]
+    device = first.device
+    tok = first
+    pos = position_ids[:, -1:]
     out = torch.full((b, steps), pad, dtype=first.dtype, device=device)
     rows = torch.arange(b, device=device)  # original row of each row still in the batch
     unfinished = torch.ones(b, dtype=torch.bool, device=device)
@@ -37,8 +48,14 @@ def greedy_decode(model, cache, first: Tensor, position_ids: Tensor, mask: Tenso
             pos = pos + 1
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
-            logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
-                           logits_to_keep=1, **{cache_argument(model): cache}).logits
+            logits = model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_argument(model): cache},
+            ).logits
             tok = logits[:, -1].float().argmax(-1).to(device)
         if eos is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))

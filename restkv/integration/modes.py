@@ -43,15 +43,22 @@ def check(attachment, model, kwargs: dict) -> None:
         else:
             knob = None
         if knob is not None:
-            raise ValueError(f"{knob}={cfg.get(knob)!r} cannot drop an assistant's rejected tokens "
-                             "(assisted decoding: prompt_lookup_num_tokens or assistant_model); "
-                             f"generate without an assistant or without {knob}")
+            raise ValueError(
+                f"{knob}={cfg.get(knob)!r} cannot drop an assistant's rejected tokens "
+                "(assisted decoding: prompt_lookup_num_tokens or assistant_model); "
+                f"generate without an assistant or without {knob}"
+            )
     beams = _setting(model, kwargs, "num_beams") or 1
-    packed = cfg.get("head_budget") != "uniform" or cfg.get("gqa_agg") == "none" or cfg.get(
-        "max_capacity_prompt_ratio") is not None
+    packed = (
+        cfg.get("head_budget") != "uniform"
+        or cfg.get("gqa_agg") == "none"
+        or cfg.get("max_capacity_prompt_ratio") is not None
+    )
     if beams > 1 and cfg.get("pruning_ratio") is not None and packed and cfg.get("varlen", True):
-        raise ValueError("num_beams > 1 with pruning_ratio and per-head budgets in the packed "
-                         "layout is not supported: set varlen=False or pruning_ratio=None")
+        raise ValueError(
+            "num_beams > 1 with pruning_ratio and per-head budgets in the packed "
+            "layout is not supported: set varlen=False or pruning_ratio=None"
+        )
 
 
 def generate(attachment, original, *args, **kwargs):

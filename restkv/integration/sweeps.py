@@ -25,6 +25,7 @@ from .attachment import attached
 from .generation import ABSENT, eos_and_pad, full_plans, greedy_decode
 from .calibration import layer_plans
 
+
 def _batch_key(cache):
     """Which layers a config compressed, when its cache can join a batched decode (else None).
 
@@ -32,16 +33,22 @@ def _batch_key(cache):
     and every other layer is a shallow copy of the shared full cache.
     """
     key = tuple(type(layer) is CompressedLayer for layer in cache.layers)
-    shared = all(is_dense or not isinstance(layer, (KeptLayer, VarlenLayer))
-                 for is_dense, layer in zip(key, cache.layers))
-    shared = shared and not any(getattr(layer, "policy", None) for layer in cache.layers)  # evicts while decoding
+    shared = all(
+        is_dense or not isinstance(layer, (KeptLayer, VarlenLayer))
+        for is_dense, layer in zip(key, cache.layers)
+    )
+    shared = shared and not any(
+        getattr(layer, "policy", None) for layer in cache.layers
+    )  # evicts while decoding
     return key if shared and any(key) else None
 
 
 def _stack_layers(layers, room: int):
     """One ``CompressedLayer`` holding several configs' layers along the batch (shorter ones padded, masked),
     with ``room`` for decoded tokens."""
-    if not isinstance(layers[0], CompressedLayer):  # a layer every config shares (e.g. sliding-window)
+    if not isinstance(
+        layers[0], CompressedLayer
+    ):  # a layer every config shares (e.g. sliding-window)
         merged = copy.copy(layers[0])
         merged.keys = torch.cat([layer.keys for layer in layers])
         merged.values = torch.cat([layer.values for layer in layers])
@@ -50,7 +57,11 @@ def _stack_layers(layers, room: int):
     per_head = any(layer.valid.dim() == 3 for layer in layers)
 
     def padded(t, fill):
-        return F.pad(t, (0, 0, 0, stored - t.shape[-2]) if t.dim() == 4 else (0, stored - t.shape[-1]), value=fill)
+        return F.pad(
+            t,
+            (0, 0, 0, stored - t.shape[-2]) if t.dim() == 4 else (0, stored - t.shape[-1]),
+            value=fill,
+        )
 
     def valid(layer):
         v = layer.key_valid()
@@ -67,11 +78,23 @@ def _stack_layers(layers, room: int):
 
 def _decode_together(model, caches, first, position_ids, mask, steps, eos, pad) -> list[Tensor]:
     """Greedy-decode several configs' caches as one batch; each result as its own run would give it."""
-    b, m = first.shape[0], len(caches)
+    b = first.shape[0]
+    m = len(caches)
     merged = copy.copy(caches[0])
-    merged.layers = [_stack_layers(list(layers), steps) for layers in zip(*(c.layers for c in caches))]
-    tokens, length = greedy_decode(model, merged, first.repeat(m), position_ids.repeat(m, 1),
-                             None if mask is None else mask.repeat(m, 1), steps, eos, pad, compact=True)
+    merged.layers = [
+        _stack_layers(list(layers), steps) for layers in zip(*(c.layers for c in caches))
+    ]
+    tokens, length = greedy_decode(
+        model,
+        merged,
+        first.repeat(m),
+        position_ids.repeat(m, 1),
+        None if mask is None else mask.repeat(m, 1),
+        steps,
+        eos,
+        pad,
+        compact=True,
+    )
     return [t[:, : int(n.max())] for t, n in zip(tokens.split(b), length.split(b))]
 
 
@@ -88,7 +111,9 @@ class Prefill:
     """One prefill's result for several configs (``prefill_caches``)."""
 
     logits: Tensor  # [b, vocab] at the last prompt token (the same for every config)
-    caches: list  # one cache per config: its evicted layers plus shallow copies of the shared full ones
+    caches: (
+        list  # one cache per config: its evicted layers plus shallow copies of the shared full ones
+    )
     kept: list  # per config, per layer: the kept positions (as ``restkv.kept_positions``)
     position_ids: Tensor  # [b, n] the prompt's position ids
     mask: Tensor | None  # the attention mask the model saw (None: no padding)
@@ -96,11 +121,15 @@ class Prefill:
 
 def as_config(config) -> CompressionConfig:
     """A config given as keyword knobs (a dict) or already resolved (a ``CompressionConfig``)."""
-    return config if isinstance(config, CompressionConfig) else CompressionConfig.from_kwargs(**config)
+    return (
+        config if isinstance(config, CompressionConfig) else CompressionConfig.from_kwargs(**config)
+    )
 
 
 @torch.no_grad()
-def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, configs) -> Prefill:
+def prefill_caches(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, configs
+) -> Prefill:
     """Prefill once and build every config's evicted cache (each config checked as ``configure`` checks it).
 
     At every layer the eviction step of each config runs on the same prefill tensors, with one memo
@@ -117,28 +146,50 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
     layers: list[dict] = [{} for _ in plans]
     deferred: list[list] = [[] for _ in plans]
 
-    replays = any(p.deferred for plan in plans for p in plan)  # passes or a global budget read the full cache
+    replays = any(
+        p.deferred for plan in plans for p in plan
+    )  # passes or a global budget read the full cache
 
     def evict_each(state, module, query, key, value, attention_mask, kwargs):
-        i, memo = index[module], {}
+        i = index[module]
+        memo = {}
         for c, plan in enumerate(plans):
-            layer, kept[c][i] = evict_layer(plan[i], module, query, key, value, attention_mask, kwargs, memo,
-                                            deferred[c], rope=state.rope)
+            layer, kept[c][i] = evict_layer(
+                plan[i],
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                kwargs,
+                memo,
+                deferred[c],
+                rope=state.rope,
+            )
             if layer is not None:
                 layers[c][module.layer_idx] = layer
         if not replays and all(module.layer_idx in own for own in layers):
-            release(state.cache.layers[module.layer_idx])  # every config holds its own: the full one goes
+            release(
+                state.cache.layers[module.layer_idx]
+            )  # every config holds its own: the full one goes
 
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     model_mask = None if bool((mask == 1).all()) else mask
     with attached(model, full_plans(model), on_prefill=evict_each):
-        out = model(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=model_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         full = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
         shared: dict = {}
         for c, prefills in enumerate(deferred):
-            for prefill, layer, positions in finish(model, full, prefills, input_ids, shared) if prefills else ():
+            for prefill, layer, positions in (
+                finish(model, full, prefills, input_ids, shared) if prefills else ()
+            ):
                 kept[c][index[prefill.module]] = positions
                 if layer is not None:
                     layers[c][prefill.module.layer_idx] = layer
@@ -151,8 +202,16 @@ def prefill_caches(model: nn.Module, input_ids: Tensor, attention_mask: Tensor |
 
 
 @torch.no_grad()
-def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, configs, max_new_tokens: int,
-          eos_token_id=ABSENT, pad_token_id: int | None = None, batch_configs: bool = True) -> list[tuple[Tensor, list[Tensor | None]]]:
+def sweep(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    configs,
+    max_new_tokens: int,
+    eos_token_id=ABSENT,
+    pad_token_id: int | None = None,
+    batch_configs: bool = True,
+) -> list[tuple[Tensor, list[Tensor | None]]]:
     """Evaluate several eviction configs on one prompt for the price of one prefill.
 
     Parameters
@@ -183,7 +242,9 @@ def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, co
     """
     eos, pad = eos_and_pad(model, eos_token_id, pad_token_id, input_ids.device)
     pre = prefill_caches(model, input_ids, attention_mask, configs)
-    caches, position_ids, model_mask = pre.caches, pre.position_ids, pre.mask
+    caches = pre.caches
+    position_ids = pre.position_ids
+    model_mask = pre.mask
     first = pre.logits.float().argmax(-1).to(input_ids.device)
     with attached(model, full_plans(model)):
         tokens: list[Tensor | None] = [None] * len(caches)
@@ -193,12 +254,23 @@ def sweep(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, co
             if key is not None:
                 groups.setdefault(key, []).append(i)
         for together in (g for g in groups.values() if len(g) > 1):
-            outs = _decode_together(model, [caches[i] for i in together], first, position_ids, model_mask,
-                                    max_new_tokens, eos, pad)
+            outs = _decode_together(
+                model,
+                [caches[i] for i in together],
+                first,
+                position_ids,
+                model_mask,
+                max_new_tokens,
+                eos,
+                pad,
+            )
             for i, out in zip(together, outs):
-                tokens[i], caches[i] = out, None
+                tokens[i] = out
+                caches[i] = None
         for i in range(len(caches)):
             if tokens[i] is None:
                 cache, caches[i] = caches[i], None
-                tokens[i] = greedy_decode(model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad)[0]
+                tokens[i] = greedy_decode(
+                    model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad
+                )[0]
         return list(zip(tokens, pre.kept))

@@ -25,9 +25,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from . import (cam, compactor, cur, defensivekv, expected_attention, finch, h2o, keydiff,
-               kvcompose, kvgrad, kvzip, l2norm, lacache, lagkv, leverage, noncausal, qfilter,
-               random, restkv, simlayerkv, snapkv, streamingllm, tova)
+from . import (
+    cam,
+    compactor,
+    cur,
+    defensivekv,
+    expected_attention,
+    finch,
+    h2o,
+    keydiff,
+    kvcompose,
+    kvgrad,
+    kvzip,
+    l2norm,
+    lacache,
+    lagkv,
+    leverage,
+    noncausal,
+    qfilter,
+    random,
+    restkv,
+    simlayerkv,
+    snapkv,
+    streamingllm,
+    tova,
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +68,9 @@ class Method:
     def knobs(self) -> tuple:
         """The scorer's knobs, with this registration's defaults."""
         own = getattr(self.module, "KNOBS", ())
-        return tuple(k.but(default=self.defaults[k.name]) if k.name in self.defaults else k for k in own)
+        return tuple(
+            k.but(default=self.defaults[k.name]) if k.name in self.defaults else k for k in own
+        )
 
     @property
     def scorer(self) -> str:
@@ -55,7 +79,11 @@ class Method:
 
     @property
     def doc(self) -> str:
-        return (self.module.__doc__ or "").strip().split("\n")[0] if self.module else "keeps every entry"
+        return (
+            (self.module.__doc__ or "").strip().split("\n")[0]
+            if self.module
+            else "keeps every entry"
+        )
 
     def score(self, obs, cfg):
         return self.module.score(obs, cfg)
@@ -94,7 +122,12 @@ _KVPRESS_SNAPKV = {"kernel_size": 5, "window_reduce": "mean"}
 # kvpress has no default threshold; 0.02 (on KVzip's attention probabilities) is restkv's, to tune per model:
 # on SmolLM2-135M, one 1,024-token essay window, it keeps 31% of the entries (the window included; 0.005: 50%).
 # Any other scorer takes the rule as head_budget="threshold", threshold=...
-_DMS = {"layer_budget": "uniform", "head_budget": "threshold", "threshold": 0.02, "window_size": 128}
+_DMS = {
+    "layer_budget": "uniform",
+    "head_budget": "threshold",
+    "threshold": 0.02,
+    "window_size": 128,
+}
 
 
 def _register(*methods: Method) -> dict:
@@ -120,7 +153,11 @@ REGISTRY = _register(
     Method("criticalkv", snapkv, _KVPRESS_SNAPKV | {"critical": True}),
     Method("critical_adakv", snapkv, _KVPRESS_SNAPKV | {"critical": True, "head_budget": "adakv"}),
     Method("chunkkv", snapkv, _KVPRESS_SNAPKV | {"chunk_size": 20}),
-    Method("entropy_gated_chunkkv", snapkv, _KVPRESS_SNAPKV | {"chunk_size": 10, "low_entropy_chunk_length": 4}),
+    Method(
+        "entropy_gated_chunkkv",
+        snapkv,
+        _KVPRESS_SNAPKV | {"chunk_size": 10, "low_entropy_chunk_length": 4},
+    ),
     Method("defensivekv", defensivekv, {"head_budget": "adakv", "floor": 0.0}),
     Method("layer_defensivekv", defensivekv, {"layer_budget": "global"}),
     Method("kvzip", kvzip, {"layer_budget": "global"}),

@@ -38,9 +38,16 @@ from ..scoring.smoothing import pool1d
 _TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 KNOBS = (
-    KERNEL_SIZE.but(default=5, when=(), help="odd width of the average pooling of each window query's row"),
-    Knob("first_stage_mass", 0.9, "attention mass (less the window's bias) whose entries are kept first",
-         check=lambda m: 0 < m <= 1, rule="in (0, 1]"),
+    KERNEL_SIZE.but(
+        default=5, when=(), help="odd width of the average pooling of each window query's row"
+    ),
+    Knob(
+        "first_stage_mass",
+        0.9,
+        "attention mass (less the window's bias) whose entries are kept first",
+        check=lambda m: 0 < m <= 1,
+        rule="in (0, 1]",
+    ),
     VALUE_NORM.but(stage="score"),
 )
 
@@ -52,35 +59,48 @@ def uses_budget(cfg) -> bool:
 
 def check(values: dict) -> None:
     if values.get("critical"):
-        raise ValueError("critical must be False for defensivekv: its score holds CriticalKV's two stages")
+        raise ValueError(
+            "critical must be False for defensivekv: its score holds CriticalKV's two stages"
+        )
 
 
 def defensive_scores(obs, kernel_size: int) -> tuple["torch.Tensor", "torch.Tensor"]:
     """Steps 1-2: ``s`` [b, Hkv, P] (pooled, renormalised, max over queries and group, floored at the mean)
     and the unpooled attention averaged over the group and the window [b, Hkv, P]."""
-    hkv, P = obs.keys.shape[1], obs.prefix_len
+    hkv = obs.keys.shape[1]
+    P = obs.prefix_len
     A = obs.window_attention[..., :P]  # [b, Hq, w, P]
     mean_attention = group_view(A.mean(-2), hkv).mean(2)
     real = obs.key_valid[:, None, :P].float()
-    pooled = pool1d(A, "avgpool", kernel_size).mul_(real[..., None, :])  # nothing pooled onto padding
-    pooled = pooled.div_(pooled.sum(-1, keepdim=True).clamp_min_(_TINY)).mul_(A.sum(-1, keepdim=True))
+    pooled = pool1d(A, "avgpool", kernel_size).mul_(
+        real[..., None, :]
+    )  # nothing pooled onto padding
+    pooled = pooled.div_(pooled.sum(-1, keepdim=True).clamp_min_(_TINY)).mul_(
+        A.sum(-1, keepdim=True)
+    )
     m = group_view(pooled.amax(-2), hkv).amax(2)
     floor = (m * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp_min(1.0)
     return torch.maximum(m, floor), mean_attention
 
 
-def first_stage(mean_attention: "torch.Tensor", threshold: "torch.Tensor", cap: int) -> "torch.Tensor":
+def first_stage(
+    mean_attention: "torch.Tensor", threshold: "torch.Tensor", cap: int
+) -> "torch.Tensor":
     """[b, Hkv, P] bool: each head's top entries by ``mean_attention`` before their share of the head's
     mass reaches ``threshold`` [b] (the entry that reaches it excluded), at most ``cap``."""
     p = mean_attention / mean_attention.sum(-1, keepdim=True).clamp_min(_TINY)
     ranked, order = p.sort(-1, descending=True)
-    count = (ranked.cumsum(-1) >= threshold[:, None, None]).int().argmax(-1).clamp_(max=max(cap, 0))  # 0: never
+    count = (
+        (ranked.cumsum(-1) >= threshold[:, None, None]).int().argmax(-1).clamp_(max=max(cap, 0))
+    )  # 0: never
     return order.argsort(-1) < count[..., None]
 
 
 def score(obs, cfg):
     """DefensiveKV's score per KV head -> [b, Hkv, P] (first-stage entries: just above the layer's largest)."""
-    hkv, P, w = obs.keys.shape[1], obs.prefix_len, obs.window
+    hkv = obs.keys.shape[1]
+    P = obs.prefix_len
+    w = obs.window
     s, mean_attention = defensive_scores(obs, cfg.kernel_size)
     norms = group_view(obs.projected_value_norms(cfg.value_norm), hkv).mean(2)  # [b, Hkv, P]
     s = s * (norms / norms.sum(1, keepdim=True).clamp_min(_TINY))

@@ -32,13 +32,30 @@ from ..scoring.observe import NEG, group_view
 from ..scoring.rope import rotate_back
 
 KNOBS = (
-    Knob("n_future_positions", 512, "future positions whose RoPE is averaged", check=lambda n: n >= 1, rule=">= 1"),
-    Knob("n_sink", 4, "first tokens always kept and left out of the query statistics and the softmax",
-         check=lambda n: n >= 0, rule=">= 0"),
+    Knob(
+        "n_future_positions",
+        512,
+        "future positions whose RoPE is averaged",
+        check=lambda n: n >= 1,
+        rule=">= 1",
+    ),
+    Knob(
+        "n_sink",
+        4,
+        "first tokens always kept and left out of the query statistics and the softmax",
+        check=lambda n: n >= 0,
+        rule=">= 0",
+    ),
     Knob("use_covariance", True, "include the queries' covariance in the expected attention"),
     Knob("use_vnorm", True, "weight the expected attention by the value norm ||v||_2"),
-    Knob("epsilon", 0.0, "added to the expected attention before the value-norm weighting",
-         check=lambda e: e >= 0, rule=">= 0", when={"use_vnorm": (True,)}),
+    Knob(
+        "epsilon",
+        0.0,
+        "added to the expected attention before the value-norm weighting",
+        check=lambda e: e >= 0,
+        rule=">= 0",
+        when={"use_vnorm": (True,)},
+    ),
     GQA_AGG,
 )
 
@@ -53,7 +70,9 @@ def query_statistics(queries, rope, rows, covariance: bool, block: int, first: i
     total = 0
     for s in range(0, n, block):
         e = min(n, s + block)
-        total = total + rope.unrotate(queries[:, :, s:e], first + s, first + e).mul_(w[:, :, s:e]).sum(2)
+        total = total + rope.unrotate(queries[:, :, s:e], first + s, first + e).mul_(
+            w[:, :, s:e]
+        ).sum(2)
     mu = total / count
     if not covariance:
         return mu, None
@@ -74,7 +93,8 @@ def expected_logits(keys, mu, cov, cos, sin, scaling: float, block: int):
     out = torch.empty(b, hkv, hq // hkv, n, device=keys.device)
     mu_g = group_view(mu, hkv)  # [b, Hkv, g, d]
     cov_g = None if cov is None else group_view(cov, hkv)  # [b, Hkv, g, d, d]
-    c, s_ = cos[:, None, None], sin[:, None, None]
+    c = cos[:, None, None]
+    s_ = sin[:, None, None]
     for s in range(0, n, block):
         k = rotate_back(keys[:, :, s : min(n, s + block)].float(), c, s_)  # [b, Hkv, m, d]
         z = (mu_g @ k.transpose(-1, -2)).mul_(scaling)
@@ -94,10 +114,15 @@ def expected_attention(obs, n_future_positions: int, n_sink: int, covariance: bo
     """
     if obs.rope is None:
         raise ValueError("the expected attention needs the layer's RoPE (the observation's rope)")
-    hq, hkv = obs.queries.shape[1], obs.keys.shape[1]
+    hq = obs.queries.shape[1]
+    hkv = obs.keys.shape[1]
     block = max(1, observe.VALUE_BLOCK * hkv // hq)  # [b, Hq, block, d] float32 at a time
-    counted = obs.positions >= n_sink  # [b, L] real tokens after the sinks: query statistics and softmax
-    first = obs.first_query  # the queries held: every prompt position's, or the window's while decoding
+    counted = (
+        obs.positions >= n_sink
+    )  # [b, L] real tokens after the sinks: query statistics and softmax
+    first = (
+        obs.first_query
+    )  # the queries held: every prompt position's, or the window's while decoding
     mu, cov = query_statistics(obs.queries, obs.rope, counted[:, first:], covariance, block, first)
     cos, sin = obs.rope.mean_future(n_future_positions)
     z = expected_logits(obs.keys, mu, cov, cos, sin, obs.scaling, block)
@@ -116,7 +141,9 @@ def keep_sinks(scores, obs, counted):
 
 def score(obs, cfg):
     """The expected attention of every prefix entry, per query head -> [b, Hq, P] (sinks: the largest + 1)."""
-    hq, hkv, P = obs.queries.shape[1], obs.keys.shape[1], obs.prefix_len
+    hq = obs.queries.shape[1]
+    hkv = obs.keys.shape[1]
+    P = obs.prefix_len
     a, counted = expected_attention(obs, cfg.n_future_positions, cfg.n_sink, cfg.use_covariance)
     a = a[..., :P]
     if cfg.use_vnorm:

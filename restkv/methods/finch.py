@@ -27,8 +27,12 @@ from __future__ import annotations
 from ..knobs import GQA_AGG, Knob
 
 KNOBS = (
-    Knob("normalize_scores", True, "multiply each window query's attention by its position (its "
-         "number of non-zero weights, as the reference counts them) before averaging"),
+    Knob(
+        "normalize_scores",
+        True,
+        "multiply each window query's attention by its position (its "
+        "number of non-zero weights, as the reference counts them) before averaging",
+    ),
     GQA_AGG,
 )
 

@@ -21,9 +21,13 @@ KNOBS = ()
 
 def score(obs, cfg):
     """``-cos(k_n, mean_m k_m / ||k_m||)`` per KV head -> [b, Hkv, P] (keys read in float32 blocks)."""
-    norms = torch.linalg.vector_norm(obs.keys, dim=-1, dtype=torch.float32).clamp_min_(1e-12)  # [b, Hkv, L]
+    norms = torch.linalg.vector_norm(obs.keys, dim=-1, dtype=torch.float32).clamp_min_(
+        1e-12
+    )  # [b, Hkv, L]
     weights = obs.key_valid[:, None].float() / norms  # the mean direction's weights, real keys only
-    anchor = F.normalize(weighted_values(weights[:, :, None], obs.keys)[:, :, 0], dim=-1, eps=1e-12)  # [b, Hkv, d]
+    anchor = F.normalize(
+        weighted_values(weights[:, :, None], obs.keys)[:, :, 0], dim=-1, eps=1e-12
+    )  # [b, Hkv, d]
     P = obs.prefix_len
     out = torch.empty(norms.shape[0], norms.shape[1], P, device=norms.device)
     for s in range(0, P, observe.VALUE_BLOCK):

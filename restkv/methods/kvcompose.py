@@ -43,26 +43,53 @@ from ..scoring.observe import group_view
 QUERY_BLOCK = 1 << 25  # float32 elements of one block of the pass's attention ([b, Hq, rows, 2L])
 
 KNOBS = (
-    Knob("structured", True, "composite tokens: every head of a layer keeps as many entries, "
-         "layers' counts from one top-k over their composite scores (False: one top-k over every "
-         "head's entries)"),
-    Knob("agg_task", "max", "reduction over the second reading's queries of the attention an entry "
-         "receives", choices=("max", "mean")),
-    Knob("agg_group", "mean", "reduction over the query heads of a GQA group",
-         choices=("mean", "max")),
-    Knob("agg_head", "mean", "reduction over a layer's KV heads of their i-th best scores (a "
-         "composite token)", choices=("mean", "max"), when={"structured": (True,)}),
-    Knob("add_mean_across_heads", True, "add the mean over the layer's KV heads to each head's "
-         "scores"),
-    Knob("keep_token_lower_bound", 0, "entries every layer keeps per head at least",
-         check=lambda n: n >= 0, rule=">= 0"),
+    Knob(
+        "structured",
+        True,
+        "composite tokens: every head of a layer keeps as many entries, "
+        "layers' counts from one top-k over their composite scores (False: one top-k over every "
+        "head's entries)",
+    ),
+    Knob(
+        "agg_task",
+        "max",
+        "reduction over the second reading's queries of the attention an entry receives",
+        choices=("max", "mean"),
+    ),
+    Knob(
+        "agg_group",
+        "mean",
+        "reduction over the query heads of a GQA group",
+        choices=("mean", "max"),
+    ),
+    Knob(
+        "agg_head",
+        "mean",
+        "reduction over a layer's KV heads of their i-th best scores (a composite token)",
+        choices=("mean", "max"),
+        when={"structured": (True,)},
+    ),
+    Knob(
+        "add_mean_across_heads",
+        True,
+        "add the mean over the layer's KV heads to each head's scores",
+    ),
+    Knob(
+        "keep_token_lower_bound",
+        0,
+        "entries every layer keeps per head at least",
+        check=lambda n: n >= 0,
+        rule=">= 0",
+    ),
 )
 
 
 def check(cfg):
     if cfg.get("decode_interval"):
-        raise ValueError("decode_interval is not supported by kvcompose (its scores come from "
-                         "a pass after the prefill)")
+        raise ValueError(
+            "decode_interval is not supported by kvcompose (its scores come from "
+            "a pass after the prefill)"
+        )
 
 
 def passes(context_ids: "torch.Tensor", cfg, model) -> tuple[int, list]:

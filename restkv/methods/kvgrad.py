@@ -38,8 +38,13 @@ SINK = 1e30  # above any score: the sinks are always kept
 
 KNOBS = (
     kvzip.KNOBS[0],
-    Knob("repeat_chunk", 512, "context tokens reconstructed per extra forward and backward",
-         check=lambda n: n >= 1, rule=">= 1"),
+    Knob(
+        "repeat_chunk",
+        512,
+        "context tokens reconstructed per extra forward and backward",
+        check=lambda n: n >= 1,
+        rule=">= 1",
+    ),
     kvzip.KNOBS[2],
     GQA_AGG.but(default="max"),
 )
@@ -51,14 +56,17 @@ check_model = kvzip.check_model
 def check(cfg):
     kvzip.streamingllm.check(cfg)
     if cfg.get("decode_interval"):
-        raise ValueError("decode_interval is not supported by kvgrad (its scores come from "
-                         "passes after the prefill)")
+        raise ValueError(
+            "decode_interval is not supported by kvgrad (its scores come from "
+            "passes after the prefill)"
+        )
 
 
 def run_pass(decoder, ids, position_ids, cache, modules) -> dict:
     """One pass ``ids`` [1, r] with autograd -> ``{module: ||dPhi / da_p|| [1, r] float32}`` for the
     attention ``modules``, ``Phi = sum_p ||h_p||^2`` of the last decoder layer's output."""
-    outputs, last = {}, {}
+    outputs = {}
+    last = {}
 
     def keep_output(module, args, output):
         outputs[module] = output[0]
@@ -73,7 +81,12 @@ def run_pass(decoder, ids, position_ids, cache, modules) -> dict:
             ids = ids.clone()  # not inference tensors: autograd saves them
             position_ids = position_ids.clone()
             embeds = decoder.get_input_embeddings()(ids).detach().requires_grad_(True)
-            decoder(inputs_embeds=embeds, position_ids=position_ids, use_cache=True, **{cache_argument(decoder): cache})
+            decoder(
+                inputs_embeds=embeds,
+                position_ids=position_ids,
+                use_cache=True,
+                **{cache_argument(decoder): cache},
+            )
             phi = last["h"].float().square().sum()
             grads = torch.autograd.grad(phi, [outputs[m] for m in modules], allow_unused=True)
     finally:

@@ -52,8 +52,18 @@ SINK = 2.0  # above any attention probability: the sinks are always kept
 
 KNOBS = (
     streamingllm.KNOBS[0],
-    Knob("repeat_chunk", 2000, "context tokens reconstructed per extra forward", check=lambda n: n >= 1, rule=">= 1"),
-    Knob("tokenizer", None, "tokenizer of the repeat prompt (a path or hub id; none: the model's name_or_path)"),
+    Knob(
+        "repeat_chunk",
+        2000,
+        "context tokens reconstructed per extra forward",
+        check=lambda n: n >= 1,
+        rule=">= 1",
+    ),
+    Knob(
+        "tokenizer",
+        None,
+        "tokenizer of the repeat prompt (a path or hub id; none: the model's name_or_path)",
+    ),
     GQA_AGG.but(default="max"),
 )
 
@@ -61,7 +71,9 @@ KNOBS = (
 def check(cfg):
     streamingllm.check(cfg)
     if cfg.get("decode_interval"):
-        raise ValueError("decode_interval is not supported by kvzip (its scores come from passes after the prefill)")
+        raise ValueError(
+            "decode_interval is not supported by kvzip (its scores come from passes after the prefill)"
+        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -72,13 +84,20 @@ def template(path: str) -> tuple[list[int], list[int], list[int]]:
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # any failure to find or read one
-        raise ValueError(f"tokenizer: kvzip's repeat prompt needs a tokenizer; none loads from {path!r} "
-                         f"({type(e).__name__}); give tokenizer=PATH") from None
+        raise ValueError(
+            f"tokenizer: kvzip's repeat prompt needs a tokenizer; none loads from {path!r} "
+            f"({type(e).__name__}); give tokenizer=PATH"
+        ) from None
     suffix = "\n"
     if getattr(tok, "chat_template", None):
-        context, separator = "dummy context", "\n" + "#" * 13
-        text = tok.apply_chat_template([{"role": "user", "content": context + separator}], add_generation_prompt=True,
-                                       tokenize=False, enable_thinking=False)
+        context = "dummy context"
+        separator = "\n" + "#" * 13
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": context + separator}],
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=False,
+        )
         suffix = text.split(separator)[1]
     return tuple(tok.encode(t, add_special_tokens=False) for t in (FIRST, NEXT, suffix))
 
@@ -92,15 +111,25 @@ def check_model(cfg, model) -> None:
     template(_tokenizer_path(cfg, model))
 
 
-def passes(context_ids: "torch.Tensor", cfg, model) -> tuple[int, list[tuple[int, int, "torch.Tensor"]]]:
+def passes(
+    context_ids: "torch.Tensor", cfg, model
+) -> tuple[int, list[tuple[int, int, "torch.Tensor"]]]:
     """The reconstruction of one sample's prompt ``context_ids`` [L]: (sinks, [(start, stop, pass ids [r])]),
     each pass scoring positions [start, stop)."""
-    first, following, header = (torch.tensor(t, dtype=torch.long) for t in template(_tokenizer_path(cfg, model)))
-    n, sinks = context_ids.shape[0], min(cfg.sink_tokens, context_ids.shape[0])
-    ids, out = context_ids.cpu(), []
+    first, following, header = (
+        torch.tensor(t, dtype=torch.long) for t in template(_tokenizer_path(cfg, model))
+    )
+    n = context_ids.shape[0]
+    sinks = min(cfg.sink_tokens, context_ids.shape[0])
+    ids = context_ids.cpu()
+    out = []
     for start in range(sinks, n, cfg.repeat_chunk):
         stop = min(n, start + cfg.repeat_chunk)
-        ask = first if start == sinks else torch.cat([following, ids[start - min(PREVIOUS, cfg.repeat_chunk) : start]])
+        ask = (
+            first
+            if start == sinks
+            else torch.cat([following, ids[start - min(PREVIOUS, cfg.repeat_chunk) : start]])
+        )
         out.append((start, stop, torch.cat([ask, header, ids[start:stop]]).to(context_ids.device)))
     return sinks, out
 

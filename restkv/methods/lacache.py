@@ -25,11 +25,29 @@ from ..knobs import Knob
 from ..lazy import torch
 
 KNOBS = (
-    Knob("span", 16, "layers over which one token position stays cached (the ladder's span)", check=lambda s: s >= 2,
-         rule=">= 2"),
-    Knob("overlap", 0, "overlap between the spans of successive ladder steps", check=lambda o: o >= 0, rule=">= 0"),
-    Knob("sink_tokens", None, "first tokens always kept (None: the reference's LongBench rule)", nullable=True, of=int,
-         check=lambda n: n >= 0, rule=">= 0"),
+    Knob(
+        "span",
+        16,
+        "layers over which one token position stays cached (the ladder's span)",
+        check=lambda s: s >= 2,
+        rule=">= 2",
+    ),
+    Knob(
+        "overlap",
+        0,
+        "overlap between the spans of successive ladder steps",
+        check=lambda o: o >= 0,
+        rule=">= 0",
+    ),
+    Knob(
+        "sink_tokens",
+        None,
+        "first tokens always kept (None: the reference's LongBench rule)",
+        nullable=True,
+        of=int,
+        check=lambda n: n >= 0,
+        rule=">= 0",
+    ),
 )
 
 
@@ -45,8 +63,10 @@ def check(cfg):
 
 def check_layers(cfg, num_layers: int) -> None:
     if _steps(num_layers, cfg["span"], cfg["overlap"])[2] < 1:
-        raise ValueError(f"span ({cfg['span']}) must be smaller than the model's evicted layers ({num_layers}) "
-                         f"for LaCache to remove anything")
+        raise ValueError(
+            f"span ({cfg['span']}) must be smaller than the model's evicted layers ({num_layers}) "
+            f"for LaCache to remove anything"
+        )
 
 
 def _steps(layers: int, span: int, overlap: int) -> tuple[int, int, int]:
@@ -56,7 +76,9 @@ def _steps(layers: int, span: int, overlap: int) -> tuple[int, int, int]:
     return group, after, group - after
 
 
-def ladder(length: int, cache: int, start: int, layers: int, layer: int, span: int, overlap: int) -> list[int]:
+def ladder(
+    length: int, cache: int, start: int, layers: int, layer: int, span: int, overlap: int
+) -> list[int]:
     """Positions layer ``layer`` keeps of ``length`` tokens: the reference's compaction with cursor ``start``."""
     group, after, removable = _steps(layers, span, overlap)
     need = length - cache
@@ -71,8 +93,11 @@ def ladder(length: int, cache: int, start: int, layers: int, layer: int, span: i
     def rungs(first, size, n, stride, phase):
         return [first + phase + size * j + stride * k for j in range(n) for k in range(after)]
 
-    kept = (list(range(start)) + rungs(start, group, steps, 1, layer % (removable + 1))
-            + list(range(start + group * steps, length)))
+    kept = (
+        list(range(start))
+        + rungs(start, group, steps, 1, layer % (removable + 1))
+        + list(range(start + group * steps, length))
+    )
     if need <= cap:
         return kept
     rest = need - cap  # startover: thin the ladder again with a stride
@@ -80,14 +105,18 @@ def ladder(length: int, cache: int, start: int, layers: int, layer: int, span: i
     times = math.ceil(rest / once)
     group2 = group + (times - 1) * (group - 1)
     steps2 = math.ceil(rest / (group2 - after))
-    keep = (list(range(start)) + rungs(start, group2, steps2, times, layer % (group2 - after + 1))
-            + list(range(start + group2 * steps2, len(kept))))
+    keep = (
+        list(range(start))
+        + rungs(start, group2, steps2, times, layer % (group2 - after + 1))
+        + list(range(start + group2 * steps2, len(kept)))
+    )
     return [kept[i] for i in keep]
 
 
 def score(obs, cfg):
     """Sinks first, then the layer's ladder (newest first), then the rest by recency -> [b, 1, P]."""
-    n, P = obs.keys.shape[2], obs.prefix_len
+    n = obs.keys.shape[2]
+    P = obs.prefix_len
     pos = obs.positions.float()  # [b, L], -1 on padding
     out = []
     for row in range(pos.shape[0]):
@@ -95,7 +124,9 @@ def score(obs, cfg):
         start = cfg.sink_tokens
         if start is None:
             start = max(1, min(128, length - obs.num_layers - 1, obs.budget - obs.num_layers - 1))
-        keep = torch.tensor(ladder(length, obs.budget, start, obs.num_layers, obs.layer, cfg.span, cfg.overlap))
+        keep = torch.tensor(
+            ladder(length, obs.budget, start, obs.num_layers, obs.layer, cfg.span, cfg.overlap)
+        )
         s = pos[row] / max(n, 1)  # recency in [0, 1)
         ladder_pos = torch.zeros(n, dtype=torch.bool)
         ladder_pos[n - length + keep] = True

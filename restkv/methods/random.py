@@ -9,8 +9,15 @@ from __future__ import annotations
 from ..knobs import Knob
 from ..lazy import torch
 
-KNOBS = (Knob("random_seed", 0, "seed of the random scores (draws differ per layer)", check=lambda s: s >= 0,
-              rule=">= 0"),)
+KNOBS = (
+    Knob(
+        "random_seed",
+        0,
+        "seed of the random scores (draws differ per layer)",
+        check=lambda s: s >= 0,
+        rule=">= 0",
+    ),
+)
 
 
 def score(obs, cfg):

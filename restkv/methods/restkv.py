@@ -39,49 +39,119 @@ _EPS = 1.1920928955078125e-07  # float32 machine epsilon
 INDICATORS = ("reconstruction", "attn", "attn-v", "random")
 _SCORED = {"indicator": INDICATORS[:3]}  # not random
 _RECON = {"indicator": ("reconstruction",)}
-_EXPECTED = ("n_future_positions", "n_sink", "use_covariance")  # ExpectedAttention's knobs that query_proxy reads
+_EXPECTED = (
+    "n_future_positions",
+    "n_sink",
+    "use_covariance",
+)  # ExpectedAttention's knobs that query_proxy reads
 
 KNOBS = (
-    Knob("indicator", "reconstruction", "what is scored: reconstruction (the output change, ReST-KV), attn (aggregated "
-         "window attention), attn-v (attention times ||v_n||) or random (the paper's ablation)", choices=INDICATORS),
-    Knob("metric_mode", "after", "after: aggregate the window's attention over time first, then score; before: "
-         "score each window query, then aggregate", choices=("after", "before"), when=_RECON),
-    Knob("use_wo", True, "measure the output change after the head's slice of o_proj (else in value space)",
-         when=_RECON),
-    Knob("use_norm", False, "divide each query's indicator by ||O_q W_O^h||",
-         when={**_RECON, "metric_mode": ("before",)}),
-    Knob("tau", 1.0, "exponent of the output distance ||(o - v_n) W_O^h||", check=positive, rule="> 0",
-         when={**_RECON, "metric_mode": ("after",), "use_wo": (True,)}),
-    Knob("temporal", "mean", "smoothing over the window queries: last (the newest only), mean, ema (the paper: "
-         "the newest weighs alpha), inv-ema (the oldest weighs alpha) or max (the worst case over the queries; "
-         "not in after mode, whose row must be a distribution)", choices=TEMPORAL, when=_SCORED),
-    Knob("alpha", 0.3, "EMA weight", check=lambda a: 0 < a <= 1, rule="in (0, 1]",
-         when={**_SCORED, "temporal": ("ema", "inv-ema")}),
-    POOLING.but(default="adaptive", choices=("adaptive", "avgpool", "maxpool", "none"), when=_SCORED,
-                help="spatial smoothing: adaptive (a window that follows the drift of the top positions), "
-                     "avgpool, maxpool or none"),
+    Knob(
+        "indicator",
+        "reconstruction",
+        "what is scored: reconstruction (the output change, ReST-KV), attn (aggregated "
+        "window attention), attn-v (attention times ||v_n||) or random (the paper's ablation)",
+        choices=INDICATORS,
+    ),
+    Knob(
+        "metric_mode",
+        "after",
+        "after: aggregate the window's attention over time first, then score; before: "
+        "score each window query, then aggregate",
+        choices=("after", "before"),
+        when=_RECON,
+    ),
+    Knob(
+        "use_wo",
+        True,
+        "measure the output change after the head's slice of o_proj (else in value space)",
+        when=_RECON,
+    ),
+    Knob(
+        "use_norm",
+        False,
+        "divide each query's indicator by ||O_q W_O^h||",
+        when={**_RECON, "metric_mode": ("before",)},
+    ),
+    Knob(
+        "tau",
+        1.0,
+        "exponent of the output distance ||(o - v_n) W_O^h||",
+        check=positive,
+        rule="> 0",
+        when={**_RECON, "metric_mode": ("after",), "use_wo": (True,)},
+    ),
+    Knob(
+        "temporal",
+        "mean",
+        "smoothing over the window queries: last (the newest only), mean, ema (the paper: "
+        "the newest weighs alpha), inv-ema (the oldest weighs alpha) or max (the worst case over the queries; "
+        "not in after mode, whose row must be a distribution)",
+        choices=TEMPORAL,
+        when=_SCORED,
+    ),
+    Knob(
+        "alpha",
+        0.3,
+        "EMA weight",
+        check=lambda a: 0 < a <= 1,
+        rule="in (0, 1]",
+        when={**_SCORED, "temporal": ("ema", "inv-ema")},
+    ),
+    POOLING.but(
+        default="adaptive",
+        choices=("adaptive", "avgpool", "maxpool", "none"),
+        when=_SCORED,
+        help="spatial smoothing: adaptive (a window that follows the drift of the top positions), "
+        "avgpool, maxpool or none",
+    ),
     KERNEL_SIZE,
-    Knob("scale", 2000.0, "adaptive pooling: positions of drift per pooling step", check=positive, rule="> 0",
-         when={"pooling": ("adaptive",)}),
+    Knob(
+        "scale",
+        2000.0,
+        "adaptive pooling: positions of drift per pooling step",
+        check=positive,
+        rule="> 0",
+        when={"pooling": ("adaptive",)},
+    ),
     random.KNOBS[0].but(when={"indicator": ("random",)}),
     GQA_AGG,
-    Knob("query_window", 0, "queries observed (scored against): the last query_window positions, only the "
-         "window_size newest kept; older queries see only the keys before them (0: window_size)",
-         check=lambda n: n >= 0, rule=">= 0", when=_SCORED),
-    Knob("query_proxy", "window", "stand-in for the future queries' attention row: window (the observed queries'), "
-         "expected (expected from the prompt's query statistics at future positions, as ExpectedAttention) or "
-         "both (the mean of the two rows)", choices=("window", "expected", "both"),
-         when={**_RECON, "metric_mode": ("after",)}),
-    *(k.but(when={"query_proxy": ("expected", "both")}) for k in expected.KNOBS if k.name in _EXPECTED),
+    Knob(
+        "query_window",
+        0,
+        "queries observed (scored against): the last query_window positions, only the "
+        "window_size newest kept; older queries see only the keys before them (0: window_size)",
+        check=lambda n: n >= 0,
+        rule=">= 0",
+        when=_SCORED,
+    ),
+    Knob(
+        "query_proxy",
+        "window",
+        "stand-in for the future queries' attention row: window (the observed queries'), "
+        "expected (expected from the prompt's query statistics at future positions, as ExpectedAttention) or "
+        "both (the mean of the two rows)",
+        choices=("window", "expected", "both"),
+        when={**_RECON, "metric_mode": ("after",)},
+    ),
+    *(
+        k.but(when={"query_proxy": ("expected", "both")})
+        for k in expected.KNOBS
+        if k.name in _EXPECTED
+    ),
 )
-ALIASES = {"use_ema": ("temporal", {True: "ema", False: "mean"}),
-           "ts": ("temporal", {"none": "last", "mean": "mean", "ema": "ema", "inv-ema": "inv-ema"})}
+ALIASES = {
+    "use_ema": ("temporal", {True: "ema", False: "mean"}),
+    "ts": ("temporal", {"none": "last", "mean": "mean", "ema": "ema", "inv-ema": "inv-ema"}),
+}
 
 
 def check(values: dict) -> None:
     if values.get("temporal") == "max" and values.get("metric_mode") == "after":
-        raise ValueError("temporal='max' needs metric_mode='before' (or an attn indicator): in after mode the "
-                         "aggregated row is an attention distribution, and a maximum over queries is not one")
+        raise ValueError(
+            "temporal='max' needs metric_mode='before' (or an attn indicator): in after mode the "
+            "aggregated row is an attention distribution, and a maximum over queries is not one"
+        )
 
 
 def uses_budget(cfg) -> bool:
@@ -101,7 +171,9 @@ def _project(x: "torch.Tensor", R: "torch.Tensor | None", r: int, hkv: int) -> "
     return x @ group_view(R[None], hkv)[0, :, r].transpose(-1, -2)  # [Hkv, d, d]
 
 
-def _distances(po: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None") -> "torch.Tensor":
+def _distances(
+    po: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None"
+) -> "torch.Tensor":
     """``||R_h (o - v_n)||`` for outputs po = R_h o [b, Hkv, g, r, d] -> [b, Hkv, g, r, P].
 
     Uses ``|x - y|^2 = |x|^2 - 2 x.y + |y|^2`` block by block over the values (converted to float32
@@ -129,7 +201,9 @@ def _project_outputs(O: "torch.Tensor", R: "torch.Tensor | None", hkv: int) -> "
     return torch.einsum("bkgrd,kged->bkgre", O, group_view(R[None], hkv)[0])
 
 
-def output_distance(o: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None") -> "torch.Tensor":
+def output_distance(
+    o: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None"
+) -> "torch.Tensor":
     """``||(o_h - v_n) W_O^h||`` for every query head h and prefix entry n -> [b, Hq, P].
 
     o [b, Hq, d] (one output per head), values [b, Hkv, L, d]. The extra memory is a few
@@ -139,14 +213,22 @@ def output_distance(o: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch
     return _distances(po, values, P, R)[:, :, :, 0].flatten(1, 2)
 
 
-def output_distance_rows(O: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None") -> tuple["torch.Tensor", "torch.Tensor"]:
+def output_distance_rows(
+    O: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None"
+) -> tuple["torch.Tensor", "torch.Tensor"]:
     """``||(O_q - v_n) W_O^h||`` for every window query q -> ([b, Hq, w, P], ||O_q W_O^h|| [b, Hq, w, 1])."""
     po = _project_outputs(O, R, values.shape[1])
     return _distances(po, values, P, R).flatten(1, 2), po.norm(dim=-1, keepdim=True).flatten(1, 2)
 
 
-def exact_dominant(scores: "torch.Tensor", weights: "torch.Tensor", values: "torch.Tensor", R: "torch.Tensor | None", tau: float,
-                   other_mass: "torch.Tensor | float" = 0.0) -> "torch.Tensor":
+def exact_dominant(
+    scores: "torch.Tensor",
+    weights: "torch.Tensor",
+    values: "torch.Tensor",
+    R: "torch.Tensor | None",
+    tau: float,
+    other_mass: "torch.Tensor | float" = 0.0,
+) -> "torch.Tensor":
     """Recompute, per row, the score of the most attended entry without cancellation.
 
     With ``o = u_n + a_n v_n`` and ``1 - a_n = rest_n`` (the mass of every other entry, summed
@@ -159,19 +241,27 @@ def exact_dominant(scores: "torch.Tensor", weights: "torch.Tensor", values: "tor
     ``o`` sums over), values [b, Hkv, L, d], ``other_mass`` attention outside the N entries.
     """
     b, hq, rows, _ = weights.shape
-    hkv, d, P = values.shape[1], values.shape[-1], scores.shape[-1]
+    hkv = values.shape[1]
+    d = values.shape[-1]
+    P = scores.shape[-1]
     top = weights.argmax(-1, keepdim=True)  # [b, Hq, r, 1]
     a = weights.gather(-1, top)
     rest_w = weights.scatter(-1, top, 0.0)
     rest = (rest_w.sum(-1, keepdim=True) + other_mass).clamp_min(_EPS)
     u = weighted_values(rest_w, values)  # [b, Hq, r, d]
-    v_top = values.gather(2, group_view(top, hkv).flatten(2, 3).expand(-1, -1, -1, d)).float().view(b, hq, rows, d)
+    v_top = (
+        values.gather(2, group_view(top, hkv).flatten(2, 3).expand(-1, -1, -1, d))
+        .float()
+        .view(b, hq, rows, d)
+    )
     diff = u - rest * v_top
     if R is not None:
         diff = torch.einsum("bhrd,hed->bhre", diff, R)
     fixed = a / rest * diff.norm(dim=-1, keepdim=True).pow(tau)
     where = top.clamp(max=P - 1)
-    fixed = torch.where(top < P, fixed, scores.gather(-1, where))  # the top entry may be in the window
+    fixed = torch.where(
+        top < P, fixed, scores.gather(-1, where)
+    )  # the top entry may be in the window
     return scores.scatter(-1, where, fixed)
 
 
@@ -197,7 +287,13 @@ def drift_of(mean_pos: "torch.Tensor") -> "torch.Tensor":
     return mean_pos[..., : w // 2].mean(-1) - mean_pos[..., w // 2 :].mean(-1)
 
 
-def adaptive_pool(scores: "torch.Tensor", drift: "torch.Tensor", kernel_size: int, scale: float, n_pad: "torch.Tensor | None" = None) -> "torch.Tensor":
+def adaptive_pool(
+    scores: "torch.Tensor",
+    drift: "torch.Tensor",
+    kernel_size: int,
+    scale: float,
+    n_pad: "torch.Tensor | None" = None,
+) -> "torch.Tensor":
     """Average pooling whose width and shift follow the drift, per sample and head.
 
     kernel ``k = max(kernel_size, 2 floor(|t| / scale) + 1)``, shift ``s = floor(t / scale)``
@@ -213,7 +309,8 @@ def adaptive_pool(scores: "torch.Tensor", drift: "torch.Tensor", kernel_size: in
     shift = torch.floor(drift / scale).long() + (drift <= 0).long()
     shift = torch.maximum(torch.minimum(shift, half), -half)
     max_pad = 2 * int(half.max())  # one host read per layer
-    left, right = (half - shift).flatten(), (half + shift).flatten()
+    left = (half - shift).flatten()
+    right = (half + shift).flatten()
     out = shifted_box_filter(scores.reshape(-1, scores.shape[-1]), left, right, max_pad)
     return out.view(scores.shape)
 
@@ -231,7 +328,9 @@ def renormalised(s: "torch.Tensor", rows: int, obs, cfg) -> "torch.Tensor":
     if rows == obs.window:  # the window (as the original): no renormalisation, no host sync
         return s
     real = obs.key_valid[:, obs.keys.shape[2] - rows :]  # [b, r]
-    return s / aggregate_rows(real.float()[:, None, :, None], cfg.temporal, cfg.get("alpha")).clamp_min(_EPS)
+    return s / aggregate_rows(
+        real.float()[:, None, :, None], cfg.temporal, cfg.get("alpha")
+    ).clamp_min(_EPS)
 
 
 def row_terms(obs, cfg, A: "torch.Tensor") -> dict:
@@ -266,7 +365,9 @@ def over_time_blocks(obs, cfg, rows: int, top: int | None) -> tuple[dict, "torch
     return {name: renormalised(agg.value, rows, obs, cfg) for name, agg in sums.items()}, drift
 
 
-def proxy_row(obs, cfg, observed: dict) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]:
+def proxy_row(
+    obs, cfg, observed: dict
+) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]:
     """The aggregated attention row standing for the future queries -> (a [b, Hq, 1, P], its mass on the
     window [b, Hq, 1, 1], counted [b, L] or None): the observed rows over time (``observed``: "a" and "mass"),
     ExpectedAttention's row, or their mean."""
@@ -276,7 +377,9 @@ def proxy_row(obs, cfg, observed: dict) -> tuple["torch.Tensor", "torch.Tensor",
     counted = None
     if cfg.query_proxy != "window":
         P = obs.prefix_len
-        e, counted = expected.expected_attention(obs, cfg.n_future_positions, cfg.n_sink, cfg.use_covariance)
+        e, counted = expected.expected_attention(
+            obs, cfg.n_future_positions, cfg.n_sink, cfg.use_covariance
+        )
         rows.append((e[..., :P], e[..., P:].sum(-1, keepdim=True)))
     a, mass = (sum(r) / len(rows) for r in zip(*rows))
     return a[:, :, None], mass[..., None], counted
@@ -289,7 +392,9 @@ def score(obs, cfg):
     P = obs.prefix_len
     rows = min(cfg.query_window or obs.window, obs.queries.shape[2])
     top = obs.budget - obs.window if cfg.pooling == "adaptive" else None
-    observed, drift = over_time_blocks(obs, cfg, rows, top)  # no [b, Hq, r, L] tensor for a long query window
+    observed, drift = over_time_blocks(
+        obs, cfg, rows, top
+    )  # no [b, Hq, r, L] tensor for a long query window
     counted = None
     if cfg.indicator != "reconstruction":
         s = observed["s"]
@@ -299,7 +404,9 @@ def score(obs, cfg):
     elif cfg.metric_mode == "after":
         R, tau = (obs.wo, cfg.tau) if cfg.use_wo else (None, 1.0)
         a, window_mass, counted = proxy_row(obs, cfg, observed)  # [b, Hq, 1, P], [b, Hq, 1, 1]
-        o = weighted_values(a, obs.values)[:, :, 0]  # [b, Hq, d] output of the aggregated row, prefix only
+        o = weighted_values(a, obs.values)[
+            :, :, 0
+        ]  # [b, Hq, d] output of the aggregated row, prefix only
         s = output_distance(o, obs.values, P, R).pow_(tau).mul_(odds(a[:, :, 0]))
         s = exact_dominant(s[:, :, None], a, obs.values, R, tau, window_mass)[:, :, 0]
     else:  # before: every observed query with its full output, then over time

@@ -12,9 +12,17 @@ from __future__ import annotations
 from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob
 from ..scoring.smoothing import pool1d
 
-KNOBS = (POOLING.but(default="avgpool"), KERNEL_SIZE, GQA_AGG,
-         Knob("window_reduce", "sum", "the window queries' attention summed (SnapKV's code) or averaged (kvpress)",
-              choices=("sum", "mean")))
+KNOBS = (
+    POOLING.but(default="avgpool"),
+    KERNEL_SIZE,
+    GQA_AGG,
+    Knob(
+        "window_reduce",
+        "sum",
+        "the window queries' attention summed (SnapKV's code) or averaged (kvpress)",
+        choices=("sum", "mean"),
+    ),
+)
 
 
 def score(obs, cfg):

@@ -14,7 +14,9 @@ KNOBS = (Knob("sink_tokens", 4, "first tokens always kept", check=lambda n: n >=
 
 def check(cfg):
     if cfg["sink_tokens"] > cfg.get("max_capacity_prompt", float("inf")) - cfg["window_size"]:
-        raise ValueError(f"sink_tokens must be in [0, max_capacity_prompt - window_size], got {cfg['sink_tokens']}")
+        raise ValueError(
+            f"sink_tokens must be in [0, max_capacity_prompt - window_size], got {cfg['sink_tokens']}"
+        )
 
 
 def score(obs, cfg):

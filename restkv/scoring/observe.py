@@ -16,8 +16,12 @@ from ..lazy import torch
 NEG = -3.4028234663852886e38  # the most negative float32
 EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38, the smallest normal float32
 VALUE_BLOCK = 4096  # positions converted to float32 at a time
-QUERY_BLOCK = None  # query rows of a block of a long query window (None: about the layer's K+V, see below)
-PROJECTION_BLOCK = 1 << 22  # float32 elements of a block of W_O-projected values ([b, Hkv, n, hidden])
+QUERY_BLOCK = (
+    None  # query rows of a block of a long query window (None: about the layer's K+V, see below)
+)
+PROJECTION_BLOCK = (
+    1 << 22
+)  # float32 elements of a block of W_O-projected values ([b, Hkv, n, hidden])
 
 
 @dataclass
@@ -36,15 +40,23 @@ class Observation:
     budget: int  # entries kept per KV head in this layer, window included
     scaling: float
     softcap: float | None = None
-    wo_factor: Any = None  # R [Hq, d, d] of the layer's o_proj (``wo``), or a function that computes it
-    wo_weight: Any = None  # the layer's o_proj weight [hidden, Hq d] (``o_proj``), or a function that returns it
+    wo_factor: Any = (
+        None  # R [Hq, d, d] of the layer's o_proj (``wo``), or a function that computes it
+    )
+    wo_weight: Any = (
+        None  # the layer's o_proj weight [hidden, Hq d] (``o_proj``), or a function that returns it
+    )
     rope: Any = None  # restkv.scoring.rope.Rope of the layer's prompt (cos/sin, next position, other positions)
     layer: int = 0  # index among the model's evicted layers
     num_layers: int = 1  # evicted layers of the model
     memo: dict = field(default_factory=dict)
-    head_valid: "torch.Tensor | None" = None  # [b, H, L] bool when heads hold different entries (decoding)
+    head_valid: "torch.Tensor | None" = (
+        None  # [b, H, L] bool when heads hold different entries (decoding)
+    )
     data: Any = None  # the method's constants of this layer (``restkv.integration.calibration``: Q-Filters' filters)
-    query_weights: "torch.Tensor | None" = None  # [b, Lq] a weight per query (KVgrad: the objective's gradient)
+    query_weights: "torch.Tensor | None" = (
+        None  # [b, Lq] a weight per query (KVgrad: the objective's gradient)
+    )
 
     @property
     def prefix_len(self) -> int:
@@ -77,14 +89,18 @@ class Observation:
         """R_h [Hq, d, d] with ``||W_O^h x|| = ||R_h x||`` for the layer's ``o_proj`` (see ``wo_factor``)."""
         if self.wo_factor is None:
             raise ValueError("this observation carries no W_O factor (wo_factor)")
-        return self.shared("wo", lambda: self.wo_factor() if callable(self.wo_factor) else self.wo_factor)
+        return self.shared(
+            "wo", lambda: self.wo_factor() if callable(self.wo_factor) else self.wo_factor
+        )
 
     @property
     def o_proj(self) -> "torch.Tensor":
         """The layer's o_proj weight W_O [hidden, Hq d] (see ``wo_weight``), on the values' device."""
         if self.wo_weight is None:
             raise ValueError("this observation carries no o_proj weight (wo_weight)")
-        return self.shared("wo_weight", lambda: self.wo_weight() if callable(self.wo_weight) else self.wo_weight)
+        return self.shared(
+            "wo_weight", lambda: self.wo_weight() if callable(self.wo_weight) else self.wo_weight
+        )
 
     def projected_value_norms(self, norm: str = "l1") -> "torch.Tensor":
         """``||W_O^h v_n||`` [b, Hq, P] for every query head h and prefix entry n, float32.
@@ -104,10 +120,13 @@ class Observation:
         the keys are those of the last positions (a pass after the prefill: its keys follow the cache's).
         """
         b, hq, _, d = self.queries.shape
-        hkv, n_keys = self.keys.shape[1], self.keys.shape[2]
+        hkv = self.keys.shape[1]
+        n_keys = self.keys.shape[2]
         rows = hq // hkv * (stop - start)
         first = self.first_query
-        q = self.queries[:, :, start - first : stop - first].float().reshape(b, hkv, rows, d)  # group-major rows
+        q = (
+            self.queries[:, :, start - first : stop - first].float().reshape(b, hkv, rows, d)
+        )  # group-major rows
         logits = torch.empty(b, hkv, rows, n_keys, device=self.keys.device)
         if self.keys.dtype == torch.float32:
             torch.matmul(q, self.keys.transpose(-1, -2), out=logits)
@@ -119,13 +138,19 @@ class Observation:
             probs.div_(self.softcap).tanh_().mul_(self.softcap)
         q_pos = torch.arange(start, stop, device=probs.device)
         valid = self.entry_valid  # [b, 1 or H, L] -> [b, 1 or Hq, 1, L]
-        valid = (valid.repeat_interleave(hq // valid.shape[1], 1) if valid.shape[1] > 1 else valid)[:, :, None]
+        valid = (valid.repeat_interleave(hq // valid.shape[1], 1) if valid.shape[1] > 1 else valid)[
+            :, :, None
+        ]
         hidden = ~((torch.arange(n_keys, device=probs.device) <= q_pos[:, None]) & valid)
         probs.masked_fill_(hidden, NEG)
         # exp below EXP_FLOOR underflows to denormals/zero, which CPUs compute many times slower;
         # those terms are < 1e-37 of the row's largest, and masked entries are set to exactly 0 after.
-        probs.sub_(probs.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR).exp_().masked_fill_(hidden, 0.0)
-        return probs.div_(probs.sum(-1, keepdim=True).clamp_min_(1.0))  # rows of padding queries: all 0
+        probs.sub_(probs.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR).exp_().masked_fill_(
+            hidden, 0.0
+        )
+        return probs.div_(
+            probs.sum(-1, keepdim=True).clamp_min_(1.0)
+        )  # rows of padding queries: all 0
 
     @property
     def window_attention(self) -> "torch.Tensor":
@@ -155,15 +180,20 @@ class Observation:
             yield 0, self.window_attention
             return
         b, hq = self.queries.shape[:2]
-        hkv, d = self.keys.shape[1], self.keys.shape[-1]
-        block = globals()["QUERY_BLOCK"] or max(self.window, 2 * hkv * d * self.keys.element_size() // (4 * hq))
+        hkv = self.keys.shape[1]
+        d = self.keys.shape[-1]
+        block = globals()["QUERY_BLOCK"] or max(
+            self.window, 2 * hkv * d * self.keys.element_size() // (4 * hq)
+        )
         for start in range(n - rows, n, block):
             yield start - (n - rows), self.attention(start, min(n, start + block))
 
     @property
     def window_output(self) -> "torch.Tensor":
         """[b, Hq, w, d] attention output of the window queries (over all keys), float32."""
-        return self.shared("window_output", lambda: weighted_values(self.window_attention, self.values))
+        return self.shared(
+            "window_output", lambda: weighted_values(self.window_attention, self.values)
+        )
 
 
 def weighted_values(weights: "torch.Tensor", values: "torch.Tensor") -> "torch.Tensor":
@@ -183,7 +213,8 @@ def weighted_values(weights: "torch.Tensor", values: "torch.Tensor") -> "torch.T
 
 def _projected_norms(obs: Observation, norm: str) -> "torch.Tensor":
     b, hkv, _, d = obs.values.shape
-    hq, P = obs.queries.shape[1], obs.prefix_len
+    hq = obs.queries.shape[1]
+    P = obs.prefix_len
     g = hq // hkv
     out = torch.empty(b, hkv, g, P, device=obs.values.device)
     if norm == "l2":
@@ -191,7 +222,9 @@ def _projected_norms(obs: Observation, norm: str) -> "torch.Tensor":
         block = max(1, VALUE_BLOCK // g)  # the projected block is [b, Hq, block, d]
         for s in range(0, P, block):
             v = obs.values[:, :, s : min(P, s + block)].float()
-            out[..., s : s + v.shape[2]] = torch.linalg.vector_norm(v[:, :, None] @ R.transpose(-1, -2), dim=-1)
+            out[..., s : s + v.shape[2]] = torch.linalg.vector_norm(
+                v[:, :, None] @ R.transpose(-1, -2), dim=-1
+            )
         return out.view(b, hq, P)
     W = obs.o_proj
     hidden = W.shape[0]

@@ -15,7 +15,9 @@ from __future__ import annotations
 from ..lazy import F, torch
 from .observe import group_view, weighted_values
 
-TERMS_BLOCK = None  # float32 elements of a block of per-entry terms (None: about the layer's K+V elements)
+TERMS_BLOCK = (
+    None  # float32 elements of a block of per-entry terms (None: about the layer's K+V elements)
+)
 MIN_BLOCK = 64  # entries
 
 
@@ -53,7 +55,9 @@ def output_change(attention, values, keep, o_proj_weight):
     kept = attention * kept_keys(keep, n, hq)
     z = kept.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     o_kept = weighted_values(kept / z, values)
-    diff = weighted_values(attention - kept / z, values)  # o - o^S in one pass (no difference of two outputs)
+    diff = weighted_values(
+        attention - kept / z, values
+    )  # o - o^S in one pass (no difference of two outputs)
     delta = diff.transpose(1, 2).reshape(b, r, -1) @ o_proj_weight.float().T
     return delta, o_kept, z[..., 0]
 
@@ -67,13 +71,16 @@ def layer_terms(values, o_proj_weight, prefix: int) -> tuple:
     """What the swap errors of a layer read that no swap changes: W_O^h by group [H, g, D, d],
     ``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d], the prefix values v [b, H, P, d] and ``v_n^T M_ac v_n``
     [g, g, b, H, P] (a, c: query heads of one group), a block of entries at a time. Cost O(b H g^2 P d^2)."""
-    hkv, d = values.shape[1], values.shape[-1]
+    hkv = values.shape[1]
+    d = values.shape[-1]
     g = o_proj_weight.shape[1] // d // hkv
     W = o_proj_weight.float().view(-1, hkv, g, d).permute(1, 2, 0, 3)
     M = torch.einsum("kaex,kcey->kacxy", W, W)
     v = values[:, :, :prefix].float()
     vMv = v.new_empty(g, g, v.shape[0], hkv, prefix)
-    block = entries_per_block(g * g * v.shape[0] * hkv * d, v, prefix)  # no [g, g, b, H, P, d] whole
+    block = entries_per_block(
+        g * g * v.shape[0] * hkv * d, v, prefix
+    )  # no [g, g, b, H, P, d] whole
     for s in range(0, prefix, block):
         part = v[:, :, s : s + block]
         vMv[..., s : s + block] = (torch.einsum("bknx,kacxy->acbkny", part, M) * part).sum(-1)
@@ -85,7 +92,8 @@ def state_terms(attention, layer: tuple, delta, o_kept, z) -> tuple:
     attention a [g, b, H, r, P], ``c = <delta, W_O^a (v_n - u_a)>`` [g, b, H, r, P], ``u_a^T M_ac v_n``
     [g, g, b, H, r, P], ``u_a^T M_ac u_c`` [g, g, b, H, r, 1] and z [g, b, H, r, 1]. Cost O(b H g^2 r P d)."""
     W, M, v, _ = layer
-    hkv, prefix = v.shape[1], v.shape[2]
+    hkv = v.shape[1]
+    prefix = v.shape[2]
     a = group_view(attention[..., :prefix], hkv).movedim(2, 0)
     u = group_view(o_kept, hkv).movedim(2, 0)  # [g, b, H, r, d]
     t = torch.einsum("bqe,kaex->abkqx", delta, W)  # W_O^a^T delta
@@ -103,7 +111,10 @@ def _take(x, idx, rows: bool = True):
 
 def _quadratic(delta, pairs):
     """||delta||^2 [b, r] + pairs [b, H, r, ...] -> mean error over the queries [b, H, ...]."""
-    sq = delta.pow(2).sum(-1).view(delta.shape[0], 1, delta.shape[1], *[1] * (pairs.dim() - 3)) + pairs
+    sq = (
+        delta.pow(2).sum(-1).view(delta.shape[0], 1, delta.shape[1], *[1] * (pairs.dim() - 3))
+        + pairs
+    )
     return sq.clamp_min(0).sqrt().mean(2)
 
 
@@ -133,16 +144,27 @@ def swap_errors(terms: tuple, layer: tuple, delta, removals, additions) -> "torc
     a, c, uMv, uMu, z = terms
     _, M, v, vMv = layer
     d = v.shape[-1]
-    a_i, a_j, c_i, c_j, uMv_i, uMv_j = (_take(x, idx) for x in (a, c, uMv) for idx in (removals, additions))
+    a_i, a_j, c_i, c_j, uMv_i, uMv_j = (
+        _take(x, idx) for x in (a, c, uMv) for idx in (removals, additions)
+    )
     K_i = _take(vMv, removals, rows=False)[..., None, :] - uMv_i.transpose(0, 1) - uMv_i + uMu
     K_j = _take(vMv, additions, rows=False)[..., None, :] - uMv_j.transpose(0, 1) - uMv_j + uMu
     v_i, v_j = (v.gather(2, idx[..., None].expand(-1, -1, -1, d)) for idx in (removals, additions))
-    K_ij = (torch.einsum("bkix,kacxy,bkjy->acbkij", v_i, M, v_j)[..., None, :, :]
-            - uMv_i.transpose(0, 1)[..., None] - uMv_j[..., None, :] + uMu[..., None])  # [g, g, b, H, r, R, A]
+    K_ij = (
+        torch.einsum("bkix,kacxy,bkjy->acbkij", v_i, M, v_j)[..., None, :, :]
+        - uMv_i.transpose(0, 1)[..., None]
+        - uMv_j[..., None, :]
+        + uMu[..., None]
+    )  # [g, g, b, H, r, R, A]
     z_new = z[..., None] - a_i[..., None] + a_j[..., None, :]
-    x, y = a_i[..., None] / z_new, a_j[..., None, :] / z_new  # [g, b, H, r, R, A]
+    x = a_i[..., None] / z_new  # [g, b, H, r, R, A]
+    y = a_j[..., None, :] / z_new
     linear = (x * c_i[..., None] - y * c_j[..., None, :]).sum(0)
-    quad = (x[:, None] * x * K_i[..., None] + y[:, None] * y * K_j[..., None, :] - 2 * x[:, None] * y * K_ij).sum((0, 1))
+    quad = (
+        x[:, None] * x * K_i[..., None]
+        + y[:, None] * y * K_j[..., None, :]
+        - 2 * x[:, None] * y * K_ij
+    ).sum((0, 1))
     return _quadratic(delta, 2 * linear + quad)
 
 
@@ -153,7 +175,8 @@ def single_errors_blocked(attention, layer: tuple, state: tuple, keep) -> "torch
     delta, o_kept, z = state
     W, M, v, vMv = layer
     b, heads, P = keep.shape
-    g, r = M.shape[1], attention.shape[2]
+    g = M.shape[1]
+    r = attention.shape[2]
     block = entries_per_block(g * g * b * heads * r, v, P)
     out = torch.empty(b, heads, P, device=keep.device)
     for s in range(0, P, block):
@@ -170,11 +193,18 @@ def swap_errors_at(attention, layer: tuple, state: tuple, removals, additions) -
     delta, o_kept, z = state
     W, M, v, vMv = layer
     b, heads, n_out = removals.shape
-    g, r, d = M.shape[1], attention.shape[2], v.shape[-1]
+    g = M.shape[1]
+    r = attention.shape[2]
+    d = v.shape[-1]
     cols = torch.cat([removals, additions], -1)  # [b, H, R + A]
     m = cols.shape[-1]
     a = group_view(attention, heads).gather(-1, cols[:, :, None, None].expand(-1, -1, g, r, -1))
-    part = (W, M, v.gather(2, cols[..., None].expand(-1, -1, -1, d)), vMv.gather(-1, cols.expand(g, g, -1, -1, -1)))
+    part = (
+        W,
+        M,
+        v.gather(2, cols[..., None].expand(-1, -1, -1, d)),
+        vMv.gather(-1, cols.expand(g, g, -1, -1, -1)),
+    )
     terms = state_terms(a.flatten(1, 2), part, delta, o_kept, z)
     at = torch.arange(m, device=cols.device).expand(b, heads, m)
     return swap_errors(terms, part, delta, at[..., :n_out], at[..., n_out:])

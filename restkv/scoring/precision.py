@@ -18,8 +18,10 @@ from ..lazy import torch
 @contextlib.contextmanager
 def float32_scoring(device_type: str = "cpu"):
     """The block computes in float32: no autocast on ``device_type``, no TF32, float32 defaults."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    precision, dtype = torch.get_float32_matmul_precision(), torch.get_default_dtype()
+    matmul = torch.backends.cuda.matmul
+    cudnn = torch.backends.cudnn
+    precision = torch.get_float32_matmul_precision()
+    dtype = torch.get_default_dtype()
     saved = (matmul.allow_tf32, cudnn.allow_tf32, precision, dtype)
     try:
         matmul.allow_tf32 = False
@@ -29,6 +31,7 @@ def float32_scoring(device_type: str = "cpu"):
         with torch.autocast(device_type, enabled=False):
             yield
     finally:
-        matmul.allow_tf32, cudnn.allow_tf32 = saved[0], saved[1]
+        matmul.allow_tf32 = saved[0]
+        cudnn.allow_tf32 = saved[1]
         torch.set_float32_matmul_precision(saved[2])
         torch.set_default_dtype(saved[3])

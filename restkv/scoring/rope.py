@@ -55,7 +55,12 @@ class Rope:
 
     def part(self, sample, start: int) -> "Rope":
         """The RoPE of samples ``sample`` (a slice) from prompt position index ``start`` on."""
-        return Rope(self.cos[sample, start:], self.sin[sample, start:], self.next_position[sample], self.embed)
+        return Rope(
+            self.cos[sample, start:],
+            self.sin[sample, start:],
+            self.next_position[sample],
+            self.embed,
+        )
 
     def unrotate(self, x: "torch.Tensor", start: int, stop: int) -> "torch.Tensor":
         """x [b, H, stop - start, d] after RoPE at prompt indices ``start:stop`` -> before RoPE, float32.
@@ -99,11 +104,17 @@ def rotary_function(rotary, attention=None) -> Callable:
     """
     forward = type(rotary).forward
     layer_type = getattr(attention, "layer_type", None)
-    extra = {"layer_type": layer_type} if layer_type and "layer_type" in inspect.signature(forward).parameters else {}
+    extra = (
+        {"layer_type": layer_type}
+        if layer_type and "layer_type" in inspect.signature(forward).parameters
+        else {}
+    )
 
     def embed(positions):
         clone = copy.copy(rotary)
-        clone._buffers = {name: b if b is None else b.clone() for name, b in rotary._buffers.items()}
+        clone._buffers = {
+            name: b if b is None else b.clone() for name, b in rotary._buffers.items()
+        }
         with torch.no_grad():
             cos, sin = forward(clone, torch.empty(0, device=positions.device), positions, **extra)
         return cos.float(), sin.float()
@@ -120,4 +131,6 @@ def capture(embed: Callable | None, kwargs: dict, batch: int) -> Rope | None:
     ids = kwargs.get("position_ids")
     if ids is None:
         ids = torch.arange(cos.shape[-2], device=cos.device)[None]
-    return Rope(cos.expand(batch, -1, -1), sin.expand(batch, -1, -1), ids[:, -1].expand(batch) + 1, embed)
+    return Rope(
+        cos.expand(batch, -1, -1), sin.expand(batch, -1, -1), ids[:, -1].expand(batch) + 1, embed
+    )

@@ -42,7 +42,9 @@ class RowAggregate:
     ``aggregate_rows`` itself (the same result bit for bit)."""
 
     def __init__(self, rows: int, temporal: str, alpha: float | None = None):
-        self.rows, self.temporal, self.alpha = rows, temporal, alpha
+        self.rows = rows
+        self.temporal = temporal
+        self.alpha = alpha
         self.value = None
 
     def add(self, start: int, x: "torch.Tensor") -> None:
@@ -82,7 +84,9 @@ def pool1d(scores: "torch.Tensor", mode: str, kernel_size: int) -> "torch.Tensor
     return x.view(shape)
 
 
-def shifted_box_filter(x: "torch.Tensor", left: "torch.Tensor", right: "torch.Tensor", max_pad: int) -> "torch.Tensor":
+def shifted_box_filter(
+    x: "torch.Tensor", left: "torch.Tensor", right: "torch.Tensor", max_pad: int
+) -> "torch.Tensor":
     """Per-row average of ``x[j - left : j + right + 1]`` with replicate padding at the edges.
 
     ``x`` [R, P] float32, ``left`` / ``right`` [R] non-negative ints (each <= ``max_pad``).

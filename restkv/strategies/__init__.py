@@ -28,4 +28,14 @@ STRATEGIES = (budgets, merge, critical, chunks, refine, decoding)
 # Ranking strategies: each turns the ranking key of the one before (first: the scores) into its own.
 RANKINGS = (critical, chunks, refine)
 
-__all__ = ["RANKINGS", "STRATEGIES", "budgets", "chunks", "critical", "decoding", "merge", "refine", "think"]
+__all__ = [
+    "RANKINGS",
+    "STRATEGIES",
+    "budgets",
+    "chunks",
+    "critical",
+    "decoding",
+    "merge",
+    "refine",
+    "think",
+]

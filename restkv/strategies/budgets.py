@@ -37,53 +37,117 @@ LAYER_BUDGETS = ("uniform", "pyramid", "global")
 PER_LAYER = LAYER_BUDGETS[:2]  # the layer's budget is known before the other layers' prefill
 
 KNOBS = (
-    Knob("layer_budget", "uniform", "how the budget is shared by the layers: uniform, pyramid (PyramidKV: lower "
-         "layers get more, same total) or global (one top-k over every layer's and head's scores)",
-         choices=LAYER_BUDGETS),
-    Knob("beta", 20.0, "PyramidKV: the largest layer budget is about 2 * beta times the smallest",
-         check=lambda b: b >= 1, rule=">= 1", when={"layer_budget": ("pyramid",)}),
-    Knob("head_budget", "uniform", "how a layer's budget is shared by its KV heads: uniform, adakv (one top-k "
-         "over all heads' scores), headkv (a head-importance table) or threshold (each head keeps the entries "
-         "scoring at least threshold, at most its budget)", choices=HEAD_BUDGETS,
-         when={"layer_budget": PER_LAYER}),
-    Knob("threshold", None, "head_budget threshold: entries scoring below it are evicted (DMS's form)",
-         of=float, when={"head_budget": ("threshold",)}),
-    Knob("floor", 0.2, "AdaKV: each head keeps at least this share of the per-head budget",
-         check=lambda f: 0.0 <= f <= 1.0, rule="in [0, 1]", when={"head_budget": ("adakv",)}),
-    Knob("normalize", False, "AdaKV: weight each head's scores by the share of its mass inside its top-B",
-         when={"head_budget": ("adakv",)}),
-    Knob("head_importance", None, "HeadKV: JSON file of per-layer, per-head importance scores (default: HeadKV's "
-         "retrieval-reasoning scores of the model, computed once on needle prompts and cached)",
-         when={"head_budget": ("headkv",)}),
-    Knob("headkv_beta", 1.2, "HeadKV: each head keeps B - B // headkv_beta, the rest is shared by importance",
-         check=lambda b: b > 1.0, rule="> 1", when={"head_budget": ("headkv",)}),
-    Knob("layer_ratios", None, "a budget per evicted layer instead of max_capacity_prompt: "
-         "comma-separated compression ratios in [0, 1) (a layer keeps int(L (1 - r)) of L tokens) "
-         "or budgets (integers), one per layer (kvpress's PerLayerCompressionPress)",
-         check=lambda t: _parsed(t) is not None,
-         rule="comma-separated numbers, all ratios in [0, 1) or all integers >= 1",
-         when={"layer_budget": ("uniform",)}),
-    Knob("varlen", True, "per-head budgets: pack each head's entries (memory = the sum of head lengths); false: "
-         "pad to the longest head and mask", when={"head_budget": PER_HEAD}),
+    Knob(
+        "layer_budget",
+        "uniform",
+        "how the budget is shared by the layers: uniform, pyramid (PyramidKV: lower "
+        "layers get more, same total) or global (one top-k over every layer's and head's scores)",
+        choices=LAYER_BUDGETS,
+    ),
+    Knob(
+        "beta",
+        20.0,
+        "PyramidKV: the largest layer budget is about 2 * beta times the smallest",
+        check=lambda b: b >= 1,
+        rule=">= 1",
+        when={"layer_budget": ("pyramid",)},
+    ),
+    Knob(
+        "head_budget",
+        "uniform",
+        "how a layer's budget is shared by its KV heads: uniform, adakv (one top-k "
+        "over all heads' scores), headkv (a head-importance table) or threshold (each head keeps the entries "
+        "scoring at least threshold, at most its budget)",
+        choices=HEAD_BUDGETS,
+        when={"layer_budget": PER_LAYER},
+    ),
+    Knob(
+        "threshold",
+        None,
+        "head_budget threshold: entries scoring below it are evicted (DMS's form)",
+        of=float,
+        when={"head_budget": ("threshold",)},
+    ),
+    Knob(
+        "floor",
+        0.2,
+        "AdaKV: each head keeps at least this share of the per-head budget",
+        check=lambda f: 0.0 <= f <= 1.0,
+        rule="in [0, 1]",
+        when={"head_budget": ("adakv",)},
+    ),
+    Knob(
+        "normalize",
+        False,
+        "AdaKV: weight each head's scores by the share of its mass inside its top-B",
+        when={"head_budget": ("adakv",)},
+    ),
+    Knob(
+        "head_importance",
+        None,
+        "HeadKV: JSON file of per-layer, per-head importance scores (default: HeadKV's "
+        "retrieval-reasoning scores of the model, computed once on needle prompts and cached)",
+        when={"head_budget": ("headkv",)},
+    ),
+    Knob(
+        "headkv_beta",
+        1.2,
+        "HeadKV: each head keeps B - B // headkv_beta, the rest is shared by importance",
+        check=lambda b: b > 1.0,
+        rule="> 1",
+        when={"head_budget": ("headkv",)},
+    ),
+    Knob(
+        "layer_ratios",
+        None,
+        "a budget per evicted layer instead of max_capacity_prompt: "
+        "comma-separated compression ratios in [0, 1) (a layer keeps int(L (1 - r)) of L tokens) "
+        "or budgets (integers), one per layer (kvpress's PerLayerCompressionPress)",
+        check=lambda t: _parsed(t) is not None,
+        rule="comma-separated numbers, all ratios in [0, 1) or all integers >= 1",
+        when={"layer_budget": ("uniform",)},
+    ),
+    Knob(
+        "varlen",
+        True,
+        "per-head budgets: pack each head's entries (memory = the sum of head lengths); false: "
+        "pad to the longest head and mask",
+        when={"head_budget": PER_HEAD},
+    ),
 )
-ALIASES = {"use_pyramid": ("layer_budget", {True: "pyramid", False: "uniform"})}  # the original's flag
+ALIASES = {
+    "use_pyramid": ("layer_budget", {True: "pyramid", False: "uniform"})
+}  # the original's flag
 
 
 def check(values: dict) -> None:
     if values.get("layer_budget") == "global":
-        for knob, bad, need in (("gqa_agg", "none", "per-KV-head sets: gqa_agg other than 'none'"),
-                                ("merge", "pivot", "merge other than 'pivot'")):
+        for knob, bad, need in (
+            ("gqa_agg", "none", "per-KV-head sets: gqa_agg other than 'none'"),
+            ("merge", "pivot", "merge other than 'pivot'"),
+        ):
             if values.get(knob) == bad:
                 raise ValueError(f"layer_budget='global' needs {need}")
     if values.get("head_budget") == "threshold" and values.get("threshold") is None:
-        raise ValueError("head_budget='threshold' needs threshold=VALUE (entries scoring below it are evicted)")
-    if values.get("head_budget") == "headkv" and values.get("max_capacity_prompt_ratio") is not None:
-        raise ValueError("head_budget='headkv' needs max_capacity_prompt (its table is sized by it), not a ratio")
+        raise ValueError(
+            "head_budget='threshold' needs threshold=VALUE (entries scoring below it are evicted)"
+        )
+    if (
+        values.get("head_budget") == "headkv"
+        and values.get("max_capacity_prompt_ratio") is not None
+    ):
+        raise ValueError(
+            "head_budget='headkv' needs max_capacity_prompt (its table is sized by it), not a ratio"
+        )
     given = values.get("layer_ratios")
     if given is not None:
         _check_layer_ratios(values, _parsed(given))
-    if values.get("gqa_agg") == "none" and (values.get("head_budget") == "headkv" or values.get("varlen") is False):
-        raise ValueError("gqa_agg='none' (one set per query head) works with head_budget uniform or adakv, varlen=True")
+    if values.get("gqa_agg") == "none" and (
+        values.get("head_budget") == "headkv" or values.get("varlen") is False
+    ):
+        raise ValueError(
+            "gqa_agg='none' (one set per query head) works with head_budget uniform or adakv, varlen=True"
+        )
 
 
 def _parsed(text: str) -> list | None:
@@ -99,23 +163,30 @@ def _parsed(text: str) -> list | None:
 
 def _check_layer_ratios(values: dict, given: list) -> None:
     if values.get("max_capacity_prompt_ratio") is not None:
-        raise ValueError("layer_ratios sets every layer's budget: "
-                         "max_capacity_prompt_ratio must be None with it")
+        raise ValueError(
+            "layer_ratios sets every layer's budget: max_capacity_prompt_ratio must be None with it"
+        )
     if values.get("head_budget") == "headkv":
-        raise ValueError("head_budget='headkv' needs max_capacity_prompt (its table is sized "
-                         "by it), not layer_ratios")
+        raise ValueError(
+            "head_budget='headkv' needs max_capacity_prompt (its table is sized "
+            "by it), not layer_ratios"
+        )
     window = values["window_size"]
     if isinstance(given[0], int) and min(given) <= window:
-        raise ValueError(f"layer_ratios: each layer's budget must be larger than window_size "
-                         f"({window}), got {min(given)}")
+        raise ValueError(
+            f"layer_ratios: each layer's budget must be larger than window_size "
+            f"({window}), got {min(given)}"
+        )
 
 
 def check_layers(values: dict, num_layers: int) -> None:
     """``layer_ratios`` names one value per evicted layer (run by ``configure`` on the model)."""
     given = values.get("layer_ratios")
     if given is not None and len(_parsed(given)) != num_layers:
-        raise ValueError(f"layer_ratios must give one value per evicted layer ({num_layers}), "
-                         f"got {len(_parsed(given))}")
+        raise ValueError(
+            f"layer_ratios must give one value per evicted layer ({num_layers}), "
+            f"got {len(_parsed(given))}"
+        )
 
 
 def ratio_budgets(cfg, prompt_len: int) -> list[int]:
@@ -132,7 +203,9 @@ def fits(cfg, length: int, budget: int) -> bool:
     return length <= budget and cfg.get("head_budget") != "threshold"
 
 
-def pyramid_budgets(budget: int, window: int, num_layers: int, beta: float, prompt_len: int) -> list[int]:
+def pyramid_budgets(
+    budget: int, window: int, num_layers: int, beta: float, prompt_len: int
+) -> list[int]:
     """Per-layer budgets (window included) that fall linearly from the first layer to the last.
 
     PyramidKV: the non-window part goes from ``max_num`` down to ``min_num = (budget - window) / beta``
@@ -201,11 +274,15 @@ def adakv_budgets(scores, base: int, floor: float, normalize: bool):
     ranked = scores.sort(-1, descending=True).values
     if normalize:
         mass = ranked.clamp_min(0)
-        ranked = ranked * (mass[..., :base].sum(-1, keepdim=True) / mass.sum(-1, keepdim=True).clamp_min(1e-30))
+        ranked = ranked * (
+            mass[..., :base].sum(-1, keepdim=True) / mass.sum(-1, keepdim=True).clamp_min(1e-30)
+        )
     guaranteed = int(base * floor)
     pool = ranked[..., guaranteed:].reshape(b, -1)
     chosen = pool.topk(hkv * (base - guaranteed), dim=-1).indices // (P - guaranteed)
-    extra = torch.zeros(b, hkv, dtype=torch.long, device=scores.device).scatter_add_(1, chosen, torch.ones_like(chosen))
+    extra = torch.zeros(b, hkv, dtype=torch.long, device=scores.device).scatter_add_(
+        1, chosen, torch.ones_like(chosen)
+    )
     return guaranteed + extra
 
 
@@ -267,11 +344,17 @@ def load_head_importance(path: str, num_layers: int, num_heads: int, num_kv_head
         for key, value in data.items():
             try:
                 layer, head = (int(x) for x in key.split("-"))
-                table[layer, head] = float(sum(value) / len(value)) if isinstance(value, list) else float(value)
+                table[layer, head] = (
+                    float(sum(value) / len(value)) if isinstance(value, list) else float(value)
+                )
             except (ValueError, IndexError, TypeError, ZeroDivisionError):
-                raise ValueError(f"{path}: entry {key!r} does not fit a model of {num_layers} layers x {num_heads} heads") from None
+                raise ValueError(
+                    f"{path}: entry {key!r} does not fit a model of {num_layers} layers x {num_heads} heads"
+                ) from None
         if torch.isnan(table).any():
-            raise ValueError(f"{path}: {int(torch.isnan(table).sum())} of {num_layers}x{num_heads} heads have no score")
+            raise ValueError(
+                f"{path}: {int(torch.isnan(table).sum())} of {num_layers}x{num_heads} heads have no score"
+            )
     else:
         table = torch.tensor(data, dtype=torch.float64)
         if table.shape not in ((num_layers, num_heads), (num_layers, num_kv_heads)):

@@ -29,26 +29,47 @@ from ..knobs import Knob
 from ..lazy import torch
 
 KNOBS = (
-    Knob("chunk_size", None, "ChunkKV: keep whole chunks of this many consecutive positions, ranked by the mean "
-         "over the chunk of the score summed over heads (None or 0: off)", nullable=True, of=int,
-         check=lambda c: c >= 0, rule=">= 1 (or 0: off)", stage="select"),
-    Knob("low_entropy_chunk_length", None, "EntropyGatedChunkKV: a chunk scored at or above the median whose "
-         "scores' entropy is below the median keeps only this many of its best entries (None or 0: off)",
-         nullable=True, of=int, check=lambda n: n >= 0, rule=">= 1 (or 0: off)", stage="select"),
+    Knob(
+        "chunk_size",
+        None,
+        "ChunkKV: keep whole chunks of this many consecutive positions, ranked by the mean "
+        "over the chunk of the score summed over heads (None or 0: off)",
+        nullable=True,
+        of=int,
+        check=lambda c: c >= 0,
+        rule=">= 1 (or 0: off)",
+        stage="select",
+    ),
+    Knob(
+        "low_entropy_chunk_length",
+        None,
+        "EntropyGatedChunkKV: a chunk scored at or above the median whose "
+        "scores' entropy is below the median keeps only this many of its best entries (None or 0: off)",
+        nullable=True,
+        of=int,
+        check=lambda n: n >= 0,
+        rule=">= 1 (or 0: off)",
+        stage="select",
+    ),
 )
 
 
 def check(values: dict) -> None:
     if values.get("chunk_size") and values.get("critical"):
-        raise ValueError("chunk_size and critical are two ways to rank the entries; give one of them")
+        raise ValueError(
+            "chunk_size and critical are two ways to rank the entries; give one of them"
+        )
     gate = values.get("low_entropy_chunk_length")
     if gate and not 1 <= gate < (values.get("chunk_size") or 0):
-        raise ValueError(f"low_entropy_chunk_length must be in [1, chunk_size), got {gate} with chunk_size "
-                         f"{values.get('chunk_size')}")
+        raise ValueError(
+            f"low_entropy_chunk_length must be in [1, chunk_size), got {gate} with chunk_size "
+            f"{values.get('chunk_size')}"
+        )
 
 
-def chunk_order(scores: "torch.Tensor", positions: "torch.Tensor", size: int, gate: int | None = None
-                ) -> "torch.Tensor":
+def chunk_order(
+    scores: "torch.Tensor", positions: "torch.Tensor", size: int, gate: int | None = None
+) -> "torch.Tensor":
     """The ranking key [b, H, P]: entries ordered by their chunk's rank, then by their own score.
 
     scores [b, H, P] (padding ``-inf``), positions [b, P] from each sample's first real token (-1 on padding).
@@ -68,7 +89,8 @@ def chunk_order(scores: "torch.Tensor", positions: "torch.Tensor", size: int, ga
     entry_rank = chunk_rank.gather(1, chunk)
     if gate:
         spare = entropy_gated(total, chunk, valid, chunk_score, counts).gather(1, chunk) & (
-            rank_in_chunk(total, chunk, valid) >= gate)
+            rank_in_chunk(total, chunk, valid) >= gate
+        )
         entry_rank = entry_rank.masked_fill(spare, n_chunks)  # after every chunk
     entry_rank = entry_rank.masked_fill(~valid, n_chunks + 1)  # padding last
     by_score = scores.argsort(-1, descending=True)  # within a chunk, each head's own order
@@ -78,20 +100,29 @@ def chunk_order(scores: "torch.Tensor", positions: "torch.Tensor", size: int, ga
     return torch.empty_like(place).scatter_(-1, order, -place)
 
 
-def rank_in_chunk(total: "torch.Tensor", chunk: "torch.Tensor", valid: "torch.Tensor") -> "torch.Tensor":
+def rank_in_chunk(
+    total: "torch.Tensor", chunk: "torch.Tensor", valid: "torch.Tensor"
+) -> "torch.Tensor":
     """[b, P] each real entry's place (0: best) among its chunk's real entries by ``total`` [b, P]."""
     b, P = total.shape
     order = total.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
     by_chunk = chunk.gather(1, order).argsort(dim=-1, stable=True)  # chunks in order, each by score
     order = order.gather(1, by_chunk)
     sorted_chunk = chunk.gather(1, order)
-    first = torch.searchsorted(sorted_chunk, sorted_chunk, right=False)  # where each chunk's run starts
+    first = torch.searchsorted(
+        sorted_chunk, sorted_chunk, right=False
+    )  # where each chunk's run starts
     place = torch.arange(P, device=total.device).expand(b, P) - first
     return torch.empty_like(place).scatter_(1, order, place)
 
 
-def entropy_gated(total: "torch.Tensor", chunk: "torch.Tensor", valid: "torch.Tensor", chunk_score: "torch.Tensor",
-                  counts: "torch.Tensor") -> "torch.Tensor":
+def entropy_gated(
+    total: "torch.Tensor",
+    chunk: "torch.Tensor",
+    valid: "torch.Tensor",
+    chunk_score: "torch.Tensor",
+    counts: "torch.Tensor",
+) -> "torch.Tensor":
     """[b, n_chunks] bool: chunks scored at or above the median chunk score whose normalised entropy is below
     the median entropy (EntropyGatedChunkKV's spiky chunks).
 
@@ -128,5 +159,9 @@ def applies(cfg) -> bool:
 
 def rank(obs, cfg, scores: "torch.Tensor", key: "torch.Tensor", keep) -> "torch.Tensor":
     """The selection hook: the chunks' key [b, H, P] from the scores [b, H, P]."""
-    return chunk_order(scores, obs.positions[:, : obs.prefix_len], cfg.chunk_size,
-                       cfg.get("low_entropy_chunk_length"))
+    return chunk_order(
+        scores,
+        obs.positions[:, : obs.prefix_len],
+        cfg.chunk_size,
+        cfg.get("low_entropy_chunk_length"),
+    )

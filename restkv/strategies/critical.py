@@ -28,12 +28,31 @@ from ..lazy import torch
 _ON = {"critical": (True,)}
 
 KNOBS = (
-    Knob("critical", False, "CriticalKV's two stages over the method's scores: the top first_stage_ratio of the "
-         "budget by the score, the rest by (score + critical_epsilon) * ||W_O v||", stage="select"),
-    Knob("first_stage_ratio", 0.5, "CriticalKV: share of the budget (window included) chosen by the score alone",
-         check=lambda r: 0 < r < 1, rule="in (0, 1)", when=_ON, stage="select"),
-    Knob("critical_epsilon", 1e-4, "CriticalKV: added to the scores before they are weighted by the value norms",
-         check=lambda e: e >= 0, rule=">= 0", when=_ON, stage="select"),
+    Knob(
+        "critical",
+        False,
+        "CriticalKV's two stages over the method's scores: the top first_stage_ratio of the "
+        "budget by the score, the rest by (score + critical_epsilon) * ||W_O v||",
+        stage="select",
+    ),
+    Knob(
+        "first_stage_ratio",
+        0.5,
+        "CriticalKV: share of the budget (window included) chosen by the score alone",
+        check=lambda r: 0 < r < 1,
+        rule="in (0, 1)",
+        when=_ON,
+        stage="select",
+    ),
+    Knob(
+        "critical_epsilon",
+        1e-4,
+        "CriticalKV: added to the scores before they are weighted by the value norms",
+        check=lambda e: e >= 0,
+        rule=">= 0",
+        when=_ON,
+        stage="select",
+    ),
     VALUE_NORM.but(when=_ON),
 )
 
@@ -45,8 +64,9 @@ def first_stage_sizes(keep, window: int, ratio: float):
     return (((keep + window).double() * ratio).floor().long() - window).clamp(min=0).minimum(keep)
 
 
-def two_stage(scores: "torch.Tensor", keep, window: int, norms: "torch.Tensor", ratio: float,
-              epsilon: float) -> "torch.Tensor":
+def two_stage(
+    scores: "torch.Tensor", keep, window: int, norms: "torch.Tensor", ratio: float, epsilon: float
+) -> "torch.Tensor":
     """The ranking key [b, H, P] of the two stages: ``inf`` on each head's first stage, else
     ``(scores + epsilon) * norms`` (``-inf`` where the score is: padding).
 
@@ -54,7 +74,9 @@ def two_stage(scores: "torch.Tensor", keep, window: int, norms: "torch.Tensor", 
     """
     n1 = first_stage_sizes(keep, window, ratio)
     if isinstance(n1, int):
-        first = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(n1, dim=-1).indices, True)
+        first = torch.zeros_like(scores, dtype=torch.bool).scatter_(
+            -1, scores.topk(n1, dim=-1).indices, True
+        )
     else:
         rank = scores.argsort(-1, descending=True).argsort(-1)
         first = rank < n1[..., None]

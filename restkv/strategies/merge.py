@@ -13,15 +13,24 @@ from ..knobs import Knob
 from ..lazy import F, torch
 
 MERGE_BLOCK = 1 << 22  # float32 elements of a block of the [L, B] key similarity of pivot merging
-KNOBS = (Knob("merge", "none", "merge evicted entries into kept ones: pivot (into the most similar kept key, "
-              "keys and values) or cam (values into the following entries, CaM)", choices=("none", "cam", "pivot")),)
+KNOBS = (
+    Knob(
+        "merge",
+        "none",
+        "merge evicted entries into kept ones: pivot (into the most similar kept key, "
+        "keys and values) or cam (values into the following entries, CaM)",
+        choices=("none", "cam", "pivot"),
+    ),
+)
 
 
 def check(values: dict) -> None:
     if values.get("merge") == "pivot" and values.get("head_budget", "uniform") != "uniform":
         raise ValueError("merge='pivot' needs head_budget='uniform'")
     if values.get("merge") != "none" and values.get("gqa_agg") == "none":
-        raise ValueError(f"merge={values['merge']!r} needs per-KV-head sets: gqa_agg other than 'none'")
+        raise ValueError(
+            f"merge={values['merge']!r} needs per-KV-head sets: gqa_agg other than 'none'"
+        )
 
 
 def merge(cfg, obs, scores, idx, keys, values):
@@ -65,10 +74,14 @@ def pivot_merge(keys, values, kept_idx, evicted):
     count = torch.zeros_like(kept_k[..., 0])  # n_r
     incoming_k = torch.zeros_like(kept_k)
     incoming_v = torch.zeros_like(kept_v)
-    block = max(1, globals()["MERGE_BLOCK"] // max(1, kept_idx.shape[-1]))  # read at call time (tests shrink it)
+    block = max(
+        1, globals()["MERGE_BLOCK"] // max(1, kept_idx.shape[-1])
+    )  # read at call time (tests shrink it)
     for s in range(0, keys.shape[2], block):
         e = min(keys.shape[2], s + block)
-        target = (F.normalize(keys[:, :, s:e].float(), dim=-1, eps=1e-6) @ pivots).argmax(-1)  # [b, Hkv, block]
+        target = (F.normalize(keys[:, :, s:e].float(), dim=-1, eps=1e-6) @ pivots).argmax(
+            -1
+        )  # [b, Hkv, block]
         weight = evicted[..., s:e].float()
         count.scatter_add_(2, target, weight)
         into = target[..., None].expand(-1, -1, -1, d)
@@ -90,7 +103,8 @@ def cam_values(obs, scores, kept):
     (Bernoulli, token by token, cascading); this is its expectation, on the original values (no
     cascade) and on a copy: the values that produced the prefill output are never modified.
     """
-    m, P = obs.window, obs.prefix_len
+    m = obs.window
+    P = obs.prefix_len
     values = obs.values.float()
     s = scores.clamp_min(0)
     top = s.masked_fill(~kept[..., :P], 0).amax(-1, keepdim=True)

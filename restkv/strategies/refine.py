@@ -29,11 +29,24 @@ from ..scoring.output_error import layer_terms, output_change, single_errors_blo
 
 POOL = 32
 KNOBS = (
-    Knob("refine_rounds", 0, "set-level refinement after the top-B: rounds of swaps of kept and evicted entries "
-         "that lower the window queries' layer attention-output error (ReST-KV's objective); 0: off",
-         check=lambda n: n >= 0, rule=">= 0", stage="select"),
-    Knob("refine_pool", POOL, "refinement: kept and evicted candidates per head and round (also the most swaps "
-         "a head makes in one round)", check=lambda n: n >= 1, rule=">= 1", stage="select"),
+    Knob(
+        "refine_rounds",
+        0,
+        "set-level refinement after the top-B: rounds of swaps of kept and evicted entries "
+        "that lower the window queries' layer attention-output error (ReST-KV's objective); 0: off",
+        check=lambda n: n >= 0,
+        rule=">= 0",
+        stage="select",
+    ),
+    Knob(
+        "refine_pool",
+        POOL,
+        "refinement: kept and evicted candidates per head and round (also the most swaps "
+        "a head makes in one round)",
+        check=lambda n: n >= 1,
+        rule=">= 1",
+        stage="select",
+    ),
 )
 
 
@@ -42,9 +55,11 @@ def check(values: dict) -> None:
         raise ValueError("refine_pool is read only when refine_rounds > 0")
     if values.get("refine_rounds"):
         if values.get("layer_budget") == "global" or REGISTRY[values["method"]].replays:
-            raise ValueError(f"refine_rounds: set-level refinement works within a layer's budget; it is not "
-                             f"supported with {values['method']}'s selection across layers (layer_budget='global' "
-                             f"or passes after the prefill)")
+            raise ValueError(
+                f"refine_rounds: set-level refinement works within a layer's budget; it is not "
+                f"supported with {values['method']}'s selection across layers (layer_budget='global' "
+                f"or passes after the prefill)"
+            )
 
 
 def refined(obs, cfg, key: "torch.Tensor", keep) -> "torch.Tensor":
@@ -53,42 +68,65 @@ def refined(obs, cfg, key: "torch.Tensor", keep) -> "torch.Tensor":
     ``key`` is the scorer's ranking [b, H, P] (-inf on padding and on entries a head does not hold); its top
     ``keep`` is the starting set. H is the KV heads, or the query heads with ``gqa_agg="none"``.
     """
-    heads, P = key.shape[1], obs.prefix_len
+    heads = key.shape[1]
+    P = obs.prefix_len
 
     def per_head(x):  # [b, Hkv or 1, ...] -> [b, H, ...]
         return x if x.shape[1] in (1, heads) else x.repeat_interleave(heads // x.shape[1], 1)
 
     values = per_head(obs.values)
     layer = obs.shared(f"refine_terms_{heads}", lambda: layer_terms(values, obs.o_proj, P))
-    keep, _, _ = swap_search(obs.window_attention, values, top_set(key, keep), key, obs.o_proj, cfg.refine_rounds,
-                             cfg.refine_pool, cfg.refine_pool, layer=layer, allowed=per_head(obs.entry_valid[..., :P]),
-                             stop=False)
+    keep, _, _ = swap_search(
+        obs.window_attention,
+        values,
+        top_set(key, keep),
+        key,
+        obs.o_proj,
+        cfg.refine_rounds,
+        cfg.refine_pool,
+        cfg.refine_pool,
+        layer=layer,
+        allowed=per_head(obs.entry_valid[..., :P]),
+        stop=False,
+    )
     return keep.float()
 
 
 def top_set(scores: "torch.Tensor", count) -> "torch.Tensor":
     """Scores [b, H, P] -> mask [b, H, P] of each head's ``count`` highest (an int, or [b, H] per head)."""
     if isinstance(count, int):
-        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(count, dim=-1).indices, True)
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(
+            -1, scores.topk(count, dim=-1).indices, True
+        )
     order = scores.argsort(-1, descending=True)
     P = scores.shape[-1]
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(P, device=order.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(P, device=order.device).expand_as(order)
+    )
     return rank < count[..., None]
 
 
 def _marked(keep, idx, use):
     """Mask like ``keep`` of the entries ``idx`` [b, H, m] where ``use`` (an index may repeat where not used)."""
-    return torch.zeros(keep.shape, dtype=torch.int32, device=keep.device).scatter_add_(-1, idx, use.int()) > 0
+    return (
+        torch.zeros(keep.shape, dtype=torch.int32, device=keep.device).scatter_add_(
+            -1, idx, use.int()
+        )
+        > 0
+    )
 
 
 def _disjoint_best(gain, m: int) -> tuple:
     """Per head, up to ``m`` swaps of the largest gain sharing no entry: (i, j [b, H, m], gain [b, H, m])."""
     gain = gain.clone()
-    rows, cols, gains = [], [], []
+    rows = []
+    cols = []
+    gains = []
     n_add = gain.shape[-1]
     for _ in range(min(m, *gain.shape[-2:])):
         best, flat = gain.flatten(-2).max(-1)
-        i, j = flat // n_add, flat % n_add
+        i = flat // n_add
+        j = flat % n_add
         rows.append(i), cols.append(j), gains.append(best)
         gain.masked_fill_(F.one_hot(i, gain.shape[-2]).bool()[..., None], float("-inf"))
         gain.masked_fill_(F.one_hot(j, n_add).bool()[..., None, :], float("-inf"))
@@ -101,11 +139,15 @@ def _swapped(attention, values, o_proj_weight, state, removed, added, use):
     with m the attention mass and s the attention-weighted values of each side."""
     delta, o_kept, z = state
     b, hq, r, _ = attention.shape
-    hkv, d = values.shape[1], values.shape[-1]
-    u, z_old = group_view(o_kept, hkv), group_view(z, hkv)
+    hkv = values.shape[1]
+    d = values.shape[-1]
+    u = group_view(o_kept, hkv)
+    z_old = group_view(z, hkv)
 
     def side(idx):
-        a = group_view(attention, hkv).gather(-1, idx[:, :, None, None].expand(-1, -1, hq // hkv, r, -1))
+        a = group_view(attention, hkv).gather(
+            -1, idx[:, :, None, None].expand(-1, -1, hq // hkv, r, -1)
+        )
         a = a * use[:, :, None, None]
         v = values.gather(2, idx[..., None].expand(-1, -1, -1, d)).float()
         mass = a.sum(-1, keepdim=True)
@@ -118,8 +160,20 @@ def _swapped(attention, values, o_proj_weight, state, removed, added, use):
     return delta, o_kept - change, z_new.flatten(1, 2)
 
 
-def swap_search(attention, values, keep, scores, o_proj_weight, rounds: int = 64, pool: int = 32, batch: int = 32,
-                pool_by: str = "effect", layer: tuple | None = None, allowed=None, stop: bool = True) -> tuple:
+def swap_search(
+    attention,
+    values,
+    keep,
+    scores,
+    o_proj_weight,
+    rounds: int = 64,
+    pool: int = 32,
+    batch: int = 32,
+    pool_by: str = "effect",
+    layer: tuple | None = None,
+    allowed=None,
+    stop: bool = True,
+) -> tuple:
     """Lower the mean layer-output error of the observed queries by swapping kept and evicted entries.
 
     Each round takes per head a pool of ``pool`` kept and ``pool`` evicted entries, computes every single
@@ -164,24 +218,37 @@ def swap_search(attention, values, keep, scores, o_proj_weight, rounds: int = 64
         out_rank, in_rank = (scores, -scores) if rank is None else (rank, rank)  # lowest first
         removals = out_rank.masked_fill(~keep, float("inf")).topk(n, largest=False).indices
         additions = in_rank.masked_fill(~addable, float("inf")).topk(n, largest=False).indices
-        eligible = keep.gather(-1, removals)[..., :, None] & addable.gather(-1, additions)[..., None, :]
-        gain = error[:, None, None, None] - swap_errors_at(attention, layer, state, removals, additions)
+        eligible = (
+            keep.gather(-1, removals)[..., :, None] & addable.gather(-1, additions)[..., None, :]
+        )
+        gain = error[:, None, None, None] - swap_errors_at(
+            attention, layer, state, removals, additions
+        )
         i, j, best = _disjoint_best(gain.masked_fill(~eligible, float("-inf")), batch)
         ok = best > 1e-6 * error[:, None, None]
         if stop and not bool(ok.any()):
             break
-        head = F.one_hot(best[..., 0].argmax(-1), hkv).bool()[..., None]  # the best single swap's head
-        trials = [(k, ok[..., :k] & (k <= m)[:, None, None]) for k in ladder] + [(1, ok[..., :1] & head)]
+        head = F.one_hot(best[..., 0].argmax(-1), hkv).bool()[
+            ..., None
+        ]  # the best single swap's head
+        trials = [(k, ok[..., :k] & (k <= m)[:, None, None]) for k in ladder] + [
+            (1, ok[..., :1] & head)
+        ]
         accepted = torch.zeros(b, dtype=torch.bool, device=keep.device)
         for k, use in trials:
-            removed, added = removals.gather(-1, i[..., :k]), additions.gather(-1, j[..., :k])
-            trial = _swapped(attention, values, o_proj_weight, (delta, o_kept, z), removed, added, use)
+            removed = removals.gather(-1, i[..., :k])
+            added = additions.gather(-1, j[..., :k])
+            trial = _swapped(
+                attention, values, o_proj_weight, (delta, o_kept, z), removed, added, use
+            )
             take = ~accepted & (trial[0].norm(dim=-1).mean(-1) < error)
             out = keep & ~_marked(keep, removed, use)
             out |= _marked(keep, added, use)
             keep = torch.where(take[:, None, None], out, keep)
-            delta, o_kept, z = (torch.where(take.view(-1, *[1] * (x.dim() - 1)), t, x)
-                                for t, x in zip(trial, (delta, o_kept, z)))
+            delta, o_kept, z = (
+                torch.where(take.view(-1, *[1] * (x.dim() - 1)), t, x)
+                for t, x in zip(trial, (delta, o_kept, z))
+            )
             swaps += take * use.sum((1, 2))
             m = torch.where(take, min(batch, 2 * k), m)
             accepted |= take

@@ -25,9 +25,16 @@ from ..knobs import Knob
 from ..lazy import torch
 
 KNOBS = (
-    Knob("pruning_ratio", None, "ThinK: fraction of key channels dropped from the kept entries older than the window "
-         "(the original's --pruning_ratio, 0.4 there); none: off", check=lambda r: 0 <= r < 1, rule="in [0, 1)",
-         nullable=True, of=float),
+    Knob(
+        "pruning_ratio",
+        None,
+        "ThinK: fraction of key channels dropped from the kept entries older than the window "
+        "(the original's --pruning_ratio, 0.4 there); none: off",
+        check=lambda r: 0 <= r < 1,
+        rule="in [0, 1)",
+        nullable=True,
+        of=float,
+    ),
 )
 
 
@@ -35,8 +42,10 @@ def pruned_channels(ratio: float, head_dim: int) -> int:
     """Channels dropped per head; a ratio that drops none or all of ``head_dim`` raises a ValueError."""
     pruned = int(head_dim * ratio)
     if not 0 < pruned < head_dim:
-        raise ValueError(f"pruning_ratio={ratio} drops {pruned} of the {head_dim} key channels of this model "
-                         f"(int(head_dim * pruning_ratio) must be in [1, {head_dim - 1}])")
+        raise ValueError(
+            f"pruning_ratio={ratio} drops {pruned} of the {head_dim} key channels of this model "
+            f"(int(head_dim * pruning_ratio) must be in [1, {head_dim - 1}])"
+        )
     return pruned
 
 
@@ -47,7 +56,9 @@ def query_energy(queries: "torch.Tensor", key_valid: "torch.Tensor", window: int
     return (q.square() * real).sum(2) / real.sum(2).clamp_min(1.0)
 
 
-def kept_channels(keys: "torch.Tensor", valid: "torch.Tensor", energy: "torch.Tensor", ratio: float) -> "torch.Tensor":
+def kept_channels(
+    keys: "torch.Tensor", valid: "torch.Tensor", energy: "torch.Tensor", ratio: float
+) -> "torch.Tensor":
     """The channels each head keeps, in order: LongTensor [b, H, d - int(d * ratio)].
 
     ``keys`` [b, H, B, d] the kept entries (H the KV heads, or the query heads with one set each),

@@ -89,7 +89,8 @@ def _output(out):
 
 def _index_layers(state: WorkerState, model) -> None:
     for module in model.modules():
-        attn, o_proj = getattr(module, "attn", None), getattr(module, "o_proj", None)
+        attn = getattr(module, "attn", None)
+        o_proj = getattr(module, "o_proj", None)
         name = getattr(attn, "layer_name", None)
         if name is not None and o_proj is not None:
             state.o_proj[name] = o_proj
@@ -251,7 +252,8 @@ def _evict_layer(impl, state: WorkerState, layer, query, key, value, kv_cache, m
     name = layer.layer_name
     num_blocks, hkv, block_size, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(num_blocks, hkv, 2 * block_size, -1).chunk(2, dim=2)
-    hq, d = impl.num_heads, impl.head_size
+    hq = impl.num_heads
+    d = impl.head_size
     for start, n, req_id, kept_count in state.step:
         q = query[start : start + n].reshape(n, hq, d)
         k = key[start : start + n].reshape(n, hkv, d)

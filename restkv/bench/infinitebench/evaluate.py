@@ -8,9 +8,11 @@ from .metrics import score_record
 from .tasks import TASKS
 
 
-ABOUT = ("score: each task's official scorer x 100 (exact match, accuracy or ROUGE, as "
-         "InfiniteBench's compute_scores.py), mean over its prompts; avg: mean over the columns, "
-         "avg s.e. its standard error")
+ABOUT = (
+    "score: each task's official scorer x 100 (exact match, accuracy or ROUGE, as "
+    "InfiniteBench's compute_scores.py), mean over its prompts; avg: mean over the columns, "
+    "avg s.e. its standard error"
+)
 
 
 def score_task(task, records):
@@ -28,7 +30,9 @@ def evaluate(root, csv_path=None):
     """
     missing = f"no InfiniteBench predictions under {root}{other_results(root, 'infinite_bench')}"
     csv_path = csv_path or os.path.join(root, "results_infinite.csv")
-    return evaluate_files(root, {t: t for t in TASKS}, score_one, "InfiniteBench", csv_path, ABOUT, missing)
+    return evaluate_files(
+        root, {t: t for t in TASKS}, score_one, "InfiniteBench", csv_path, ABOUT, missing
+    )
 
 
 def score_one(task, record):

@@ -45,7 +45,9 @@ def kv_retrieval(prediction, answers):
 
 def longdialogue_qa_eng(prediction, answers):
     """1 when the first reference name is one of the prediction's upper-cased words."""
-    words = [w.upper() for w in _words(prediction, ["\n", ":", '"', "'", ".", ",", "?", "!", "{", "}"])]
+    words = [
+        w.upper() for w in _words(prediction, ["\n", ":", '"', "'", ".", ",", "?", "!", "{", "}"])
+    ]
     return float(answers[0] in words)
 
 
@@ -64,14 +66,15 @@ def _after_prefix(text, prefixes, starts):
         idx = text.find(prefix)
         if idx == -1:
             continue
-        rest = text[idx + len(prefix) + 1:]
+        rest = text[idx + len(prefix) + 1 :]
         return float(len(text) >= idx + len(prefix) + 1 and any(rest.startswith(s) for s in starts))
     return None
 
 
 def code_debug(prediction, answers):
     """Letter right at the start, or function name / letter after an answer prefix."""
-    fn_name, letter = answers[0], answers[1]
+    fn_name = answers[0]
+    letter = answers[1]
     if prediction[:2] in (f"{letter}.", f"{letter}:"):
         return 1.0
     pred = prediction.strip()

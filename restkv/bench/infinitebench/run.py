@@ -11,11 +11,14 @@ def make_task(task, records, style="auto"):
     ``style`` ``auto`` picks the chat templates when the chat template wraps
     the prompt and the base ones otherwise.
     """
+
     def text(record, chat):
         return make_prompt(record, task, style if style != "auto" else ("chat" if chat else "base"))
 
     def question(record, chat):
-        return question_text(record, task, style if style != "auto" else ("chat" if chat else "base"))
+        return question_text(
+            record, task, style if style != "auto" else ("chat" if chat else "base")
+        )
 
     return Dataset(
         name=task,
@@ -31,15 +34,28 @@ def make_task(task, records, style="auto"):
 
 def add_infinitebench_args(parser):
     """Flags of the InfiniteBench data (besides :func:`restkv.bench.cli.add_dataset_args`)."""
-    data = parser.add_argument("--data_dir", default=None,
-                        help="folder of the released <task>.jsonl files (default: data/infinite_bench, or the "
-                             "original's data/InfiniteBench when only that exists)")
+    data = parser.add_argument(
+        "--data_dir",
+        default=None,
+        help="folder of the released <task>.jsonl files (default: data/infinite_bench, or the "
+        "original's data/InfiniteBench when only that exists)",
+    )
     data.example = "data/infinite_bench"
-    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS, metavar="TASK",
-                        help=f"tasks to run (default: all): {' '.join(TASKS)}")
-    parser.add_argument("--template", default="auto", choices=("auto", "chat", "base"),
-                        help="official template set: chat (instructions) or base (answer cue); "
-                             "auto: chat when the model's chat template is applied")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=TASKS,
+        choices=TASKS,
+        metavar="TASK",
+        help=f"tasks to run (default: all): {' '.join(TASKS)}",
+    )
+    parser.add_argument(
+        "--template",
+        default="auto",
+        choices=("auto", "chat", "base"),
+        help="official template set: chat (instructions) or base (answer cue); "
+        "auto: chat when the model's chat template is applied",
+    )
     return parser
 
 
@@ -47,9 +63,15 @@ def prepare(args):
     """Check the flags and load the tasks of ``args`` before any model work
     (:func:`restkv.bench.datasets.prepare_datasets`)."""
     args.data_dir = args.data_dir or default_data_dir("data/infinite_bench", "data/InfiniteBench")
-    return prepare_datasets(args, "infinite_bench", lambda: [
-        make_task(t, load_records(args.data_dir, t, args.max_num_examples), args.template) for t in args.tasks],
-        {"benchmark": "infinite_bench", "template": args.template})
+    return prepare_datasets(
+        args,
+        "infinite_bench",
+        lambda: [
+            make_task(t, load_records(args.data_dir, t, args.max_num_examples), args.template)
+            for t in args.tasks
+        ],
+        {"benchmark": "infinite_bench", "template": args.template},
+    )
 
 
 def run(args, plan=None):

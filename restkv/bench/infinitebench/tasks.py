@@ -10,16 +10,33 @@ instruction-style one written for chat models (``gpt4_templates``), the
 import re
 
 TASKS = [
-    "passkey", "number_string", "kv_retrieval", "longbook_sum_eng",
-    "longbook_choice_eng", "longbook_qa_eng", "longbook_qa_chn",
-    "longdialogue_qa_eng", "math_find", "math_calc", "code_run", "code_debug",
+    "passkey",
+    "number_string",
+    "kv_retrieval",
+    "longbook_sum_eng",
+    "longbook_choice_eng",
+    "longbook_qa_eng",
+    "longbook_qa_chn",
+    "longdialogue_qa_eng",
+    "math_find",
+    "math_calc",
+    "code_run",
+    "code_debug",
 ]
 """The 12 InfiniteBench tasks; each is read from ``<data_dir>/<task>.jsonl``."""
 
 MAX_NEW_TOKENS = {
-    "passkey": 6, "number_string": 12, "kv_retrieval": 50, "longbook_sum_eng": 1200,
-    "longbook_choice_eng": 40, "longbook_qa_eng": 40, "longbook_qa_chn": 40,
-    "longdialogue_qa_eng": 40, "math_find": 3, "math_calc": 30000, "code_run": 5,
+    "passkey": 6,
+    "number_string": 12,
+    "kv_retrieval": 50,
+    "longbook_sum_eng": 1200,
+    "longbook_choice_eng": 40,
+    "longbook_qa_eng": 40,
+    "longbook_qa_chn": 40,
+    "longdialogue_qa_eng": 40,
+    "math_find": 3,
+    "math_calc": 30000,
+    "code_run": 5,
     "code_debug": 5,
 }
 """Official number of new tokens per task."""
@@ -53,7 +70,8 @@ TEMPLATES = {
         ),
         "longbook_qa_chn": "请根据以下书籍回答我的问题。\n\n{context}\n\n问题：{question}\n请尽量简短地回答。",
         "longdialogue_qa_eng": (
-            _MASK_INTRO + "The dialogue:\n\n---\n\n{context}\n\n---\n\nEnd of dialogue.\n\nWhich character is most "
+            _MASK_INTRO
+            + "The dialogue:\n\n---\n\n{context}\n\n---\n\nEnd of dialogue.\n\nWhich character is most "
             "likely \"$$MASK$$\"? Just say the name used by the scriptwriter (before the colon marks) of one single "
             "character and nothing else."
         ),
@@ -68,7 +86,9 @@ TEMPLATES = {
             "There is ONLY ONE function in the large project that is deliberately made to include an obvious error. "
             "Please find the function that contains the most obvious errors. I will give you four options to narrow "
             "your scope. You can inspect the options and think. Eventually, tell me the answer using one single "
-            "letter (A, B, C, or D).\n\n{context}\n\nWhich funtion has deliberate error?\n" + _OPTIONS + "\n\nYou "
+            "letter (A, B, C, or D).\n\n{context}\n\nWhich funtion has deliberate error?\n"
+            + _OPTIONS
+            + "\n\nYou "
             "should first find the functions in the options. Repeat their content, inspect through code, and at "
             "last give me your answer for the function that has the deliberate and obvious error in A, B, C, or D."
         ),
@@ -85,7 +105,8 @@ TEMPLATES = {
         "kv_retrieval": _KV,
         "longbook_sum_eng": "Summarize the book below.\n\n{context}\n\nSummary:",
         "longbook_choice_eng": (
-            "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n" + _OPTIONS
+            "Read the book and answer the question.\n\n{context}\n\nQuestion: {question}\n"
+            + _OPTIONS
             + "\n\nThe letter of the correct answer is"
         ),
         "longbook_qa_eng": (
@@ -93,7 +114,8 @@ TEMPLATES = {
             "Question: {question}\nAnswer:"
         ),
         "longbook_qa_chn": "阅读以下书籍然后回答问题。\n\n{context}\n\n问题：{question}\n答案：",
-        "longdialogue_qa_eng": _MASK_INTRO + "{context}\n\nThe name that has been replaced with $$MASK$$ is likely",
+        "longdialogue_qa_eng": _MASK_INTRO
+        + "{context}\n\nThe name that has been replaced with $$MASK$$ is likely",
         "math_find": "{prefix}\n\n{context}\n\n{input}",
         "math_calc": (
             "Let us calculate the intermediate values of an expression.\n\nExpression: 1 + 3 + 4\nValues: "
@@ -129,7 +151,11 @@ def fields(record, task):
     dict
         Keyword arguments for ``TEMPLATES[style][task].format``.
     """
-    out = {"context": record["context"], "input": record.get("input", ""), "question": record.get("input", "")}
+    out = {
+        "context": record["context"],
+        "input": record.get("input", ""),
+        "question": record.get("input", ""),
+    }
     if task in CHOICE_TASKS:
         out.update({f"OPTION_{c}": o for c, o in zip("ABCD", record["options"])})
     if task == "code_run":
@@ -141,7 +167,9 @@ def fields(record, task):
     if task == "math_find":
         target = re.findall(r"The \w+ number", record["input"])
         if not target:
-            raise ValueError(f"math_find record {record.get('id')}: no 'The <word> number' in its input")
+            raise ValueError(
+                f"math_find record {record.get('id')}: no 'The <word> number' in its input"
+            )
         out["prefix"] = f"What is {target[0].lower()} in the following list?"
     return out
 

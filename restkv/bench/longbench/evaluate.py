@@ -8,9 +8,11 @@ from .metrics import score_record
 from .tasks import DATASETS, LONGBENCH_E
 
 BUCKETS = ("0-4k", "4-8k", "8k+")
-ABOUT = ("score: each dataset's official metric x 100 (qa F1, ROUGE-L, classification/retrieval "
-         "accuracy, code edit similarity), mean over its prompts; avg: mean over the columns, avg s.e. "
-         "its standard error")
+ABOUT = (
+    "score: each dataset's official metric x 100 (qa F1, ROUGE-L, classification/retrieval "
+    "accuracy, code edit similarity), mean over its prompts; avg: mean over the columns, avg s.e. "
+    "its standard error"
+)
 
 
 def bucket(length):
@@ -48,8 +50,17 @@ def evaluate(root, longbench_e=False, csv_path=None):
     title = "LongBench-E" if longbench_e else "LongBench"
     missing = f"no {title} predictions under {root}{other_results(root, benchmark)}"
     csv_path = csv_path or os.path.join(root, "results_e.csv" if longbench_e else "results.csv")
-    return evaluate_files(root, names, score_one, title, csv_path, ABOUT, missing,
-                          buckets=BUCKETS if longbench_e else (), bucket_of=lambda r: bucket(r["length"]))
+    return evaluate_files(
+        root,
+        names,
+        score_one,
+        title,
+        csv_path,
+        ABOUT,
+        missing,
+        buckets=BUCKETS if longbench_e else (),
+        bucket_of=lambda r: bucket(r["length"]),
+    )
 
 
 def score_one(dataset, record):

@@ -35,6 +35,7 @@ def scorers():
 def _cut(text):
     return scorers()[0].cut(text, cut_all=False)
 
+
 ZH_PUNCTUATION = (
     "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿"
     "–—‘’‛“”„‟…‧﹏."
@@ -65,7 +66,9 @@ def rouge(prediction, ground_truth, all_classes=None):
     instead of a RecursionError turned into 0.
     """
     limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 2 * (len(prediction.split()) + len(ground_truth.split())) + 1000))
+    sys.setrecursionlimit(
+        max(limit, 2 * (len(prediction.split()) + len(ground_truth.split())) + 1000)
+    )
     try:
         scores = scorers()[1]().get_scores([prediction], [ground_truth], avg=True)
     except Exception:

@@ -27,7 +27,11 @@ def find_predictions(root, names):
         prefix = os.path.relpath(os.path.dirname(folder), root)
         for name in sorted(files):
             if name.endswith(".jsonl"):
-                label = name[:-len(".jsonl")] if prefix == "." else f"{prefix}/{name[:-len('.jsonl')]}"
+                label = (
+                    name[: -len(".jsonl")]
+                    if prefix == "."
+                    else f"{prefix}/{name[: -len('.jsonl')]}"
+                )
                 rows.setdefault(label, {})[task] = os.path.join(folder, name)
     return dict(sorted(rows.items()))
 
@@ -90,7 +94,9 @@ def write_table(rows, columns, csv_path, title=None, extra=(), stats=None, about
     for label, scores in rows.items():
         present = [scores[c] for c in columns if scores.get(c) is not None]
         avg = round(sum(present) / len(present), 2) if present else None
-        table.append([label] + [scores.get(c) for c in columns] + [avg] + [scores.get(c) for c in extra])
+        table.append(
+            [label] + [scores.get(c) for c in columns] + [avg] + [scores.get(c) for c in extra]
+        )
     os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
     with open(csv_path, "w", newline="", encoding="utf-8") as fh:
         csv.writer(fh).writerows([["" if v is None else v for v in row] for row in table])
@@ -106,6 +112,10 @@ def write_table(rows, columns, csv_path, title=None, extra=(), stats=None, about
     if about:
         print(about)
     for row in cells:
-        print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+        print(
+            "  ".join(
+                v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))
+            )
+        )
     print(f"table written to {csv_path}")
     return table

@@ -23,15 +23,25 @@ def make_task(dataset, records, longbench_e=False):
 
 def add_longbench_args(parser):
     """Flags of the LongBench data (besides :func:`restkv.bench.cli.add_dataset_args`)."""
-    data = parser.add_argument("--data_dir", default=None,
-                        help="folder of the official <dataset>.jsonl files (default: data/longbench, or the "
-                             "original's data/LongBench when only that exists)")
+    data = parser.add_argument(
+        "--data_dir",
+        default=None,
+        help="folder of the official <dataset>.jsonl files (default: data/longbench, or the "
+        "original's data/LongBench when only that exists)",
+    )
     data.example = "data/longbench"
-    parser.add_argument("--datasets", nargs="+", default=None,
-                        help="datasets to run (default: all 21, or the 13 of LongBench-E with --e)")
+    parser.add_argument(
+        "--datasets",
+        nargs="+",
+        default=None,
+        help="datasets to run (default: all 21, or the 13 of LongBench-E with --e)",
+    )
     parser.add_argument("--e", action="store_true", help="LongBench-E (<dataset>_e.jsonl)")
-    parser.add_argument("--hub", action="store_true",
-                        help="load missing files from the hub through `datasets` (needs network)")
+    parser.add_argument(
+        "--hub",
+        action="store_true",
+        help="load missing files from the hub through `datasets` (needs network)",
+    )
     return parser
 
 
@@ -57,9 +67,17 @@ def prepare(args):
     args.datasets = datasets_of(args)
     args.data_dir = args.data_dir or default_data_dir("data/longbench", "data/LongBench")
     name = "longbench_e" if args.e else "longbench"
-    return prepare_datasets(args, name, lambda: [
-        make_task(d, load_records(args.data_dir, d, args.e, args.max_num_examples, args.hub), args.e)
-        for d in args.datasets], {"benchmark": name})
+    return prepare_datasets(
+        args,
+        name,
+        lambda: [
+            make_task(
+                d, load_records(args.data_dir, d, args.e, args.max_num_examples, args.hub), args.e
+            )
+            for d in args.datasets
+        ],
+        {"benchmark": name},
+    )
 
 
 def run(args, plan=None):

@@ -7,21 +7,51 @@ template.
 """
 
 DATASETS = [
-    "narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa",
-    "2wikimqa", "musique", "dureader", "gov_report", "qmsum", "multi_news",
-    "vcsum", "trec", "triviaqa", "samsum", "lsht", "passage_count",
-    "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p",
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "multifieldqa_zh",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "dureader",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "vcsum",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "lsht",
+    "passage_count",
+    "passage_retrieval_en",
+    "passage_retrieval_zh",
+    "lcc",
+    "repobench-p",
 ]
 """All 21 LongBench datasets (16 English, 5 Chinese), in the paper's order."""
 
-ENGLISH = [d for d in DATASETS if d not in
-           ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")]
+ENGLISH = [
+    d
+    for d in DATASETS
+    if d not in ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")
+]
 """The 16 English datasets reported in KV-cache eviction papers."""
 
 LONGBENCH_E = [
-    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report",
-    "multi_news", "trec", "triviaqa", "samsum", "passage_count",
-    "passage_retrieval_en", "lcc", "repobench-p",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
 ]
 """The 13 datasets of LongBench-E (files ``<name>_e.jsonl``)."""
 
@@ -111,12 +141,27 @@ PROMPTS = {
 """Official prompt template per dataset (``str.format`` with the record's fields)."""
 
 MAX_NEW_TOKENS = {
-    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64,
-    "hotpotqa": 32, "2wikimqa": 32, "musique": 32, "dureader": 128,
-    "gov_report": 512, "qmsum": 512, "multi_news": 512, "vcsum": 512,
-    "trec": 64, "triviaqa": 32, "samsum": 128, "lsht": 64,
-    "passage_count": 32, "passage_retrieval_en": 32, "passage_retrieval_zh": 32,
-    "lcc": 64, "repobench-p": 64,
+    "narrativeqa": 128,
+    "qasper": 128,
+    "multifieldqa_en": 64,
+    "multifieldqa_zh": 64,
+    "hotpotqa": 32,
+    "2wikimqa": 32,
+    "musique": 32,
+    "dureader": 128,
+    "gov_report": 512,
+    "qmsum": 512,
+    "multi_news": 512,
+    "vcsum": 512,
+    "trec": 64,
+    "triviaqa": 32,
+    "samsum": 128,
+    "lsht": 64,
+    "passage_count": 32,
+    "passage_retrieval_en": 32,
+    "passage_retrieval_zh": 32,
+    "lcc": 64,
+    "repobench-p": 64,
 }
 """Official number of new tokens per dataset."""
 
@@ -127,14 +172,27 @@ FIRST_LINE = frozenset({"trec", "triviaqa", "samsum", "lsht"})
 """Datasets whose prediction is cut to its first line before scoring."""
 
 METRICS = {
-    "narrativeqa": "qa_f1", "qasper": "qa_f1", "multifieldqa_en": "qa_f1",
-    "multifieldqa_zh": "qa_f1_zh", "hotpotqa": "qa_f1", "2wikimqa": "qa_f1",
-    "musique": "qa_f1", "dureader": "rouge_zh", "gov_report": "rouge",
-    "qmsum": "rouge", "multi_news": "rouge", "vcsum": "rouge_zh",
-    "trec": "classification", "triviaqa": "qa_f1", "samsum": "rouge",
-    "lsht": "classification", "passage_count": "count",
-    "passage_retrieval_en": "retrieval", "passage_retrieval_zh": "retrieval_zh",
-    "lcc": "code_sim", "repobench-p": "code_sim",
+    "narrativeqa": "qa_f1",
+    "qasper": "qa_f1",
+    "multifieldqa_en": "qa_f1",
+    "multifieldqa_zh": "qa_f1_zh",
+    "hotpotqa": "qa_f1",
+    "2wikimqa": "qa_f1",
+    "musique": "qa_f1",
+    "dureader": "rouge_zh",
+    "gov_report": "rouge",
+    "qmsum": "rouge",
+    "multi_news": "rouge",
+    "vcsum": "rouge_zh",
+    "trec": "classification",
+    "triviaqa": "qa_f1",
+    "samsum": "rouge",
+    "lsht": "classification",
+    "passage_count": "count",
+    "passage_retrieval_en": "retrieval",
+    "passage_retrieval_zh": "retrieval_zh",
+    "lcc": "code_sim",
+    "repobench-p": "code_sim",
 }
 """Name of the metric (a function in :mod:`restkv.bench.longbench.metrics`) per dataset."""
 

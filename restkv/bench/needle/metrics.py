@@ -76,4 +76,6 @@ def needle_kept(kept, span, index=0):
     if not layers or span is None:
         return None
     pos = torch.arange(*span, device=layers[0].device)
-    return float(torch.stack([(k.unsqueeze(-1) == pos).any(-2).float().mean() for k in layers]).mean())
+    return float(
+        torch.stack([(k.unsqueeze(-1) == pos).any(-2).float().mean() for k in layers]).mean()
+    )

@@ -15,16 +15,21 @@ np = LazyModule("numpy")
 # What each metric of a record is, for the printed tables.
 METRICS = {
     "score": "graded answer in [0, 1]: passkey = the fraction of the key's digits right, in order; "
-             "sf = ROUGE-1 recall of the answer",
+    "sf = ROUGE-1 recall of the answer",
     "rouge1_f": "ROUGE-1 F of the response against the needle sentence (the original's score)",
 }
-NEEDLE_NAMES = {"passkey": "a 5-digit pass key ('The pass key is 71432. Remember it. ...')",
-                "sf": "the San Francisco needle ('The best thing to do in San Francisco is eat a sandwich "
-                      "and sit in Dolores Park on a sunny day.')"}
+NEEDLE_NAMES = {
+    "passkey": "a 5-digit pass key ('The pass key is 71432. Remember it. ...')",
+    "sf": "the San Francisco needle ('The best thing to do in San Francisco is eat a sandwich "
+    "and sit in Dolores Park on a sunny day.')",
+}
 
 
 def _order(records):
-    order = {r["label"]: (r["method"] == "fullkv", r["method"], r["budget"] or 0, r["label"]) for r in records}
+    order = {
+        r["label"]: (r["method"] == "fullkv", r["method"], r["budget"] or 0, r["label"])
+        for r in records
+    }
     return sorted(order, key=order.get)
 
 
@@ -54,7 +59,8 @@ def summary_table(records, metric="score"):
 
 def cell_sizes(records):
     """``(prompts per length cell, prompts per label)`` of ``records`` (the most any label has)."""
-    per_cell, per_label = {}, {}
+    per_cell = {}
+    per_label = {}
     for r in records:
         per_cell[(r["label"], r["length"])] = per_cell.get((r["label"], r["length"]), 0) + 1
         per_label[r["label"]] = per_label.get(r["label"], 0) + 1
@@ -74,7 +80,10 @@ def distinct_labels(records):
     for r in records:
         ids.setdefault(r["label"], set()).add(r.get("config_id"))
     shared = {label for label, found in ids.items() if len(found) > 1}
-    return [{**r, "label": f"{r['label']}#{r['config_id']}"} if r["label"] in shared else r for r in records]
+    return [
+        {**r, "label": f"{r['label']}#{r['config_id']}"} if r["label"] in shared else r
+        for r in records
+    ]
 
 
 def show(path, records, plots=True):
@@ -92,11 +101,17 @@ def show(path, records, plots=True):
     print("\n".join(explain(records)))
     per_cell, per_label = cell_sizes(records)
     for metric, what in METRICS.items():
-        print(f"\n{metric}: {what}\nmean ± standard error over depths and needles; {per_cell} prompts per length "
-              f"cell, {per_label} per label (all)\n{summary_table(records, metric)}")
+        print(
+            f"\n{metric}: {what}\nmean ± standard error over depths and needles; {per_cell} prompts per length "
+            f"cell, {per_label} per label (all)\n{summary_table(records, metric)}"
+        )
     if not plots:
         return []
-    from visualization.plots import budget_bars, budget_curve, needle_heatmaps  # matplotlib is optional
+    from visualization.plots import (
+        budget_bars,
+        budget_curve,
+        needle_heatmaps,
+    )  # matplotlib is optional
 
     from ..results import read_jsonl
 
@@ -108,8 +123,10 @@ def show(path, records, plots=True):
     else:
         summary = budget_bars(every, os.path.join(out_dir, "scores.png"))
     pngs = needle_heatmaps(every, out_dir) + [summary]
-    print(f"\nplots (every record of {os.path.basename(path)}: {len(every)} records, "
-          f"{len({r['label'] for r in every})} configs):\n" + "\n".join(pngs))
+    print(
+        f"\nplots (every record of {os.path.basename(path)}: {len(every)} records, "
+        f"{len({r['label'] for r in every})} configs):\n" + "\n".join(pngs)
+    )
     return pngs
 
 
@@ -119,11 +136,15 @@ def main(argv=None):
     from ..results import read_jsonl
 
     parser = ArgumentParser(prog="python -m restkv.bench.needle.report", description=main.__doc__)
-    parser.add_argument("results", help="a needle results.jsonl (e.g. results/needle/smollm2-135m/results.jsonl)")
+    parser.add_argument(
+        "results", help="a needle results.jsonl (e.g. results/needle/smollm2-135m/results.jsonl)"
+    )
     parser.add_argument("--no_plots", action="store_true", help="tables only")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.results):
-        parser.error(f"results: {args.results} is not a file (a needle run writes <save_dir>/<model>/results.jsonl)")
+        parser.error(
+            f"results: {args.results} is not a file (a needle run writes <save_dir>/<model>/results.jsonl)"
+        )
     try:
         records = distinct_labels(list(read_jsonl(args.results)))
     except ValueError as err:

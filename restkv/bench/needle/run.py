@@ -48,35 +48,77 @@ def needles_from_args(args):
 def add_needle_args(parser):
     """Flags of the needle sweep (besides :func:`restkv.bench.cli.add_common_args`)."""
     g = parser.add_argument_group("needle in a haystack")
-    g.add_argument("--haystack_dir", default=None, help="folder of .txt files (default: the packaged essays)")
-    g.add_argument("--needles", nargs="+", default=["passkey", "sf"],
-                   help="presets: passkey (a random 5-digit pass key) and sf (the San Francisco needle: "
-                        "'The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on "
-                        "a sunny day.')")
-    g.add_argument("--needle", default=None, help="custom needle sentence ({key}: a random 5-digit number)")
+    g.add_argument(
+        "--haystack_dir", default=None, help="folder of .txt files (default: the packaged essays)"
+    )
+    g.add_argument(
+        "--needles",
+        nargs="+",
+        default=["passkey", "sf"],
+        help="presets: passkey (a random 5-digit pass key) and sf (the San Francisco needle: "
+        "'The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on "
+        "a sunny day.')",
+    )
+    g.add_argument(
+        "--needle", default=None, help="custom needle sentence ({key}: a random 5-digit number)"
+    )
     g.add_argument("--retrieval_question", default=None, help="question of the custom needle")
-    g.add_argument("--answer", default=None, help="expected answer of the custom needle (may use {key})")
-    g.add_argument("--context_lengths", nargs="+", default=list(NEEDLE_LENGTHS),
-                   help=f"prompt lengths in tokens (at most the model's context less --max_new_tokens): {SYNTAX}; "
-                        "e.g. 1024:4096:1024 = 1024 2048 3072 4096")
-    g.add_argument("--depth_percents", nargs="+", default=["0:100:50"],
-                   help=f"needle depths in percent (0-100): {SYNTAX}; e.g. 0:100:25 = 0 25 50 75 100 = 0:100/5. "
-                        "The earlier start:stop:num form is an error when stop is off the step grid "
-                        "(0:100:11: write 0:100/11)")
-    g.add_argument("-s", "--s_len", type=int, default=None,
-                   help="the original's shortest context length: with --e_len and --step, the lengths "
-                        "s_len, s_len + step, ... up to e_len (instead of --context_lengths)")
-    g.add_argument("-e", "--e_len", type=int, default=None, help="the original's longest context length (see --s_len)")
-    g.add_argument("--step", type=int, default=None, help="the original's length step (see --s_len; default 1000)")
-    g.add_argument("--model_provider", default=None,
-                   help="the original's prompt family (LLaMA3, Mistral); restkv applies the model's own chat "
-                        "template (--chat_template), so this is only recorded in run_meta.json")
-    g.add_argument("--model_version", default=None,
-                   help="the original's results folder name: results go to <save_dir>/<model_version>/ "
-                        "instead of <save_dir>/<model>/")
+    g.add_argument(
+        "--answer", default=None, help="expected answer of the custom needle (may use {key})"
+    )
+    g.add_argument(
+        "--context_lengths",
+        nargs="+",
+        default=list(NEEDLE_LENGTHS),
+        help=f"prompt lengths in tokens (at most the model's context less --max_new_tokens): {SYNTAX}; "
+        "e.g. 1024:4096:1024 = 1024 2048 3072 4096",
+    )
+    g.add_argument(
+        "--depth_percents",
+        nargs="+",
+        default=["0:100:50"],
+        help=f"needle depths in percent (0-100): {SYNTAX}; e.g. 0:100:25 = 0 25 50 75 100 = 0:100/5. "
+        "The earlier start:stop:num form is an error when stop is off the step grid "
+        "(0:100:11: write 0:100/11)",
+    )
+    g.add_argument(
+        "-s",
+        "--s_len",
+        type=int,
+        default=None,
+        help="the original's shortest context length: with --e_len and --step, the lengths "
+        "s_len, s_len + step, ... up to e_len (instead of --context_lengths)",
+    )
+    g.add_argument(
+        "-e",
+        "--e_len",
+        type=int,
+        default=None,
+        help="the original's longest context length (see --s_len)",
+    )
+    g.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the original's length step (see --s_len; default 1000)",
+    )
+    g.add_argument(
+        "--model_provider",
+        default=None,
+        help="the original's prompt family (LLaMA3, Mistral); restkv applies the model's own chat "
+        "template (--chat_template), so this is only recorded in run_meta.json",
+    )
+    g.add_argument(
+        "--model_version",
+        default=None,
+        help="the original's results folder name: results go to <save_dir>/<model_version>/ "
+        "instead of <save_dir>/<model>/",
+    )
     g.add_argument("--max_new_tokens", type=int, default=32)
     g.add_argument("--no_plots", action="store_true", help="skip the PNGs")
-    parser.set_defaults(save_dir=os.path.join("results", "needle"), default_methods=["restkv", "snapkv", "fullkv"])
+    parser.set_defaults(
+        save_dir=os.path.join("results", "needle"), default_methods=["restkv", "snapkv", "fullkv"]
+    )
     return parser
 
 
@@ -93,7 +135,9 @@ def original_lengths(args):
     if not given and getattr(args, "step", None) is None:
         return None, None
     if len(given) < 2:
-        raise ValueError("--s_len, --e_len and --step go together (the lengths s_len, s_len + step, ... e_len)")
+        raise ValueError(
+            "--s_len, --e_len and --step go together (the lengths s_len, s_len + step, ... e_len)"
+        )
     step = args.step or 1000
     if step < 1:
         raise ValueError(f"--step must be >= 1, got {step}")
@@ -132,13 +176,19 @@ def prepare(args):
         The scorer (or the plots') package is not installed.
     """
     check_common(args)
-    require("rouge_score", *(() if args.no_plots else ("matplotlib",)),
-            needed_by="the needle scores" + ("" if args.no_plots else " and plots (--no_plots: none)"))
+    require(
+        "rouge_score",
+        *(() if args.no_plots else ("matplotlib",)),
+        needed_by="the needle scores" + ("" if args.no_plots else " and plots (--no_plots: none)"),
+    )
     configs = method_configs(args)
     needles = needles_from_args(args)
     lengths, flag = original_lengths(args)
     if lengths is None:
-        lengths, flag = parse_range(args.context_lengths, int, "--context_lengths"), "--context_lengths"
+        lengths, flag = (
+            parse_range(args.context_lengths, int, "--context_lengths"),
+            "--context_lengths",
+        )
     depths = parse_range(args.depth_percents, float, "--depth_percents")
     if any(L < 1 for L in lengths):
         raise ValueError(f"{flag} must be >= 1, got {shown(lengths)}")
@@ -147,12 +197,21 @@ def prepare(args):
     haystack_dir = Path(args.haystack_dir) if args.haystack_dir else essays_dir()
     if not haystack_dir.is_dir():
         raise FileNotFoundError(f"--haystack_dir: haystack folder {haystack_dir} does not exist")
-    check_context(args.model_path, [(flag, max(lengths), args.max_new_tokens),
-                                    ("--max_length", args.max_length, args.max_new_tokens)])
+    check_context(
+        args.model_path,
+        [
+            (flag, max(lengths), args.max_new_tokens),
+            ("--max_length", args.max_length, args.max_new_tokens),
+        ],
+    )
     check_backend(args)
     plan = NeedlePlan(configs, needles, lengths, depths, haystack_dir)
     print(f"needle: context lengths {shown(lengths)}; depths (%) {shown(depths)}", file=sys.stderr)
-    announce("needle", [("needles", len(needles)), ("lengths", len(lengths)), ("depths", len(depths))], configs)
+    announce(
+        "needle",
+        [("needles", len(needles)), ("lengths", len(lengths)), ("depths", len(depths))],
+        configs,
+    )
     return plan
 
 
@@ -176,21 +235,44 @@ def run(args, plan=None):
         the other processes of a sharded run.
     """
     plan = plan or prepare(args)
-    configs, needles, lengths, depths, haystack_dir = (plan.configs, plan.needles, plan.lengths, plan.depths,
-                                                       plan.haystack_dir)
+    configs, needles, lengths, depths, haystack_dir = (
+        plan.configs,
+        plan.needles,
+        plan.lengths,
+        plan.depths,
+        plan.haystack_dir,
+    )
     predictor = Predictor(args, configs)
-    tokenizer, model = predictor.tokenizer, predictor.name
+    tokenizer = predictor.tokenizer
+    model = predictor.name
     cap = args.max_length or predictor.max_length - args.max_new_tokens
     haystack = Haystack(tokenizer, haystack_dir)
-    settings = {"model": model, "chat_template": args.chat_template, "max_length": cap,
-                "max_new_tokens": args.max_new_tokens, "haystack": str(haystack_dir), "seed": args.seed,
-                "dtype": args.dtype, "attn_implementation": args.attn_implementation, "prompt": PROMPT}
+    settings = {
+        "model": model,
+        "chat_template": args.chat_template,
+        "max_length": cap,
+        "max_new_tokens": args.max_new_tokens,
+        "haystack": str(haystack_dir),
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "attn_implementation": args.attn_implementation,
+        "prompt": PROMPT,
+    }
     if predictor.query_agnostic:
         settings["query_agnostic"] = True  # records of the two modes never share a config_id
     ids = {label: config_id(kw, settings) for label, kw in configs}
-    predictor.write_metadata({"benchmark": "needle", "labels": ids, "configs": configs_meta(configs),
-                              "max_length": cap, "lengths": lengths, "depths": depths,
-                              "needles": [asdict(n) for n in needles], "processes": predictor.shard.size})
+    predictor.write_metadata(
+        {
+            "benchmark": "needle",
+            "labels": ids,
+            "configs": configs_meta(configs),
+            "max_length": cap,
+            "lengths": lengths,
+            "depths": depths,
+            "needles": [asdict(n) for n in needles],
+            "processes": predictor.shard.size,
+        }
+    )
     path = os.path.join(predictor.out_dir, "results.jsonl")
 
     def prompt(cell):
@@ -199,25 +281,61 @@ def run(args, plan=None):
 
     def record(cell, case, out):
         n, L, d = cell
-        return {"needle": n.name, "label": out.label, "config_id": ids[out.label], "length": L, "depth": d,
-                "method": out.kwargs["method"], "budget": out.kwargs.get("max_capacity_prompt"),
-                **({"budget_ratio": out.kwargs["max_capacity_prompt_ratio"]}
-                   if "max_capacity_prompt_ratio" in out.kwargs else {}),
-                "quant": predictor.quant[out.label], "model": model, "prompt_tokens": len(case.ids),
-                "needle_span": case.needle_span, "truncated": case.truncated, "answer": case.answer,
-                "response": out.text, **score(out.text, case.needle_text, case.answer),
-                "needle_kept": needle_kept(out.kept, case.needle_span, out.row), "seconds": round(out.seconds, 3)}
+        return {
+            "needle": n.name,
+            "label": out.label,
+            "config_id": ids[out.label],
+            "length": L,
+            "depth": d,
+            "method": out.kwargs["method"],
+            "budget": out.kwargs.get("max_capacity_prompt"),
+            **(
+                {"budget_ratio": out.kwargs["max_capacity_prompt_ratio"]}
+                if "max_capacity_prompt_ratio" in out.kwargs
+                else {}
+            ),
+            "quant": predictor.quant[out.label],
+            "model": model,
+            "prompt_tokens": len(case.ids),
+            "needle_span": case.needle_span,
+            "truncated": case.truncated,
+            "answer": case.answer,
+            "response": out.text,
+            **score(out.text, case.needle_text, case.answer),
+            "needle_kept": needle_kept(out.kept, case.needle_span, out.row),
+            "seconds": round(out.seconds, 3),
+        }
 
-    store = Store({label: path for label in predictor.labels}, KEY_FIELDS,
-                  lambda cell, label: (cell[0].name, label, ids[label], cell[1], cell[2]))
+    store = Store(
+        {label: path for label in predictor.labels},
+        KEY_FIELDS,
+        lambda cell, label: (cell[0].name, label, ids[label], cell[1], cell[2]),
+    )
     cells = plan.cells
-    predictor.predict([Task("needle", cells, prompt, record, args.max_new_tokens, store, ids=_case_ids,
-                            progress={"unit": "cell"}, announce=True, question_start=_question_start)])
+    predictor.predict(
+        [
+            Task(
+                "needle",
+                cells,
+                prompt,
+                record,
+                args.max_new_tokens,
+                store,
+                ids=_case_ids,
+                progress={"unit": "cell"},
+                announce=True,
+                question_start=_question_start,
+            )
+        ]
+    )
     if not predictor.shard.main:
         return path, []
     grid = {(n.name, L, d) for n, L, d in cells}
-    records = [r for r in read_jsonl(path)
-               if ids.get(r["label"]) == r["config_id"] and (r["needle"], r["length"], r["depth"]) in grid]
+    records = [
+        r
+        for r in read_jsonl(path)
+        if ids.get(r["label"]) == r["config_id"] and (r["needle"], r["length"], r["depth"]) in grid
+    ]
     return path, records
 
 

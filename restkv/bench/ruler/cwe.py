@@ -51,13 +51,21 @@ def build(rng, size, max_seq_length, freq_cw, freq_ucw, num_cw):
     tuple of (str, str, list of str)
         Prompt (worked example, then the question), answer prefix, common words.
     """
-    (common, uncommon), (ex_words, ex_common, ex_uncommon) = repeats(max_seq_length, freq_cw, freq_ucw)
+    (common, uncommon), (ex_words, ex_common, ex_uncommon) = repeats(
+        max_seq_length, freq_cw, freq_ucw
+    )
     if size + ex_words > len(common_words()):
         raise ValueError(f"cwe: {size} words requested, the vocabulary has {len(common_words())}")
     picked = rng.sample(common_words(), ex_words + size)
-    example_words, words = picked[:ex_words], picked[ex_words:]
-    template, prefix = FAMILIES["cwe"]["template"], FAMILIES["cwe"]["answer_prefix"]
-    example = (template.format(context=_listing(rng, example_words, num_cw, ex_common, ex_uncommon))
-               + prefix + " " + _numbered(example_words[:num_cw]))
+    example_words = picked[:ex_words]
+    words = picked[ex_words:]
+    template = FAMILIES["cwe"]["template"]
+    prefix = FAMILIES["cwe"]["answer_prefix"]
+    example = (
+        template.format(context=_listing(rng, example_words, num_cw, ex_common, ex_uncommon))
+        + prefix
+        + " "
+        + _numbered(example_words[:num_cw])
+    )
     question = template.format(context=_listing(rng, words, num_cw, common, uncommon))
     return example + "\n" + question, prefix, words[:num_cw]

@@ -6,9 +6,11 @@ from restkv.bench.results import read_jsonl
 from restkv.bench.ruler.tasks import task_order
 
 REQUIRED = ("index", "input", "outputs")
-GENERATE = ("generate the data with: bash scripts/ruler/generate.sh (MODEL=... LENGTHS=\"4096 8192\"), or "
-            "python -m restkv.bench.ruler.generate --model_path MODEL --lengths 4096 --out_dir data/ruler/MODEL "
-            "(then --data_dir data/ruler/MODEL/4096)")
+GENERATE = (
+    "generate the data with: bash scripts/ruler/generate.sh (MODEL=... LENGTHS=\"4096 8192\"), or "
+    "python -m restkv.bench.ruler.generate --model_path MODEL --lengths 4096 --out_dir data/ruler/MODEL "
+    "(then --data_dir data/ruler/MODEL/4096)"
+)
 
 
 def find_tasks(data_dir, subset="validation"):
@@ -18,7 +20,9 @@ def find_tasks(data_dir, subset="validation"):
         raise FileNotFoundError(f"--data_dir: {data_dir} is not a folder; {GENERATE}")
     tasks = [p.parent.name for p in data_dir.glob(f"*/{subset}.jsonl")]
     if not tasks:
-        raise FileNotFoundError(f"--data_dir: no <task>/{subset}.jsonl under {data_dir}; {GENERATE}")
+        raise FileNotFoundError(
+            f"--data_dir: no <task>/{subset}.jsonl under {data_dir}; {GENERATE}"
+        )
     return task_order(tasks)
 
 
@@ -55,8 +59,12 @@ def load_task(path, context_length=None):
             raise ValueError(f"{where}: 'input' must be a string")
         length = rec.get("max_seq_length", context_length)
         if length is None:
-            raise ValueError(f"{where}: no 'max_seq_length'; pass --context_length for RULER's own files")
-        records.append({**rec, "answer_prefix": rec.get("answer_prefix", ""), "max_seq_length": int(length)})
+            raise ValueError(
+                f"{where}: no 'max_seq_length'; pass --context_length for RULER's own files"
+            )
+        records.append(
+            {**rec, "answer_prefix": rec.get("answer_prefix", ""), "max_seq_length": int(length)}
+        )
     if not records:
         raise ValueError(f"{path}: no records")
     return records

@@ -29,9 +29,13 @@ def collect(results_dir):
         for n, rec in enumerate(read_jsonl(path), 1):
             missing = [f for f in REQUIRED if f not in rec]
             if missing:
-                raise ValueError(f"{path} record {n}: missing field(s) {missing} of a RULER prediction"
-                                 f"{other_results(results_dir, 'ruler')}")
-            preds, refs = cells[(rec.get("model", ""), int(rec["max_seq_length"]), rec["method"], rec["task"])]
+                raise ValueError(
+                    f"{path} record {n}: missing field(s) {missing} of a RULER prediction"
+                    f"{other_results(results_dir, 'ruler')}"
+                )
+            preds, refs = cells[
+                (rec.get("model", ""), int(rec["max_seq_length"]), rec["method"], rec["task"])
+            ]
             preds.append(rec["pred"])
             refs.append(rec["outputs"])
     return cells
@@ -50,15 +54,25 @@ def table(cells):
     rows = {}
     for (model, length, method, task), (preds, refs) in cells.items():
         metric = FAMILIES[family_of(task)]["metric"]
-        rows.setdefault((model, length, method), {})[task] = (score(preds, refs, metric), len(preds))
+        rows.setdefault((model, length, method), {})[task] = (
+            score(preds, refs, metric),
+            len(preds),
+        )
     header = ["model", "context_length", "method", "samples", *tasks, "avg"]
     out = []
     for model, length, method in sorted(rows, key=lambda k: (k[0], k[1], natural_key(k[2]))):
         row = rows[(model, length, method)]
         values = [row[t][0] for t in tasks if t in row]
-        out.append([model, length, method, min(n for _, n in row.values()),
-                    *[round(row[t][0], 2) if t in row else "" for t in tasks],
-                    round(sum(values) / len(values), 2)])
+        out.append(
+            [
+                model,
+                length,
+                method,
+                min(n for _, n in row.values()),
+                *[round(row[t][0], 2) if t in row else "" for t in tasks],
+                round(sum(values) / len(values), 2),
+            ]
+        )
     return header, out
 
 
@@ -68,7 +82,9 @@ def avg_errors(cells):
     per_row = defaultdict(dict)
     for (model, length, method, task), (preds, refs) in cells.items():
         metric = FAMILIES[family_of(task)]["metric"]
-        per_row[(model, length, method)][task] = [score([p], [r], metric) for p, r in zip(preds, refs)]
+        per_row[(model, length, method)][task] = [
+            score([p], [r], metric) for p, r in zip(preds, refs)
+        ]
     return {key: f"±{avg_stats(tasks)[1]}" for key, tasks in per_row.items()}
 
 
@@ -88,9 +104,11 @@ def evaluate(results_dir, csv_path=None):
     errors = avg_errors(cells)
     shown = [[*header, "avg s.e."]] + [[*row, errors[tuple(row[:3])]] for row in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(*shown)]
-    print("score: RULER's string_match_all (niah, vt, cwe, fwe: share of the expected strings in the "
-          "answer) or string_match_part (qa: any one of them) x 100, mean over the task's samples; "
-          "samples: the fewest of any task in the row; avg s.e.: the standard error of avg")
+    print(
+        "score: RULER's string_match_all (niah, vt, cwe, fwe: share of the expected strings in the "
+        "answer) or string_match_part (qa: any one of them) x 100, mean over the task's samples; "
+        "samples: the fewest of any task in the row; avg s.e.: the standard error of avg"
+    )
     for line in shown:
         print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
     print(f"written {csv_path}")

@@ -16,7 +16,7 @@ def vocab_size(max_seq_length):
 
 def counts(size, alpha, vocab):
     """Occurrences of each vocabulary rank: ``int(size * k**-alpha / zeta(alpha))``."""
-    return [int(size * k ** -alpha / zeta(alpha)) for k in range(1, vocab + 1)]
+    return [int(size * k**-alpha / zeta(alpha)) for k in range(1, vocab + 1)]
 
 
 def build(rng, size, max_seq_length, alpha):

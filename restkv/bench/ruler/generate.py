@@ -40,23 +40,46 @@ def _makers(task, max_seq_length, seed, count, qa_file):
     elif family == "vt":
         example, used = _vt_example(key, args, count)
         for i in itertools.count():
-            yield (lambda n, i=i: vt.build(Random(f"{key}:{i}"), n, **args, example=example, exclude=used)), \
-                vt.MINIMUM_SIZE, None
+            yield (
+                (
+                    lambda n, i=i: vt.build(
+                        Random(f"{key}:{i}"), n, **args, example=example, exclude=used
+                    )
+                ),
+                vt.MINIMUM_SIZE,
+                None,
+            )
     elif family == "cwe":
-        lo, hi = cwe.minimum_size(args["num_cw"]), cwe.maximum_size(max_seq_length)
+        lo = cwe.minimum_size(args["num_cw"])
+        hi = cwe.maximum_size(max_seq_length)
         for i in itertools.count():
-            yield (lambda n, i=i: cwe.build(Random(f"{key}:{i}"), n, max_seq_length, **args)), lo, hi
+            yield (
+                (lambda n, i=i: cwe.build(Random(f"{key}:{i}"), n, max_seq_length, **args)),
+                lo,
+                hi,
+            )
     elif family == "fwe":
         for i in itertools.count():
-            yield (lambda n, i=i: fwe.build(Random(f"{key}:{i}"), n, max_seq_length, **args)), 1, None
+            yield (
+                (lambda n, i=i: fwe.build(Random(f"{key}:{i}"), n, max_seq_length, **args)),
+                1,
+                None,
+            )
     else:
         questions, docs = qa.READERS[args["dataset"]](qa_file)
         for i, question in enumerate(questions):
             near = set(question["gold"]) | set(question["more"])
             others = [d for d in range(len(docs)) if d not in near]
             hi = len(question["gold"]) + len(question["more"]) + len(others)
-            yield (lambda n, i=i, q=question, o=others: qa.build(Random(f"{key}:{i}"), n, q, docs, o)), \
-                len(question["gold"]), hi
+            yield (
+                (
+                    lambda n, i=i, q=question, o=others: qa.build(
+                        Random(f"{key}:{i}"), n, q, docs, o
+                    )
+                ),
+                len(question["gold"]),
+                hi,
+            )
 
 
 def _vt_example(key, args, count):
@@ -94,7 +117,9 @@ def generate(task, tokenizer, max_seq_length, num_samples, seed=42, qa_file=None
     family = TASKS[task][0]
     new_tokens = FAMILIES[family]["tokens_to_generate"]
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    records, guess, skipped = [], 1, 0
+    records = []
+    guess = 1
+    skipped = 0
     for make, lo, hi in _makers(task, max_seq_length, seed, count, qa_file):
         if len(records) == num_samples:
             break
@@ -103,21 +128,32 @@ def generate(task, tokenizer, max_seq_length, num_samples, seed=42, qa_file=None
             size = largest_fitting(fits, guess, lo, hi)
         except ValueError:
             if family != "qa":
-                raise ValueError(f"{task}: max_seq_length={max_seq_length} is too small for "
-                                 f"the smallest sample") from None
+                raise ValueError(
+                    f"{task}: max_seq_length={max_seq_length} is too small for the smallest sample"
+                ) from None
             skipped += 1
             continue
         if size == hi and family != "qa":
-            raise ValueError(f"{task}: the haystack runs out ({hi} units) before "
-                             f"max_seq_length={max_seq_length}")
+            raise ValueError(
+                f"{task}: the haystack runs out ({hi} units) before max_seq_length={max_seq_length}"
+            )
         prompt, prefix, outputs = make(size)
-        records.append({"index": len(records), "input": prompt, "outputs": outputs,
-                        "length": count(prompt + prefix) + new_tokens,
-                        "answer_prefix": prefix, "max_seq_length": max_seq_length})
+        records.append(
+            {
+                "index": len(records),
+                "input": prompt,
+                "outputs": outputs,
+                "length": count(prompt + prefix) + new_tokens,
+                "answer_prefix": prefix,
+                "max_seq_length": max_seq_length,
+            }
+        )
         guess = size
     if len(records) < num_samples:
-        raise ValueError(f"{task}: only {len(records)} of {num_samples} questions fit in "
-                         f"max_seq_length={max_seq_length} ({skipped} too long)")
+        raise ValueError(
+            f"{task}: only {len(records)} of {num_samples} questions fit in "
+            f"max_seq_length={max_seq_length} ({skipped} too long)"
+        )
     return records
 
 
@@ -149,7 +185,9 @@ def parse_tasks(values):
             names += [n for n in group if n and n not in names]
     unknown = [n for n in names if n not in TASKS]
     if unknown:
-        raise ValueError(f"--tasks: unknown {unknown}; choose from all, synthetic, {', '.join(TASKS)}")
+        raise ValueError(
+            f"--tasks: unknown {unknown}; choose from all, synthetic, {', '.join(TASKS)}"
+        )
     return names
 
 
@@ -174,20 +212,33 @@ def check(args):
             dataset = task_args["dataset"]
             path = qa_files[dataset]
             if not path or not Path(path).is_file():
-                raise ValueError(f"--{dataset}: {task} needs a local {qa.FORMATS[dataset]}; pass --{dataset} PATH "
-                                 f"(given: {path or 'nothing'})")
+                raise ValueError(
+                    f"--{dataset}: {task} needs a local {qa.FORMATS[dataset]}; pass --{dataset} PATH "
+                    f"(given: {path or 'nothing'})"
+                )
             qa.READERS[dataset](path)  # a malformed file fails here, before any work
     check_context(args.model_path, [("--lengths", max(args.lengths), 0)])
-    print(f"ruler data: {len(tasks)} tasks x {len(args.lengths)} lengths x {args.num_samples} samples = "
-          f"{len(tasks) * len(args.lengths) * args.num_samples} records", file=sys.stderr)
+    print(
+        f"ruler data: {len(tasks)} tasks x {len(args.lengths)} lengths x {args.num_samples} samples = "
+        f"{len(tasks) * len(args.lengths) * args.num_samples} records",
+        file=sys.stderr,
+    )
     return tasks, qa_files
 
 
 def main(argv=None):
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_path", default="smollm2-135m", help="tokenizer source: registry name or path")
-    parser.add_argument("--lengths", nargs="+", type=int, default=[4096], help="max_seq_length values")
-    parser.add_argument("--tasks", nargs="+", default=["synthetic"], help="task names, 'synthetic' or 'all'")
+    parser = ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model_path", default="smollm2-135m", help="tokenizer source: registry name or path"
+    )
+    parser.add_argument(
+        "--lengths", nargs="+", type=int, default=[4096], help="max_seq_length values"
+    )
+    parser.add_argument(
+        "--tasks", nargs="+", default=["synthetic"], help="task names, 'synthetic' or 'all'"
+    )
     parser.add_argument("--num_samples", type=int, default=20)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out_dir", required=True)
@@ -204,7 +255,9 @@ def main(argv=None):
             path = Path(args.out_dir) / str(length) / task / "validation.jsonl"
             write_task(records, path)
             lengths = [r["length"] for r in records]
-            print(f"{path}: {len(records)} samples, length {min(lengths)}-{max(lengths)}", flush=True)
+            print(
+                f"{path}: {len(records)} samples, length {min(lengths)}-{max(lengths)}", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ def score(preds, refs, metric):
         In ``[0, 100]``.
     """
     if len(preds) != len(refs) or not preds:
-        raise ValueError(f"score needs as many predictions as references (>0), got {len(preds)} and {len(refs)}")
+        raise ValueError(
+            f"score needs as many predictions as references (>0), got {len(preds)} and {len(refs)}"
+        )
     fn = METRICS[metric]
     return 100.0 * sum(fn(postprocess(p), r) for p, r in zip(preds, refs)) / len(preds)

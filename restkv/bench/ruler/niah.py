@@ -31,7 +31,8 @@ def _templates(value_type, single):
 def _essay_context(rng, size, needles):
     sentences = split_sentences(" ".join(essay_words()[:size]))
     cuts = sorted(int(len(sentences) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
-    pieces, start = [], 0
+    pieces = []
+    start = 0
     for cut, needle in zip(cuts, needles):
         pieces += sentences[start:cut] + [needle]
         start = cut
@@ -42,7 +43,8 @@ def _distractors(rng, size, key_type, value_type, keys, values):
     """Needles with fresh keys and values, drawn pairwise so ``size + 1`` extends ``size``."""
     units = []
     while len(units) < size:
-        key, value = random_value(rng, key_type), random_value(rng, value_type)
+        key = random_value(rng, key_type)
+        value = random_value(rng, value_type)
         if key not in keys and value not in values:
             keys.add(key)
             values.add(value)
@@ -83,9 +85,12 @@ def build(rng, size, haystack, key_type, value_type, num_k, num_v, num_q):
     num_k = max(num_k, num_q)
     keys = distinct_values(rng, key_type, num_k)
     values = distinct_values(rng, value_type, num_k * num_v)
-    values = [values[i * num_v:(i + 1) * num_v] for i in range(num_k)]
-    needles = [NEEDLE.format(type_needle_v=value_type, key=k, value=v)
-               for k, vs in zip(keys, values) for v in vs]
+    values = [values[i * num_v : (i + 1) * num_v] for i in range(num_k)]
+    needles = [
+        NEEDLE.format(type_needle_v=value_type, key=k, value=v)
+        for k, vs in zip(keys, values)
+        for v in vs
+    ]
     rng.shuffle(needles)
     if haystack == "essay":
         context = _essay_context(rng, size, needles)
@@ -99,5 +104,4 @@ def build(rng, size, haystack, key_type, value_type, num_k, num_v, num_q):
     answers = [v for i in asked for v in values[i]]
     query = queries[0] if num_q == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
     template, prefix = _templates(value_type, num_q * num_v == 1)
-    return (template.format(context=context, query=query),
-            prefix.format(query=query), answers)
+    return (template.format(context=context, query=query), prefix.format(query=query), answers)

@@ -29,9 +29,13 @@ def read_squad(path):
         Questions ``{query, outputs, gold, more}`` (document indices) and documents.
     """
     data = _field(json.loads(Path(path).read_text()), "data", str(path))
-    docs = sorted({_field(p, "context", f"{path}: data[{i}].paragraphs[{j}]")
-                   for i, d in enumerate(data)
-                   for j, p in enumerate(_field(d, "paragraphs", f"{path}: data[{i}]"))})
+    docs = sorted(
+        {
+            _field(p, "context", f"{path}: data[{i}].paragraphs[{j}]")
+            for i, d in enumerate(data)
+            for j, p in enumerate(_field(d, "paragraphs", f"{path}: data[{i}]"))
+        }
+    )
     ids = {c: k for k, c in enumerate(docs)}
     questions = []
     for i, d in enumerate(data):
@@ -41,10 +45,17 @@ def read_squad(path):
                 where = f"{path}: data[{i}].paragraphs[{j}].qas[{k}]"
                 if qa.get("is_impossible", False):
                     continue
-                answers = [_field(a, "text", where + ".answers[]") for a in _field(qa, "answers", where)]
-                questions.append({"query": _field(qa, "question", where), "outputs": answers,
-                                  "gold": [ids[p["context"]]],
-                                  "more": [t for t in article_docs if t != ids[p["context"]]]})
+                answers = [
+                    _field(a, "text", where + ".answers[]") for a in _field(qa, "answers", where)
+                ]
+                questions.append(
+                    {
+                        "query": _field(qa, "question", where),
+                        "outputs": answers,
+                        "gold": [ids[p["context"]]],
+                        "more": [t for t in article_docs if t != ids[p["context"]]],
+                    }
+                )
     return questions, docs
 
 
@@ -60,14 +71,21 @@ def read_hotpotqa(path):
             raise ValueError(f"{where}: context entries must be [title, sentences]")
         return f"{pair[0]}\n{''.join(pair[1])}"
 
-    texts = [[doc(c, f"{path}: [{i}].context") for c in _field(d, "context", f"{path}: [{i}]")]
-             for i, d in enumerate(data)]
+    texts = [
+        [doc(c, f"{path}: [{i}].context") for c in _field(d, "context", f"{path}: [{i}]")]
+        for i, d in enumerate(data)
+    ]
     docs = sorted({t for ts in texts for t in ts})
     ids = {c: k for k, c in enumerate(docs)}
-    questions = [{"query": _field(d, "question", f"{path}: [{i}]"),
-                  "outputs": [_field(d, "answer", f"{path}: [{i}]")],
-                  "gold": [ids[t] for t in ts], "more": []}
-                 for i, (d, ts) in enumerate(zip(data, texts))]
+    questions = [
+        {
+            "query": _field(d, "question", f"{path}: [{i}]"),
+            "outputs": [_field(d, "answer", f"{path}: [{i}]")],
+            "gold": [ids[t] for t in ts],
+            "more": [],
+        }
+        for i, (d, ts) in enumerate(zip(data, texts))
+    ]
     return questions, docs
 
 
@@ -93,7 +111,8 @@ def build(rng, size, question, docs, others):
     tuple of (str, str, list of str)
         Prompt, answer prefix, accepted answers.
     """
-    gold, more = question["gold"], question["more"]
+    gold = question["gold"]
+    more = question["more"]
     extra = size - len(gold)
     if extra <= len(more):
         chosen = gold + rng.sample(more, extra)

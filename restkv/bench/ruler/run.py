@@ -34,9 +34,13 @@ def prompt_ids(tokenizer, record, chat_template, cap, task=None):
     if excess > 0:
         body = tokenizer(text, add_special_tokens=False).input_ids
         if excess >= len(body):
-            raise ValueError(f"record {record['index']}: prompt exceeds {cap} tokens even without its input")
+            raise ValueError(
+                f"record {record['index']}: prompt exceeds {cap} tokens even without its input"
+            )
         text = tokenizer.decode(middle_truncate(body, len(body) - excess), skip_special_tokens=True)
-        ids = encode(tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"])
+        ids = encode(
+            tokenizer, build_prompt(tokenizer, text, chat_template) + record["answer_prefix"]
+        )
     if task is None:
         return ids, excess > 0
     prompt = build_prompt(tokenizer, text, chat_template) + record["answer_prefix"]
@@ -55,18 +59,23 @@ def load_data(data_dirs, tasks, num_samples, context_length):
     ValueError
         When two folders hold the same task at the same length (they would share a results file).
     """
-    out, seen = [], {}
+    out = []
+    seen = {}
     for data_dir in data_dirs:
         names = tasks or find_tasks(data_dir)
         for task in names:
             family_of(task)
             path = os.path.join(data_dir, task, "validation.jsonl")
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"--data_dir: {path} missing (task {task} in {data_dir}); {GENERATE}")
+                raise FileNotFoundError(
+                    f"--data_dir: {path} missing (task {task} in {data_dir}); {GENERATE}"
+                )
             records = load_task(path, context_length)[:num_samples]
             where = (records[0]["max_seq_length"], task)
             if where in seen:
-                raise ValueError(f"{path}: task {task} at length {where[0]} is also in {seen[where]}")
+                raise ValueError(
+                    f"{path}: task {task} at length {where[0]} is also in {seen[where]}"
+                )
             seen[where] = path
             out.append((task, records))
     return out
@@ -74,16 +83,32 @@ def load_data(data_dirs, tasks, num_samples, context_length):
 
 def add_ruler_args(parser):
     """Flags of the RULER data and generation length."""
-    action = parser.add_argument("--data_dir", nargs="+", default=["data/ruler"],
-                                 help="one or more folders of <task>/validation.jsonl (e.g. one per length), "
-                                      "made by scripts/ruler/generate.sh")
+    action = parser.add_argument(
+        "--data_dir",
+        nargs="+",
+        default=["data/ruler"],
+        help="one or more folders of <task>/validation.jsonl (e.g. one per length), "
+        "made by scripts/ruler/generate.sh",
+    )
     action.example = "data/ruler/smollm2-135m/4096 data/ruler/smollm2-135m/8192"
-    parser.add_argument("--tasks", nargs="+", default=None, help="tasks to run (default: every task folder)")
-    parser.add_argument("--num_samples", type=int, default=None, help="first N samples of each task only")
-    parser.add_argument("--max_new_tokens", type=int, default=None,
-                        help="override RULER's tokens to generate (niah 128, cwe 120, fwe 50, qa 32, vt 30)")
-    parser.add_argument("--context_length", type=int, default=None,
-                        help="requested length of files lacking max_seq_length (RULER's own output)")
+    parser.add_argument(
+        "--tasks", nargs="+", default=None, help="tasks to run (default: every task folder)"
+    )
+    parser.add_argument(
+        "--num_samples", type=int, default=None, help="first N samples of each task only"
+    )
+    parser.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=None,
+        help="override RULER's tokens to generate (niah 128, cwe 120, fwe 50, qa 32, vt 30)",
+    )
+    parser.add_argument(
+        "--context_length",
+        type=int,
+        default=None,
+        help="requested length of files lacking max_seq_length (RULER's own output)",
+    )
     return parser
 
 
@@ -102,16 +127,37 @@ def ruler_task(predictor, task, records):
     length = records[0]["max_seq_length"]
 
     def prompt(record):
-        return prompt_ids(predictor.tokenizer, record, args.chat_template, predictor.max_length - new_tokens,
-                          task if predictor.query_agnostic else None)
+        return prompt_ids(
+            predictor.tokenizer,
+            record,
+            args.chat_template,
+            predictor.max_length - new_tokens,
+            task if predictor.query_agnostic else None,
+        )
 
     def record(rec, prompt, out):
         ids, cut = prompt[:2]
-        return {**{k: rec[k] for k in KEPT}, "task": task, "method": out.label, "model": predictor.name,
-                "pred": out.text, "prompt_tokens": len(ids), "truncated": cut}
+        return {
+            **{k: rec[k] for k in KEPT},
+            "task": task,
+            "method": out.label,
+            "model": predictor.name,
+            "pred": out.text,
+            "prompt_tokens": len(ids),
+            "truncated": cut,
+        }
 
     store = per_label(os.path.join(predictor.out_dir, str(length), task), predictor.labels, "index")
-    return Task(f"{length} {task}", records, prompt, record, new_tokens, store, ids=_ids, question_start=_start)
+    return Task(
+        f"{length} {task}",
+        records,
+        prompt,
+        record,
+        new_tokens,
+        store,
+        ids=_ids,
+        question_start=_start,
+    )
 
 
 @dataclass
@@ -139,9 +185,14 @@ def prepare(args):
     configs = method_configs(args)
     data = load_data(args.data_dir, args.tasks, args.num_samples, args.context_length)
     length, task = max((r["max_seq_length"], task) for task, records in data for r in records)
-    check_context(args.model_path, [("--context_length", args.context_length, 0),
-                                    (f"--data_dir ({task}: max_seq_length)", length, 0),
-                                    ("--max_length", args.max_length, 0)])
+    check_context(
+        args.model_path,
+        [
+            ("--context_length", args.context_length, 0),
+            (f"--data_dir ({task}: max_seq_length)", length, 0),
+            ("--max_length", args.max_length, 0),
+        ],
+    )
     check_backend(args)
     announce("ruler", [("samples", sum(len(records) for _, records in data))], configs)
     return RulerPlan(configs, data)
@@ -158,11 +209,27 @@ def run(args, plan=None):
         ``{(max_seq_length, task, label): predictions file}``.
     """
     plan = plan or prepare(args)
-    configs, data = plan.configs, plan.data
+    configs = plan.configs
+    data = plan.data
     predictor = Predictor(args, configs)
-    predictor.write_metadata({"benchmark": "ruler", "labels": predictor.labels, "configs": configs_meta(configs),
-                              "tasks": sorted({t for t, _ in data}), "max_length": predictor.max_length,
-                              "processes": predictor.shard.size, "settings": prompt_settings(args)})
-    tasks = {(records[0]["max_seq_length"], task): ruler_task(predictor, task, records) for task, records in data}
+    predictor.write_metadata(
+        {
+            "benchmark": "ruler",
+            "labels": predictor.labels,
+            "configs": configs_meta(configs),
+            "tasks": sorted({t for t, _ in data}),
+            "max_length": predictor.max_length,
+            "processes": predictor.shard.size,
+            "settings": prompt_settings(args),
+        }
+    )
+    tasks = {
+        (records[0]["max_seq_length"], task): ruler_task(predictor, task, records)
+        for task, records in data
+    }
     predictor.predict(list(tasks.values()))
-    return {(length, task, label): path for (length, task), t in tasks.items() for label, path in t.store.paths.items()}
+    return {
+        (length, task, label): path
+        for (length, task), t in tasks.items()
+        for label, path in t.store.paths.items()
+    }

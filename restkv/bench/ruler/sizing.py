@@ -37,7 +37,8 @@ def largest_fitting(fits, guess=1, minimum=1, maximum=None):
     n = min(max(guess, minimum), top)
     step = max(1, n // 32)
     if ok(n):
-        lo, hi = n, None
+        lo = n
+        hi = None
         while hi is None and lo < top:
             nxt = min(lo + step, top)
             if ok(nxt):
@@ -47,7 +48,8 @@ def largest_fitting(fits, guess=1, minimum=1, maximum=None):
         if hi is None:
             return lo
     else:
-        hi, lo = n, None
+        hi = n
+        lo = None
         while lo is None:
             prv = max(hi - step, minimum)
             if ok(prv):

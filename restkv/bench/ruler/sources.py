@@ -19,8 +19,9 @@ def wordlist(name):
     name : str
         ``"noun"``, ``"adjective"`` or ``"verb"``.
     """
-    text = importlib.resources.files("wonderwords").joinpath(
-        "assets", f"{name}list.txt").read_text()
+    text = (
+        importlib.resources.files("wonderwords").joinpath("assets", f"{name}list.txt").read_text()
+    )
     return sorted({w.strip() for w in text.splitlines() if WORD.match(w.strip())})
 
 
@@ -83,5 +84,5 @@ def zeta(alpha, terms=100_000):
     """Riemann zeta function for ``alpha > 1`` (partial sum plus integral tail)."""
     if alpha <= 1:
         raise ValueError(f"zeta needs alpha > 1, got {alpha}")
-    head = sum(k ** -alpha for k in range(1, terms + 1))
-    return head + terms ** (1 - alpha) / (alpha - 1) - 0.5 * terms ** -alpha
+    head = sum(k**-alpha for k in range(1, terms + 1))
+    return head + terms ** (1 - alpha) / (alpha - 1) - 0.5 * terms**-alpha

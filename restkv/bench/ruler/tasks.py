@@ -75,8 +75,17 @@ FAMILIES = {
 
 
 def _niah(haystack, key, value, num_k=1, num_v=1, num_q=1):
-    return ("niah", {"haystack": haystack, "key_type": key, "value_type": value,
-                     "num_k": num_k, "num_v": num_v, "num_q": num_q})
+    return (
+        "niah",
+        {
+            "haystack": haystack,
+            "key_type": key,
+            "value_type": value,
+            "num_k": num_k,
+            "num_v": num_v,
+            "num_q": num_q,
+        },
+    )
 
 
 TASKS = {

@@ -41,7 +41,8 @@ def build(rng, size, num_chains, num_hops, name_length=5, example="", exclude=()
         Prompt, answer prefix, variables holding the queried value.
     """
     names = _names(rng, num_chains * (num_hops + 1), name_length)
-    taken, starts = set(exclude), []
+    taken = set(exclude)
+    starts = []
     while len(starts) < num_chains:
         value = str(rng.randint(10000, 99999))
         if value not in taken:
@@ -49,9 +50,14 @@ def build(rng, size, num_chains, num_hops, name_length=5, example="", exclude=()
             starts.append(value)
     chains = []
     for c, value in enumerate(starts):
-        chain_vars = names[c * (num_hops + 1):(c + 1) * (num_hops + 1)]
-        chains.append((chain_vars, [f"VAR {chain_vars[0]} = {value}"] +
-                       [f"VAR {chain_vars[j + 1]} = VAR {chain_vars[j]} " for j in range(num_hops)]))
+        chain_vars = names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)]
+        chains.append(
+            (
+                chain_vars,
+                [f"VAR {chain_vars[0]} = {value}"]
+                + [f"VAR {chain_vars[j + 1]} = VAR {chain_vars[j]} " for j in range(num_hops)],
+            )
+        )
     sentences = [NOISE + "\n"] * max(size, num_hops + 1)
     for _, lines in chains:
         positions = sorted(rng.sample(range(len(sentences)), len(lines)))
@@ -61,4 +67,3 @@ def build(rng, size, num_chains, num_hops, name_length=5, example="", exclude=()
     prompt = FAMILIES["vt"]["template"].format(context=context, query=starts[0])
     prefix = FAMILIES["vt"]["answer_prefix"].format(num_v=num_hops + 1, query=starts[0])
     return example + prompt, prefix, chains[0][0]
-
