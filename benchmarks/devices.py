@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import LlamaForCausalLM
 
 
 def process_status(field: str) -> int:
@@ -75,3 +76,16 @@ class PeakMemory:
         else:
             self.peak = process_status("VmHWM")
         self.extra = self.peak - self.before
+
+
+def random_llama(config, dtype: torch.dtype, device):
+    """A randomly initialised ``LlamaForCausalLM`` of ``config``, built directly on ``device`` in ``dtype``
+    (no float32 copy on the host first), in eval mode."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()

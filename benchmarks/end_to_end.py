@@ -35,14 +35,14 @@ import statistics
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import restkv
 from restkv.cache import CompressedLayer
 from restkv.eviction.select import Kept
 
-from devices import PeakMemory, device_of, sync  # same folder: clocks and memory counters per device
+from devices import PeakMemory, device_of, random_llama, sync  # same folder: clocks and memory counters per device
 
 PRESETS = {  # head shapes are Llama-3-8B's in both: 32 query heads, 8 KV heads, head_dim 128, hidden 4096
     "small": dict(num_hidden_layers=2, intermediate_size=1024, vocab_size=1024),
@@ -58,14 +58,7 @@ def build_model(preset: str, layers: int | None, device: str, dtype: torch.dtype
     config = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          max_position_embeddings=max_len, rope_theta=500000.0, **shape)
     config._attn_implementation = attn
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return random_llama(config, dtype, device)
 
 
 def cache_bytes(cache) -> int:

@@ -42,12 +42,12 @@ import time
 
 import torch
 from torch.nn import functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 from transformers.modeling_utils import AttentionInterface
 
 import restkv
 
-from devices import PeakMemory, device_of, sync
+from devices import PeakMemory, device_of, random_llama, sync
 
 METHODS = ("snapkv", "restkv", "adakv")
 LLAMA3_ROPE = {
@@ -99,14 +99,7 @@ def build_model(shape: str, device, dtype: torch.dtype, max_len: int):
         pad_token_id=None,
     )
     config._attn_implementation = "sdpa"
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return random_llama(config, dtype, device)
 
 
 def flash_backends() -> list[str]:
