@@ -49,7 +49,7 @@ vllm-install: $(VLLM_STAMP)
 
 # restkv's own environment runs the reference (its transformers path) and converts the packaged model.
 vllm-test: $(STAMP) $(VLLM_STAMP)
-	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q tests/vllm
+	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
 
 # The quick suite on the lowest transformers requirements.txt allows: a venv that installs only that version
 # and takes everything else from $(VENV) (a .pth file); `make test` covers the highest.

@@ -22,7 +22,6 @@ from tqdm import tqdm
 
 from .cli import run_settings
 from .generation import decode_configs
-from ..integration.calibration import layer_plans
 from .grid import quant_of, run_config
 from .meta import write_metadata
 from .models import load_from_args, model_name
@@ -148,6 +147,8 @@ class Task:
 def check_against_model(model, configs):
     """Each config's layer plan on the loaded model (its layers, backend, sliding windows), before any prompt
     runs: a config the model cannot hold ends the run with one line naming its label (exit code 1)."""
+    from ..integration.calibration import layer_plans  # torch: not before a model is loaded
+
     for run in map(run_config, configs):
         if run.cfg.evicts:
             try:

@@ -1,5 +1,5 @@
 """The vLLM plugin's configuration and eviction rule (no vLLM needed; the plugin itself:
-tests/vllm)."""
+tests/vllm_plugin)."""
 
 import json
 

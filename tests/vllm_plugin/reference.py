@@ -1,7 +1,7 @@
 """restkv's transformers path on the packaged SmolLM2: greedy tokens and kept positions, as JSON on
 stdout.
 
-Run with restkv's own environment: ``python tests/vllm/reference.py '<knobs json>' <new tokens>
+Run with restkv's own environment: ``python tests/vllm_plugin/reference.py '<knobs json>' <new tokens>
 <prompt ids json>`` (knobs ``{}``: no eviction). The vLLM plugin's tests compare against it.
 """
 

@@ -1,7 +1,7 @@
 """One vLLM engine on the packaged SmolLM2 (in-process), greedy: tokens, kept positions and KV
 blocks as JSON.
 
-``python tests/vllm/run_engine.py '<spec json>'`` in the vLLM environment, with ``RESTKV_VLLM`` set
+``python tests/vllm_plugin/run_engine.py '<spec json>'`` in the vLLM environment, with ``RESTKV_VLLM`` set
 for the plugin (unset: plain vLLM). Spec: ``model`` (a HF-format folder), ``prompts`` (lists of
 token ids), ``max_tokens``, ``block_size``, ``kv_tokens`` (the KV pool in tokens). Output: per
 prompt its ``tokens`` and ``kept`` (per layer, per KV head, the kept positions; empty without
