@@ -75,9 +75,11 @@ def left_pad(tokenizer, prompts, device):
     ids = [encode(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
     width = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], dtype=torch.long)
-    return input_ids.to(device), mask.to(device), pad
+    rows = [[pad] * (width - len(x)) + x for x in ids]
+    held = [[0] * (width - len(x)) + [1] * len(x) for x in ids]
+    input_ids = torch.tensor(rows, dtype=torch.long, device=device)
+    mask = torch.tensor(held, dtype=torch.long, device=device)
+    return input_ids, mask, pad
 
 
 def split_prompt(tokenizer, prompt, char):

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2] / "restkv"
 # Stages, lowest first: a module may import its own stage and the ones before it.
 STAGES = (
     ("lazy", "knobs", "compat"),
-    ("data", "scoring"),
+    ("data", "scoring", "observe"),
     ("methods",),
     ("strategies",),
     ("config",),
