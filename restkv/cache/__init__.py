@@ -2,7 +2,7 @@
 and quantized layers, ``cache_layer`` (which one holds a selection) and ``memory_report``."""
 
 from .dense import CompressedLayer, KeptLayer
-from .kept import Kept, appended_positions, stack_samples
+from .kept import HeldSizes, Kept, appended_positions, stack_samples
 from .layers import cache_layer
 from .packed import SegmentIndex, VarlenLayer, masked_attention, varlen_attention
 from .pruned import PrunedLayer, PrunedVarlenLayer
@@ -11,6 +11,7 @@ from .report import held_bytes, memory_report, tensor_bytes
 
 __all__ = [
     "CompressedLayer",
+    "HeldSizes",
     "Kept",
     "KeptLayer",
     "PrunedLayer",

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from .kept import Kept, appended_positions
+from .kept import HeldSizes, Kept, appended_positions
 
 
 class KeptLayer:
@@ -25,7 +25,9 @@ class KeptLayer:
         True  # the decoded tail (an assistant's rejected candidates), not the kept prompt
     )
 
-    def keep(self, kept: Kept, seen: int) -> None:
+    def keep(self, kept: Kept, seen: int, sizes: HeldSizes | None = None) -> None:
+        """Hold ``kept`` after ``seen`` tokens; ``sizes`` its ``HeldSizes`` when read already (else one
+        host read)."""
         b, hkv, _, d = kept.keys.shape
         self.token_bytes = b * hkv * d * 2 * kept.keys.element_size()  # one token of a full cache
         self.seen = seen
@@ -34,7 +36,8 @@ class KeptLayer:
         self.valid = (
             kept.valid
         )  # [b, B], or [b, Hkv, B] when heads keep different numbers (masked layout)
-        self.all_valid = bool(kept.valid.all())
+        self.sizes = HeldSizes.of(kept.valid) if sizes is None else sizes
+        self.all_valid = self.sizes.full
         self.prompt_end = (
             kept.positions.amax((1, 2)) + 1
         )  # [b] real prompt tokens (the last one is always kept)
@@ -52,8 +55,16 @@ class KeptLayer:
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.stored + query_length, self.seen - self.stored
 
+    def held_extent(self, samples: slice = slice(None)) -> tuple[int, bool] | None:
+        """``HeldSizes.extent`` of what ``stored_entries`` returns for ``samples``, known without a host read
+        (None after a reorder of the samples)."""
+        if self.sizes is None:
+            return None
+        return self.sizes.extent(samples, self.stored - self.valid.shape[-1])
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
+        self.sizes = None
         self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
         self.valid = self.valid.index_select(0, beam_idx.to(self.valid.device))
         self.prompt_end = self.prompt_end.index_select(0, beam_idx.to(self.prompt_end.device))
@@ -160,7 +171,7 @@ class CompressedLayer(KeptLayer, DynamicLayer):
     decoding writes in place instead of copying the cache at every step (beyond the room it copies).
     """
 
-    def __init__(self, kept: Kept, seen: int, room: int = 0):
+    def __init__(self, kept: Kept, seen: int, room: int = 0, sizes: HeldSizes | None = None):
         DynamicLayer.__init__(self)
         self.device = kept.keys.device
         self.keys = kept.keys
@@ -173,7 +184,7 @@ class CompressedLayer(KeptLayer, DynamicLayer):
             self._buffers[1][:, :, :n] = kept.values
             self.keys, self.values = (buf[:, :, :n] for buf in self._buffers)
         self.is_initialized = True
-        self.keep(kept, seen)
+        self.keep(kept, seen, sizes)
 
     def update(
         self, key_states: Tensor, value_states: Tensor, *args, **kwargs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,61 @@ class Kept:
     index: Tensor | None = (
         None  # [b, H, B] which of the observed entries each slot holds (None: not recorded)
     )
+
+    def narrowed(self, width: int) -> "Kept":
+        """The first ``width`` slots of every head (slots past every head's last kept entry dropped)."""
+        index = None if self.index is None else self.index[..., :width]
+        return replace(
+            self,
+            keys=self.keys[..., :width, :],
+            values=self.values[..., :width, :],
+            positions=self.positions[..., :width],
+            valid=self.valid[..., :width],
+            index=index,
+        )
+
+
+@dataclass(frozen=True)
+class HeldSizes:
+    """What a cache layer needs to know on the host about the entries it keeps, read in one go.
+
+    total: entries kept in all; full: every slot of the [b, (H,) B] layout is kept; longest[i], differ[i]:
+    the most entries a head of sample i keeps, and whether its heads keep different numbers.
+    """
+
+    total: int
+    full: bool
+    longest: tuple
+    differ: tuple
+
+    @staticmethod
+    def measure(count: Tensor, width) -> Tensor:
+        """The sizes as one long tensor on ``count``'s device, to read with others': ``count`` [b, H] entries
+        per head, ``width`` the slots per head (an int or a device scalar)."""
+        b = count.shape[0]
+        if count.numel() == 0:
+            return count.new_zeros(2 + 2 * b)
+        longest = count.amax(1)
+        differ = (count.amin(1) != longest).long()
+        return torch.cat([torch.stack([count.sum(), (count == width).all().long()]), longest, differ])
+
+    @classmethod
+    def read(cls, values: list) -> "HeldSizes":
+        """The sizes from ``measure``'s values (a list of ints)."""
+        b = (len(values) - 2) // 2
+        return cls(values[0], bool(values[1]), tuple(values[2 : 2 + b]), tuple(map(bool, values[2 + b :])))
+
+    @classmethod
+    def of(cls, valid: Tensor) -> "HeldSizes":
+        """The sizes of ``valid`` [b, B] or [b, H, B] (one host read)."""
+        count = valid.sum(-1)
+        count = count if count.dim() == 2 else count[:, None]
+        return cls.read(cls.measure(count, valid.shape[-1]).tolist())
+
+    def extent(self, samples: slice, decoded: int) -> tuple[int, bool]:
+        """``(most entries a head holds, every sample's heads hold as many)`` over ``samples`` once
+        ``decoded`` entries were appended to every head."""
+        return max(self.longest[samples]) + decoded, not any(self.differ[samples])
 
 
 def stack_samples(parts: list[Kept]) -> Kept:

@@ -12,13 +12,15 @@ attention is computed in float32 instead.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 from transformers.cache_utils import DynamicLayer
 
 from .dense import cropped_tokens
-from .kept import Kept, appended_positions
+from .kept import HeldSizes, Kept, appended_positions
 
 
 class SegmentIndex:
@@ -63,6 +65,45 @@ class SegmentIndex:
         )
         self.rows = torch.cat([(starts[:, None] + j).masked_fill_(~inside, 0), appended], 1)
         self.visible = torch.cat([inside, inside.new_ones(S, room)], 1)[:, None, None]
+        self.remapped = False  # rows of appended steps point to other segments' (``reordered``)
+
+    def appended_rows(self, first: int, last: int) -> Tensor:
+        """[S, last - first] the rows where appended steps ``first:last`` of each segment are written."""
+        S = self.lengths.numel()
+        step = torch.arange(first, last, device=self.lengths.device) * S
+        return self.packed + step + torch.arange(S, device=self.lengths.device)[:, None]
+
+    def with_room(self, room: int) -> "SegmentIndex":
+        """This index with room for ``room`` appended steps; the slots it has keep their rows."""
+        out = copy.copy(self)
+        extra = room - self.room
+        out.rows = torch.cat([self.rows, self.appended_rows(self.room, room)], 1)
+        out.visible = torch.cat([self.visible, self.visible.new_ones(*self.visible.shape[:3], extra)], -1)
+        out.room = room
+        return out
+
+    def reordered(self, segment: Tensor, steps: int) -> "SegmentIndex":
+        """The index of segments ``segment`` [S] (each new segment's old one, as many as before): each reads
+        its old segment's packed rows and first ``steps`` appended rows, and writes later steps to its own
+        rows. No host read, nothing copied: a step's rows stay within that step's block of S rows."""
+        out = copy.copy(self)
+        held = self.width + steps
+        out.lengths = self.lengths[segment]
+        out.rows = torch.cat([self.rows[segment, :held], self.rows[:, held:]], 1)
+        out.visible = self.visible[segment]
+        out.remapped = True
+        return out
+
+    def restarted(self, steps: int) -> "SegmentIndex":
+        """This index with appended steps from ``steps`` on written to each segment's own rows again
+        (after a crop of a reordered index)."""
+        if not self.remapped:
+            return self
+        out = copy.copy(self)
+        out.rows = torch.cat(
+            [self.rows[:, : self.width + steps], self.appended_rows(steps, self.room)], 1
+        )
+        return out
 
     def view(self, keys: Tensor, values: Tensor, steps: int, q: int):
         """Keys and values [S, 1, width + steps, d] gathered from the buffers [>= N + S * steps, d], and
@@ -165,16 +206,19 @@ class VarlenLayer(DynamicLayer):
 
     is_croppable = True  # the appended steps (assisted decoding's rejected candidates)
 
-    def __init__(self, kept: Kept, seen: int):
+    def __init__(self, kept: Kept, seen: int, sizes: HeldSizes | None = None):
         super().__init__()
         b, heads, _, d = kept.keys.shape
         valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand(b, heads, -1)
         self.device = kept.keys.device
         self.shape = (b, heads, d)
-        self.keys = kept.keys[valid]  # [N, d], segment order
-        self.values = kept.values[valid]
-        self.packed_positions = kept.positions[valid]  # [N]
-        self.index = SegmentIndex(valid.sum(-1).flatten())
+        self.sizes = HeldSizes.of(valid) if sizes is None else sizes  # one host read if not given
+        held = _held_slots(valid, self.sizes.total)
+        self.keys = kept.keys.flatten(0, 2).index_select(0, held)  # [N, d], segment order
+        self.values = kept.values.flatten(0, 2).index_select(0, held)
+        self.packed_positions = kept.positions.flatten().index_select(0, held)  # [N]
+        longest = max(self.sizes.longest, default=0)
+        self.index = SegmentIndex(valid.sum(-1).flatten(), 0, (self.sizes.total, longest))
         self.key_rows = self.index.packed
         self.steps = self.capacity = 0  # appended steps, and how many this layer's buffers hold
         self.token_bytes = (
@@ -212,9 +256,7 @@ class VarlenLayer(DynamicLayer):
         self.values = grown[1]
         self.capacity = room
         if room > self.index.room:
-            self.index = SegmentIndex(
-                self.index.lengths, room, (self.index.packed, self.index.width)
-            )
+            self.index = self.index.with_room(room)
 
     def growth(self, q: int) -> int:
         """Steps of room added when ``q`` more do not fit."""
@@ -248,36 +290,49 @@ class VarlenLayer(DynamicLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, self.seen
 
+    def held_extent(self, samples: slice = slice(None)) -> tuple[int, bool] | None:
+        """``HeldSizes.extent`` of what ``stored_entries`` returns for ``samples``, known without a host read
+        (None after a reorder of the samples)."""
+        return None if self.sizes is None else self.sizes.extent(samples, self.steps)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples): each
-        new sample's segments gather the packed rows and appended steps of its source sample (one host
-        read, the new index)."""
+        """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples). As many
+        samples as before (beam search): each new segment reads its source segment's rows, no host read
+        and nothing copied (``SegmentIndex.reordered``); otherwise the rows are gathered into new
+        buffers (one host read, the new index)."""
         b, heads, d = self.shape
         beam_idx = beam_idx.to(self.device)
-        old = self.index
-        steps = self.steps
         head = torch.arange(heads, device=self.device)
         segment = (beam_idx[:, None] * heads + head).flatten()  # each new segment's old one
-        index = SegmentIndex(old.lengths[segment], old.room)
-        held = index.visible[:, 0, 0, : index.width]
-        packed = old.rows[segment, : index.width].masked_select(held)
-        S = old.lengths.numel()
-        S_new = segment.numel()
-        appended = old.packed + torch.arange(steps, device=self.device)[:, None] * S + segment
-        rows = torch.cat([packed, appended.flatten()])
-        for name in ("keys", "values"):
-            buf = getattr(self, name)
-            grown = buf.new_empty(index.packed + S_new * max(self.capacity, steps), d)
-            grown[: rows.numel()] = buf.index_select(0, rows)
-            setattr(self, name, grown)
-        self.packed_positions = self.packed_positions.index_select(0, packed)
+        if segment.numel() == self.index.lengths.numel():
+            self.index = self.index.reordered(segment, self.steps)
+        else:
+            self._gather_segments(segment)
+        self.sizes = None
         self.positions = self.positions.index_select(0, beam_idx)
-        self.index = index
-        self.key_rows = index.packed
-        self.capacity = max(self.capacity, steps)
         self.shape = (beam_idx.numel(), heads, d)
         if getattr(self, "recent", None) is not None:
             self.recent = self.recent.index_select(0, beam_idx)
+
+    def _gather_segments(self, segment: Tensor) -> None:
+        """New buffers holding segments ``segment`` [S'] of the old ones, packed, then their appended steps."""
+        old = self.index
+        steps = self.steps
+        d = self.shape[-1]
+        index = SegmentIndex(old.lengths[segment], old.room)
+        held = index.visible[:, 0, 0, : index.width]
+        packed = old.rows[segment, : index.width].masked_select(held)
+        appended = old.rows[segment, old.width : old.width + steps].transpose(0, 1)
+        rows = torch.cat([packed, appended.flatten()])
+        for name in ("keys", "values"):
+            buf = getattr(self, name)
+            grown = buf.new_empty(index.packed + segment.numel() * max(self.capacity, steps), d)
+            grown[: rows.numel()] = buf.index_select(0, rows)
+            setattr(self, name, grown)
+        self.packed_positions = self.packed_positions.index_select(0, packed)
+        self.index = index
+        self.key_rows = index.packed
+        self.capacity = max(self.capacity, steps)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last appended steps: ``-tokens_to_remove`` of them (a positive value: the
@@ -285,6 +340,7 @@ class VarlenLayer(DynamicLayer):
         remove = cropped_tokens(tokens_to_remove, self.seen, self.steps, self)
         self.steps -= remove
         self.seen -= remove
+        self.index = self.index.restarted(self.steps)
 
     def attend(self, query: Tensor, scaling: float, softcap: float | None = None) -> Tensor:
         """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout)."""
@@ -308,19 +364,16 @@ class VarlenLayer(DynamicLayer):
         """Every stored entry, each head padded after its packed part: keys, values [b, H, n, d], validity and
         positions [b, H, n] (-1 where invalid)."""
         b, heads, d = self.shape
-        S = self.index.lengths.numel()
         T = self.steps
-        N = self.index.packed
-
-        def appended(x):  # [S, T, d]
-            return x[N : N + S * T].view(T, S, d).transpose(0, 1)
-
-        (keys, inside), (values, _) = (self.index.entries(x[:N]) for x in (self.keys, self.values))
-        kept, _ = self.index.entries(self.packed_positions)
-        keys, values = (
-            torch.cat([x, appended(buf)], 1).view(b, heads, -1, d)
-            for x, buf in ((keys, self.keys), (values, self.values))
-        )
-        valid = torch.cat([inside, inside.new_ones(S, T)], 1).view(b, heads, -1)
+        keys, values, visible = self.index.view(self.keys, self.values, T, 1)
+        keys, values = (x.view(b, heads, -1, d) for x in (keys, values))
+        kept, inside = self.index.entries(self.packed_positions)
         kept = kept.masked_fill(~inside, -1).view(b, heads, -1)
+        valid = visible.reshape(b, heads, -1)
         return keys, values, valid, appended_positions(kept, kept.shape[-1] + T)
+
+
+def _held_slots(valid: Tensor, total: int) -> Tensor:
+    """[total] the kept slots of ``valid`` [b, H, B] in flattened order, with no host sync (``total``
+    of them, known)."""
+    return (~valid).flatten().to(torch.uint8).argsort(stable=True)[:total]

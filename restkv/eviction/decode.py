@@ -12,6 +12,11 @@ heads hold different numbers of entries, each head is laid out as its older entr
 hold (``head_valid``), then its newest ``window_size`` entries: the window is the last w slots of every
 head, as at prefill. A layer arms itself at prefill (``arm``) and carries its policy, its recent queries
 and its count of new tokens, so any attachment that decodes it (sweep mode's too) keeps evicting.
+
+Host reads: none per decoded token, and one per interval for the whole model. Each layer selects on the
+device (``decode_step``, a ``Shrink``): its layout's width is known from the sizes its cache layer read
+when it was built (``HeldSizes``), per-head budgets are laid out on that width; after the decoder's
+forward ``finish`` reads every layer's sizes at once, cuts the parts and puts the shrunk layers in place.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..cache import Kept, cache_layer, stack_samples
+from ..cache import HeldSizes, Kept, cache_layer, stack_samples
 from ..scoring.precision import float32_scoring
 from ..scoring.rope import Rope
 from ..strategies.budgets import fits
@@ -53,30 +58,58 @@ def arm(layer, plan, budgets, query, rope=None) -> None:
         layer.reserve(cfg.decode_interval)
 
 
-def decode_step(cache, module, query, kwargs) -> None:
+@dataclass
+class Shrink:
+    """A layer's selection at an interval, computed on the device and waiting for its sizes: ``finish``
+    puts the shrunk layer in place, with one host read for every layer of the forward."""
+
+    cache: object
+    layer_idx: int
+    layer: object  # the cache layer it replaces, as it was when selected
+    seen: int
+    parts: list  # a ``Kept`` per group of samples, maybe with slots past every head's entries
+    widths: list  # the slots each part keeps: an int, or a device scalar (read in ``finish``)
+
+
+def decode_step(cache, module, query, kwargs) -> Shrink | None:
     """After a forward's attention on an armed layer: remember its queries [b, Hq, q, d], and every
-    ``decode_interval`` new tokens put the shrunk layer in its place in ``cache``."""
+    ``decode_interval`` new tokens select again (a ``Shrink`` for ``finish``; None when nothing is due
+    or every head fits its budget)."""
     layer = cache.layers[module.layer_idx]
     layer.recent = torch.cat([layer.recent, query], 2)[:, :, -layer.policy.plan.cfg.window_size :]
     layer.since += query.shape[2]
-    if layer.since >= layer.policy.interval:
-        cache.layers[module.layer_idx] = shrink(layer, module, kwargs)
+    if layer.since < layer.policy.interval:
+        return None
+    return shrink(cache, module, kwargs)
 
 
-def shrink(layer, module, kwargs):
-    """The layer scored again over what it holds and cut back to its budget (a new cache layer, armed);
-    the layer itself (with its count reset) when nothing exceeds the budget."""
+def shrink(cache, module, kwargs) -> Shrink | None:
+    """The selection of ``module``'s cache layer over what it holds, cut back to its budget, computed
+    without a host read (a ``Shrink``); None, the layer's count reset, when nothing exceeds the budget."""
+    layer = cache.layers[module.layer_idx]
     with torch.no_grad(), float32_scoring(layer.recent.device.type):
-        return _shrink(layer, module, kwargs)
+        parts = _shrink(layer, module, kwargs)
+    if all(evicted is False for _, _, evicted in parts):
+        layer.since = 0
+        return None
+    return Shrink(
+        cache,
+        module.layer_idx,
+        layer,
+        layer.seen,
+        [kept for kept, _, _ in parts],
+        [width for _, width, _ in parts],
+    )
 
 
-def _shrink(layer, module, kwargs):
+def _shrink(layer, module, kwargs) -> list:
+    """``(Kept, slots, evicted)`` of each group of samples (one group when they share a budget)."""
     policy, (keys, values, valid, positions) = layer.policy, layer.stored_entries()
     budgets = policy.budgets
     groups = (
         [slice(None)] if len(set(budgets)) == 1 else [slice(i, i + 1) for i in range(keys.shape[0])]
     )
-    parts = [
+    return [
         _reselect(
             policy,
             module,
@@ -88,41 +121,84 @@ def _shrink(layer, module, kwargs):
             budgets[g.start or 0],
             kwargs,
             getattr(layer, "kv_heads", None),
+            layer.held_extent(g),
         )
         for g in groups
     ]
-    if all(evicted is False for _, evicted in parts):
-        layer.since = 0
-        return layer
-    kept = parts[0][0] if len(parts) == 1 else stack_samples([p for p, _ in parts])
-    new = cache_layer(kept, layer.seen, policy.plan.cfg)
+
+
+def finish(shrinks: list) -> None:
+    """Put the shrunk layers of ``shrinks`` (and empty it) in their caches, with one host read for all:
+    the slots each part keeps and the new layers' ``HeldSizes``. A shrink whose layer has changed since
+    (a forward that did not return) is dropped."""
+    todo = [s for s in shrinks if s.cache.layers[s.layer_idx] is s.layer and s.layer.seen == s.seen]
+    del shrinks[:]
+    if not todo:
+        return
+    measured = [_measure(s) for s in todo]
+    device = measured[0].device
+    values = torch.cat([m.to(device) for m in measured]).tolist()  # the one host read
+    start = 0
+    for s, m in zip(todo, measured):
+        s.cache.layers[s.layer_idx] = _shrunk(s, values[start : start + m.numel()])
+        start += m.numel()
+
+
+def _measure(s: Shrink) -> torch.Tensor:
+    """[parts + 2 + 2 b] long: the slots each part keeps, then the ``HeldSizes`` of the new layer."""
+    device = s.parts[0].valid.device
+    heads = s.parts[0].keys.shape[1]
+    widths = torch.stack([torch.as_tensor(w, device=device) for w in s.widths])
+    count = torch.cat([_count(p.valid, heads) for p in s.parts])
+    width = widths.amax() if len(s.parts) > 1 else widths[0]
+    return torch.cat([widths, HeldSizes.measure(count, width)])
+
+
+def _count(valid, heads: int) -> torch.Tensor:
+    """[b, heads] entries each head keeps, from ``valid`` [b, B] or [b, H, B]."""
+    count = valid.sum(-1)
+    return count if count.dim() == 2 else count[:, None].expand(-1, heads)
+
+
+def _shrunk(s: Shrink, values: list):
+    """The new cache layer of a shrink, armed as its layer was, from its read ``values``."""
+    k = len(s.parts)
+    parts = [p.narrowed(w) for p, w in zip(s.parts, values[:k])]
+    kept = parts[0] if k == 1 else stack_samples(parts)
+    policy = s.layer.policy
+    new = cache_layer(kept, s.layer.seen, policy.plan.cfg, sizes=HeldSizes.read(values[k:]))
     new.policy = policy
-    new.recent = layer.recent
+    new.recent = s.layer.recent
     new.since = 0
     if hasattr(new, "reserve"):
         new.reserve(policy.interval)
     return new
 
 
-def _reselect(policy, module, recent, keys, values, valid, positions, budget, kwargs, kv_heads):
-    """``(Kept, evicted)`` of one group of samples: its entries laid out for the scorer, then selected
-    (``evicted`` False: all fit the budget and are kept as they are)."""
+def _reselect(
+    policy, module, recent, keys, values, valid, positions, budget, kwargs, kv_heads, extent
+):
+    """``(Kept, slots, evicted)`` of one group of samples: its entries laid out for the scorer, then
+    selected (``evicted`` False: all fit the budget and are kept as they are). ``slots``: the slots of
+    every head that hold kept entries, an int or (per-head budgets) a device scalar; ``extent`` the
+    group's ``held_extent``, if known."""
     plan = policy.plan
-    index, held, width, same = relayout(valid, plan.cfg.window_size)
+    index, held, width, same = relayout(valid, plan.cfg.window_size, extent)
     keys, values = (
         x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1])) for x in (keys, values)
     )
     positions = positions.gather(2, index).masked_fill(~held, -1)
     key_valid = held[:, 0] if same else held.any(1)
     if fits(plan.cfg, width, budget):
-        return Kept(
+        kept = Kept(
             keys,
             values,
             positions,
             key_valid if same else held,
             per_head=not same,
             kv_heads=kv_heads,
-        ), False
+        )
+        return kept, width, False
     obs = observation(
         plan,
         module,
@@ -136,10 +212,20 @@ def _reselect(policy, module, recent, keys, values, valid, positions, budget, kw
         _rope(policy.embed, positions),
         None if same else held,
     )
-    kept = select(obs, plan.cfg, plan.table)
+    kept = select(obs, plan.cfg, plan.table, width=width)
     valid_kept = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
     real = positions.gather(2, kept.index).masked_fill(~valid_kept, -1)
-    return replace(kept, positions=real, kv_heads=kv_heads), True
+    kept = replace(kept, positions=real, kv_heads=kv_heads)
+    return kept, _used_slots(kept), True
+
+
+def _used_slots(kept: Kept):
+    """The slots up to every head's last kept entry: the width with a budget shared by the heads, else
+    a device scalar (per-head budgets laid out on the scorer's width)."""
+    if not kept.per_head:
+        return kept.keys.shape[-2]
+    slot = torch.arange(1, kept.valid.shape[-1] + 1, device=kept.valid.device)
+    return (kept.valid * slot).amax()
 
 
 def _rope(embed, positions):
@@ -152,20 +238,24 @@ def _rope(embed, positions):
     return Rope(cos, sin, positions.amax((1, 2)) + 1, embed)
 
 
-def relayout(valid, window: int):
+def relayout(valid, window: int, extent: tuple[int, bool] | None = None):
     """Slots of the scorer's layout for entries with validity ``valid`` [b, H, n].
 
     Each head's entries keep their order; its newest ``window`` fill the last slots, its older ones start
     where the sample's longest head starts (so every sample is left padded, as a prompt is), and a shorter
     head leaves a gap between the two. Returns ``index`` [b, H, width] (the entry in each slot), ``held``
     [b, H, width] (the slot holds one), ``width`` (the longest head) and ``same`` (every head of a sample
-    holds as many entries: no gaps), with one host read.
+    holds as many entries: no gaps); ``extent`` ``(width, same)`` when the cache layer knows them, else
+    one host read.
     """
     b, heads, n = valid.shape
     count = valid.sum(-1)  # [b, H]
-    width, differ = torch.stack(
-        [count.max(), (count.amin(1) != count.amax(1)).any().long()]
-    ).tolist()
+    if extent is None:
+        width, differ = torch.stack(
+            [count.max(), (count.amin(1) != count.amax(1)).any().long()]
+        ).tolist()
+    else:
+        width, differ = extent[0], not extent[1]
     longest = count.amax(1, keepdim=True)[..., None]
     rank = valid.long().cumsum(-1) - 1
     slot = torch.where(

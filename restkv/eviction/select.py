@@ -93,6 +93,7 @@ def select(
     table: Tensor | None = None,
     sizes: Tensor | None = None,
     scores: Tensor | None = None,
+    width: int | None = None,
 ) -> Kept:
     """Keep the top prefix entries of each KV head, plus the window, in position order, then merge.
 
@@ -101,6 +102,8 @@ def select(
     ``sizes`` [b, Hkv] given, from a cross-layer budget). ``scores``: ``head_scores`` already computed.
     A selection strategy (``ranking``) may rank by another key than the scores; merging reads the scores.
     With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with its own kept set.
+    ``width``: with per-head budgets, the slots of every head (at least the longest head's kept entries
+    plus the window; the slots past a head's entries invalid), which spares the host read of the longest.
     """
     b, hkv, n, d = obs.keys.shape
     fit = fits(cfg, n, obs.budget)
@@ -115,7 +118,7 @@ def select(
         base = obs.budget - obs.window
         sizes = head_sizes(cfg, scores, base, table) if sizes is None else sizes
         keep = base if sizes is None else sizes
-        idx = _top_then_window(ranking(obs, cfg, scores, keep), keep, obs.window)
+        idx = _top_then_window(ranking(obs, cfg, scores, keep), keep, obs.window, width)
         keys, values = merge(
             cfg, obs, scores, idx, _gather(obs.keys, idx), _gather(obs.values, idx)
         )
@@ -145,18 +148,19 @@ def select(
     )
 
 
-def _top_then_window(scores: Tensor, keep, window: int) -> Tensor:
+def _top_then_window(scores: Tensor, keep, window: int, width: int | None = None) -> Tensor:
     """Indices [b, Hkv, K + window]: each head's top ``keep`` prefix entries in order, then the window.
 
-    ``keep`` is an int, or [b, Hkv] per-head counts; then K is the largest count and each head's row is
-    [its entries, the window, filler] (filler repeats the last position and is marked invalid later).
+    ``keep`` is an int, or [b, Hkv] per-head counts; then K + window is ``width`` if given, else the
+    largest count's, and each head's row is [its entries, the window, filler] (filler repeats the last
+    position and is marked invalid later).
     """
     b, hkv, P = scores.shape
     window_idx = torch.arange(P, P + window, device=scores.device)
     if isinstance(keep, int):
         top = scores.topk(keep, dim=-1).indices.sort(-1).values
         return torch.cat([top, window_idx.expand(b, hkv, -1)], -1)
-    width = int(keep.max()) + window  # one host read per layer
+    width = int(keep.max()) + window if width is None else width  # one host read per layer
     pos = torch.arange(P, device=scores.device).expand(b, hkv, P)
     top = torch.where(top_set(scores, keep), pos, P + window - 1).sort(-1).values
     top = torch.nn.functional.pad(top, (0, max(0, width - P)), value=P + window - 1)[..., :width]

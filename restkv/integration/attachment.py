@@ -32,7 +32,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 from transformers.modeling_utils import AttentionInterface
 
 from ..cache import KeptLayer, VarlenLayer, masked_attention
-from ..eviction.decode import decode_step
+from ..eviction import decode
 from ..eviction.deferred import decoder_of, finish
 from ..eviction.step import evict_layer
 from ..eviction.plans import LayerPlan, attention_modules, backend_kind
@@ -64,8 +64,10 @@ def _attention_with_eviction(backend, kind, module, query, key, value, attention
         out = _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs)
         if (
             getattr(layer, "policy", None) is not None
-        ):  # eviction during decoding (``decode_interval``)
-            decode_step(state.cache, module, query, kwargs)
+        ):  # eviction during decoding (``decode_interval``), put in place after the decoder's forward
+            shrunk = decode.decode_step(state.cache, module, query, kwargs)
+            if shrunk is not None:
+                state.shrinks.append(shrunk)
         return out
     out = backend(module, query, key, value, attention_mask, **kwargs)
     if type(layer) not in PREFILL_LAYERS:
@@ -220,6 +222,9 @@ class LayerState:
     replay: Callable | None = (
         None  # ``replay(query, key, value)`` after a pass's attention (``restkv.eviction.deferred``)
     )
+    shrinks: list | None = (
+        None  # the attachment's layers shrunk while decoding, to put in place (``decode.finish``)
+    )
     prompt_length: int | None = None  # the prompt of the generate() in flight (``modes``)
     chunks: "chunked.Chunks | None" = None  # what a chunked prefill recorded (``chunked``)
 
@@ -297,12 +302,14 @@ class Attachment:
         self.cfg = plans[0].cfg
         rotary = [rotary_module(model, m) for m in self.modules]
         self.pending: list = []  # deferred layers of the prefill in flight, shared by the states
+        self.shrinks: list = []  # layers shrunk while decoding in the forward in flight, shared too
         self.states = [
             LayerState(
                 p,
                 on_prefill or evict_into_cache,
                 embed=None if r is None else rotary_function(r, m),
                 pending=self.pending,
+                shrinks=self.shrinks,
             )
             for p, m, r in zip(plans, self.modules, rotary)
         ]
@@ -336,7 +343,9 @@ class Attachment:
         return self
 
     def _finish(self, decoder, args, kwargs, output) -> None:
-        """After a forward of the decoder: finish the deferred layers of its prefill, if any."""
+        """After a forward of the decoder: put the layers shrunk while decoding in place, finish the
+        deferred layers of its prefill, if any."""
+        decode.finish(self.shrinks)
         self.finish_pending(kwargs.get("input_ids", args[0] if args else None))
 
     def finish_pending(self, input_ids) -> None:

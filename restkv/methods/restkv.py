@@ -293,12 +293,15 @@ def adaptive_pool(
     kernel_size: int,
     scale: float,
     n_pad: "torch.Tensor | None" = None,
+    reach: int | None = None,
 ) -> "torch.Tensor":
     """Average pooling whose width and shift follow the drift, per sample and head.
 
     kernel ``k = max(kernel_size, 2 floor(|t| / scale) + 1)``, shift ``s = floor(t / scale)``
     (+1 when ``t <= 0``), replicate padding ``k // 2 - s`` on the left and ``k // 2 + s`` on the right.
-    ``n_pad`` [b] left-padding lengths: each sample is padded from its first real entry.
+    ``n_pad`` [b] left-padding lengths: each sample is padded from its first real entry. ``reach``: a
+    bound of ``|t|`` (the keys the drift's positions range over); when ``reach / scale`` cannot widen the
+    kernel, its width is known without the host read of the widest.
     """
     if n_pad is not None:
         first = n_pad.clamp(max=scores.shape[-1] - 1)[:, None, None].expand(-1, scores.shape[1], 1)
@@ -308,7 +311,10 @@ def adaptive_pool(
     half = torch.clamp(steps, min=kernel_size // 2)  # k // 2 with k = max(kernel_size, 2 steps + 1)
     shift = torch.floor(drift / scale).long() + (drift <= 0).long()
     shift = torch.maximum(torch.minimum(shift, half), -half)
-    max_pad = 2 * int(half.max())  # one host read per layer
+    if reach is not None and reach // scale <= kernel_size // 2:  # every head's half is k // 2
+        max_pad = 2 * (kernel_size // 2)
+    else:
+        max_pad = 2 * int(half.max())  # one host read per layer
     left = (half - shift).flatten()
     right = (half + shift).flatten()
     out = shifted_box_filter(scores.reshape(-1, scores.shape[-1]), left, right, max_pad)
@@ -413,7 +419,7 @@ def score(obs, cfg):
         s = observed["s"]
     if cfg.pooling == "adaptive":
         n_pad = (~obs.key_valid[:, :P]).sum(-1)
-        s = adaptive_pool(s, drift, cfg.kernel_size, cfg.scale, n_pad)
+        s = adaptive_pool(s, drift, cfg.kernel_size, cfg.scale, n_pad, obs.keys.shape[2])
     else:
         s = pool1d(s, cfg.pooling, cfg.get("kernel_size", 1))
     return s if counted is None else expected.keep_sinks(s, obs, counted)
