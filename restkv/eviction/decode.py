@@ -27,7 +27,7 @@ import torch
 
 from ..cache import HeldSizes, Kept, cache_layer, stack_samples
 from ..scoring.precision import float32_scoring
-from ..scoring.rope import Rope
+from ..scoring.rope import LazyRope, Rope
 from ..strategies.budgets import fits
 from .observation import observation
 from .select import select
@@ -230,12 +230,16 @@ def _used_slots(kept: Kept):
 
 def _rope(embed, positions):
     """The ``Rope`` of the scorer's layout: cos/sin at each slot's position [b, L] as the first head holds it
-    (exact at the window's slots, the same for every head), the next position after the newest entry."""
+    (exact at the window's slots, the same for every head), the next position after the newest entry;
+    computed only if the scorer reads it (``LazyRope``)."""
     if embed is None:
         return None
-    first = positions[:, 0].clamp_min(0)
-    cos, sin = embed(first)
-    return Rope(cos, sin, positions.amax((1, 2)) + 1, embed)
+
+    def make():
+        cos, sin = embed(positions[:, 0].clamp_min(0))
+        return Rope(cos, sin, positions.amax((1, 2)) + 1, embed)
+
+    return LazyRope(make, embed)
 
 
 def relayout(valid, window: int, extent: tuple[int, bool] | None = None):

@@ -81,6 +81,33 @@ class Rope:
         return cos.float().mean(1), sin.float().mean(1)
 
 
+class LazyRope(Rope):
+    """A ``Rope`` made the first time a scorer reads it (``make() -> Rope``): no kernel runs for a scorer
+    that never reads RoPE."""
+
+    def __init__(self, make: Callable[[], Rope], embed: Callable):
+        self._make = make
+        self._made = None
+        self.embed = embed
+
+    def _rope(self) -> Rope:
+        if self._made is None:
+            self._made = self._make()
+        return self._made
+
+    @property
+    def cos(self) -> "torch.Tensor":
+        return self._rope().cos
+
+    @property
+    def sin(self) -> "torch.Tensor":
+        return self._rope().sin
+
+    @property
+    def next_position(self) -> "torch.Tensor":
+        return self._rope().next_position
+
+
 def rotary_module(model, attention) -> "torch.nn.Module | None":
     """The rotary embedding module that serves ``attention``: its own ``rotary_emb``, else that of the
     innermost module of ``model`` holding both a ``rotary_emb`` and the attention module."""

@@ -1,6 +1,8 @@
 """No host sync per decoded token: restkv adds no .item()/.tolist()/bool()/int() to a decoding step of an
 evicted cache (dense or packed per head), sweep mode's greedy decoding reads the host once every
-CHECK_EVERY tokens, and no RoPE is captured for a decoded token.
+CHECK_EVERY tokens, eviction while decoding reads it once per interval for the whole model, beam search
+reorders the packed layout with no read, and no RoPE is captured or computed for a decoded token unless
+a scorer reads it.
 
 Counted: calls of the Python-level conversions of torch.Tensor (the syncs Python code makes); syncs inside
 torch operators (boolean-mask indexing, nonzero) are not seen here."""
@@ -15,6 +17,8 @@ from helpers import prompt, tiny_model
 from transformers.cache_utils import DynamicCache
 
 import restkv
+from restkv.cache import CompressedLayer, VarlenLayer
+from restkv.eviction.plans import attention_modules as attachment_modules
 from restkv.integration import attachment, generation
 
 CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
@@ -115,4 +119,99 @@ def test_greedy_decode_stops_and_trims_as_before():
             model, cache, first, torch.arange(60)[None], None, 12, eos, 0
         )
     assert torch.equal(tokens, free[:, :stop]) and int(length) == stop
+    restkv.detach(model)
+
+
+def syncs_per_token(model, ids, steps, mask=None, reorder=None):
+    """Host conversions of each of ``steps`` decoding forwards after a prefill of ``ids`` (with ``mask``),
+    and the cache; ``reorder(step)`` [b] (beam search) reorders the cache before each forward."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    counts = []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, cache=DynamicCache())
+        cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        for step in range(steps):
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            with counting_syncs() as n:
+                if reorder is not None:
+                    cache.reorder_cache(reorder(step))
+                out = model(input_ids=tok, attention_mask=mask, cache=cache, use_cache=True)
+            counts.append(n[0])
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    return counts, cache
+
+
+INTERVAL = 4
+EVERY_INTERVAL = [  # (knobs, per-head layout): dense, packed per head, dense per head, per-sample budgets
+    (dict(method="snapkv"), None),
+    (dict(method="restkv"), None),
+    (dict(method="adakv"), VarlenLayer),
+    (dict(method="adakv", varlen=False), CompressedLayer),
+    (dict(method="restkv", head_budget="adakv", gqa_agg="none", floor=0.0), VarlenLayer),
+    (dict(method="adakv", max_capacity_prompt_ratio=0.5), VarlenLayer),
+]
+
+
+@pytest.mark.parametrize("knobs,layout", EVERY_INTERVAL)
+def test_eviction_while_decoding_reads_the_host_once_per_interval(knobs, layout):
+    """Every layer evicts again at each interval; the whole model reads the host once then, never between."""
+    model = tiny_model("llama", "eager", seed=3)
+    ids = torch.cat([prompt(50, seed=1), prompt(50, seed=2)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # a left-padded sample: with a ratio, a budget of its own
+    steps = 3 * INTERVAL
+    restkv.configure(model, method="fullkv")
+    baseline, _ = syncs_per_token(model, ids, steps, mask)
+    budget = {} if "max_capacity_prompt_ratio" in knobs else dict(max_capacity_prompt=24)
+    restkv.configure(model, window_size=6, decode_interval=INTERVAL, **budget, **knobs)
+    counts, cache = syncs_per_token(model, ids, steps, mask)
+    extra = [n - b for n, b in zip(counts, baseline)]
+    due = [(i + 1) % INTERVAL == 0 for i in range(steps)]
+    assert extra == [1 if d else 0 for d in due], extra
+    layers = cache.layers
+    assert all(layer.since == 0 and layer.policy is not None for layer in layers)  # all evicted last token
+    held = torch.stack([layer.stored_entries()[2].sum(-1).amax() for layer in layers])
+    assert int(held.max()) <= 50  # back to the budget (24, or half a 50-token prompt) plus the window
+    if layout is not None:
+        assert all(type(layer) is layout for layer in layers)
+    restkv.detach(model)
+
+
+def test_beam_search_on_the_packed_layout_reads_no_host():
+    """Reordering the packed per-head layout every step (beam search) adds no host read."""
+    model = tiny_model("llama", seed=2)
+    ids = prompt(60).repeat(3, 1)
+    g = torch.Generator().manual_seed(0)
+    orders = [torch.randint(0, 3, (3,), generator=g) for _ in range(6)]
+    restkv.configure(model, method="fullkv")
+    baseline, _ = syncs_per_token(model, ids, 6, reorder=orders.__getitem__)
+    restkv.configure(model, method="adakv", max_capacity_prompt=20, window_size=4)
+    counts, cache = syncs_per_token(model, ids, 6, reorder=orders.__getitem__)
+    assert all(type(layer) is VarlenLayer for layer in cache.layers)
+    assert counts == baseline
+    restkv.detach(model)
+
+
+@pytest.mark.parametrize("method,reads", [("snapkv", False), ("expected_attention", True)])
+def test_rope_is_computed_while_decoding_only_for_a_scorer_that_reads_it(method, reads):
+    """With decode_interval=1 the rotary module runs at each decoded token of each layer only when the
+    scorer reads RoPE (Expected Attention), never for SnapKV."""
+    model = tiny_model(seed=1)
+    ids = prompt(60)
+    restkv.configure(model, method=method, max_capacity_prompt=24, window_size=4, decode_interval=1)
+    calls = []
+    for m in attachment_modules(model):
+        embed = m._restkv.embed
+        m._restkv.embed = lambda positions, embed=embed: calls.append(1) or embed(positions)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, cache=DynamicCache())
+        prefill = len(calls)
+        cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(3):
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    assert all(layer.since == 0 for layer in cache.layers)  # every layer evicted at every token
+    assert (len(calls) - prefill >= 3 * model.config.num_hidden_layers) == reads
+    assert reads or len(calls) == prefill  # none at all while decoding
     restkv.detach(model)
