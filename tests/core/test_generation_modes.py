@@ -162,3 +162,45 @@ def test_crop_removes_the_decoded_tail_only(packed):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="crop"):
         cropped.crop(-3)  # only 2 decoded entries: the kept prompt cannot go
+
+
+def test_packed_reorders_crops_and_selections_compose():
+    """Reordering twice (rows remapped, nothing copied), cropping the decoded tail, appending again and
+    then keeping fewer samples (rows gathered) equal the same steps on the reordered samples packed anew."""
+    from restkv.cache import Kept
+
+    g = torch.Generator().manual_seed(1)
+    b, heads, width, d = 3, 2, 6, 4
+    lengths = torch.tensor([[6, 2], [4, 5], [1, 3]])
+    valid = torch.arange(width) < lengths[..., None]
+    keys, values = torch.randn(b, heads, width, d, generator=g), torch.randn(b, heads, width, d, generator=g)
+    positions = torch.arange(width).expand(b, heads, width).masked_fill(~valid, -1)
+    layer = VarlenLayer(Kept(keys, values, positions, valid, per_head=True), seen=10)
+    steps = [torch.randn(b, heads, 1, d, generator=g) for _ in range(5)]
+    first, second = torch.tensor([2, 0, 0]), torch.tensor([1, 1, 2])
+    for k in steps[:2]:
+        layer.update(k, -k)
+    layer.reorder_cache(first)
+    layer.update(steps[2], -steps[2])
+    layer.reorder_cache(second)
+    layer.crop(-1)  # the step appended after the first reorder
+    for k in steps[3:]:
+        layer.update(k, -k)
+    order = first[second]
+    ref = VarlenLayer(Kept(keys[order], values[order], positions[order], valid[order], per_head=True), seen=10)
+    for k in steps[:2]:
+        ref.update(k[order], -k[order])
+    for k in steps[3:]:
+        ref.update(k, -k)
+    for got, want in zip(layer.stored_entries(), ref.stored_entries()):
+        assert torch.equal(got, want)
+    fewer = torch.tensor([2, 0])
+    layer.reorder_cache(fewer)
+    ref.reorder_cache(fewer)
+    for got, want in zip(layer.stored_entries(), ref.stored_entries()):
+        assert torch.equal(got, want)
+    query = torch.randn(2, heads * 3, 1, d, generator=g)
+    new = torch.randn(2, heads, 1, d, generator=g)
+    layer.update(new, new)
+    ref.update(new, new)
+    torch.testing.assert_close(layer.attend(query, 0.5), ref.attend(query, 0.5))
