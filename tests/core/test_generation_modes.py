@@ -73,6 +73,24 @@ def test_assisted_decoding_refused_before_any_forward(knobs, knob):
     assert not calls
 
 
+@pytest.mark.parametrize("main_evicts", [True, False])
+def test_an_evicted_assistant_is_refused_before_any_forward(main_evicts):
+    """A draft model with restkv attached: refused at its first generate(), before either model's forward;
+    detached, it drafts for the evicted main model and the tokens are greedy's."""
+    model, draft = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    ids = torch.cat([prompt(30, seed=3)] * 2, 1)
+    restkv.configure(model, method="snapkv" if main_evicts else "fullkv", **BUDGET)
+    restkv.configure(draft, method="snapkv", **BUDGET)
+    calls = []
+    for m in (model, draft):
+        m.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match="assistant_model"):
+        greedy(model, ids, n=12, assistant_model=draft)
+    assert not calls
+    restkv.detach(draft)
+    assert torch.equal(greedy(model, ids, n=12, assistant_model=draft), greedy(model, ids, n=12))
+
+
 @pytest.mark.parametrize("knobs", [dict(method="adakv"), dict(method="adakv", max_capacity_prompt_ratio=0.4)])
 def test_beam_search_on_the_packed_layout_equals_the_dense_layout(knobs):
     model = tiny_model("llama")
