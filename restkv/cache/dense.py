@@ -26,8 +26,8 @@ class KeptLayer:
     )
 
     def keep(self, kept: Kept, seen: int, sizes: HeldSizes | None = None) -> None:
-        """Hold ``kept`` after ``seen`` tokens; ``sizes`` its ``HeldSizes`` when read already (else one
-        host read)."""
+        """Hold ``kept`` after ``seen`` tokens; ``sizes`` its ``HeldSizes`` when read already (else
+        one host read)."""
         b, hkv, _, d = kept.keys.shape
         self.token_bytes = b * hkv * d * 2 * kept.keys.element_size()  # one token of a full cache
         self.seen = seen
@@ -56,8 +56,8 @@ class KeptLayer:
         return self.stored + query_length, self.seen - self.stored
 
     def held_extent(self, samples: slice = slice(None)) -> tuple[int, bool] | None:
-        """``HeldSizes.extent`` of what ``stored_entries`` returns for ``samples``, known without a host read
-        (None after a reorder of the samples)."""
+        """``HeldSizes.extent`` of what ``stored_entries`` returns for ``samples``, known without a
+        host read (None after a reorder of the samples)."""
         if self.sizes is None:
             return None
         return self.sizes.extent(samples, self.stored - self.valid.shape[-1])

@@ -26,7 +26,8 @@ class Kept:
     )
 
     def narrowed(self, width: int) -> "Kept":
-        """The first ``width`` slots of every head (slots past every head's last kept entry dropped)."""
+        """The first ``width`` slots of every head (slots past every head's last kept entry
+        dropped)."""
         index = None if self.index is None else self.index[..., :width]
         return replace(
             self,
@@ -42,8 +43,9 @@ class Kept:
 class HeldSizes:
     """What a cache layer needs to know on the host about the entries it keeps, read in one go.
 
-    total: entries kept in all; full: every slot of the [b, (H,) B] layout is kept; longest[i], differ[i]:
-    the most entries a head of sample i keeps, and whether its heads keep different numbers.
+    total: entries kept in all; full: every slot of the [b, (H,) B] layout is kept; longest[i],
+    differ[i]: the most entries a head of sample i keeps, and whether its heads keep different
+    numbers.
     """
 
     total: int
@@ -53,20 +55,24 @@ class HeldSizes:
 
     @staticmethod
     def measure(count: Tensor, width) -> Tensor:
-        """The sizes as one long tensor on ``count``'s device, to read with others': ``count`` [b, H] entries
-        per head, ``width`` the slots per head (an int or a device scalar)."""
+        """The sizes as one long tensor on ``count``'s device, to read with others':
+        ``count`` [b, H] entries per head, ``width`` the slots per head (an int or a device scalar)."""
         b = count.shape[0]
         if count.numel() == 0:
             return count.new_zeros(2 + 2 * b)
         longest = count.amax(1)
         differ = (count.amin(1) != longest).long()
-        return torch.cat([torch.stack([count.sum(), (count == width).all().long()]), longest, differ])
+        return torch.cat(
+            [torch.stack([count.sum(), (count == width).all().long()]), longest, differ]
+        )
 
     @classmethod
     def read(cls, values: list) -> "HeldSizes":
         """The sizes from ``measure``'s values (a list of ints)."""
         b = (len(values) - 2) // 2
-        return cls(values[0], bool(values[1]), tuple(values[2 : 2 + b]), tuple(map(bool, values[2 + b :])))
+        return cls(
+            values[0], bool(values[1]), tuple(values[2 : 2 + b]), tuple(map(bool, values[2 + b :]))
+        )
 
     @classmethod
     def of(cls, valid: Tensor) -> "HeldSizes":

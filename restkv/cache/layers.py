@@ -16,10 +16,10 @@ def cache_layer(
 ):
     """The cache layer that holds a layer's kept entries, or None when the full cache stays as it is.
 
-    Quantized (``quant_method``), packed per head (per-head budgets with ``varlen``, or one kept set per
-    query head) or dense; with ThinK's ``channels`` [b, H, c] the older keys hold only those channels
-    (``restkv.cache.pruned``). ``sizes``: the kept entries' ``HeldSizes`` when already read (else the
-    layer reads them: one host read).
+    Quantized (``quant_method``), packed per head (per-head budgets with ``varlen``, or one kept set
+    per query head) or dense; with ThinK's ``channels`` [b, H, c] the older keys hold only those
+    channels (``restkv.cache.pruned``). ``sizes``: the kept entries' ``HeldSizes`` when already read
+    (else the layer reads them: one host read).
     """
     if cfg.quant_method:
         return quantized_layer(

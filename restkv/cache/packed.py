@@ -68,7 +68,8 @@ class SegmentIndex:
         self.remapped = False  # rows of appended steps point to other segments' (``reordered``)
 
     def appended_rows(self, first: int, last: int) -> Tensor:
-        """[S, last - first] the rows where appended steps ``first:last`` of each segment are written."""
+        """[S, last - first] the rows where appended steps ``first:last`` of each segment are
+        written."""
         S = self.lengths.numel()
         step = torch.arange(first, last, device=self.lengths.device) * S
         return self.packed + step + torch.arange(S, device=self.lengths.device)[:, None]
@@ -78,14 +79,17 @@ class SegmentIndex:
         out = copy.copy(self)
         extra = room - self.room
         out.rows = torch.cat([self.rows, self.appended_rows(self.room, room)], 1)
-        out.visible = torch.cat([self.visible, self.visible.new_ones(*self.visible.shape[:3], extra)], -1)
+        out.visible = torch.cat(
+            [self.visible, self.visible.new_ones(*self.visible.shape[:3], extra)], -1
+        )
         out.room = room
         return out
 
     def reordered(self, segment: Tensor, steps: int) -> "SegmentIndex":
-        """The index of segments ``segment`` [S] (each new segment's old one, as many as before): each reads
-        its old segment's packed rows and first ``steps`` appended rows, and writes later steps to its own
-        rows. No host read, nothing copied: a step's rows stay within that step's block of S rows."""
+        """The index of segments ``segment`` [S] (each new segment's old one, as many as before):
+        each reads its old segment's packed rows and first ``steps`` appended rows, and writes later
+        steps to its own rows. No host read, nothing copied: a step's rows stay within that step's
+        block of S rows."""
         out = copy.copy(self)
         held = self.width + steps
         out.lengths = self.lengths[segment]
@@ -291,15 +295,15 @@ class VarlenLayer(DynamicLayer):
         return query_length, self.seen
 
     def held_extent(self, samples: slice = slice(None)) -> tuple[int, bool] | None:
-        """``HeldSizes.extent`` of what ``stored_entries`` returns for ``samples``, known without a host read
-        (None after a reorder of the samples)."""
+        """``HeldSizes.extent`` of what ``stored_entries`` returns for ``samples``, known without a
+        host read (None after a reorder of the samples)."""
         return None if self.sizes is None else self.sizes.extent(samples, self.steps)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples). As many
-        samples as before (beam search): each new segment reads its source segment's rows, no host read
-        and nothing copied (``SegmentIndex.reordered``); otherwise the rows are gathered into new
-        buffers (one host read, the new index)."""
+        """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples). As
+        many samples as before (beam search): each new segment reads its source segment's rows, no
+        host read and nothing copied (``SegmentIndex.reordered``); otherwise the rows are gathered
+        into new buffers (one host read, the new index)."""
         b, heads, d = self.shape
         beam_idx = beam_idx.to(self.device)
         head = torch.arange(heads, device=self.device)
@@ -315,7 +319,8 @@ class VarlenLayer(DynamicLayer):
             self.recent = self.recent.index_select(0, beam_idx)
 
     def _gather_segments(self, segment: Tensor) -> None:
-        """New buffers holding segments ``segment`` [S'] of the old ones, packed, then their appended steps."""
+        """New buffers holding segments ``segment`` [S'] of the old ones, packed, then their
+        appended steps."""
         old = self.index
         steps = self.steps
         d = self.shape[-1]
@@ -374,6 +379,6 @@ class VarlenLayer(DynamicLayer):
 
 
 def _held_slots(valid: Tensor, total: int) -> Tensor:
-    """[total] the kept slots of ``valid`` [b, H, B] in flattened order, with no host sync (``total``
-    of them, known)."""
+    """[total] the kept slots of ``valid`` [b, H, B] in flattened order, with no host sync
+    (``total`` of them, known)."""
     return (~valid).flatten().to(torch.uint8).argsort(stable=True)[:total]

@@ -13,10 +13,11 @@ hold (``head_valid``), then its newest ``window_size`` entries: the window is th
 head, as at prefill. A layer arms itself at prefill (``arm``) and carries its policy, its recent queries
 and its count of new tokens, so any attachment that decodes it (sweep mode's too) keeps evicting.
 
-Host reads: none per decoded token, and one per interval for the whole model. Each layer selects on the
-device (``decode_step``, a ``Shrink``): its layout's width is known from the sizes its cache layer read
-when it was built (``HeldSizes``), per-head budgets are laid out on that width; after the decoder's
-forward ``finish`` reads every layer's sizes at once, cuts the parts and puts the shrunk layers in place.
+Host reads: none per decoded token, and one per interval for the whole model. Each layer selects on
+the device (``decode_step``, a ``Shrink``): its layout's width is known from the sizes its cache
+layer read when it was built (``HeldSizes``), per-head budgets are laid out on that width; after the
+decoder's forward ``finish`` reads every layer's sizes at once, cuts the parts and puts the shrunk
+layers in place.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def arm(layer, plan, budgets, query, rope=None) -> None:
 
 @dataclass
 class Shrink:
-    """A layer's selection at an interval, computed on the device and waiting for its sizes: ``finish``
-    puts the shrunk layer in place, with one host read for every layer of the forward."""
+    """A layer's selection at an interval, computed on the device and waiting for its sizes:
+    ``finish`` puts the shrunk layer in place, with one host read for every layer of the forward."""
 
     cache: object
     layer_idx: int
@@ -73,8 +74,8 @@ class Shrink:
 
 def decode_step(cache, module, query, kwargs) -> Shrink | None:
     """After a forward's attention on an armed layer: remember its queries [b, Hq, q, d], and every
-    ``decode_interval`` new tokens select again (a ``Shrink`` for ``finish``; None when nothing is due
-    or every head fits its budget)."""
+    ``decode_interval`` new tokens select again (a ``Shrink`` for ``finish``; None when nothing is
+    due or every head fits its budget)."""
     layer = cache.layers[module.layer_idx]
     layer.recent = torch.cat([layer.recent, query], 2)[:, :, -layer.policy.plan.cfg.window_size :]
     layer.since += query.shape[2]
@@ -84,8 +85,9 @@ def decode_step(cache, module, query, kwargs) -> Shrink | None:
 
 
 def shrink(cache, module, kwargs) -> Shrink | None:
-    """The selection of ``module``'s cache layer over what it holds, cut back to its budget, computed
-    without a host read (a ``Shrink``); None, the layer's count reset, when nothing exceeds the budget."""
+    """The selection of ``module``'s cache layer over what it holds, cut back to its budget,
+    computed without a host read (a ``Shrink``); None, the layer's count reset, when nothing exceeds
+    the budget."""
     layer = cache.layers[module.layer_idx]
     with torch.no_grad(), float32_scoring(layer.recent.device.type):
         parts = _shrink(layer, module, kwargs)
@@ -128,9 +130,9 @@ def _shrink(layer, module, kwargs) -> list:
 
 
 def finish(shrinks: list) -> None:
-    """Put the shrunk layers of ``shrinks`` (and empty it) in their caches, with one host read for all:
-    the slots each part keeps and the new layers' ``HeldSizes``. A shrink whose layer has changed since
-    (a forward that did not return) is dropped."""
+    """Put the shrunk layers of ``shrinks`` (and empty it) in their caches, with one host read for
+    all: the slots each part keeps and the new layers' ``HeldSizes``. A shrink whose layer has
+    changed since (a forward that did not return) is dropped."""
     todo = [s for s in shrinks if s.cache.layers[s.layer_idx] is s.layer and s.layer.seen == s.seen]
     del shrinks[:]
     if not todo:
@@ -145,7 +147,8 @@ def finish(shrinks: list) -> None:
 
 
 def _measure(s: Shrink) -> torch.Tensor:
-    """[parts + 2 + 2 b] long: the slots each part keeps, then the ``HeldSizes`` of the new layer."""
+    """[parts + 2 + 2 b] long: the slots each part keeps, then the ``HeldSizes`` of the new
+    layer."""
     device = s.parts[0].valid.device
     heads = s.parts[0].keys.shape[1]
     widths = torch.stack([torch.as_tensor(w, device=device) for w in s.widths])
@@ -179,9 +182,9 @@ def _reselect(
     policy, module, recent, keys, values, valid, positions, budget, kwargs, kv_heads, extent
 ):
     """``(Kept, slots, evicted)`` of one group of samples: its entries laid out for the scorer, then
-    selected (``evicted`` False: all fit the budget and are kept as they are). ``slots``: the slots of
-    every head that hold kept entries, an int or (per-head budgets) a device scalar; ``extent`` the
-    group's ``held_extent``, if known."""
+    selected (``evicted`` False: all fit the budget and are kept as they are). ``slots``: the slots
+    of every head that hold kept entries, an int or (per-head budgets) a device scalar; ``extent``
+    the group's ``held_extent``, if known."""
     plan = policy.plan
     index, held, width, same = relayout(valid, plan.cfg.window_size, extent)
     keys, values = (
@@ -220,8 +223,8 @@ def _reselect(
 
 
 def _used_slots(kept: Kept):
-    """The slots up to every head's last kept entry: the width with a budget shared by the heads, else
-    a device scalar (per-head budgets laid out on the scorer's width)."""
+    """The slots up to every head's last kept entry: the width with a budget shared by the heads,
+    else a device scalar (per-head budgets laid out on the scorer's width)."""
     if not kept.per_head:
         return kept.keys.shape[-2]
     slot = torch.arange(1, kept.valid.shape[-1] + 1, device=kept.valid.device)
@@ -229,9 +232,9 @@ def _used_slots(kept: Kept):
 
 
 def _rope(embed, positions):
-    """The ``Rope`` of the scorer's layout: cos/sin at each slot's position [b, L] as the first head holds it
-    (exact at the window's slots, the same for every head), the next position after the newest entry;
-    computed only if the scorer reads it (``LazyRope``)."""
+    """The ``Rope`` of the scorer's layout: cos/sin at each slot's position [b, L] as the first head
+    holds it (exact at the window's slots, the same for every head), the next position after the
+    newest entry; computed only if the scorer reads it (``LazyRope``)."""
     if embed is None:
         return None
 
@@ -245,12 +248,12 @@ def _rope(embed, positions):
 def relayout(valid, window: int, extent: tuple[int, bool] | None = None):
     """Slots of the scorer's layout for entries with validity ``valid`` [b, H, n].
 
-    Each head's entries keep their order; its newest ``window`` fill the last slots, its older ones start
-    where the sample's longest head starts (so every sample is left padded, as a prompt is), and a shorter
-    head leaves a gap between the two. Returns ``index`` [b, H, width] (the entry in each slot), ``held``
-    [b, H, width] (the slot holds one), ``width`` (the longest head) and ``same`` (every head of a sample
-    holds as many entries: no gaps); ``extent`` ``(width, same)`` when the cache layer knows them, else
-    one host read.
+    Each head's entries keep their order; its newest ``window`` fill the last slots, its older ones
+    start where the sample's longest head starts (so every sample is left padded, as a prompt is),
+    and a shorter head leaves a gap between the two. Returns ``index`` [b, H, width] (the entry in
+    each slot), ``held`` [b, H, width] (the slot holds one), ``width`` (the longest head) and
+    ``same`` (every head of a sample holds as many entries: no gaps); ``extent`` ``(width, same)``
+    when the cache layer knows them, else one host read.
     """
     b, heads, n = valid.shape
     count = valid.sum(-1)  # [b, H]

@@ -99,11 +99,12 @@ def select(
 
     Each head keeps ``budget - window`` prefix entries, or its own number with per-head budgets
     (``budgets.head_sizes``: AdaKV from the scores, HeadKV from the layer's ``table`` row [Hkv]; or
-    ``sizes`` [b, Hkv] given, from a cross-layer budget). ``scores``: ``head_scores`` already computed.
-    A selection strategy (``ranking``) may rank by another key than the scores; merging reads the scores.
-    With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with its own kept set.
-    ``width``: with per-head budgets, the slots of every head (at least the longest head's kept entries
-    plus the window; the slots past a head's entries invalid), which spares the host read of the longest.
+    ``sizes`` [b, Hkv] given, from a cross-layer budget). ``scores``: ``head_scores`` already
+    computed. A selection strategy (``ranking``) may rank by another key than the scores; merging
+    reads the scores. With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with
+    its own kept set. ``width``: with per-head budgets, the slots of every head (at least the
+    longest head's kept entries plus the window; the slots past a head's entries invalid), which
+    spares the host read of the longest.
     """
     b, hkv, n, d = obs.keys.shape
     fit = fits(cfg, n, obs.budget)
@@ -152,8 +153,8 @@ def _top_then_window(scores: Tensor, keep, window: int, width: int | None = None
     """Indices [b, Hkv, K + window]: each head's top ``keep`` prefix entries in order, then the window.
 
     ``keep`` is an int, or [b, Hkv] per-head counts; then K + window is ``width`` if given, else the
-    largest count's, and each head's row is [its entries, the window, filler] (filler repeats the last
-    position and is marked invalid later).
+    largest count's, and each head's row is [its entries, the window, filler] (filler repeats the
+    last position and is marked invalid later).
     """
     b, hkv, P = scores.shape
     window_idx = torch.arange(P, P + window, device=scores.device)

@@ -64,7 +64,7 @@ def _attention_with_eviction(backend, kind, module, query, key, value, attention
         out = _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs)
         if (
             getattr(layer, "policy", None) is not None
-        ):  # eviction during decoding (``decode_interval``), put in place after the decoder's forward
+        ):  # eviction while decoding (``decode_interval``), in place after the decoder's forward
             shrunk = decode.decode_step(state.cache, module, query, kwargs)
             if shrunk is not None:
                 state.shrinks.append(shrunk)

@@ -9,11 +9,12 @@ before any forward.
   tokens, so the tokens are those of greedy decoding; rejected candidates leave by ``crop``. A
   selection deferred after the prefill, eviction while decoding and a quantized cache cannot do
   either: refused.
-- Eviction on the assistant model itself (a draft whose cache is evicted too): refused at the draft's
-  first ``generate()``, before either model's first forward. transformers crops an assistant's cache to
-  one token before the last accepted one and feeds that token again, which reaches into the draft's
-  prompt after a round with no accepted candidate: the kept prompt's newest entries would have to leave
-  the evicted cache (every layout: dense, per head, packed), which no cache layer supports yet.
+- Eviction on the assistant model itself (a draft whose cache is evicted too): refused at the
+  draft's first ``generate()``, before either model's first forward. transformers crops an
+  assistant's cache to one token before the last accepted one and feeds that token again, which
+  reaches into the draft's prompt after a round with no accepted candidate: the kept prompt's newest
+  entries would have to leave the evicted cache (every layout: dense, per head, packed), which no
+  cache layer supports yet.
 - Beam search with ThinK's pruned channels on the packed layout: refused.
 """
 
@@ -38,9 +39,9 @@ def check(attachment, model, kwargs: dict) -> None:
         return
     if _setting(model, kwargs, "is_assistant"):
         raise ValueError(
-            f"method={cfg.method!r} on an assistant_model: transformers crops the assistant's cache into "
-            "its prompt, which an evicted cache cannot give back; restkv.detach() the assistant "
-            "(the main model's cache may be evicted)"
+            f"method={cfg.method!r} on an assistant_model: transformers crops the assistant's "
+            "cache into its prompt, which an evicted cache cannot give back; restkv.detach() the "
+            "assistant (the main model's cache may be evicted)"
         )
     assistant = kwargs.get("assistant_model") is not None
     assisted = assistant or any(_setting(model, kwargs, k) for k in ASSISTANTS)

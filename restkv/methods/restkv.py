@@ -297,11 +297,11 @@ def adaptive_pool(
 ) -> "torch.Tensor":
     """Average pooling whose width and shift follow the drift, per sample and head.
 
-    kernel ``k = max(kernel_size, 2 floor(|t| / scale) + 1)``, shift ``s = floor(t / scale)``
-    (+1 when ``t <= 0``), replicate padding ``k // 2 - s`` on the left and ``k // 2 + s`` on the right.
-    ``n_pad`` [b] left-padding lengths: each sample is padded from its first real entry. ``reach``: a
-    bound of ``|t|`` (the keys the drift's positions range over); when ``reach / scale`` cannot widen the
-    kernel, its width is known without the host read of the widest.
+    kernel ``k = max(kernel_size, 2 floor(|t| / scale) + 1)``, shift ``s = floor(t / scale)`` (+1
+    when ``t <= 0``), replicate padding ``k // 2 - s`` on the left and ``k // 2 + s`` on the right.
+    ``n_pad`` [b] left-padding lengths: each sample is padded from its first real entry. ``reach``:
+    a bound of ``|t|`` (the keys the drift's positions range over); when ``reach / scale`` cannot
+    widen the kernel, its width is known without the host read of the widest.
     """
     if n_pad is not None:
         first = n_pad.clamp(max=scores.shape[-1] - 1)[:, None, None].expand(-1, scores.shape[1], 1)

@@ -82,8 +82,8 @@ class Rope:
 
 
 class LazyRope(Rope):
-    """A ``Rope`` made the first time a scorer reads it (``make() -> Rope``): no kernel runs for a scorer
-    that never reads RoPE."""
+    """A ``Rope`` made the first time a scorer reads it (``make() -> Rope``): no kernel runs for a
+    scorer that never reads RoPE."""
 
     def __init__(self, make: Callable[[], Rope], embed: Callable):
         self._make = make
