@@ -62,6 +62,13 @@ class KeptLayer:
             return None
         return self.sizes.extent(samples, self.stored - self.valid.shape[-1])
 
+    def measured_sizes(self) -> Tensor:
+        """``HeldSizes.measure`` of the kept entries, on the device (to read with other layers')."""
+        count = self.valid.sum(-1)
+        return HeldSizes.measure(
+            count if count.dim() == 2 else count[:, None], self.valid.shape[-1]
+        )
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self.sizes = None

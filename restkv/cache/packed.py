@@ -299,6 +299,11 @@ class VarlenLayer(DynamicLayer):
         host read (None after a reorder of the samples)."""
         return None if self.sizes is None else self.sizes.extent(samples, self.steps)
 
+    def measured_sizes(self) -> Tensor:
+        """``HeldSizes.measure`` of the kept entries, on the device (to read with other layers')."""
+        b, heads, _ = self.shape
+        return HeldSizes.measure(self.index.lengths.view(b, heads), self.index.width)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples). As
         many samples as before (beam search): each new segment reads its source segment's rows, no

@@ -13,7 +13,8 @@ hold (``head_valid``), then its newest ``window_size`` entries: the window is th
 head, as at prefill. A layer arms itself at prefill (``arm``) and carries its policy, its recent queries
 and its count of new tokens, so any attachment that decodes it (sweep mode's too) keeps evicting.
 
-Host reads: none per decoded token, and one per interval for the whole model. Each layer selects on
+Host reads: none per decoded token, and one per interval for the whole model (two after beam search
+reordered the samples: the layers' sizes first, ``_measure_unknown``). Each layer selects on
 the device (``decode_step``, a ``Shrink``): its layout's width is known from the sizes its cache
 layer read when it was built (``HeldSizes``), per-head budgets are laid out on that width; after the
 decoder's forward ``finish`` reads every layer's sizes at once, cuts the parts and puts the shrunk
@@ -89,6 +90,8 @@ def shrink(cache, module, kwargs) -> Shrink | None:
     computed without a host read (a ``Shrink``); None, the layer's count reset, when nothing exceeds
     the budget."""
     layer = cache.layers[module.layer_idx]
+    if layer.held_extent() is None:  # samples reordered (beam search) since the layer was built
+        _measure_unknown(cache)
     with torch.no_grad(), float32_scoring(layer.recent.device.type):
         parts = _shrink(layer, module, kwargs)
     if all(evicted is False for _, _, evicted in parts):
@@ -102,6 +105,23 @@ def shrink(cache, module, kwargs) -> Shrink | None:
         [kept for kept, _, _ in parts],
         [width for _, width, _ in parts],
     )
+
+
+def _measure_unknown(cache) -> None:
+    """The ``HeldSizes`` of every armed layer of ``cache`` that lost them (a reorder of its
+    samples), with one host read for all."""
+    layers = [
+        layer
+        for layer in cache.layers
+        if getattr(layer, "policy", None) is not None and layer.held_extent() is None
+    ]
+    measured = [layer.measured_sizes() for layer in layers]
+    device = measured[0].device
+    values = torch.cat([m.to(device) for m in measured]).tolist()  # one host read
+    start = 0
+    for layer, m in zip(layers, measured):
+        layer.sizes = HeldSizes.read(values[start : start + m.numel()])
+        start += m.numel()
 
 
 def _shrink(layer, module, kwargs) -> list:

@@ -215,3 +215,22 @@ def test_rope_is_computed_while_decoding_only_for_a_scorer_that_reads_it(method,
     assert (len(calls) - prefill >= 3 * model.config.num_hidden_layers) == reads
     assert reads or len(calls) == prefill  # none at all while decoding
     restkv.detach(model)
+
+
+@pytest.mark.parametrize("varlen", [True, False])
+def test_beam_search_with_eviction_while_decoding_reads_the_host_twice_per_interval(varlen):
+    """Reordered samples lose their layers' sizes: at the next interval one read measures every layer,
+    one puts the shrunk layers in place; none between intervals."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.cat([prompt(60, seed=1), prompt(60, seed=2)])
+    g = torch.Generator().manual_seed(0)
+    orders = [torch.randint(0, 2, (2,), generator=g) for _ in range(2 * INTERVAL)]
+    restkv.configure(model, method="fullkv")
+    baseline, _ = syncs_per_token(model, ids, 2 * INTERVAL, reorder=orders.__getitem__)
+    restkv.configure(model, method="adakv", max_capacity_prompt=20, window_size=4, varlen=varlen,
+                     decode_interval=INTERVAL)
+    counts, cache = syncs_per_token(model, ids, 2 * INTERVAL, reorder=orders.__getitem__)
+    extra = [n - b for n, b in zip(counts, baseline)]
+    assert extra == [2 if (i + 1) % INTERVAL == 0 else 0 for i in range(2 * INTERVAL)], extra
+    assert all(layer.since == 0 for layer in cache.layers)
+    restkv.detach(model)
