@@ -3,7 +3,8 @@
 Every ``decode_interval`` new tokens, each evicted layer is scored again over what it holds, with the
 ``window_size`` most recent queries as the observation window, and shrunk back to the budget it had at
 prefill (per layer, per sample; per head as its head budgets share it: AdaKV from the new scores, HeadKV
-from its table). A head so never holds more than its budget plus ``decode_interval`` entries (a forward of
+from its table), or with ``decode_compression_ratio`` r to ``int(n (1 - r))`` of the n tokens each sample
+has seen. A head so never holds more than its budget plus ``decode_interval`` entries (a forward of
 q > 1 tokens, e.g. a question after ``compress_context``, holds budget + q during that forward).
 
 The scorer sees the layer's entries in cache order: ``Observation.keys`` are the entries held,
@@ -24,6 +25,7 @@ from ..cache import Kept, cache_layer, stack_samples
 from ..scoring.precision import float32_scoring
 from ..scoring.rope import Rope
 from ..strategies.budgets import fits
+from ..strategies.decoding import decoding_budgets
 from .observation import observation
 from .select import select
 
@@ -72,7 +74,7 @@ def shrink(layer, module, kwargs):
 
 def _shrink(layer, module, kwargs):
     policy, (keys, values, valid, positions) = layer.policy, layer.stored_entries()
-    budgets = policy.budgets
+    budgets = _budgets(policy, positions)
     groups = (
         [slice(None)] if len(set(budgets)) == 1 else [slice(i, i + 1) for i in range(keys.shape[0])]
     )
@@ -102,6 +104,16 @@ def _shrink(layer, module, kwargs):
     if hasattr(new, "reserve"):
         new.reserve(policy.interval)
     return new
+
+
+def _budgets(policy, positions) -> tuple:
+    """Each sample's budget now: the prefill's, or a share of the tokens it has seen
+    (``decode_compression_ratio``; one host read per eviction)."""
+    cfg = policy.plan.cfg
+    if cfg.get("decode_compression_ratio") is None:
+        return policy.budgets
+    seen = (positions.amax((1, 2)) + 1).tolist()
+    return tuple(decoding_budgets(cfg, seen, policy.plan.num_evicted, policy.plan.rank))
 
 
 def _reselect(policy, module, recent, keys, values, valid, positions, budget, kwargs, kv_heads):
