@@ -175,6 +175,10 @@ PAIRS = (
     Pair("KVgrad", dict(method="kvgrad", window_size=1, repeat_chunk=512), press("KVgradPress", compression_ratio=RATIO)),
     Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
          press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
+    # each chunk of 256 keeps its share: kvpress int(256 (1 - r)) per chunk of the prompt, restkv the budget's
+    # share per chunk of the prefix (its window of 1 apart)
+    Pair("ChunkPress (L2Norm)", dict(method="l2norm", window_size=1, prompt_chunk=256),
+         press("ChunkPress", press=press("KnormPress", compression_ratio=RATIO), chunk_length=256)),
 )
 
 

@@ -21,12 +21,12 @@ A strategy is one module of this package with
 strategy is one module and one line here (CONTRIBUTING.md, "Adding a strategy").
 """
 
-from . import budgets, chunks, critical, decoding, merge, refine, think
+from . import budgets, chunks, critical, decoding, merge, prompt_chunks, refine, think
 
 # Knobs read by every evicting method, and their checks, in this order.
-STRATEGIES = (budgets, merge, critical, chunks, refine, decoding)
+STRATEGIES = (budgets, merge, critical, chunks, prompt_chunks, refine, decoding)
 # Ranking strategies: each turns the ranking key of the one before (first: the scores) into its own.
-RANKINGS = (critical, chunks, refine)
+RANKINGS = (critical, chunks, prompt_chunks, refine)
 
 __all__ = [
     "RANKINGS",
@@ -36,6 +36,7 @@ __all__ = [
     "critical",
     "decoding",
     "merge",
+    "prompt_chunks",
     "refine",
     "think",
 ]
