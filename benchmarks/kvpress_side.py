@@ -106,7 +106,10 @@ def _capture_kept(built, gathered: dict):
 
     def capture(module, hidden_states, keys, values, attentions, kwargs):
         k, v = compress(module, hidden_states, keys, values, attentions, kwargs)
-        gathered[module.layer_idx] = None if k.shape == keys.shape else gathered_positions(keys, k)
+        found = None if k.shape == keys.shape else gathered_positions(keys, k)
+        if found is None and k.shape != keys.shape:  # keys moved (KeyRerotationPress): read the values
+            found = gathered_positions(values, v)
+        gathered[module.layer_idx] = found
         return k, v
 
     built.compress = capture

@@ -25,6 +25,7 @@ from ..cache import Kept, cache_layer, stack_samples
 from ..scoring.precision import float32_scoring
 from ..scoring.rope import Rope
 from ..strategies.budgets import fits
+from ..strategies import rerotate
 from ..strategies.decoding import decoding_budgets
 from .observation import observation
 from .select import select
@@ -75,6 +76,7 @@ def shrink(layer, module, kwargs):
 def _shrink(layer, module, kwargs):
     policy, (keys, values, valid, positions) = layer.policy, layer.stored_entries()
     budgets = _budgets(policy, positions)
+    rotated = _rotated_at(policy, valid, positions)
     groups = (
         [slice(None)] if len(set(budgets)) == 1 else [slice(i, i + 1) for i in range(keys.shape[0])]
     )
@@ -87,6 +89,7 @@ def _shrink(layer, module, kwargs):
             values[g],
             valid[g],
             positions[g],
+            rotated[g],
             budgets[g.start or 0],
             kwargs,
             getattr(layer, "kv_heads", None),
@@ -116,15 +119,28 @@ def _budgets(policy, positions) -> tuple:
     return tuple(decoding_budgets(cfg, seen, policy.plan.num_evicted, policy.plan.rank))
 
 
-def _reselect(policy, module, recent, keys, values, valid, positions, budget, kwargs, kv_heads):
+def _rotated_at(policy, valid, positions):
+    """[b, H, n] the positions at which the held keys are rotated: their own, or with ``rerotate_keys``
+    each head's entries packed before the newest token (``restkv.strategies.rerotate``)."""
+    if not rerotate.applies(policy.plan.cfg):
+        return positions
+    rotated = rerotate.packed_positions(valid, positions.amax((1, 2)), "end")
+    return rotated.masked_fill(~valid, -1)
+
+
+def _reselect(
+    policy, module, recent, keys, values, valid, positions, rotated, budget, kwargs, kv_heads
+):
     """``(Kept, evicted)`` of one group of samples: its entries laid out for the scorer, then selected
-    (``evicted`` False: all fit the budget and are kept as they are)."""
+    (``evicted`` False: all fit the budget and are kept as they are). ``rotated`` [b, H, n]: where the
+    held keys are rotated (``_rotated_at``)."""
     plan = policy.plan
     index, held, width, same = relayout(valid, plan.cfg.window_size)
     keys, values = (
         x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1])) for x in (keys, values)
     )
     positions = positions.gather(2, index).masked_fill(~held, -1)
+    rotated = rotated.gather(2, index).masked_fill(~held, -1)
     key_valid = held[:, 0] if same else held.any(1)
     if fits(plan.cfg, width, budget):
         return Kept(
@@ -145,13 +161,24 @@ def _reselect(policy, module, recent, keys, values, valid, positions, budget, kw
         budget,
         kwargs,
         {},
-        _rope(policy.embed, positions),
+        _rope(policy.embed, rotated),
         None if same else held,
     )
     kept = select(obs, plan.cfg, plan.table)
     valid_kept = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
     real = positions.gather(2, kept.index).masked_fill(~valid_kept, -1)
-    return replace(kept, positions=real, kv_heads=kv_heads), True
+    kept = replace(kept, positions=real, kv_heads=kv_heads)
+    if rerotate.applies(plan.cfg):
+        kept = _packed(policy, kept, rotated.gather(2, kept.index).clamp_min(0))
+    return kept, True
+
+
+def _packed(policy, kept, now):
+    """``kept`` with its keys, rotated at ``now`` [b, H, K], moved to the positions before the newest."""
+    valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand_as(kept.positions)
+    target = rerotate.packed_positions(valid, kept.positions.amax((1, 2)), "end")
+    keys = rerotate.rerotated(kept.keys, valid, now, target, policy.embed)
+    return replace(kept, keys=keys)
 
 
 def _rope(embed, positions):
