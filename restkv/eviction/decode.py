@@ -81,7 +81,7 @@ def _shrink(layer, module, kwargs):
         [slice(None)] if len(set(budgets)) == 1 else [slice(i, i + 1) for i in range(keys.shape[0])]
     )
     parts = [
-        _reselect(
+        reselect(
             policy,
             module,
             layer.recent[g],
@@ -128,12 +128,24 @@ def _rotated_at(policy, valid, positions):
     return rotated.masked_fill(~valid, -1)
 
 
-def _reselect(
-    policy, module, recent, keys, values, valid, positions, rotated, budget, kwargs, kv_heads
+def reselect(
+    policy,
+    module,
+    recent,
+    keys,
+    values,
+    valid,
+    positions,
+    rotated,
+    budget,
+    kwargs,
+    kv_heads,
+    pack=True,
 ):
     """``(Kept, evicted)`` of one group of samples: its entries laid out for the scorer, then selected
     (``evicted`` False: all fit the budget and are kept as they are). ``rotated`` [b, H, n]: where the
-    held keys are rotated (``_rotated_at``)."""
+    held keys are rotated (``_rotated_at``); ``pack``: re-rotate the kept keys (with ``rerotate_keys``).
+    Also the second stage of a composed selection (``restkv.eviction.compose``, ``pack=False``)."""
     plan = policy.plan
     index, held, width, same = relayout(valid, plan.cfg.window_size)
     keys, values = (
@@ -168,7 +180,7 @@ def _reselect(
     valid_kept = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
     real = positions.gather(2, kept.index).masked_fill(~valid_kept, -1)
     kept = replace(kept, positions=real, kv_heads=kv_heads)
-    if rerotate.applies(plan.cfg):
+    if pack and rerotate.applies(plan.cfg):
         kept = _packed(policy, kept, rotated.gather(2, kept.index).clamp_min(0))
     return kept, True
 

@@ -12,13 +12,14 @@ from dataclasses import replace
 
 import torch
 
-from ..strategies import rerotate, think
+from ..strategies import compose, rerotate, think
 from ..strategies.budgets import fits, layer_budgets, sample_budgets
 from ..cache import CompressedLayer, cache_layer
 from ..cache import Kept, stack_samples
 from ..scoring.observe import Observation, relative_positions
 from ..scoring.precision import float32_scoring
 from ..scoring.rope import Rope
+from .compose import composed
 from .decode import arm
 from .observation import observation
 from .plans import LayerPlan
@@ -148,6 +149,12 @@ class LayerPrefill:
                 relative_positions(self.key_valid)[:, None].expand(-1, hkv, -1),
                 self.key_valid,
             )
+        if compose.applies(cfg):  # neither cross-layer sizes nor deferred scores (refused)
+            kept = [
+                composed(self.plan, self.module, self.observation(part), self.kwargs)
+                for part in self.parts
+            ]
+            return kept[0] if self.batched else stack_samples(kept)
         kept = [
             select(
                 self.observation(part),

@@ -13,7 +13,8 @@ A strategy is one module of this package with
                           ``global_sizes`` (per sample, layer, head, across layers)
   ranking                 ``applies(cfg)`` and ``rank(obs, cfg, scores, key, keep)``  ``RANKINGS``, in order
   kept entries            ``merge(cfg, obs, scores, idx, keys, values)``              ``merge``
-  kept keys' positions    ``packed_positions``, ``rerotated``                        ``rerotate``
+  kept keys' positions    ``packed_positions``, ``rerotated``                         ``rerotate``
+  two methods             ``restkv.eviction.compose`` reads ``compose``               ``compose``
   key channels            ``query_energy``, ``kept_channels``                         ``think``
   while decoding          ``restkv.eviction.decode`` reads ``decode_interval``        ``decoding``
   ======================  =========================================================  ======================
@@ -22,10 +23,10 @@ A strategy is one module of this package with
 strategy is one module and one line here (CONTRIBUTING.md, "Adding a strategy").
 """
 
-from . import budgets, chunks, critical, decoding, merge, prompt_chunks, refine, rerotate, think
+from . import budgets, chunks, compose, critical, decoding, merge, prompt_chunks, refine, rerotate, think
 
 # Knobs read by every evicting method, and their checks, in this order.
-STRATEGIES = (budgets, merge, critical, chunks, prompt_chunks, refine, decoding, rerotate)
+STRATEGIES = (budgets, merge, critical, chunks, prompt_chunks, refine, decoding, rerotate, compose)
 # Ranking strategies: each turns the ranking key of the one before (first: the scores) into its own.
 RANKINGS = (critical, chunks, prompt_chunks, refine)
 
@@ -34,6 +35,7 @@ __all__ = [
     "STRATEGIES",
     "budgets",
     "chunks",
+    "compose",
     "critical",
     "decoding",
     "merge",
