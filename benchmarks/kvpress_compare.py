@@ -191,6 +191,13 @@ PAIRS = (
          press("ComposedPress", presses=[press("KnormPress", compression_ratio=0.5),
                                          press("SnapKVPress", compression_ratio=RATIO_AFTER_HALF, window_size=64,
                                                kernel_size=5)])),
+    # the budget selected block by block (128 tokens) with what is kept so far, in both
+    Pair("BlockPress (KeyDiff)", dict(method="keydiff", window_size=1, prompt_block=128),
+         press("BlockPress", press=press("KeyDiffPress", compression_ratio=RATIO), block_size=128)),
+    Pair("BlockPress (SnapKV)", dict(method="snapkv", **SNAP, prompt_block=128),
+         press("BlockPress", press=snapkv_press(), block_size=128)),
+    # rerotate_keys="end": the kept keys just before the continuation (restkv only; kvpress's is "start")
+    Pair("KeyRerotation (L2Norm), end", dict(method="l2norm", window_size=1, rerotate_keys="end"), None),
     Pair("ChunkPress (L2Norm)", dict(method="l2norm", window_size=1, prompt_chunk=256),
          press("ChunkPress", press=press("KnormPress", compression_ratio=RATIO), chunk_length=256)),
 )

@@ -247,7 +247,9 @@ def run_shared(model, ids, length: int, presses: dict):
     with torch.no_grad():
         out = {"full": _continue(model, full_cache, ids, length, [None] * len(layers), last)}
         for key in presses:
-            kept = [_kept(m, gathered[key].get(i), caches[key].layers[i], length) for i, m in enumerate(masked[key])]
+            kept = [_kept(m, gathered[key].get(i), caches[key].layers[i], length,
+                          full_cache.layers[i].keys[:, :, :length])
+                    for i, m in enumerate(masked[key])]
             out[key] = (kept, _continue(model, caches[key], ids, length, masked[key], last))
     return out
 

@@ -12,18 +12,22 @@ from dataclasses import replace
 
 import torch
 
-from ..strategies import compose, rerotate, think
+from ..strategies import blocks, compose, rerotate, think
 from ..strategies.budgets import fits, layer_budgets, sample_budgets
 from ..cache import CompressedLayer, cache_layer
 from ..cache import Kept, stack_samples
 from ..scoring.observe import Observation, relative_positions
 from ..scoring.precision import float32_scoring
 from ..scoring.rope import Rope
+from .blocks import blockwise
 from .compose import composed
 from .decode import arm
 from .observation import observation
 from .plans import LayerPlan
 from .select import head_scores, select
+
+# selections made in steps, each by its strategy (one applies at a time: their checks refuse both)
+STEPWISE = {compose: composed, blocks: blockwise}
 
 
 class LayerPrefill:
@@ -149,9 +153,10 @@ class LayerPrefill:
                 relative_positions(self.key_valid)[:, None].expand(-1, hkv, -1),
                 self.key_valid,
             )
-        if compose.applies(cfg):  # neither cross-layer sizes nor deferred scores (refused)
+        stepwise = [run for strategy, run in STEPWISE.items() if strategy.applies(cfg)]
+        if stepwise:  # neither cross-layer sizes nor deferred scores here (their checks refuse them)
             kept = [
-                composed(self.plan, self.module, self.observation(part), self.kwargs)
+                stepwise[0](self.plan, self.module, self.observation(part), self.kwargs)
                 for part in self.parts
             ]
             return kept[0] if self.batched else stack_samples(kept)
