@@ -1,4 +1,4 @@
-"""A selection block by block (``prompt_block``, ``restkv.strategies.blocks``): kvpress's ``BlockPress``."""
+"""A selection block by block (``prompt_block``, ``restkv.strategies.blocks``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from .select import select
 
 
 def blockwise(plan, module, obs: Observation, kwargs) -> Kept:
-    """The entries [b, Hkv, B] kept when the observation's L entries arrive in blocks: the first B kept, then
-    at each block the config's selection over the kept entries and the block, observed by the block's last
-    ``window_size`` queries. Positions from each sample's first real token, as ``select``'s."""
+    """The entries [b, Hkv, B] kept when the observation's L entries arrive in blocks: the first B
+    kept, then at each block the config's selection over the kept entries and the block, observed by
+    the block's last ``window_size`` queries. Positions from each sample's first real token, as
+    ``select``'s."""
     cfg = plan.cfg
     b, heads, n, _ = obs.keys.shape
     budget = obs.budget
@@ -45,7 +46,8 @@ def blockwise(plan, module, obs: Observation, kwargs) -> Kept:
             None,
             pack=False,
         )
-        held = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand_as(kept.positions)
+        held = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
+        held = held.expand_as(kept.positions)
         index = kept.positions.clamp_min(0)
     positions = relative.gather(2, index).masked_fill(~held, -1)
     return replace(kept, positions=positions, index=index)

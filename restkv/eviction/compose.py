@@ -1,4 +1,4 @@
-"""A composed selection (``compose``, ``restkv.strategies.compose``): one method prunes, the config's selects."""
+"""A composed selection (``compose``, ``restkv.strategies.compose``)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def first_stage(method: str, window: int, budget: int) -> CompressionConfig:
 
 
 def composed(plan, module, obs: Observation, kwargs) -> Kept:
-    """The entries the config's method keeps [b, Hkv, B] among those ``compose``'s method keeps of the
-    observation's L (``max(B, int(L (1 - compose_ratio)))`` per head, window included)."""
+    """The entries the config's method keeps [b, Hkv, B] among those ``compose``'s method keeps of
+    the observation's L (``max(B, int(L (1 - compose_ratio)))`` per head, window included)."""
     cfg = plan.cfg
     n = obs.keys.shape[2]
     pruned = max(obs.budget, int(n * (1 - cfg.compose_ratio)))

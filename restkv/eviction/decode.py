@@ -3,9 +3,10 @@
 Every ``decode_interval`` new tokens, each evicted layer is scored again over what it holds, with the
 ``window_size`` most recent queries as the observation window, and shrunk back to the budget it had at
 prefill (per layer, per sample; per head as its head budgets share it: AdaKV from the new scores, HeadKV
-from its table), or with ``decode_compression_ratio`` r to ``int(n (1 - r))`` of the n tokens each sample
-has seen. A head so never holds more than its budget plus ``decode_interval`` entries (a forward of
-q > 1 tokens, e.g. a question after ``compress_context``, holds budget + q during that forward).
+from its table), or with ``decode_compression_ratio`` r to ``int(n (1 - r))`` of the n tokens each
+sample has seen. A head so never holds more than its budget plus ``decode_interval`` entries (a
+forward of q > 1 tokens, e.g. a question after ``compress_context``, holds budget + q during that
+forward).
 
 The scorer sees the layer's entries in cache order: ``Observation.keys`` are the entries held,
 ``queries`` the window's only (``first_query = L - w``), positions the entries' order in the cache. When
@@ -120,8 +121,9 @@ def _budgets(policy, positions) -> tuple:
 
 
 def _rotated_at(policy, valid, positions):
-    """[b, H, n] the positions at which the held keys are rotated: their own, or with ``rerotate_keys``
-    each head's entries packed before the newest token (``restkv.strategies.rerotate``)."""
+    """[b, H, n] the positions at which the held keys are rotated: their own, or with
+    ``rerotate_keys`` each head's entries packed before the newest token
+    (``restkv.strategies.rerotate``)."""
     if not rerotate.applies(policy.plan.cfg):
         return positions
     rotated = rerotate.packed_positions(valid, positions.amax((1, 2)), "end")
@@ -143,8 +145,9 @@ def reselect(
     pack=True,
 ):
     """``(Kept, evicted)`` of one group of samples: its entries laid out for the scorer, then selected
-    (``evicted`` False: all fit the budget and are kept as they are). ``rotated`` [b, H, n]: where the
-    held keys are rotated (``_rotated_at``); ``pack``: re-rotate the kept keys (with ``rerotate_keys``).
+    (``evicted`` False: all fit the budget and are kept as they are). ``rotated`` [b, H, n]: where
+    the held keys are rotated (``_rotated_at``); ``pack``: re-rotate the kept keys (with
+    ``rerotate_keys``).
     Also the second stage of a composed selection (``restkv.eviction.compose``, ``pack=False``)."""
     plan = policy.plan
     index, held, width, same = relayout(valid, plan.cfg.window_size)
@@ -186,8 +189,10 @@ def reselect(
 
 
 def _packed(policy, kept, now):
-    """``kept`` with its keys, rotated at ``now`` [b, H, K], moved to the positions before the newest."""
-    valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand_as(kept.positions)
+    """``kept`` with its keys, rotated at ``now`` [b, H, K], moved to the positions before the
+    newest."""
+    valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
+    valid = valid.expand_as(kept.positions)
     target = rerotate.packed_positions(valid, kept.positions.amax((1, 2)), "end")
     keys = rerotate.rerotated(kept.keys, valid, now, target, policy.embed)
     return replace(kept, keys=keys)

@@ -154,7 +154,7 @@ class LayerPrefill:
                 self.key_valid,
             )
         stepwise = [run for strategy, run in STEPWISE.items() if strategy.applies(cfg)]
-        if stepwise:  # neither cross-layer sizes nor deferred scores here (their checks refuse them)
+        if stepwise:  # neither cross-layer sizes nor deferred scores here (their checks refuse)
             kept = [
                 stepwise[0](self.plan, self.module, self.observation(part), self.kwargs)
                 for part in self.parts
@@ -208,14 +208,15 @@ class LayerPrefill:
         return layer, kept.positions
 
     def rerotated(self, kept: Kept) -> Kept:
-        """``kept`` with its keys re-rotated to contiguous positions (``rerotate_keys``; as it is when off
-        or when nothing is evicted)."""
+        """``kept`` with its keys re-rotated to contiguous positions (``rerotate_keys``; as it is
+        when off or when nothing is evicted)."""
         cfg = self.plan.cfg
         if not rerotate.applies(cfg) or self.keeps_all:
             return kept
-        valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand_as(kept.positions)
-        last = kept.positions.amax((1, 2))  # the newest prompt token: the window's last, always kept
-        first = (self.next_position - 1 - last)[:, None, None]  # RoPE position of the first real token
+        valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
+        valid = valid.expand_as(kept.positions)
+        last = kept.positions.amax((1, 2))  # the newest prompt token: the window's last, kept
+        first = (self.next_position - 1 - last)[:, None, None]  # RoPE position of the first token
         target = rerotate.packed_positions(valid, last, cfg.rerotate_keys) + first
         now = kept.positions.clamp_min(0) + first
         keys = rerotate.rerotated(kept.keys, valid, now, target, self.embed)

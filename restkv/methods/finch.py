@@ -17,9 +17,9 @@ Differences from the reference:
   ``window_size``;
 - ``rerotate_keys`` (the reference's default True) re-rotates the kept keys to contiguous positions
   (kvpress ``KeyRerotationPress``): here the strategy ``rerotate_keys="start"`` (any method; off by
-  default, so every entry stays at its original position unless asked); ``benchmarks/kvpress_compare.py``
-  compares both settings;
-- ``chunk_length`` (the reference's default None: off) is the strategy ``prompt_chunk`` (any method);
+  default, so every entry stays at its original position unless asked);
+  ``benchmarks/kvpress_compare.py`` compares both settings;
+- ``chunk_length`` (the reference's default None: off) is the strategy ``prompt_chunk``;
 - per sample with padding (the reference: batch 1); the window is always kept (as the reference).
 """
 

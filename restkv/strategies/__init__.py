@@ -14,7 +14,8 @@ A strategy is one module of this package with
   ranking                 ``applies(cfg)`` and ``rank(obs, cfg, scores, key, keep)``  ``RANKINGS``, in order
   kept entries            ``merge(cfg, obs, scores, idx, keys, values)``              ``merge``
   kept keys' positions    ``packed_positions``, ``rerotated``                         ``rerotate``
-  two methods, blocks     ``restkv.eviction.compose``, ``restkv.eviction.blocks``     ``compose``, ``blocks``
+  steps                   ``restkv.eviction.compose``, ``restkv.eviction.blocks``     ``compose``,
+                                                                                      ``blocks``
   key channels            ``query_energy``, ``kept_channels``                         ``think``
   while decoding          ``restkv.eviction.decode`` reads ``decode_interval``        ``decoding``
   ======================  =========================================================  ======================

@@ -4,13 +4,14 @@ combinations it refuses.
 A strategy for any scorer and any budgets; the eviction itself is ``restkv.eviction.decode``.
 
 ``decode_compression_ratio`` r is kvpress's ``CompressionRatioDecodingPress``
-(``kvpress/presses/compression_ratio_decoding_press.py``, its ``target_compression_ratio``, 0.5 there):
-each eviction while decoding keeps ``max(1, int(n (1 - r)))`` entries per KV head, n the tokens the sample
-has seen so far (its newest position + 1, evicted ones included), instead of the prefill's budget. Where
-restkv differs: n is each sample's own (kvpress: the batch's largest position), the budget holds the window
-(at least ``window_size + 1``), and under ``layer_budget="pyramid"`` it is shared by the layers as the
-prefill's budget is. The prefill keeps its own budget (``max_capacity_prompt`` or
-``max_capacity_prompt_ratio``; kvpress's press leaves the prefill whole).
+(``kvpress/presses/compression_ratio_decoding_press.py``, its ``target_compression_ratio``, 0.5
+there): each eviction while decoding keeps ``max(1, int(n (1 - r)))`` entries per KV head, n the
+tokens the sample has seen so far (its newest position + 1, evicted ones included), instead of the
+prefill's budget. Where restkv differs: n is each sample's own (kvpress: the batch's largest
+position), the budget holds the window (at least ``window_size + 1``), and under
+``layer_budget="pyramid"`` it is shared by the layers as the prefill's budget is. The prefill keeps
+its own budget (``max_capacity_prompt`` or ``max_capacity_prompt_ratio``; kvpress's press leaves the
+prefill whole).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ KNOBS = (
         "decode_compression_ratio",
         None,
         "with decode_interval: each eviction while decoding keeps max(1, int(n (1 - r))) "
-        "entries per head of the n tokens seen so far (kvpress's CompressionRatioDecodingPress) instead "
-        "of the prefill's budget; None: the prefill's budget",
+        "entries per head of the n tokens seen so far (kvpress's CompressionRatioDecodingPress) "
+        "instead of the prefill's budget; None: the prefill's budget",
         check=lambda r: 0 <= r < 1,
         rule="in [0, 1)",
         nullable=True,
@@ -46,7 +47,9 @@ KNOBS = (
 
 def check(values: dict) -> None:
     if values.get("decode_compression_ratio") is not None and not values.get("decode_interval"):
-        raise ValueError("decode_compression_ratio acts while decoding: it needs decode_interval > 0")
+        raise ValueError(
+            "decode_compression_ratio acts while decoding: it needs decode_interval > 0"
+        )
     if values.get("decode_compression_ratio") is not None and values.get("layer_ratios"):
         raise ValueError("decode_compression_ratio and layer_ratios both set the budgets; give one")
     if values.get("decode_interval") and values.get("quant_method"):

@@ -1,23 +1,24 @@
-"""Uniform compression over the prompt: each chunk of it keeps its share of the budget (``prompt_chunk``).
+"""Uniform compression over the prompt (``prompt_chunk``): each chunk keeps its share of the budget.
 
-kvpress's ``ChunkPress`` (``kvpress/presses/chunk_press.py``, after FINCH: "Prompt-guided Key-Value Cache
-Compression for Large Language Models", Corallo and Papotti, TACL 2024,
-https://direct.mit.edu/tacl/article/doi/10.1162/tacl_a_00716/125280): the prompt is cut into chunks of
-``chunk_length`` tokens (1,024 there) and each chunk keeps its own top ``int(n_c (1 - r))`` entries, so no
-region of the prompt is emptied for another.
+kvpress's ``ChunkPress`` (``kvpress/presses/chunk_press.py``, after FINCH: "Prompt-guided Key-Value
+Cache Compression for Large Language Models", Corallo and Papotti, TACL 2024,
+https://direct.mit.edu/tacl/article/doi/10.1162/tacl_a_00716/125280): the prompt is cut into chunks
+of ``chunk_length`` tokens (1,024 there) and each chunk keeps its own top ``int(n_c (1 - r))``
+entries, so no region of the prompt is emptied for another.
 
-Here the evictable prefix is cut into chunks of ``prompt_chunk`` consecutive positions, counted from each
-sample's first real token, and a head keeping k of the prefix's N real entries keeps, in the chunk whose
-real entries end at the c-th, ``floor(C_c k / N) - floor(C_{c-1} k / N)`` (C_c: the real entries up to
-the end of chunk c): the chunks' shares of k, exactly k in all, each chunk's best by the ranking key (the
-method's scores, or the ranking strategy's before this one, e.g. CriticalKV's). Any per-head budget (AdaKV,
-HeadKV, global) is shared the same way, head by head.
+Here the evictable prefix is cut into chunks of ``prompt_chunk`` consecutive positions, counted from
+each sample's first real token, and a head keeping k of the prefix's N real entries keeps, in the
+chunk whose real entries end at the c-th, ``floor(C_c k / N) - floor(C_{c-1} k / N)`` (C_c: the real
+entries up to the end of chunk c): the chunks' shares of k, exactly k in all, each chunk's best by
+the ranking key (the method's scores, or the ranking strategy's before this one, e.g. CriticalKV's).
+Any per-head budget (AdaKV, HeadKV, global) is shared the same way, head by head.
 
-Where restkv differs from kvpress: the scores are the method's over the whole prompt (the window's queries
-observe every chunk, as FINCH's question does), where kvpress scores each chunk on its own (for SnapKV:
-by the chunk's own last queries); for scorers that read each entry alone (L2Norm, Random, ...) the two are
-the same. The window stays kept apart from the chunks, and each chunk's share comes from the budget (kvpress:
-``max(1, int(n_c (1 - r)))`` per chunk, not exactly the budget in all).
+Where restkv differs from kvpress: the scores are the method's over the whole prompt (the window's
+queries observe every chunk, as FINCH's question does), where kvpress scores each chunk on its own
+(for SnapKV: by the chunk's own last queries); for scorers that read each entry alone (L2Norm,
+Random, ...) the two are the same. The window stays kept apart from the chunks, and each chunk's
+share comes from the budget (kvpress: ``max(1, int(n_c (1 - r)))`` per chunk, not exactly the budget
+in all).
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def chunk_shares(positions: "torch.Tensor", size: int, keep) -> "torch.Tensor":
 def rank(obs, cfg, scores: "torch.Tensor", key: "torch.Tensor", keep) -> "torch.Tensor":
     """The selection hook: a key [b, H, P] whose top ``keep`` holds each chunk's share, by ``key``.
 
-    An entry's key is its chunk's share minus its place among its chunk's entries (by ``key``, padding
-    last): the entries within their chunk's share are exactly the positive ones.
+    An entry's key is its chunk's share minus its place among its chunk's entries (by ``key``,
+    padding last): the entries within their chunk's share are exactly the positive ones.
     """
     positions = obs.positions[:, : obs.prefix_len]
     b, heads, P = key.shape
