@@ -1,5 +1,5 @@
-"""``prompt_block`` (kvpress's ``BlockPress``): the budget selected block by block, against a float64 loop of
-the reference's loop on a model; the block rule, generate and the refusals."""
+"""``prompt_block`` (kvpress's ``BlockPress``): the budget selected block by block, against a
+float64 loop of the reference's loop on a model; the block rule, generate and the refusals."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ B, W, L = 16, 4, 60
 
 
 def snapkv_on(q, k, scaling, keys, g, h):
-    """SnapKV's score (pooling none, window sum, GQA mean) of the entries ``keys`` (positions, in order) but
-    the last W, observed by the queries at the last W of them, attending ``keys`` only. float64."""
+    """SnapKV's score (pooling none, window sum, GQA mean) of the entries ``keys`` (positions, in
+    order) but the last W, observed by the queries at the last W of them, attending ``keys`` only.
+    float64."""
     window = keys[-W:]
     score = {j: 0.0 for j in keys[:-W]}
     for r in range(g):
@@ -30,9 +31,9 @@ def snapkv_on(q, k, scaling, keys, g, h):
 
 
 def block_loop(q, k, scaling, block):
-    """kvpress's BlockPress loop: keep the first B, then for each block keep the best B of the kept and the
-    block (the block's last W always: the window), blocks from B on by ``block``, a last one shorter than W
-    joined to the one before. Per KV head, the kept positions."""
+    """kvpress's BlockPress loop: keep the first B, then for each block keep the best B of the kept
+    and the block (the block's last W always: the window), blocks from B on by ``block``, a last one
+    shorter than W joined to the one before. Per KV head, the kept positions."""
     starts = list(range(B, L, block))
     bounds = [[s, min(s + block, L)] for s in starts]
     if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < W:
@@ -56,8 +57,14 @@ def test_each_block_is_selected_with_what_is_kept(block):
     model = tiny_model("llama", "sdpa")
     ids = prompt(L)
     captured = capture(model, ids)
-    restkv.configure(model, method="snapkv", pooling="none", max_capacity_prompt=B, window_size=W,
-                     prompt_block=block)
+    restkv.configure(
+        model,
+        method="snapkv",
+        pooling="none",
+        max_capacity_prompt=B,
+        window_size=W,
+        prompt_block=block,
+    )
     model(ids)
     kept = restkv.kept_positions(model)
     for layer, (q, k, scaling) in captured.items():
@@ -70,7 +77,9 @@ def test_the_blocks():
     assert steps(60, 16, 8, 4) == [(16, 24), (24, 32), (32, 40), (40, 48), (48, 56), (56, 60)]
     assert steps(60, 16, 6, 4)[-1] == (52, 60)  # 58..60 is shorter than the window: joined
     assert steps(16, 16, 8, 4) == []
-    assert steps(18, 16, 8, 4) == [(16, 18)]  # a first block follows the first B entries, contiguous
+    assert steps(18, 16, 8, 4) == [
+        (16, 18)
+    ]  # a first block follows the first B entries, contiguous
 
 
 def test_blocks_change_the_kept_set_and_generate_runs():
@@ -82,8 +91,12 @@ def test_blocks_change_the_kept_set_and_generate_runs():
     plain = generate(model, ids, mask, n=5)
     alone = restkv.kept_positions(model)
     budgets = dict(max_capacity_prompt=B)
-    for knobs in (budgets, dict(budgets, decode_interval=3), dict(budgets, head_budget="adakv"),
-                  dict(max_capacity_prompt_ratio=0.3)):  # a budget per sample: each sample on its own
+    for knobs in (
+        budgets,
+        dict(budgets, decode_interval=3),
+        dict(budgets, head_budget="adakv"),
+        dict(max_capacity_prompt_ratio=0.3),
+    ):  # a budget per sample: each sample on its own
         restkv.configure(model, method="snapkv", window_size=W, prompt_block=8, **knobs)
         tokens, logits = generate(model, ids, mask, n=5)
         assert tokens.shape == plain[0].shape and torch.isfinite(logits).all()
@@ -92,12 +105,18 @@ def test_blocks_change_the_kept_set_and_generate_runs():
     restkv.detach(model)
 
 
-@pytest.mark.parametrize("knobs,message", [
-    (dict(prompt_block=3, window_size=4, max_capacity_prompt=16), "prompt_block must be >= window_size"),
-    (dict(prompt_block=64, layer_budget="global"), "prompt_block needs a budget per layer"),
-    (dict(prompt_block=64, compose="l2norm"), "prompt_block and compose"),
-    (dict(prompt_block=64, merge="pivot"), "prompt_block needs merge 'none'"),
-])
+@pytest.mark.parametrize(
+    "knobs,message",
+    [
+        (
+            dict(prompt_block=3, window_size=4, max_capacity_prompt=16),
+            "prompt_block must be >= window_size",
+        ),
+        (dict(prompt_block=64, layer_budget="global"), "prompt_block needs a budget per layer"),
+        (dict(prompt_block=64, compose="l2norm"), "prompt_block and compose"),
+        (dict(prompt_block=64, merge="pivot"), "prompt_block needs merge 'none'"),
+    ],
+)
 def test_refusals(knobs, message):
     with pytest.raises(ValueError, match=message):
         CompressionConfig(method="snapkv", **knobs)

@@ -1,5 +1,6 @@
-"""``decode_compression_ratio`` (kvpress's ``CompressionRatioDecodingPress``): each eviction while decoding keeps
-a share of the tokens seen so far, checked step by step against a loop of the reference's rule."""
+"""``decode_compression_ratio`` (kvpress's ``CompressionRatioDecodingPress``): each eviction
+while decoding keeps a share of the tokens seen so far, checked step by step against a loop of
+the reference's rule."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ B, W, INTERVAL = 24, 6, 4
 
 
 def reference_sizes(real_length: int, steps: int, ratio: float) -> list[int]:
-    """Entries a head holds after each decoded token: kvpress's target ``max(1, int(n (1 - r)))`` of the
-    n tokens seen, applied every INTERVAL tokens (restkv's budget holds the window: at least W + 1)."""
+    """Entries a head holds after each decoded token: kvpress's target ``max(1, int(n (1 - r)))`` of
+    the n tokens seen, applied every INTERVAL tokens (restkv's budget holds the window: at least W +
+    1)."""
     held = min(B, real_length)
     since = 0
     out = []
@@ -38,8 +40,14 @@ def test_each_eviction_keeps_a_share_of_the_tokens_seen(method):
     ids = torch.cat([prompt(60, seed=1), prompt(60, seed=2)])
     mask = torch.ones_like(ids)
     mask[1, :pad] = 0
-    restkv.configure(model, method=method, max_capacity_prompt=B, window_size=W,
-                     decode_interval=INTERVAL, decode_compression_ratio=ratio)
+    restkv.configure(
+        model,
+        method=method,
+        max_capacity_prompt=B,
+        window_size=W,
+        decode_interval=INTERVAL,
+        decode_compression_ratio=ratio,
+    )
     out = model(ids, attention_mask=mask, use_cache=True)
     cache = cache_of(out)
     held = []
@@ -56,13 +64,19 @@ def test_each_eviction_keeps_a_share_of_the_tokens_seen(method):
             got = held[:, :, sample].float().mean(-1)
             assert torch.equal(got, expected[:, None].float().expand_as(got))
         else:
-            assert torch.equal(held[:, :, sample], expected[:, None, None].expand_as(held[:, :, sample]))
-    assert reference_sizes(60, steps, ratio)[3] == 16  # int(64 * 0.25): the share, not the prefill's 24
+            assert torch.equal(
+                held[:, :, sample], expected[:, None, None].expand_as(held[:, :, sample])
+            )
+    assert (
+        reference_sizes(60, steps, ratio)[3] == 16
+    )  # int(64 * 0.25): the share, not the prefill's 24
 
 
 def test_without_the_ratio_the_prefill_budget_stays():
     model = tiny_model("llama", "sdpa")
-    restkv.configure(model, method="snapkv", max_capacity_prompt=B, window_size=W, decode_interval=INTERVAL)
+    restkv.configure(
+        model, method="snapkv", max_capacity_prompt=B, window_size=W, decode_interval=INTERVAL
+    )
     out = model(prompt(60), use_cache=True)
     cache = cache_of(out)
     for _ in range(8):
@@ -76,5 +90,9 @@ def test_the_ratio_is_refused_where_it_cannot_act():
     with pytest.raises(ValueError, match="decode_compression_ratio must be in"):
         CompressionConfig(method="snapkv", decode_interval=8, decode_compression_ratio=1.0)
     with pytest.raises(ValueError, match="layer_ratios"):
-        CompressionConfig(method="snapkv", decode_interval=8, decode_compression_ratio=0.5,
-                          layer_ratios="0.5,0.5,0.5")
+        CompressionConfig(
+            method="snapkv",
+            decode_interval=8,
+            decode_compression_ratio=0.5,
+            layer_ratios="0.5,0.5,0.5",
+        )

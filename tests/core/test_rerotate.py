@@ -1,5 +1,6 @@
-"""``rerotate_keys`` (kvpress's ``KeyRerotationPress``): the kept keys against kvpress's rotation by the position
-shift, written as explicit float64 RoPE matrices, on a model; generate and eviction while decoding on it."""
+"""``rerotate_keys`` (kvpress's ``KeyRerotationPress``): the kept keys against kvpress's rotation by
+the position shift, written as explicit float64 RoPE matrices, on a model; generate and eviction
+while decoding on it."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def shifted(k, kept, targets):
 
 
 @pytest.mark.parametrize("mode", ["start", "end"])
-@pytest.mark.parametrize("knobs", [dict(method="l2norm"), dict(method="snapkv"), dict(method="adakv")])
+@pytest.mark.parametrize(
+    "knobs", [dict(method="l2norm"), dict(method="snapkv"), dict(method="adakv")]
+)
 def test_kept_keys_are_moved_by_their_position_shift(mode, knobs):
     model = tiny_model("llama", "sdpa")
     ids = prompt(L)
@@ -52,11 +55,15 @@ def test_the_kept_set_and_the_window_stay():
     restkv.configure(model, method="snapkv", max_capacity_prompt=B, window_size=W)
     plain = cache_of(model(ids, use_cache=True))
     positions = restkv.kept_positions(model)
-    restkv.configure(model, method="snapkv", max_capacity_prompt=B, window_size=W, rerotate_keys="end")
+    restkv.configure(
+        model, method="snapkv", max_capacity_prompt=B, window_size=W, rerotate_keys="end"
+    )
     moved = cache_of(model(ids, use_cache=True))
     assert all(torch.equal(a, b) for a, b in zip(positions, restkv.kept_positions(model)))
     for a, b in zip(plain.layers, moved.layers):
-        assert torch.equal(a.keys[..., -W:, :], b.keys[..., -W:, :]), "the window keeps its positions"
+        assert torch.equal(a.keys[..., -W:, :], b.keys[..., -W:, :]), (
+            "the window keeps its positions"
+        )
         assert not torch.allclose(a.keys[..., :-W, :], b.keys[..., :-W, :])
         assert torch.equal(a.values, b.values)
     restkv.detach(model)
@@ -70,11 +77,15 @@ def test_nothing_evicted_is_nothing_moved_and_generate_runs():
     restkv.configure(model, method="snapkv", max_capacity_prompt=B, window_size=W)
     plain = generate(model, ids, mask, n=6)
     for mode in ("start", "end"):
-        restkv.configure(model, method="snapkv", max_capacity_prompt=B, window_size=W, rerotate_keys=mode)
+        restkv.configure(
+            model, method="snapkv", max_capacity_prompt=B, window_size=W, rerotate_keys=mode
+        )
         tokens, logits = generate(model, ids, mask, n=6)
         assert tokens.shape == plain[0].shape and torch.isfinite(logits).all()
         assert not torch.allclose(logits, plain[1])
-        restkv.configure(model, method="snapkv", max_capacity_prompt=2 * L, window_size=W, rerotate_keys=mode)
+        restkv.configure(
+            model, method="snapkv", max_capacity_prompt=2 * L, window_size=W, rerotate_keys=mode
+        )
         full = generate(model, ids, mask, n=6)
         restkv.configure(model, method="snapkv", max_capacity_prompt=2 * L, window_size=W)
         assert torch.equal(full[0], generate(model, ids, mask, n=6)[0])
@@ -82,13 +93,20 @@ def test_nothing_evicted_is_nothing_moved_and_generate_runs():
 
 
 def test_decoding_evictions_pack_the_held_keys_before_the_newest():
-    """Layer 0's keys depend on the tokens only, so a plain forward of the whole sequence gives each held
-    entry's original key: every held key is it moved to the packed position before the newest token."""
+    """Layer 0's keys depend on the tokens only, so a plain forward of the whole sequence gives each
+    held entry's original key: every held key is it moved to the packed position before the newest
+    token."""
     model = tiny_model("llama", "sdpa")
     ids = prompt(L)
     interval, steps = 4, 10
-    restkv.configure(model, method="snapkv", max_capacity_prompt=B, window_size=W, decode_interval=interval,
-                     rerotate_keys="end")
+    restkv.configure(
+        model,
+        method="snapkv",
+        max_capacity_prompt=B,
+        window_size=W,
+        decode_interval=interval,
+        rerotate_keys="end",
+    )
     out = model(ids, use_cache=True)
     cache = cache_of(out)
     seq = ids
