@@ -47,7 +47,7 @@ def test_a_sweep_of_the_structural_strategies_equals_separate_runs(family):
     ],
 )
 def test_a_compressed_context_answers_each_question_as_alone(knobs):
-    """``compress_context`` with each strategy: question b after question a is answered as b alone."""
+    """``compress_context`` with each strategy: question b after question a is answered as alone."""
     model = tiny_model("llama", "sdpa")
     context, mask = padded_context()
     qa, qb = prompt(5, batch=2, seed=7), prompt(9, batch=2, seed=8)
