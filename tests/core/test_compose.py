@@ -124,3 +124,9 @@ def test_composing_changes_the_kept_set_and_generate_and_decoding_run():
 def test_refusals(knobs, message):
     with pytest.raises(ValueError, match=message):
         CompressionConfig(**knobs)
+
+
+def test_the_first_method_is_checked_against_the_model():
+    model = tiny_model("llama", "sdpa")  # 3 layers: LaCache's default span of 16 removes nothing
+    with pytest.raises(ValueError, match="compose='lacache': span"):
+        restkv.configure(model, method="snapkv", max_capacity_prompt=B, window_size=W, compose="lacache")
