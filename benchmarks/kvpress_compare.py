@@ -20,7 +20,8 @@ window of 128 is restkv's window, and kept/head shows what each keeps. kvpress's
 Q-Filters' authors' published filters, which exist for neither model: it gets the filters restkv computes
 for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring. FinchPress's window is the question after a delimiter
 token; here it gets no delimiter (an id never in the input) and the window of 64 set as an attribute, without
-key re-rotation (restkv keeps original positions). KVComposePress, KVzipPress and KVgradPress keep no window
+key re-rotation, and again with it (restkv: ``rerotate_keys="start"``; kvpress's kept set: the indices its
+``KeyRerotationPress.rerotate_keys`` is given). KVComposePress, KVzipPress and KVgradPress keep no window
 (restkv: ``window_size=1``) and count their budget over all layers: kvpress keeps ``int(layers L (1 - r))``,
 about ``layers / 2`` entries more than restkv's ``layers B`` (the ratio is matched per layer), and its last token
 only when it scores among the best. KVzipPress and KVgradPress take the first tokens of the context for the chat
@@ -73,7 +74,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # fidelity.py, compress_step.py, kvpress_side.py
 
-from kvpress_side import RATIO, describe_press, press, press_classes  # noqa: E402  (no kvpress, no torch)
+from kvpress_side import RATIO, RATIO_AFTER_HALF, describe_press, press, press_classes  # noqa: E402  (no kvpress, no torch)
 
 from restkv.config import PRESETS  # noqa: E402  (torch-free)
 
@@ -175,6 +176,35 @@ PAIRS = (
     Pair("KVgrad", dict(method="kvgrad", window_size=1, repeat_chunk=512), press("KVgradPress", compression_ratio=RATIO)),
     Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
          press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
+    # each chunk of 256 keeps its share: kvpress int(256 (1 - r)) per chunk of the prompt, restkv the budget's
+    # share per chunk of the prefix (its window of 1 apart); --quick: Jaccard 0.992, KL 0.361 / 0.546
+    # kept keys re-rotated to positions 0..B-1 in both (restkv: rerotate_keys="start"), the continuation at its
+    # own positions. --quick: kept sets as L2Norm's (Jaccard 0.994), KL 1.02 in both (KL(r || k) 9e-5): the
+    # rotation costs both libraries the same (L2Norm without it: 0.39 / 0.62); Finch: Jaccard 1, KL 0.893 in both
+    Pair("KeyRerotation (L2Norm)", dict(method="l2norm", window_size=1, rerotate_keys="start"),
+         press("KeyRerotationPress", press=press("KnormPress", compression_ratio=RATIO))),
+    Pair("Finch, re-rotated", dict(method="finch", window_size=64, rerotate_keys="start"),
+         press("FinchPress", compression_ratio=RATIO, rerotate_keys=True,
+               attributes={"window_size": 64, "delimiter_token_id": -1})),
+    # L2Norm keeps half, then SnapKV its budget among them: restkv's first stage keeps the window; kvpress's
+    # Knorm may prune window tokens, and its SnapKV still observes with the prompt's last 64 queries, masked as
+    # if they were the last 64 keys left: --quick, Jaccard 0.32, KL 0.132 (restkv) / 0.321 (kvpress)
+    Pair("Composed (L2Norm, then SnapKV)", dict(method="snapkv", **SNAP, compose="l2norm", compose_ratio=0.5),
+         press("ComposedPress", presses=[press("KnormPress", compression_ratio=0.5),
+                                         press("SnapKVPress", compression_ratio=RATIO_AFTER_HALF, window_size=64,
+                                               kernel_size=5)])),
+    # the budget selected block by block (128 tokens) with what is kept so far, in both. --quick: KeyDiff Jaccard
+    # 0.986, KL 0.289 / 0.303. SnapKV Jaccard 0.69, KL 0.0714 / 0.0705: kvpress's SnapKV rotates each block's
+    # window queries at the prompt's last 64 positions (its position_embeddings' tail), restkv at their own
+    Pair("BlockPress (KeyDiff)", dict(method="keydiff", window_size=1, prompt_block=128),
+         press("BlockPress", press=press("KeyDiffPress", compression_ratio=RATIO), block_size=128)),
+    Pair("BlockPress (SnapKV)", dict(method="snapkv", **SNAP, prompt_block=128),
+         press("BlockPress", press=snapkv_press(), block_size=128)),
+    # rerotate_keys="end": the kept keys just before the continuation (restkv only; kvpress's is "start");
+    # --quick KL 0.46 (L2Norm unrotated 0.39, "start" 1.02)
+    Pair("KeyRerotation (L2Norm), end", dict(method="l2norm", window_size=1, rerotate_keys="end"), None),
+    Pair("ChunkPress (L2Norm)", dict(method="l2norm", window_size=1, prompt_chunk=256),
+         press("ChunkPress", press=press("KnormPress", compression_ratio=RATIO), chunk_length=256)),
 )
 
 

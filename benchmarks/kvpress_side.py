@@ -5,7 +5,8 @@ with the job as JSON on stdin; it prints its result as JSON. It imports only the
 transformers and kvpress (and ``compress_step.py``'s timing loop), never restkv.
 
 A press is written as data (``press("AdaKVPress", press=press("SnapKVPress", ...))``) so that the pair table
-of ``kvpress_compare.py`` needs no kvpress; ``RATIO`` in a spec is the matched ``compression_ratio``.
+of ``kvpress_compare.py`` needs no kvpress; ``RATIO`` in a spec is the matched ``compression_ratio``
+(``RATIO_AFTER_HALF``: the one that keeps as many after a press that kept half).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RATIO = "<compression_ratio>"
+# the ratio of a press that follows one keeping half of the L entries (ComposedPress): 2 r - 1 keeps the same
+# B of the int(L / 2) left (even L)
+RATIO_AFTER_HALF = "<compression_ratio after a press keeping half>"
 # presses that draw from torch's global random state at every call (a Gaussian sketch): each runs on its own
 # prefill, after torch.manual_seed(0), since a shared prefill interleaves the draws of several presses
 UNSEEDED = {"LeverageScorePress", "CompactorPress"}  # CompactorPress holds a LeverageScorePress
@@ -48,6 +52,8 @@ def build_press(spec, classes: dict, ratio: float):
         for name, value in spec.get("attributes", {}).items():
             setattr(built, name, value)
         return built
+    if spec == RATIO_AFTER_HALF:
+        return 2 * ratio - 1
     return ratio if spec == RATIO else spec
 
 
@@ -105,11 +111,35 @@ def _capture_kept(built, gathered: dict):
     compress = built.compress
 
     def capture(module, hidden_states, keys, values, attentions, kwargs):
+        _ROTATED.clear()
         k, v = compress(module, hidden_states, keys, values, attentions, kwargs)
-        gathered[module.layer_idx] = None if k.shape == keys.shape else gathered_positions(keys, k)
+        found = None if k.shape == keys.shape else gathered_positions(keys, k)
+        if found is None and k.shape != keys.shape:  # keys moved: the indices they were re-rotated from
+            found = _ROTATED.get("indices")
+        gathered[module.layer_idx] = found
         return k, v
 
+    _record_rerotations()
     built.compress = capture
+
+
+_ROTATED: dict = {}  # the indices of the last KeyRerotationPress.rerotate_keys call
+
+
+def _record_rerotations():
+    """Make ``KeyRerotationPress.rerotate_keys`` (also FinchPress's) leave its kept indices in ``_ROTATED``."""
+    from kvpress.presses.key_rerotation_press import KeyRerotationPress
+
+    original = KeyRerotationPress.rerotate_keys
+    if getattr(original, "records", False):
+        return
+
+    def recorded(module, indices, keys):
+        _ROTATED["indices"] = indices
+        return original(module, indices, keys)
+
+    recorded.records = True
+    KeyRerotationPress.rerotate_keys = staticmethod(recorded)
 
 
 def _kept(masked, gathered, layer, length: int, full=None):
@@ -217,7 +247,9 @@ def run_shared(model, ids, length: int, presses: dict):
     with torch.no_grad():
         out = {"full": _continue(model, full_cache, ids, length, [None] * len(layers), last)}
         for key in presses:
-            kept = [_kept(m, gathered[key].get(i), caches[key].layers[i], length) for i, m in enumerate(masked[key])]
+            kept = [_kept(m, gathered[key].get(i), caches[key].layers[i], length,
+                          full_cache.layers[i].keys[:, :, :length])
+                    for i, m in enumerate(masked[key])]
             out[key] = (kept, _continue(model, caches[key], ids, length, masked[key], last))
     return out
 

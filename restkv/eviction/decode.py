@@ -3,8 +3,10 @@
 Every ``decode_interval`` new tokens, each evicted layer is scored again over what it holds, with the
 ``window_size`` most recent queries as the observation window, and shrunk back to the budget it had at
 prefill (per layer, per sample; per head as its head budgets share it: AdaKV from the new scores, HeadKV
-from its table). A head so never holds more than its budget plus ``decode_interval`` entries (a forward of
-q > 1 tokens, e.g. a question after ``compress_context``, holds budget + q during that forward).
+from its table), or with ``decode_compression_ratio`` r to ``int(n (1 - r))`` of the n tokens each
+sample has seen. A head so never holds more than its budget plus ``decode_interval`` entries (a
+forward of q > 1 tokens, e.g. a question after ``compress_context``, holds budget + q during that
+forward).
 
 The scorer sees the layer's entries in cache order: ``Observation.keys`` are the entries held,
 ``queries`` the window's only (``first_query = L - w``), positions the entries' order in the cache. When
@@ -31,6 +33,8 @@ from ..cache import HeldSizes, Kept, cache_layer, stack_samples
 from ..scoring.precision import float32_scoring
 from ..scoring.rope import LazyRope, Rope
 from ..strategies.budgets import fits
+from ..strategies import rerotate
+from ..strategies.decoding import decoding_budgets
 from .observation import observation
 from .select import select
 
@@ -127,12 +131,13 @@ def _measure_unknown(cache) -> None:
 def _shrink(layer, module, kwargs) -> list:
     """``(Kept, slots, evicted)`` of each group of samples (one group when they share a budget)."""
     policy, (keys, values, valid, positions) = layer.policy, layer.stored_entries()
-    budgets = policy.budgets
+    budgets = _budgets(policy, positions)
+    rotated = _rotated_at(policy, valid, positions)
     groups = (
         [slice(None)] if len(set(budgets)) == 1 else [slice(i, i + 1) for i in range(keys.shape[0])]
     )
     return [
-        _reselect(
+        reselect(
             policy,
             module,
             layer.recent[g],
@@ -140,6 +145,7 @@ def _shrink(layer, module, kwargs) -> list:
             values[g],
             valid[g],
             positions[g],
+            rotated[g],
             budgets[g.start or 0],
             kwargs,
             getattr(layer, "kv_heads", None),
@@ -198,19 +204,54 @@ def _shrunk(s: Shrink, values: list):
     return new
 
 
-def _reselect(
-    policy, module, recent, keys, values, valid, positions, budget, kwargs, kv_heads, extent
+def _budgets(policy, positions) -> tuple:
+    """Each sample's budget now: the prefill's, or a share of the tokens it has seen
+    (``decode_compression_ratio``; one host read per eviction)."""
+    cfg = policy.plan.cfg
+    if cfg.get("decode_compression_ratio") is None:
+        return policy.budgets
+    seen = (positions.amax((1, 2)) + 1).tolist()
+    return tuple(decoding_budgets(cfg, seen, policy.plan.num_evicted, policy.plan.rank))
+
+
+def _rotated_at(policy, valid, positions):
+    """[b, H, n] the positions at which the held keys are rotated: their own, or with
+    ``rerotate_keys`` each head's entries packed before the newest token
+    (``restkv.strategies.rerotate``)."""
+    if not rerotate.applies(policy.plan.cfg):
+        return positions
+    rotated = rerotate.packed_positions(valid, positions.amax((1, 2)), "end")
+    return rotated.masked_fill(~valid, -1)
+
+
+def reselect(
+    policy,
+    module,
+    recent,
+    keys,
+    values,
+    valid,
+    positions,
+    rotated,
+    budget,
+    kwargs,
+    kv_heads,
+    extent=None,
+    pack=True,
 ):
     """``(Kept, slots, evicted)`` of one group of samples: its entries laid out for the scorer, then
     selected (``evicted`` False: all fit the budget and are kept as they are). ``slots``: the slots
     of every head that hold kept entries, an int or (per-head budgets) a device scalar; ``extent``
-    the group's ``held_extent``, if known."""
+    the group's ``held_extent``, if known. ``rotated`` [b, H, n]: where the held keys are rotated
+    (``_rotated_at``); ``pack``: re-rotate the kept keys (with ``rerotate_keys``).
+    Also the second stage of a composed selection (``restkv.eviction.compose``, ``pack=False``)."""
     plan = policy.plan
     index, held, width, same = relayout(valid, plan.cfg.window_size, extent)
     keys, values = (
         x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1])) for x in (keys, values)
     )
     positions = positions.gather(2, index).masked_fill(~held, -1)
+    rotated = rotated.gather(2, index).masked_fill(~held, -1)
     key_valid = held[:, 0] if same else held.any(1)
     if fits(plan.cfg, width, budget):
         kept = Kept(
@@ -232,13 +273,15 @@ def _reselect(
         budget,
         kwargs,
         {},
-        _rope(policy.embed, positions),
+        _rope(policy.embed, rotated),
         None if same else held,
     )
     kept = select(obs, plan.cfg, plan.table, width=width)
     valid_kept = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
     real = positions.gather(2, kept.index).masked_fill(~valid_kept, -1)
     kept = replace(kept, positions=real, kv_heads=kv_heads)
+    if pack and rerotate.applies(plan.cfg):
+        kept = _packed(policy, kept, rotated.gather(2, kept.index).clamp_min(0))
     return kept, _used_slots(kept), True
 
 
@@ -249,6 +292,16 @@ def _used_slots(kept: Kept):
         return kept.keys.shape[-2]
     slot = torch.arange(1, kept.valid.shape[-1] + 1, device=kept.valid.device)
     return (kept.valid * slot).amax()
+
+
+def _packed(policy, kept, now):
+    """``kept`` with its keys, rotated at ``now`` [b, H, K], moved to the positions before the
+    newest."""
+    valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
+    valid = valid.expand_as(kept.positions)
+    target = rerotate.packed_positions(valid, kept.positions.amax((1, 2)), "end")
+    keys = rerotate.rerotated(kept.keys, valid, now, target, policy.embed)
+    return replace(kept, keys=keys)
 
 
 def _rope(embed, positions):

@@ -12,6 +12,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from ..strategies.budgets import check_layers, headkv_budgets, load_head_importance
 from ..config import CompressionConfig
 from ..strategies.think import pruned_channels
+from .compose import first_stage
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ def plan_layers(
         cfg.scorer.check_layers(cfg, len(evicted))
         check_layers(cfg, len(evicted))
         cfg.scorer.check_model(cfg, model)
+        _check_first_stage(cfg, model, len(evicted))
     if cfg.get("pruning_ratio") is not None:
         pruned_channels(cfg.pruning_ratio, modules[0].head_dim)
     table = None
@@ -177,3 +179,15 @@ def plan_layers(
         )
         for m in modules
     ]
+
+
+def _check_first_stage(cfg, model, num_layers: int) -> None:
+    """``compose``'s method checked against the model as the config's own is."""
+    if cfg.get("compose") is None:
+        return
+    first = first_stage(cfg.compose, cfg.window_size, cfg.window_size + 1)
+    try:
+        first.scorer.check_layers(first, num_layers)
+        first.scorer.check_model(first, model)
+    except ValueError as e:
+        raise ValueError(f"compose={cfg.compose!r}: {e}") from None

@@ -12,17 +12,22 @@ from dataclasses import replace
 
 import torch
 
-from ..strategies import think
+from ..strategies import blocks, compose, rerotate, think
 from ..strategies.budgets import fits, layer_budgets, sample_budgets
 from ..cache import CompressedLayer, cache_layer
 from ..cache import Kept, stack_samples
 from ..scoring.observe import Observation, relative_positions
 from ..scoring.precision import float32_scoring
 from ..scoring.rope import Rope
+from .blocks import blockwise
+from .compose import composed
 from .decode import arm
 from .observation import observation
 from .plans import LayerPlan
 from .select import head_scores, select
+
+# selections made in steps, each by its strategy (one applies at a time: their checks refuse both)
+STEPWISE = {compose: composed, blocks: blockwise}
 
 
 class LayerPrefill:
@@ -62,6 +67,9 @@ class LayerPrefill:
         self.module = module
         self.kwargs = kwargs
         self.rope = rope
+        # kept after release(), for rerotate_keys
+        self.embed = None if rope is None else rope.embed
+        self.next_position = None if rope is None else rope.next_position
         self.query = query
         self.key = key
         self.value = value
@@ -145,6 +153,13 @@ class LayerPrefill:
                 relative_positions(self.key_valid)[:, None].expand(-1, hkv, -1),
                 self.key_valid,
             )
+        stepwise = [run for strategy, run in STEPWISE.items() if strategy.applies(cfg)]
+        if stepwise:  # neither cross-layer sizes nor deferred scores here (their checks refuse)
+            kept = [
+                stepwise[0](self.plan, self.module, self.observation(part), self.kwargs)
+                for part in self.parts
+            ]
+            return kept[0] if self.batched else stack_samples(kept)
         kept = [
             select(
                 self.observation(part),
@@ -165,7 +180,7 @@ class LayerPrefill:
             positions = torch.where(
                 kept.positions >= 0, kept.positions + self.offset[:, None, None], -1
             )
-            kept = replace(kept, positions=positions)
+            kept = self.rerotated(replace(kept, positions=positions))
             if self.keeps_all and not cfg.quant_method:
                 return None, kept.positions  # the model's sliding-window layer holds exactly these
             if (
@@ -173,6 +188,7 @@ class LayerPrefill:
             ):  # the masked layout: its mask also bounds the window
                 return CompressedLayer(kept, seen=seen), kept.positions
             return cache_layer(kept, seen, cfg), kept.positions
+        kept = self.rerotated(kept)
         ratio = cfg.get("pruning_ratio")
         channels = (
             None
@@ -190,6 +206,21 @@ class LayerPrefill:
                 self.rope,
             )
         return layer, kept.positions
+
+    def rerotated(self, kept: Kept) -> Kept:
+        """``kept`` with its keys re-rotated to contiguous positions (``rerotate_keys``; as it is
+        when off or when nothing is evicted)."""
+        cfg = self.plan.cfg
+        if not rerotate.applies(cfg) or self.keeps_all:
+            return kept
+        valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None]
+        valid = valid.expand_as(kept.positions)
+        last = kept.positions.amax((1, 2))  # the newest prompt token: the window's last, kept
+        first = (self.next_position - 1 - last)[:, None, None]  # RoPE position of the first token
+        target = rerotate.packed_positions(valid, last, cfg.rerotate_keys) + first
+        now = kept.positions.clamp_min(0) + first
+        keys = rerotate.rerotated(kept.keys, valid, now, target, self.embed)
+        return replace(kept, keys=keys)
 
 
 @torch.no_grad()

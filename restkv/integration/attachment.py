@@ -37,6 +37,7 @@ from ..eviction.deferred import decoder_of, finish
 from ..eviction.step import evict_layer
 from ..eviction.plans import LayerPlan, attention_modules, backend_kind
 from ..scoring.rope import Rope, capture, rotary_function, rotary_module
+from ..strategies import rerotate
 from . import chunked, modes
 
 # transformers' quantized cache layers (transformers 5.17 has no Fp8QuantizedLayer)
@@ -301,6 +302,8 @@ class Attachment:
         self.modules = attention_modules(model)
         self.cfg = plans[0].cfg
         rotary = [rotary_module(model, m) for m in self.modules]
+        if any(rerotate.applies(p.cfg) and r is None for p, r in zip(plans, rotary) if p.evicts):
+            raise ValueError("rerotate_keys needs a model whose evicted layers use RoPE")
         self.pending: list = []  # deferred layers of the prefill in flight, shared by the states
         self.shrinks: list = []  # layers shrunk while decoding in the forward in flight, shared too
         self.states = [

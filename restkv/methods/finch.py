@@ -16,9 +16,10 @@ Differences from the reference:
   is the last ``window_size`` tokens as for every method: give the question's length as
   ``window_size``;
 - ``rerotate_keys`` (the reference's default True) re-rotates the kept keys to contiguous positions
-  (kvpress ``KeyRerotationPress``); restkv keeps every entry at its original position (the rows
-  compared in ``benchmarks/kvpress_compare.py`` use ``rerotate_keys=False``);
-- ``chunk_length`` (the reference's default None: off) is not provided;
+  (kvpress ``KeyRerotationPress``): here the strategy ``rerotate_keys="start"`` (any method; off by
+  default, so every entry stays at its original position unless asked);
+  ``benchmarks/kvpress_compare.py`` compares both settings;
+- ``chunk_length`` (the reference's default None: off) is the strategy ``prompt_chunk``;
 - per sample with padding (the reference: batch 1); the window is always kept (as the reference).
 """
 

@@ -13,6 +13,9 @@ A strategy is one module of this package with
                           ``global_sizes`` (per sample, layer, head, across layers)
   ranking                 ``applies(cfg)`` and ``rank(obs, cfg, scores, key, keep)``  ``RANKINGS``, in order
   kept entries            ``merge(cfg, obs, scores, idx, keys, values)``              ``merge``
+  kept keys' positions    ``packed_positions``, ``rerotated``                         ``rerotate``
+  steps                   ``restkv.eviction.compose``, ``restkv.eviction.blocks``     ``compose``,
+                                                                                      ``blocks``
   key channels            ``query_energy``, ``kept_channels``                         ``think``
   while decoding          ``restkv.eviction.decode`` reads ``decode_interval``        ``decoding``
   ======================  =========================================================  ======================
@@ -21,21 +24,48 @@ A strategy is one module of this package with
 strategy is one module and one line here (CONTRIBUTING.md, "Adding a strategy").
 """
 
-from . import budgets, chunks, critical, decoding, merge, refine, think
+from . import (
+    blocks,
+    budgets,
+    chunks,
+    compose,
+    critical,
+    decoding,
+    merge,
+    prompt_chunks,
+    refine,
+    rerotate,
+    think,
+)
 
 # Knobs read by every evicting method, and their checks, in this order.
-STRATEGIES = (budgets, merge, critical, chunks, refine, decoding)
+STRATEGIES = (
+    budgets,
+    merge,
+    critical,
+    chunks,
+    prompt_chunks,
+    refine,
+    decoding,
+    rerotate,
+    compose,
+    blocks,
+)
 # Ranking strategies: each turns the ranking key of the one before (first: the scores) into its own.
-RANKINGS = (critical, chunks, refine)
+RANKINGS = (critical, chunks, prompt_chunks, refine)
 
 __all__ = [
     "RANKINGS",
     "STRATEGIES",
+    "blocks",
     "budgets",
     "chunks",
+    "compose",
     "critical",
     "decoding",
     "merge",
+    "prompt_chunks",
     "refine",
+    "rerotate",
     "think",
 ]
