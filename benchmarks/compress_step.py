@@ -140,7 +140,7 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
     cfgs = [CompressionConfig.from_kwargs(**{"max_capacity_prompt": budget, "window_size": window, **parse_method(s)})
             for s in specs]
 
-    filters = torch.randn(HKV, D)  # a method's per-layer constants (Q-Filters'), computed once per model
+    filters = torch.randn(hkv, D, device=device)  # a method's per-layer constants (Q-Filters'), computed once per model
 
     def run(cfg):
         data = filters if cfg.scorer.name == "qfilter" else None
