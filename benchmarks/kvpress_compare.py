@@ -175,6 +175,7 @@ PAIRS = (
     Pair("KVgrad", dict(method="kvgrad", window_size=1, repeat_chunk=512), press("KVgradPress", compression_ratio=RATIO)),
     Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
          press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
+    Pair("CAPKV", dict(method="cap", window_size=1), press("CapPress", compression_ratio=RATIO)),
 )
 
 

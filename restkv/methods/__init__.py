@@ -27,6 +27,7 @@ from types import ModuleType
 
 from . import (
     cam,
+    cap,
     compactor,
     cur,
     defensivekv,
@@ -172,5 +173,6 @@ REGISTRY = _register(
     Method("finch", finch),
     Method("kvcompose", kvcompose, {"layer_budget": "global"}),
     Method("kvgrad", kvgrad, {"layer_budget": "global"}),
+    Method("cap", cap),
 )
 METHODS = tuple(REGISTRY)
