@@ -44,7 +44,7 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "restkv:refine_rounds=8", "restkv:refine_rounds=2,refine_pool=16", "adakv:refine_rounds=8",
                    "cur", "leverage", "lagkv", "noncausal", "compactor", "simlayerkv",
                    "noncausal:head_budget=threshold,threshold=0.0", "qfilter",
-                   "finch", "entropy_gated_chunkkv", "cap"]
+                   "finch", "entropy_gated_chunkkv", "cap", "snapkv:merge=value"]
 
 
 def _value(text: str):

@@ -176,6 +176,7 @@ PAIRS = (
     Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
          press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
     Pair("CAPKV", dict(method="cap", window_size=1), press("CapPress", compression_ratio=RATIO)),
+    Pair("Merging (SnapKV)", dict(method="snapkv", merge="value", **SNAP), press("MergingPress", press=snapkv_press())),
 )
 
 

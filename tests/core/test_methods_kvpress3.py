@@ -52,3 +52,93 @@ def test_cap_equals_float64_loops(knobs):
     assert got.dtype == torch.float32 and got.shape == ref.shape
     torch.testing.assert_close(got.double()[real], ref[real], rtol=2e-4, atol=1e-7)
 
+
+# --- MergingPress: merge="value" ---
+
+
+def value_merge_loops(keys, values, kept, threshold=0.0, fraction=1.0):
+    """The kept values [B, d] float64 of one head after kvpress MergingPress.merge: keys, values
+    [L, d], ``kept`` the kept positions; every other position is evicted."""
+    L = keys.shape[0]
+    evicted = [j for j in range(L) if j not in kept]
+
+    def unit(x):
+        return x / max(float(x.norm()), 1e-6)
+
+    best = []
+    for e in evicted:
+        sims = [float(unit(keys[e]) @ unit(keys[r])) for r in kept]
+        t = max(range(len(kept)), key=lambda i: (sims[i], -i))
+        best.append((sims[t], t))
+    ok = [s >= threshold for s, _ in best]
+    if fraction < 1.0 and any(ok):
+        floor = torch.quantile(torch.tensor([s if o else -math.inf for (s, _), o in zip(best, ok)],
+                                            dtype=torch.float64), 1.0 - fraction)
+        ok = [o and s >= floor for (s, _), o in zip(best, ok)]
+    out = values[kept].clone()
+    total = torch.zeros(len(kept), dtype=torch.float64)
+    incoming = torch.zeros_like(out)
+    for e, (s, t), o in zip(evicted, best, ok):
+        ne, nt = values[e].norm(), values[kept[t]].norm()
+        w = max(s, 0.0) * o * ne / (ne + nt + 1e-6)
+        total[t] += w
+        incoming[t] += w * values[e]
+    for t in range(len(kept)):
+        if total[t] > 0:
+            out[t] = (out[t] + incoming[t]) / (1 + total[t])
+    return out
+
+
+@pytest.mark.parametrize("gate", [dict(), dict(similarity_threshold=0.2), dict(merge_fraction=0.5),
+                                  dict(similarity_threshold=0.1, merge_fraction=0.75)])
+def test_value_merge_equals_float64_loops(gate):
+    from restkv.eviction.select import select
+    from restkv.config import CompressionConfig
+
+    obs, *_ = case(n=30, pad=(0, 0), window=4, budget=12, seed=5)
+    base = dict(method="snapkv", max_capacity_prompt=12, window_size=4)
+    plain = select(obs, CompressionConfig(**base))
+    merged = select(obs, CompressionConfig(**base, merge="value", **gate))
+    assert torch.equal(plain.keys, merged.keys) and torch.equal(plain.index, merged.index)
+    threshold = gate.get("similarity_threshold", 0.0)
+    fraction = gate.get("merge_fraction", 1.0)
+    for i in range(2):
+        for h in range(2):
+            kept = plain.index[i, h].tolist()
+            ref = value_merge_loops(obs.keys[i, h].double(), obs.values[i, h].double(), kept,
+                                    threshold, fraction)
+            torch.testing.assert_close(merged.values[i, h].double(), ref, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(plain.values, merged.values)
+
+
+def test_value_merge_leaves_padding_out_and_refuses_per_head_budgets():
+    from restkv.eviction.select import select
+    from restkv.config import CompressionConfig
+
+    obs, *_ = case(n=30, pad=(0, 7), window=4, budget=12, seed=6)
+    merged = select(obs, CompressionConfig(method="snapkv", max_capacity_prompt=12, window_size=4,
+                                           merge="value"))
+    kept = [j for j in merged.index[1, 0].tolist() if j >= 7]
+    real = obs.keys[1, 0, 7:].double(), obs.values[1, 0, 7:].double()
+    ref = value_merge_loops(*real, [j - 7 for j in kept])
+    got = merged.values[1, 0][merged.index[1, 0] >= 7].double()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for bad in (dict(head_budget="adakv"), dict(layer_budget="global")):
+        with pytest.raises(ValueError, match="merge"):
+            CompressionConfig(method="snapkv", merge="value", **bad)
+
+
+def test_value_merge_runs_while_decoding_and_in_sweep_mode():
+    from helpers import generate, prompt, sweep_equals_separate_runs, tiny_model
+
+    import restkv
+
+    model = tiny_model("qwen2", "sdpa")
+    ids = prompt(60)
+    knobs = dict(method="snapkv", max_capacity_prompt=24, window_size=4, merge="value")
+    with restkv.compressing(model, **knobs, decode_interval=3):
+        merged, _ = generate(model, ids, n=8)
+    with restkv.compressing(model, **{**knobs, "merge": "none"}, decode_interval=3):
+        plain, _ = generate(model, ids, n=8)
+    assert merged.shape == plain.shape
+    sweep_equals_separate_runs(model, ids, [knobs, {**knobs, "merge_fraction": 0.5}], 4)
