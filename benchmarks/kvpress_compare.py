@@ -176,6 +176,9 @@ PAIRS = (
     Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
          press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
     Pair("CAPKV", dict(method="cap", window_size=1), press("CapPress", compression_ratio=RATIO)),
+    # kvpress downloads statistics computed for other models: it reads restkv's, computed on the essays
+    Pair("ExpectedAttentionStats", dict(method="expected_attention_stats", window_size=1),
+         press("ExpectedAttentionStatsPress", compression_ratio=RATIO)),
     Pair("Merging (SnapKV)", dict(method="snapkv", merge="value", **SNAP), press("MergingPress", press=snapkv_press())),
 )
 
@@ -329,6 +332,28 @@ def shared_qfilters(model, out: str) -> str:
     return path
 
 
+def shared_query_stats(model, out: str) -> str:
+    """restkv's query statistics of ``model`` (computed on the essays, as ``method="expected_attention_stats"``
+    does), written as kvpress's statistics folder (``ExpectedAttentionStats.save_pretrained``'s files) for its
+    ``ExpectedAttentionStatsPress``: both score with the same statistics."""
+    from safetensors.torch import save_file
+
+    from restkv.config import CompressionConfig
+    from restkv.integration.query_stats import model_stats
+
+    cfg = CompressionConfig(method="expected_attention_stats")
+    stats = model_stats(model, cfg)
+    folder = Path(out) / "query_stats"
+    folder.mkdir()
+    layers, heads, d = stats["query_mean"].shape
+    config = {"num_layers": layers, "num_heads": heads, "head_dim": d, "dataset_name": "essays",
+              "model_name": "restkv", "num_samples": cfg.stats_samples, "sample_seq_len": cfg.stats_length,
+              "n_sink": cfg.n_sink}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in stats.items()}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
 def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
     """Both libraries on the same windows (kvpress in a child, in parallel): a ``compare`` row per pair, notes."""
     import torch
@@ -348,6 +373,8 @@ def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
                "ratio": compression_ratio(args.length, args.budget), "presses": presses, "out": out}
         if any("QFilterPress" in press_classes(spec) for spec in presses.values()):
             job["q_filters"] = shared_qfilters(model, out)
+        if any("ExpectedAttentionStatsPress" in press_classes(spec) for spec in presses.values()):
+            job["query_stats"] = shared_query_stats(model, out)
         child = call_kvpress(args.kvpress_python, "model", job, background=True)
         ours = restkv_model_side(model, samples, args.length, compared, args.budget)
         reply = child.stdout.read()

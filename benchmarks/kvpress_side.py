@@ -231,6 +231,12 @@ def given_filters(built, path: str) -> None:
     built.post_init_from_model = lambda model: None
 
 
+def given_stats(built, path: str) -> None:
+    """An ``ExpectedAttentionStatsPress`` reading the statistics folder ``path`` (kvpress's ``stats_folder``)
+    instead of the hub's (published for other models; nothing is downloaded)."""
+    built.stats_folder = path
+
+
 def load_model(path: str):
     """The checkpoint in float32 with sdpa, as restkv loads it.
 
@@ -274,6 +280,8 @@ def kvpress_model_child(job: dict) -> dict:
         for press_ in built.values():
             if isinstance(press_, classes["QFilterPress"]):
                 given_filters(press_, job["q_filters"])
+            if isinstance(press_, classes["ExpectedAttentionStatsPress"]):
+                given_stats(press_, job["query_stats"])
         return built
 
     shared = [key for key in job["presses"] if key not in own]
@@ -326,6 +334,9 @@ def kvpress_step_child(job: dict) -> list:
         built = build_press(spec, classes, job["ratio"])
         if isinstance(built, classes["QFilterPress"]):  # its cost does not depend on the filters' values
             built.q_filters = torch.randn(1, HKV, D, dtype=dt)
+        if isinstance(built, classes["ExpectedAttentionStatsPress"]):  # nor on the statistics' values
+            built.mu = torch.randn(1, HQ, D, dtype=dt)
+            built.cov = torch.eye(D, dtype=dt).expand(1, HQ, D, D).contiguous()
         if type(built).compress is classes["BasePress"].compress:  # compresses through its own hooks (KVzip, Composed)
             print(f"kvpress step: {describe_press(spec)} has no one-layer compress step", file=sys.stderr)
             calls.append(None)

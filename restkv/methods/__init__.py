@@ -32,6 +32,7 @@ from . import (
     cur,
     defensivekv,
     expected_attention,
+    expected_attention_stats,
     finch,
     h2o,
     keydiff,
@@ -174,5 +175,6 @@ REGISTRY = _register(
     Method("kvcompose", kvcompose, {"layer_budget": "global"}),
     Method("kvgrad", kvgrad, {"layer_budget": "global"}),
     Method("cap", cap),
+    Method("expected_attention_stats", expected_attention_stats),
 )
 METHODS = tuple(REGISTRY)

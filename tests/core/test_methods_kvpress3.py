@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_methods_2026 import case, rotation, scores_of
+from test_methods_2026 import D, case, rotation, scores_of
 
 
 def cap_loops(q_pre, k, v, pos, P, n_sink=4, n_future=512, tau=5.0, eps=1e-6):
@@ -142,3 +142,115 @@ def test_value_merge_runs_while_decoding_and_in_sweep_mode():
         plain, _ = generate(model, ids, n=8)
     assert merged.shape == plain.shape
     sweep_equals_separate_runs(model, ids, [knobs, {**knobs, "merge_fraction": 0.5}], 4)
+
+
+
+# --- ExpectedAttentionStatsPress: expected_attention_stats ---
+
+
+def stats_loops(mean, cov, k, v, pos, P, n_sink=4, n_future=512, covariance=True):
+    """[b, Hq, P] float64: kvpress ExpectedAttentionStatsPress.score with the statistics ``mean``
+    [Hq, d], ``cov`` [Hq, d, d] before RoPE: softmax over the non-sink keys of s mu'.k + s^2 k^T S' k
+    / 2 (mu' = R mu, S' = R S R^T, R the mean RoPE of the next positions), times ||v||; sinks max + 1."""
+    b, hkv, n, d = k.shape
+    hq = mean.shape[0]
+    g, s = hq // hkv, d**-0.5
+    out = torch.zeros(b, hq, P, dtype=torch.float64)
+    for i in range(b):
+        nxt = int(pos[i, -1]) + 1
+        R = sum(rotation(p) for p in range(nxt, nxt + n_future)) / n_future
+        keys = [j for j in range(n) if pos[i, j] >= n_sink]
+        for h in range(hq):
+            mu, S = R @ mean[h], R @ cov[h] @ R.T
+            kk = k[i, h // g]
+            z = torch.stack([s * mu @ kk[j] + (s * s / 2 * kk[j] @ S @ kk[j] if covariance else 0)
+                             for j in keys])
+            for a_j, j in zip(torch.softmax(z, 0), keys):
+                if j < P:
+                    out[i, h, j] = a_j * v[i, h // g, j].norm()
+        non_sink = pos[i, :P] >= n_sink
+        out[i][:, (pos[i, :P] >= 0) & ~non_sink] = out[i][:, non_sink].max() + 1
+    return out
+
+
+@pytest.mark.parametrize("covariance", [True, False])
+def test_expected_attention_stats_equal_float64_loops(covariance):
+    """The statistics given (obs.data), not the prompt's, make the scores."""
+    obs, q_pre, k, v, _, pos = case(n=26, pad=(0, 5), window=4, budget=12, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 40, 8, generator=g, dtype=torch.float64) * 0.6 + torch.randn(4, 1, 8, generator=g)
+    mean = x.mean(1)
+    centred = x - mean[:, None]
+    cov = centred.transpose(1, 2) @ centred / 39
+    obs.data = (mean.float(), cov.float())
+    got = scores_of(obs, method="expected_attention_stats", use_covariance=covariance)
+    ref = stats_loops(mean, cov, k, v, pos, obs.prefix_len, covariance=covariance)
+    real = (pos[:, None, : obs.prefix_len] >= 0).expand_as(ref)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    torch.testing.assert_close(got.double()[real], ref[real], rtol=2e-5, atol=1e-7)
+    prompts = scores_of(obs, method="expected_attention", use_covariance=covariance)
+    assert not torch.allclose(got[real], prompts[real], rtol=1e-2)
+
+
+def test_query_statistics_of_a_model_are_those_of_its_queries_on_the_essays():
+    """The mean and unbiased covariance of every query before RoPE (captured from q_proj) after the
+    first n_sink positions of each piece of the essays, prefilled one piece at a time."""
+    from helpers import tiny_model, tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    from restkv.config import CompressionConfig
+    from restkv.integration.query_stats import model_stats, text_samples
+
+    model = tiny_model("llama", "sdpa")
+    cfg = CompressionConfig(method="expected_attention_stats", tokenizer=tiny_tokenizer(),
+                            stats_samples=3, stats_length=150)
+    got = model_stats(model, cfg)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer())
+    layers = model.model.layers
+    heads, d = model.config.num_attention_heads, model.config.head_dim
+    queries = [[] for _ in layers]
+    hooks = [layer.self_attn.q_proj.register_forward_hook(
+        lambda mod, args, out, i=i: queries[i].append(out.view(-1, heads, d)[4:].double()))
+        for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        for text in text_samples(3, 150):
+            model(input_ids=tokenizer(text, return_tensors="pt").input_ids)
+    for h in hooks:
+        h.remove()
+    for i in range(len(layers)):
+        q = torch.cat(queries[i]).transpose(0, 1)  # [Hq, N, d]
+        mean = q.mean(1)
+        cov = torch.stack([torch.cov(q[h].T) for h in range(heads)])  # unbiased
+        torch.testing.assert_close(got["query_mean"][i].double(), mean, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got["query_cov"][i].double(), cov, rtol=1e-4, atol=1e-5)
+    assert model_stats(model, cfg) is got  # computed once per model
+
+
+def test_a_stats_file_is_read_and_checked(tmp_path):
+    from helpers import tiny_model
+
+    import restkv
+
+    model = tiny_model("llama", "sdpa")
+    d = model.config.head_dim
+    hq = model.config.num_attention_heads
+    stats = {"query_mean": torch.randn(3, hq, d), "query_cov": torch.eye(d).expand(3, hq, d, d).clone()}
+    torch.save(stats, tmp_path / "s.pt")
+    restkv.configure(model, method="expected_attention_stats", stats_file=str(tmp_path / "s.pt"))
+    held = [s.plan.data for s in model._restkv.states]
+    assert torch.equal(torch.stack([m for m, _ in held]), stats["query_mean"])
+    restkv.detach(model)
+    from safetensors.torch import save_file
+
+    (tmp_path / "folder").mkdir()
+    save_file(stats, str(tmp_path / "folder" / "model.safetensors"))  # kvpress's stats folder
+    restkv.configure(model, method="expected_attention_stats", stats_file=str(tmp_path / "folder"))
+    assert torch.equal(model._restkv.states[1].plan.data[1], stats["query_cov"][1])
+    restkv.detach(model)
+    torch.save({"query_mean": stats["query_mean"][:2]}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="stats_file .*query_mean of shape"):
+        restkv.configure(model, method="expected_attention_stats", stats_file=str(tmp_path / "bad.pt"))
+    with pytest.raises(ValueError, match="stats_file not found"):
+        restkv.configure(model, method="expected_attention_stats", stats_file=str(tmp_path / "no.pt"))
+    with pytest.raises(ValueError, match="tokenizer"):  # no checkpoint to read a tokenizer from
+        restkv.configure(model, method="expected_attention_stats")
