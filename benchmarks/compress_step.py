@@ -45,7 +45,7 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "cur", "leverage", "lagkv", "noncausal", "compactor", "simlayerkv",
                    "noncausal:head_budget=threshold,threshold=0.0", "qfilter",
                    "finch", "entropy_gated_chunkkv", "cap", "snapkv:merge=value",
-                   "expected_attention_stats"]
+                   "expected_attention_stats", "duo_attention"]
 
 
 def _value(text: str):
@@ -143,7 +143,8 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
 
     # a method's per-layer constants (Q-Filters', the query statistics), computed once per model
     constants = {"qfilter": torch.randn(HKV, D),
-                 "expected_attention_stats": (torch.randn(hq, D), torch.eye(D).expand(hq, D, D))}
+                 "expected_attention_stats": (torch.randn(hq, D), torch.eye(D).expand(hq, D, D)),
+                 "duo_attention": torch.arange(hkv) < hkv // 2}
 
     def run(cfg):
         data = constants.get(cfg.scorer.name)

@@ -87,6 +87,7 @@ def snapkv_press(**args) -> dict:
 
 
 UNCAPPED = 1 << 30  # a budget above any prompt, for methods whose kept sets a threshold decides
+DUO_RATIO = 0.5  # DuoAttention's share of streaming heads (kvpress's default, 0, evicts nothing)
 
 # restkv's SnapKV with kvpress SnapKVPress's defaults: window 64, kernel 5, average pooling
 SNAP = dict(window_size=64, kernel_size=5, pooling="avgpool")
@@ -179,6 +180,10 @@ PAIRS = (
     # kvpress downloads statistics computed for other models: it reads restkv's, computed on the essays
     Pair("ExpectedAttentionStats", dict(method="expected_attention_stats", window_size=1),
          press("ExpectedAttentionStatsPress", compression_ratio=RATIO)),
+    # kvpress scores the heads on BookSum (a download): it reads restkv's head scores, computed on the essays
+    Pair("DuoAttention", dict(method="duo_attention", head_compression_ratio=DUO_RATIO, window_size=1,
+                              max_capacity_prompt=UNCAPPED),
+         press("DuoAttentionPress", head_compression_ratio=DUO_RATIO, on_the_fly_scoring=True)),
     Pair("Merging (SnapKV)", dict(method="snapkv", merge="value", **SNAP), press("MergingPress", press=snapkv_press())),
 )
 
@@ -354,6 +359,20 @@ def shared_query_stats(model, out: str) -> str:
     return str(folder)
 
 
+def shared_duo_head_scores(model, out: str, ratio: float) -> str:
+    """restkv's DuoAttention head scores of ``model`` (computed on the essays, as ``method="duo_attention"``
+    does), saved for kvpress's ``DuoAttentionPress`` in place of its on-the-fly ones (BookSum, a download)."""
+    import torch
+
+    from restkv.config import CompressionConfig
+    from restkv.integration.duo_heads import model_head_scores
+
+    path = str(Path(out) / "duo_head_scores.pt")
+    torch.save(model_head_scores(model, CompressionConfig(method="duo_attention", head_compression_ratio=ratio)),
+               path)
+    return path
+
+
 def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
     """Both libraries on the same windows (kvpress in a child, in parallel): a ``compare`` row per pair, notes."""
     import torch
@@ -373,6 +392,8 @@ def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
                "ratio": compression_ratio(args.length, args.budget), "presses": presses, "out": out}
         if any("QFilterPress" in press_classes(spec) for spec in presses.values()):
             job["q_filters"] = shared_qfilters(model, out)
+        if any("DuoAttentionPress" in press_classes(spec) for spec in presses.values()):
+            job["duo_head_scores"] = shared_duo_head_scores(model, out, DUO_RATIO)
         if any("ExpectedAttentionStatsPress" in press_classes(spec) for spec in presses.values()):
             job["query_stats"] = shared_query_stats(model, out)
         child = call_kvpress(args.kvpress_python, "model", job, background=True)

@@ -31,6 +31,7 @@ from . import (
     compactor,
     cur,
     defensivekv,
+    duo_attention,
     expected_attention,
     expected_attention_stats,
     finch,
@@ -176,5 +177,6 @@ REGISTRY = _register(
     Method("kvgrad", kvgrad, {"layer_budget": "global"}),
     Method("cap", cap),
     Method("expected_attention_stats", expected_attention_stats),
+    Method("duo_attention", duo_attention, {"head_budget": "threshold", "threshold": 0.5}),
 )
 METHODS = tuple(REGISTRY)

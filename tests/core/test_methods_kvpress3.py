@@ -4,10 +4,11 @@ against float64 loops written from their reference code."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
-from test_methods_2026 import D, case, rotation, scores_of
+from test_methods_2026 import case, rotation, scores_of
 
 
 def cap_loops(q_pre, k, v, pos, P, n_sink=4, n_future=512, tau=5.0, eps=1e-6):
@@ -176,7 +177,7 @@ def stats_loops(mean, cov, k, v, pos, P, n_sink=4, n_future=512, covariance=True
 @pytest.mark.parametrize("covariance", [True, False])
 def test_expected_attention_stats_equal_float64_loops(covariance):
     """The statistics given (obs.data), not the prompt's, make the scores."""
-    obs, q_pre, k, v, _, pos = case(n=26, pad=(0, 5), window=4, budget=12, seed=7)
+    obs, _, k, v, _, pos = case(n=26, pad=(0, 5), window=4, budget=12, seed=7)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(4, 40, 8, generator=g, dtype=torch.float64) * 0.6 + torch.randn(4, 1, 8, generator=g)
     mean = x.mean(1)
@@ -254,3 +255,131 @@ def test_a_stats_file_is_read_and_checked(tmp_path):
         restkv.configure(model, method="expected_attention_stats", stats_file=str(tmp_path / "no.pt"))
     with pytest.raises(ValueError, match="tokenizer"):  # no checkpoint to read a tokenizer from
         restkv.configure(model, method="expected_attention_stats")
+
+
+# --- DuoAttentionPress: duo_attention ---
+
+
+def duo_head_loops(q_mean, k_mean, q_len=500):
+    """[Hkv] float64: kvpress duo_attention_on_the_fly's score of one layer: the mean query and key
+    repeated over q_len positions and rotated there, the last query's softmax attention (scaled by
+    1/sqrt(d)) over the keys, the mean of its cumulated sum, averaged over each GQA group."""
+    hq, d = q_mean.shape
+    hkv = k_mean.shape[0]
+    g = hq // hkv
+    out = torch.zeros(hkv, dtype=torch.float64)
+    rotations = [rotation(p, d) for p in range(q_len)]
+    for h in range(hq):
+        q = rotations[-1] @ q_mean[h].double()
+        logits = torch.stack([q @ (R @ k_mean[h // g].double()) / math.sqrt(d) for R in rotations])
+        a = torch.softmax(logits, 0)
+        out[h // g] += sum(a[: p + 1].sum() for p in range(q_len)) / q_len / g
+    return out
+
+
+def test_duo_attention_head_scores_equal_float64_loops():
+    from helpers import rope_embed
+
+    from restkv.methods.duo_attention import head_scores
+
+    g = torch.Generator().manual_seed(9)
+    q_mean = torch.randn(4, 8, generator=g) * 2
+    k_mean = torch.randn(2, 8, generator=g) * 2
+    got = head_scores(q_mean, k_mean, rope_embed(8), 8**-0.5)
+    torch.testing.assert_close(got.double(), duo_head_loops(q_mean, k_mean), rtol=1e-5, atol=1e-6)
+
+
+def test_duo_attention_streaming_heads_keep_sinks_and_recent_tokens():
+    """Streaming heads (obs.data) keep the first sink_size and last recent_size real tokens, the others
+    every token, as kvpress's masked_key_indices; a capped budget keeps the sinks, then the latest."""
+    from restkv.config import CompressionConfig
+    from restkv.eviction.select import select
+
+    obs, _, _, _, _, pos = case(n=30, pad=(0, 6), window=1, budget=30, seed=10)
+    obs.data = torch.tensor([True, False])
+    kept = select(obs, CompressionConfig(method="duo_attention", max_capacity_prompt=30, window_size=1,
+                                         sink_size=3, recent_size=5))
+    for i, length in enumerate((30, 24)):
+        for h, streaming in enumerate((True, False)):
+            want = {p for p in range(length) if not streaming or p < 3 or p >= length - 5}
+            got = {int(p) for p in kept.positions[i, h] if p >= 0}
+            assert got == want, (i, h)
+    obs.budget = 10  # the layer's budget
+    capped = select(obs, CompressionConfig(method="duo_attention", max_capacity_prompt=10, window_size=1,
+                                           sink_size=3, recent_size=5))
+    got = {int(p) for p in capped.positions[0, 1] if p >= 0}
+    assert got == {0, 1, 2} | set(range(30 - 7, 30))
+    assert pos[1, 6] == 0
+
+
+def test_duo_attention_without_patterns_ranks_the_layers_own_heads():
+    """A hand-made observation: its own mean query and key before RoPE make the head scores."""
+    from restkv.methods.duo_attention import own_streaming_heads
+
+    obs, q_pre, k, _, _, pos = case(b=1, pad=(0,), n=26, window=1, budget=26, seed=11)
+    k_pre = torch.stack([k[0, :, t] @ rotation(int(pos[0, t])) for t in range(26)], 1)  # R^T k
+    ref = duo_head_loops(q_pre[0].mean(1), k_pre.mean(1))
+    got = own_streaming_heads(obs, SimpleNamespace(head_compression_ratio=0.5))
+    assert got.tolist() == [bool(ref[0] < ref[1]), bool(ref[1] <= ref[0])]
+
+
+def test_duo_attention_head_scores_of_a_model_are_those_of_its_means_on_the_essays():
+    """The scores average, over the essay windows, each layer's loop score of the window's mean q_proj
+    and k_proj outputs (before RoPE); the streaming heads are the lowest over the whole model."""
+    from helpers import tiny_model, tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    import restkv
+    from restkv.config import CompressionConfig
+    from restkv.integration.duo_heads import model_head_scores
+    from restkv.integration.qfilters import calibration_ids
+
+    model = tiny_model("llama", "sdpa")
+    knobs = dict(method="duo_attention", tokenizer=tiny_tokenizer(), duo_samples=2, duo_length=96,
+                 head_compression_ratio=0.5)
+    got = model_head_scores(model, CompressionConfig(**knobs))
+    ids = calibration_ids(AutoTokenizer.from_pretrained(tiny_tokenizer()), 1024, 2, 96)
+    layers = model.model.layers
+    heads, kv, d = 6, 2, model.config.head_dim
+    means = [[] for _ in layers]
+    hooks = [layer.self_attn.register_forward_hook(
+        lambda mod, args, kwargs, out, i=i: means[i].append((
+            mod.q_proj(kwargs["hidden_states"]).view(-1, heads, d).mean(0).double(),
+            mod.k_proj(kwargs["hidden_states"]).view(-1, kv, d).mean(0).double())), with_kwargs=True)
+        for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        for row in ids:
+            model(input_ids=row[None])
+    for h in hooks:
+        h.remove()
+    ref = torch.stack([sum(duo_head_loops(q, k, 500) for q, k in m) / len(m) for m in means])
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+    restkv.configure(model, **knobs)
+    streaming = torch.stack([s.plan.data for s in model._restkv.states])
+    lowest = ref.flatten().argsort()[:3]
+    assert streaming.flatten().nonzero().flatten().sort().values.tolist() == lowest.sort().values.tolist()
+    restkv.detach(model)
+
+
+def test_a_duo_attention_file_is_read_and_checked(tmp_path):
+    from helpers import tiny_model
+
+    import restkv
+
+    model = tiny_model("llama", "sdpa")
+    (tmp_path / "heads.tsv").write_text("0.9\t0.1\n0.5\t1.7\n-0.2\t0.3\n")
+    restkv.configure(model, method="duo_attention", head_compression_ratio=0.5,
+                     duo_attention_file=str(tmp_path / "heads.tsv"))
+    streaming = torch.stack([s.plan.data for s in model._restkv.states])
+    assert streaming.tolist() == [[False, True], [False, False], [True, True]]  # clipped: -0.2 -> 0
+    restkv.detach(model)
+    (tmp_path / "bad.tsv").write_text("0.9\t0.1\n")
+    with pytest.raises(ValueError, match="duo_attention_file .*shape"):
+        restkv.configure(model, method="duo_attention", duo_attention_file=str(tmp_path / "bad.tsv"))
+    (tmp_path / "text.tsv").write_text("a\tb\n")
+    with pytest.raises(ValueError, match="duo_attention_file .*not a tab-separated"):
+        restkv.configure(model, method="duo_attention", duo_attention_file=str(tmp_path / "text.tsv"))
+    with pytest.raises(ValueError, match="duo_attention_file not found"):
+        restkv.configure(model, method="duo_attention", duo_attention_file=str(tmp_path / "no.tsv"))
+    with pytest.raises(ValueError, match="tokenizer"):
+        restkv.configure(model, method="duo_attention", head_compression_ratio=0.5)
