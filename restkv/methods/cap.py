@@ -4,20 +4,20 @@ Paper: "CAPKV" (arXiv:2604.25975), https://arxiv.org/abs/2604.25975; code: kvpre
 (https://github.com/NVIDIA/kvpress, ``kvpress/presses/cap_press.py``), whose definition this is.
 
 Per query head, the anchor ``mu`` is the mean of the prompt's queries before RoPE (every real token
-but the first ``n_sink``) rotated by the RoPE averaged over the next ``n_future_positions`` positions.
-Each non-sink key ``k_j`` gets the weight ``w_j = exp(tau (c_j - max c))`` of its cosine
+but the first ``n_sink``) rotated by the RoPE averaged over the next ``n_future_positions``
+positions. Each non-sink key ``k_j`` gets the weight ``w_j = exp(tau (c_j - max c))`` of its cosine
 ``c_j = cos(mu, k_j)``; with ``A = I + sum_j (w_j + epsilon) v_j v_j^T`` over the non-sink entries,
 the score is ``w_j v_j^T A^{-1} v_j``, averaged over the query heads of each KV head. The first
 ``n_sink`` tokens are always kept.
 
 Defaults are the reference's (``tau=5, n_future_positions=512, n_sink=4, epsilon=1e-6``).
 Differences: the queries before RoPE are the layer's queries with its RoPE undone (the reference
-recomputes them from the hidden states: equal up to the model dtype's rounding); ``A`` and its inverse
-are in float32 (the reference forms ``A`` in the model dtype, then solves in float32); future positions
-follow each sample's last position and the statistics run over each sample's real tokens (the
-reference: the prompt length and the batch, the same without padding); the sinks' score is the
-sample's largest plus one (the reference: the batch's); the observation window is always kept (the
-reference keeps none; ``window_size=1`` comes closest).
+recomputes them from the hidden states: equal up to the model dtype's rounding); ``A`` and its
+inverse are in float32 (the reference forms ``A`` in the model dtype, then solves in float32);
+future positions follow each sample's last position and the statistics run over each sample's real
+tokens (the reference: the prompt length and the batch, the same without padding); the sinks' score
+is the sample's largest plus one (the reference: the batch's); the observation window is always kept
+(the reference keeps none; ``window_size=1`` comes closest).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def anchor(obs, n_future_positions: int, counted) -> "torch.Tensor":
 
 
 def weights(obs, mu, counted, tau: float) -> "torch.Tensor":
-    """``exp(tau (c_j - max c))`` [b, Hkv, g, L], ``c_j`` the cosine of the anchor and key j; 0 where
-    ``counted`` [b, 1 or Hkv, L] is False."""
+    """``exp(tau (c_j - max c))`` [b, Hkv, g, L], ``c_j`` the cosine of the anchor and key j; 0
+    where ``counted`` [b, 1 or Hkv, L] is False."""
     hkv = obs.keys.shape[1]
     n = obs.keys.shape[2]
     mu_g = F.normalize(group_view(mu, hkv), dim=-1)  # [b, Hkv, g, d]
@@ -104,7 +104,8 @@ def leverage(obs, w, counted, epsilon: float) -> "torch.Tensor":
 
 
 def score(obs, cfg):
-    """``w_j v_j^T A^{-1} v_j`` averaged over each GQA group -> [b, Hkv, P] (sinks: the largest + 1)."""
+    """``w_j v_j^T A^{-1} v_j`` averaged over each GQA group -> [b, Hkv, P] (sinks: the largest
+    + 1)."""
     counted = obs.positions >= cfg.n_sink  # [b, L] real tokens after the sinks
     held = counted[:, None] & obs.entry_valid  # [b, 1 or Hkv, L]
     mu = anchor(obs, cfg.n_future_positions, counted)

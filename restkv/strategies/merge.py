@@ -5,12 +5,12 @@
   ``new_r = (r + sum_e (x_e + r) / 2) / (1 + n_r)`` for both keys and values.
 - ``cam``: CaM (Zhang et al., ICML 2024): each evicted value is merged into the ``window_size``
   entries that follow it, weighted by its score over the largest kept score.
-- ``value``: kvpress's ``MergingPress`` (``kvpress/presses/merging_press.py``, after Token Merging and
-  D2O): each evicted value is folded into the value of the kept entry whose key is most cosine-similar,
-  ``v_r <- (v_r + sum_e w_e v_e) / (1 + sum_e w_e)`` with ``w_e = max(s_e, 0) ||v_e|| / (||v_e|| + ||v_r||
-  + 1e-6)``, ``s_e`` the similarity; only the evicted entries whose similarity reaches
-  ``similarity_threshold`` and, with ``merge_fraction`` < 1, lies in their head's top ``merge_fraction``
-  merge. Keys are kept as they are.
+- ``value``: kvpress's ``MergingPress`` (``kvpress/presses/merging_press.py``, after Token Merging
+  and D2O): each evicted value is folded into the value of the kept entry whose key is most
+  cosine-similar, ``v_r <- (v_r + sum_e w_e v_e) / (1 + sum_e w_e)`` with ``w_e = max(s_e, 0)
+  ||v_e|| / (||v_e|| + ||v_r|| + 1e-6)``, ``s_e`` the similarity; only the evicted entries whose
+  similarity reaches ``similarity_threshold`` and, with ``merge_fraction`` < 1, lies in their head's
+  top ``merge_fraction`` merge. Keys are kept as they are.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ KNOBS = (
     Knob(
         "similarity_threshold",
         0.0,
-        "merge='value': smallest cosine similarity of an evicted key to its kept target for a merge",
+        "merge='value': smallest cosine similarity of an evicted key to its kept target "
+        "for a merge",
         check=lambda s: 0.0 <= s <= 1.0,
         rule="in [0, 1]",
         when={"merge": ("value",)},
@@ -49,7 +50,8 @@ SIMILARITY_EPS = 1e-6  # the reference's _EPS: norms' floor and the weights' den
 
 
 def check(values: dict) -> None:
-    if values.get("merge") in ("pivot", "value") and values.get("head_budget", "uniform") != "uniform":
+    per_head = values.get("head_budget", "uniform") != "uniform"
+    if values.get("merge") in ("pivot", "value") and per_head:
         raise ValueError(f"merge={values['merge']!r} needs head_budget='uniform'")
     if values.get("merge") != "none" and values.get("gqa_agg") == "none":
         raise ValueError(
@@ -124,9 +126,9 @@ def pivot_merge(keys, values, kept_idx, evicted):
 
 
 def nearest_kept(keys, kept_idx):
-    """For every entry of ``keys`` [b, Hkv, L, d], the cosine similarity to its most similar kept key
-    and that key's index among the kept ones -> ([b, Hkv, L] float32, [b, Hkv, L] long), a block of
-    entries at a time (``MERGE_BLOCK``)."""
+    """For every entry of ``keys`` [b, Hkv, L, d], the cosine similarity to its most similar kept
+    key and that key's index among the kept ones -> ([b, Hkv, L] float32, [b, Hkv, L] long), a
+    block of entries at a time (``MERGE_BLOCK``)."""
     d = keys.shape[-1]
     kept_k = keys.gather(2, kept_idx[..., None].expand(-1, -1, -1, d)).float()
     pivots = F.normalize(kept_k, dim=-1, eps=SIMILARITY_EPS).transpose(-1, -2)
@@ -147,7 +149,7 @@ def value_merge(keys, values, kept_idx, evicted, threshold: float, fraction: flo
     d = values.shape[-1]
     similarity, target = nearest_kept(keys, kept_idx)
     ok = evicted & (similarity >= threshold)
-    if fraction < 1.0:  # the (1 - fraction) quantile of each head's evicted similarities, failed ones -inf
+    if fraction < 1.0:  # the (1 - fraction) quantile of each head's evicted similarities
         candidates = similarity.masked_fill(~ok, float("-inf")).masked_fill(~evicted, float("nan"))
         floor = candidates.nanquantile(1.0 - fraction, dim=-1, keepdim=True)
         ok &= similarity >= floor

@@ -10,6 +10,9 @@ import pytest
 import torch
 from test_methods_2026 import case, rotation, scores_of
 
+STATS = "expected_attention_stats"
+DUO = "duo_attention"
+
 
 def cap_loops(q_pre, k, v, pos, P, n_sink=4, n_future=512, tau=5.0, eps=1e-6):
     """[b, Hkv, P] float64: kvpress CapPress.score, one sample and head at a time."""
@@ -151,8 +154,9 @@ def test_value_merge_runs_while_decoding_and_in_sweep_mode():
 
 def stats_loops(mean, cov, k, v, pos, P, n_sink=4, n_future=512, covariance=True):
     """[b, Hq, P] float64: kvpress ExpectedAttentionStatsPress.score with the statistics ``mean``
-    [Hq, d], ``cov`` [Hq, d, d] before RoPE: softmax over the non-sink keys of s mu'.k + s^2 k^T S' k
-    / 2 (mu' = R mu, S' = R S R^T, R the mean RoPE of the next positions), times ||v||; sinks max + 1."""
+    [Hq, d], ``cov`` [Hq, d, d] before RoPE: softmax over the non-sink keys of s mu'.k + s^2 k^T
+    S' k / 2 (mu' = R mu, S' = R S R^T, R the mean RoPE of the next positions), times ||v||; sinks
+    max + 1."""
     b, hkv, n, d = k.shape
     hq = mean.shape[0]
     g, s = hq // hkv, d**-0.5
@@ -179,7 +183,8 @@ def test_expected_attention_stats_equal_float64_loops(covariance):
     """The statistics given (obs.data), not the prompt's, make the scores."""
     obs, _, k, v, _, pos = case(n=26, pad=(0, 5), window=4, budget=12, seed=7)
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(4, 40, 8, generator=g, dtype=torch.float64) * 0.6 + torch.randn(4, 1, 8, generator=g)
+    x = torch.randn(4, 40, 8, generator=g, dtype=torch.float64) * 0.6
+    x = x + torch.randn(4, 1, 8, generator=g)
     mean = x.mean(1)
     centred = x - mean[:, None]
     cov = centred.transpose(1, 2) @ centred / 39
@@ -235,9 +240,10 @@ def test_a_stats_file_is_read_and_checked(tmp_path):
     model = tiny_model("llama", "sdpa")
     d = model.config.head_dim
     hq = model.config.num_attention_heads
-    stats = {"query_mean": torch.randn(3, hq, d), "query_cov": torch.eye(d).expand(3, hq, d, d).clone()}
+    cov = torch.eye(d).expand(3, hq, d, d).clone()
+    stats = {"query_mean": torch.randn(3, hq, d), "query_cov": cov}
     torch.save(stats, tmp_path / "s.pt")
-    restkv.configure(model, method="expected_attention_stats", stats_file=str(tmp_path / "s.pt"))
+    restkv.configure(model, method=STATS, stats_file=str(tmp_path / "s.pt"))
     held = [s.plan.data for s in model._restkv.states]
     assert torch.equal(torch.stack([m for m, _ in held]), stats["query_mean"])
     restkv.detach(model)
@@ -245,16 +251,16 @@ def test_a_stats_file_is_read_and_checked(tmp_path):
 
     (tmp_path / "folder").mkdir()
     save_file(stats, str(tmp_path / "folder" / "model.safetensors"))  # kvpress's stats folder
-    restkv.configure(model, method="expected_attention_stats", stats_file=str(tmp_path / "folder"))
+    restkv.configure(model, method=STATS, stats_file=str(tmp_path / "folder"))
     assert torch.equal(model._restkv.states[1].plan.data[1], stats["query_cov"][1])
     restkv.detach(model)
     torch.save({"query_mean": stats["query_mean"][:2]}, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="stats_file .*query_mean of shape"):
-        restkv.configure(model, method="expected_attention_stats", stats_file=str(tmp_path / "bad.pt"))
+        restkv.configure(model, method=STATS, stats_file=str(tmp_path / "bad.pt"))
     with pytest.raises(ValueError, match="stats_file not found"):
-        restkv.configure(model, method="expected_attention_stats", stats_file=str(tmp_path / "no.pt"))
+        restkv.configure(model, method=STATS, stats_file=str(tmp_path / "no.pt"))
     with pytest.raises(ValueError, match="tokenizer"):  # no checkpoint to read a tokenizer from
-        restkv.configure(model, method="expected_attention_stats")
+        restkv.configure(model, method=STATS)
 
 
 # --- DuoAttentionPress: duo_attention ---
@@ -290,23 +296,23 @@ def test_duo_attention_head_scores_equal_float64_loops():
 
 
 def test_duo_attention_streaming_heads_keep_sinks_and_recent_tokens():
-    """Streaming heads (obs.data) keep the first sink_size and last recent_size real tokens, the others
-    every token, as kvpress's masked_key_indices; a capped budget keeps the sinks, then the latest."""
+    """Streaming heads (obs.data) keep the first sink_size and last recent_size real tokens, the
+    others every token, as kvpress's masked_key_indices; a capped budget keeps the sinks, then the
+    latest."""
     from restkv.config import CompressionConfig
     from restkv.eviction.select import select
 
     obs, _, _, _, _, pos = case(n=30, pad=(0, 6), window=1, budget=30, seed=10)
     obs.data = torch.tensor([True, False])
-    kept = select(obs, CompressionConfig(method="duo_attention", max_capacity_prompt=30, window_size=1,
-                                         sink_size=3, recent_size=5))
+    knobs = dict(method=DUO, window_size=1, sink_size=3, recent_size=5)
+    kept = select(obs, CompressionConfig(max_capacity_prompt=30, **knobs))
     for i, length in enumerate((30, 24)):
         for h, streaming in enumerate((True, False)):
             want = {p for p in range(length) if not streaming or p < 3 or p >= length - 5}
             got = {int(p) for p in kept.positions[i, h] if p >= 0}
             assert got == want, (i, h)
     obs.budget = 10  # the layer's budget
-    capped = select(obs, CompressionConfig(method="duo_attention", max_capacity_prompt=10, window_size=1,
-                                           sink_size=3, recent_size=5))
+    capped = select(obs, CompressionConfig(max_capacity_prompt=10, **knobs))
     got = {int(p) for p in capped.positions[0, 1] if p >= 0}
     assert got == {0, 1, 2} | set(range(30 - 7, 30))
     assert pos[1, 6] == 0
@@ -324,8 +330,8 @@ def test_duo_attention_without_patterns_ranks_the_layers_own_heads():
 
 
 def test_duo_attention_head_scores_of_a_model_are_those_of_its_means_on_the_essays():
-    """The scores average, over the essay windows, each layer's loop score of the window's mean q_proj
-    and k_proj outputs (before RoPE); the streaming heads are the lowest over the whole model."""
+    """The scores average, over the essay windows, each layer's loop score of the window's mean
+    q_proj and k_proj outputs (before RoPE); the streaming heads are the lowest over the model."""
     from helpers import tiny_model, tiny_tokenizer
     from transformers import AutoTokenizer
 
@@ -342,11 +348,13 @@ def test_duo_attention_head_scores_of_a_model_are_those_of_its_means_on_the_essa
     layers = model.model.layers
     heads, kv, d = 6, 2, model.config.head_dim
     means = [[] for _ in layers]
-    hooks = [layer.self_attn.register_forward_hook(
-        lambda mod, args, kwargs, out, i=i: means[i].append((
-            mod.q_proj(kwargs["hidden_states"]).view(-1, heads, d).mean(0).double(),
-            mod.k_proj(kwargs["hidden_states"]).view(-1, kv, d).mean(0).double())), with_kwargs=True)
-        for i, layer in enumerate(layers)]
+    def mean_q_k(module, args, kwargs, out):
+        h = kwargs["hidden_states"]
+        q = module.q_proj(h).view(-1, heads, d).mean(0).double()
+        k = module.k_proj(h).view(-1, kv, d).mean(0).double()
+        means[module.layer_idx].append((q, k))
+
+    hooks = [layer.self_attn.register_forward_hook(mean_q_k, with_kwargs=True) for layer in layers]
     with torch.no_grad():
         for row in ids:
             model(input_ids=row[None])
@@ -357,7 +365,8 @@ def test_duo_attention_head_scores_of_a_model_are_those_of_its_means_on_the_essa
     restkv.configure(model, **knobs)
     streaming = torch.stack([s.plan.data for s in model._restkv.states])
     lowest = ref.flatten().argsort()[:3]
-    assert streaming.flatten().nonzero().flatten().sort().values.tolist() == lowest.sort().values.tolist()
+    picked = streaming.flatten().nonzero().flatten()
+    assert picked.sort().values.tolist() == lowest.sort().values.tolist()
     restkv.detach(model)
 
 
@@ -375,11 +384,11 @@ def test_a_duo_attention_file_is_read_and_checked(tmp_path):
     restkv.detach(model)
     (tmp_path / "bad.tsv").write_text("0.9\t0.1\n")
     with pytest.raises(ValueError, match="duo_attention_file .*shape"):
-        restkv.configure(model, method="duo_attention", duo_attention_file=str(tmp_path / "bad.tsv"))
+        restkv.configure(model, method=DUO, duo_attention_file=str(tmp_path / "bad.tsv"))
     (tmp_path / "text.tsv").write_text("a\tb\n")
     with pytest.raises(ValueError, match="duo_attention_file .*not a tab-separated"):
-        restkv.configure(model, method="duo_attention", duo_attention_file=str(tmp_path / "text.tsv"))
+        restkv.configure(model, method=DUO, duo_attention_file=str(tmp_path / "text.tsv"))
     with pytest.raises(ValueError, match="duo_attention_file not found"):
-        restkv.configure(model, method="duo_attention", duo_attention_file=str(tmp_path / "no.tsv"))
+        restkv.configure(model, method=DUO, duo_attention_file=str(tmp_path / "no.tsv"))
     with pytest.raises(ValueError, match="tokenizer"):
         restkv.configure(model, method="duo_attention", head_compression_ratio=0.5)
