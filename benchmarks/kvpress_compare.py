@@ -18,7 +18,12 @@ the most recent tokens in both, whatever the window. SimLayerKV and DMS keep wha
 has no ``compression_ratio`` there): restkv's budget is set above the prompt (``UNCAPPED``), DMS's sliding
 window of 128 is restkv's window, and kept/head shows what each keeps. kvpress's QFilterPress downloads the
 Q-Filters' authors' published filters, which exist for neither model: it gets the filters restkv computes
-for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring. FinchPress's window is the question after a delimiter
+for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring.
+Likewise ExpectedAttentionStatsPress (statistics downloaded for other models) reads restkv's query statistics of
+the model, written as its statistics folder (``stats_folder``), and DuoAttentionPress (on-the-fly head scores from
+BookSum, a download) makes its streaming heads with its own code from restkv's head scores
+(``restkv.integration.duo_heads``), half the heads streaming (``head_compression_ratio=0.5``; its default, 0, evicts
+nothing), restkv's budget set above the prompt (``UNCAPPED``) as the heads' kinds decide what they keep. FinchPress's window is the question after a delimiter
 token; here it gets no delimiter (an id never in the input) and the window of 64 set as an attribute, without
 key re-rotation (restkv keeps original positions). KVComposePress, KVzipPress and KVgradPress keep no window
 (restkv: ``window_size=1``) and count their budget over all layers: kvpress keeps ``int(layers L (1 - r))``,
