@@ -186,8 +186,9 @@ PAIRS = (
     Pair("ExpectedAttentionStats", dict(method="expected_attention_stats", window_size=1),
          press("ExpectedAttentionStatsPress", compression_ratio=RATIO)),
     # kvpress scores the heads on BookSum (a download): it reads restkv's (on the essays)
-    Pair("DuoAttention", dict(method="duo_attention", head_compression_ratio=DUO_RATIO,
-                              window_size=1, max_capacity_prompt=UNCAPPED),
+    # (head scores on 4 windows of 1024 tokens of the essays, not 50 of 2048: the same in both libraries)
+    Pair("DuoAttention", dict(method="duo_attention", head_compression_ratio=DUO_RATIO, duo_samples=4,
+                              duo_length=1024, window_size=1, max_capacity_prompt=UNCAPPED),
          press("DuoAttentionPress", head_compression_ratio=DUO_RATIO, on_the_fly_scoring=True)),
     Pair("Merging (SnapKV)", dict(method="snapkv", merge="value", **SNAP),
          press("MergingPress", press=snapkv_press())),
@@ -366,18 +367,17 @@ def shared_query_stats(model, out: str) -> str:
     return str(folder)
 
 
-def shared_duo_head_scores(model, out: str, ratio: float) -> str:
+def shared_duo_head_scores(model, out: str, knobs: dict) -> str:
     """restkv's DuoAttention head scores of ``model`` (computed on the essays, as
     ``method="duo_attention"`` does), saved for kvpress's ``DuoAttentionPress`` in place of its
-    on-the-fly ones (BookSum, a download)."""
+    on-the-fly ones (BookSum, a download); ``knobs``: the pair's restkv knobs (the recipe)."""
     import torch
 
     from restkv.config import CompressionConfig
     from restkv.integration.duo_heads import model_head_scores
 
     path = str(Path(out) / "duo_head_scores.pt")
-    cfg = CompressionConfig(method="duo_attention", head_compression_ratio=ratio)
-    torch.save(model_head_scores(model, cfg), path)
+    torch.save(model_head_scores(model, CompressionConfig(**knobs)), path)
     return path
 
 
@@ -400,8 +400,9 @@ def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
                "ratio": compression_ratio(args.length, args.budget), "presses": presses, "out": out}
         if any("QFilterPress" in press_classes(spec) for spec in presses.values()):
             job["q_filters"] = shared_qfilters(model, out)
-        if any("DuoAttentionPress" in press_classes(spec) for spec in presses.values()):
-            job["duo_head_scores"] = shared_duo_head_scores(model, out, DUO_RATIO)
+        duo = [p for p in with_kvpress if "DuoAttentionPress" in press_classes(p.kvpress)]
+        if duo:  # one recipe of head scores per run: the first such pair's
+            job["duo_head_scores"] = shared_duo_head_scores(model, out, duo[0].restkv_knobs(args.budget))
         if any("ExpectedAttentionStatsPress" in press_classes(spec) for spec in presses.values()):
             job["query_stats"] = shared_query_stats(model, out)
         child = call_kvpress(args.kvpress_python, "model", job, background=True)
