@@ -44,7 +44,8 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "restkv:refine_rounds=8", "restkv:refine_rounds=2,refine_pool=16", "adakv:refine_rounds=8",
                    "cur", "leverage", "lagkv", "noncausal", "compactor", "simlayerkv",
                    "noncausal:head_budget=threshold,threshold=0.0", "qfilter",
-                   "finch", "entropy_gated_chunkkv"]
+                   "finch", "entropy_gated_chunkkv", "cap", "snapkv:merge=value",
+                   "expected_attention_stats", "duo_attention"]
 
 
 def _value(text: str):
@@ -140,10 +141,13 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
     cfgs = [CompressionConfig.from_kwargs(**{"max_capacity_prompt": budget, "window_size": window, **parse_method(s)})
             for s in specs]
 
-    filters = torch.randn(hkv, D, device=device)  # a method's per-layer constants (Q-Filters'), computed once per model
+    # a method's per-layer constants (Q-Filters', the query statistics), computed once per model
+    constants = {"qfilter": torch.randn(hkv, D, device=device),
+                 "expected_attention_stats": (torch.randn(hq, D, device=device), torch.eye(D, device=device).expand(hq, D, D)),
+                 "duo_attention": torch.arange(hkv, device=device) < hkv // 2}
 
     def run(cfg):
-        data = filters if cfg.scorer.name == "qfilter" else None
+        data = constants.get(cfg.scorer.name)
         obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,
                           wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS, data=data)
         with torch.no_grad():

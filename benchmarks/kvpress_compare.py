@@ -18,7 +18,12 @@ the most recent tokens in both, whatever the window. SimLayerKV and DMS keep wha
 has no ``compression_ratio`` there): restkv's budget is set above the prompt (``UNCAPPED``), DMS's sliding
 window of 128 is restkv's window, and kept/head shows what each keeps. kvpress's QFilterPress downloads the
 Q-Filters' authors' published filters, which exist for neither model: it gets the filters restkv computes
-for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring. FinchPress's window is the question after a delimiter
+for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring.
+Likewise ExpectedAttentionStatsPress (statistics downloaded for other models) reads restkv's query statistics of
+the model, written as its statistics folder (``stats_folder``), and DuoAttentionPress (on-the-fly head scores from
+BookSum, a download) makes its streaming heads with its own code from restkv's head scores
+(``restkv.integration.duo_heads``), half the heads streaming (``head_compression_ratio=0.5``; its default, 0, evicts
+nothing), restkv's budget set above the prompt (``UNCAPPED``) as the heads' kinds decide what they keep. FinchPress's window is the question after a delimiter
 token; here it gets no delimiter (an id never in the input) and the window of 64 set as an attribute, without
 key re-rotation, and again with it (restkv: ``rerotate_keys="start"``; kvpress's kept set: the indices its
 ``KeyRerotationPress.rerotate_keys`` is given). KVComposePress, KVzipPress and KVgradPress keep no window
@@ -88,6 +93,7 @@ def snapkv_press(**args) -> dict:
 
 
 UNCAPPED = 1 << 30  # a budget above any prompt, for methods whose kept sets a threshold decides
+DUO_RATIO = 0.5  # DuoAttention's share of streaming heads (kvpress's default, 0, evicts nothing)
 
 # restkv's SnapKV with kvpress SnapKVPress's defaults: window 64, kernel 5, average pooling
 SNAP = dict(window_size=64, kernel_size=5, pooling="avgpool")
@@ -205,6 +211,17 @@ PAIRS = (
     Pair("KeyRerotation (L2Norm), end", dict(method="l2norm", window_size=1, rerotate_keys="end"), None),
     Pair("ChunkPress (L2Norm)", dict(method="l2norm", window_size=1, prompt_chunk=256),
          press("ChunkPress", press=press("KnormPress", compression_ratio=RATIO), chunk_length=256)),
+    Pair("CAPKV", dict(method="cap", window_size=1), press("CapPress", compression_ratio=RATIO)),
+    # kvpress downloads statistics computed for other models: it reads restkv's (on the essays)
+    Pair("ExpectedAttentionStats", dict(method="expected_attention_stats", window_size=1),
+         press("ExpectedAttentionStatsPress", compression_ratio=RATIO)),
+    # kvpress scores the heads on BookSum (a download): it reads restkv's (on the essays)
+    # (head scores on 4 windows of 1024 tokens of the essays, not 50 of 2048: the same in both libraries)
+    Pair("DuoAttention", dict(method="duo_attention", head_compression_ratio=DUO_RATIO, duo_samples=4,
+                              duo_length=1024, window_size=1, max_capacity_prompt=UNCAPPED),
+         press("DuoAttentionPress", head_compression_ratio=DUO_RATIO, on_the_fly_scoring=True)),
+    Pair("Merging (SnapKV)", dict(method="snapkv", merge="value", **SNAP),
+         press("MergingPress", press=snapkv_press())),
 )
 
 
@@ -357,6 +374,43 @@ def shared_qfilters(model, out: str) -> str:
     return path
 
 
+def shared_query_stats(model, out: str) -> str:
+    """restkv's query statistics of ``model`` (computed on the essays, as
+    ``method="expected_attention_stats"`` does), written as kvpress's statistics folder
+    (``ExpectedAttentionStats.save_pretrained``'s files) for its ``ExpectedAttentionStatsPress``:
+    both score with the same statistics."""
+    from safetensors.torch import save_file
+
+    from restkv.config import CompressionConfig
+    from restkv.integration.query_stats import model_stats
+
+    cfg = CompressionConfig(method="expected_attention_stats")
+    stats = model_stats(model, cfg)
+    folder = Path(out) / "query_stats"
+    folder.mkdir()
+    layers, heads, d = stats["query_mean"].shape
+    config = {"num_layers": layers, "num_heads": heads, "head_dim": d, "dataset_name": "essays",
+              "model_name": "restkv", "num_samples": cfg.stats_samples,
+              "sample_seq_len": cfg.stats_length, "n_sink": cfg.n_sink}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in stats.items()}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def shared_duo_head_scores(model, out: str, knobs: dict) -> str:
+    """restkv's DuoAttention head scores of ``model`` (computed on the essays, as
+    ``method="duo_attention"`` does), saved for kvpress's ``DuoAttentionPress`` in place of its
+    on-the-fly ones (BookSum, a download); ``knobs``: the pair's restkv knobs (the recipe)."""
+    import torch
+
+    from restkv.config import CompressionConfig
+    from restkv.integration.duo_heads import model_head_scores
+
+    path = str(Path(out) / "duo_head_scores.pt")
+    torch.save(model_head_scores(model, CompressionConfig(**knobs)), path)
+    return path
+
+
 def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
     """Both libraries on the same windows (kvpress in a child, in parallel): a ``compare`` row per pair, notes."""
     import torch
@@ -376,6 +430,11 @@ def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
                "ratio": compression_ratio(args.length, args.budget), "presses": presses, "out": out}
         if any("QFilterPress" in press_classes(spec) for spec in presses.values()):
             job["q_filters"] = shared_qfilters(model, out)
+        duo = [p for p in with_kvpress if "DuoAttentionPress" in press_classes(p.kvpress)]
+        if duo:  # one recipe of head scores per run: the first such pair's
+            job["duo_head_scores"] = shared_duo_head_scores(model, out, duo[0].restkv_knobs(args.budget))
+        if any("ExpectedAttentionStatsPress" in press_classes(spec) for spec in presses.values()):
+            job["query_stats"] = shared_query_stats(model, out)
         child = call_kvpress(args.kvpress_python, "model", job, background=True)
         ours = restkv_model_side(model, samples, args.length, compared, args.budget)
         reply = child.stdout.read()

@@ -263,6 +263,23 @@ def given_filters(built, path: str) -> None:
     built.post_init_from_model = lambda model: None
 
 
+def given_head_scores(path: str) -> None:
+    """kvpress's on-the-fly DuoAttention head scores (computed on BookSum, a download) replaced by
+    those of ``path`` ([layers, Hkv], restkv's on the essays); ``DuoAttentionPress`` makes its
+    streaming heads from them with its own code."""
+    import torch
+    from kvpress.presses import duo_attention_press
+
+    scores = torch.load(path).numpy()
+    duo_attention_press.duo_attention_on_the_fly = lambda model, *args, **kwargs: scores
+
+
+def given_stats(built, path: str) -> None:
+    """An ``ExpectedAttentionStatsPress`` reading the statistics folder ``path`` (kvpress's
+    ``stats_folder``) instead of the hub's (published for other models; nothing is downloaded)."""
+    built.stats_folder = path
+
+
 def load_model(path: str):
     """The checkpoint in float32 with sdpa, as restkv loads it.
 
@@ -306,6 +323,10 @@ def kvpress_model_child(job: dict) -> dict:
         for press_ in built.values():
             if isinstance(press_, classes["QFilterPress"]):
                 given_filters(press_, job["q_filters"])
+            if isinstance(press_, classes["ExpectedAttentionStatsPress"]):
+                given_stats(press_, job["query_stats"])
+            if isinstance(press_, classes["DuoAttentionPress"]):
+                given_head_scores(job["duo_head_scores"])
         return built
 
     shared = [key for key in job["presses"] if key not in own]
@@ -358,6 +379,12 @@ def kvpress_step_child(job: dict) -> list:
         built = build_press(spec, classes, job["ratio"])
         if isinstance(built, classes["QFilterPress"]):  # its cost does not depend on the filters' values
             built.q_filters = torch.randn(1, HKV, D, dtype=dt)
+        if isinstance(built, classes["ExpectedAttentionStatsPress"]):  # nor on the statistics
+            built.mu = torch.randn(1, HQ, D, dtype=dt)
+            built.cov = torch.eye(D, dtype=dt).expand(1, HQ, D, D).contiguous()
+        if isinstance(built, classes["DuoAttentionPress"]):  # half the heads streaming
+            built.sink_size, built.recent_size = 128, 256
+            built.streaming_mask = (torch.arange(HKV) < HKV // 2)[None]
         if type(built).compress is classes["BasePress"].compress:  # compresses through its own hooks (KVzip, Composed)
             print(f"kvpress step: {describe_press(spec)} has no one-layer compress step", file=sys.stderr)
             calls.append(None)

@@ -60,7 +60,11 @@ SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer()
                "dms": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
                "simlayerkv": dict(n_recent=8, lazy_threshold=0.0),  # every layer lazy on a short prompt
                "qfilter": dict(tokenizer=tiny_tokenizer(), qfilter_sequences=2, qfilter_length=256),
-               "kvgrad": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24)}
+               "kvgrad": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
+               "expected_attention_stats": dict(tokenizer=tiny_tokenizer(), stats_samples=2,
+                                                stats_length=200),
+               "duo_attention": dict(tokenizer=tiny_tokenizer(), head_compression_ratio=0.5,
+                                     duo_samples=2, duo_length=128, sink_size=4, recent_size=8)}
 
 
 def small(method, family="llama", **knobs):

@@ -1,18 +1,24 @@
-"""What a config needs computed from the model before its layer plans: HeadKV's head importance (when no
-file is given) and the per-layer constants of the methods that read them (``obs.data``: Q-Filters' filters).
-Each is computed once per model and cached (``restkv.integration.headkv``, ``restkv.integration.qfilters``).
+"""What a config needs computed from the model before its layer plans: HeadKV's head importance
+(when no file is given) and the per-layer constants of the methods that read them (``obs.data``:
+Q-Filters' filters, Expected Attention's query statistics, DuoAttention's streaming heads). Each is
+computed once per model and cached (``restkv.integration.headkv``, ``restkv.integration.qfilters``,
+``restkv.integration.computed``).
 """
 
 from __future__ import annotations
 
 from ..eviction.plans import plan_layers
-from ..methods import qfilter
-from . import qfilters
+from ..methods import duo_attention, expected_attention_stats, qfilter
+from . import duo_heads, qfilters, query_stats
 from .headkv import cached_head_importance
 
 # a scorer module -> ``layer_data(cfg, model) -> {layer index: constants}``; a method that reads constants
 # computed from the model adds its line here
-LAYER_DATA = {qfilter: qfilters.layer_data}
+LAYER_DATA = {
+    qfilter: qfilters.layer_data,
+    expected_attention_stats: query_stats.layer_data,
+    duo_attention: duo_heads.layer_data,
+}
 
 
 def layer_plans(model, cfg) -> list:

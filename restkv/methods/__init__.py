@@ -27,10 +27,13 @@ from types import ModuleType
 
 from . import (
     cam,
+    cap,
     compactor,
     cur,
     defensivekv,
+    duo_attention,
     expected_attention,
+    expected_attention_stats,
     finch,
     h2o,
     keydiff,
@@ -172,5 +175,8 @@ REGISTRY = _register(
     Method("finch", finch),
     Method("kvcompose", kvcompose, {"layer_budget": "global"}),
     Method("kvgrad", kvgrad, {"layer_budget": "global"}),
+    Method("cap", cap),
+    Method("expected_attention_stats", expected_attention_stats),
+    Method("duo_attention", duo_attention, {"head_budget": "threshold", "threshold": 0.5}),
 )
 METHODS = tuple(REGISTRY)

@@ -105,12 +105,13 @@ def expected_logits(keys, mu, cov, cos, sin, scaling: float, block: int):
     return out.view(b, hq, n)
 
 
-def expected_attention(obs, n_future_positions: int, n_sink: int, covariance: bool):
+def expected_attention(obs, n_future_positions: int, n_sink: int, covariance: bool, stats=None):
     """Attention expected from the future queries over every key -> ([b, Hq, L] float32, counted [b, L]).
 
-    The queries' mean and covariance before RoPE (over the prompt's real tokens after the first ``n_sink``),
-    rotated by the RoPE averaged over the next ``n_future_positions`` positions; the softmax runs over the
-    counted keys only (the sinks and padding get 0).
+    The queries' mean and covariance before RoPE (over the prompt's real tokens after the first
+    ``n_sink``; ``stats``: given, [b, Hq, d] and [b, Hq, d, d] or None), rotated by the RoPE
+    averaged over the next ``n_future_positions`` positions; the softmax runs over the counted keys
+    only (the sinks and padding get 0).
     """
     if obs.rope is None:
         raise ValueError("the expected attention needs the layer's RoPE (the observation's rope)")
@@ -123,7 +124,11 @@ def expected_attention(obs, n_future_positions: int, n_sink: int, covariance: bo
     first = (
         obs.first_query
     )  # the queries held: every prompt position's, or the window's while decoding
-    mu, cov = query_statistics(obs.queries, obs.rope, counted[:, first:], covariance, block, first)
+    if stats is None:
+        rows = counted[:, first:]
+        mu, cov = query_statistics(obs.queries, obs.rope, rows, covariance, block, first)
+    else:
+        mu, cov = stats
     cos, sin = obs.rope.mean_future(n_future_positions)
     z = expected_logits(obs.keys, mu, cov, cos, sin, obs.scaling, block)
     z = z.masked_fill_(~counted[:, None], NEG)
@@ -139,12 +144,14 @@ def keep_sinks(scores, obs, counted):
     return torch.where(sinks[:, None], top, scores)
 
 
-def score(obs, cfg):
-    """The expected attention of every prefix entry, per query head -> [b, Hq, P] (sinks: the largest + 1)."""
+def score(obs, cfg, stats=None):
+    """The expected attention of every prefix entry, per query head -> [b, Hq, P] (sinks: the
+    largest + 1); ``stats``: the queries' statistics, given (see ``expected_attention``)."""
     hq = obs.queries.shape[1]
     hkv = obs.keys.shape[1]
     P = obs.prefix_len
-    a, counted = expected_attention(obs, cfg.n_future_positions, cfg.n_sink, cfg.use_covariance)
+    args = (cfg.n_future_positions, cfg.n_sink, cfg.use_covariance, stats)
+    a, counted = expected_attention(obs, *args)
     a = a[..., :P]
     if cfg.use_vnorm:
         norms = torch.linalg.vector_norm(obs.values[:, :, :P], dim=-1, dtype=torch.float32)

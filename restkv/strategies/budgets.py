@@ -124,7 +124,8 @@ def check(values: dict) -> None:
     if values.get("layer_budget") == "global":
         for knob, bad, need in (
             ("gqa_agg", "none", "per-KV-head sets: gqa_agg other than 'none'"),
-            ("merge", "pivot", "merge other than 'pivot'"),
+            ("merge", "pivot", "merge other than 'pivot' or 'value'"),
+            ("merge", "value", "merge other than 'pivot' or 'value'"),
         ):
             if values.get(knob) == bad:
                 raise ValueError(f"layer_budget='global' needs {need}")

@@ -5,6 +5,12 @@
   ``new_r = (r + sum_e (x_e + r) / 2) / (1 + n_r)`` for both keys and values.
 - ``cam``: CaM (Zhang et al., ICML 2024): each evicted value is merged into the ``window_size``
   entries that follow it, weighted by its score over the largest kept score.
+- ``value``: kvpress's ``MergingPress`` (``kvpress/presses/merging_press.py``, after Token Merging
+  and D2O): each evicted value is folded into the value of the kept entry whose key is most
+  cosine-similar, ``v_r <- (v_r + sum_e w_e v_e) / (1 + sum_e w_e)`` with ``w_e = max(s_e, 0)
+  ||v_e|| / (||v_e|| + ||v_r|| + 1e-6)``, ``s_e`` the similarity; only the evicted entries whose
+  similarity reaches ``similarity_threshold`` and, with ``merge_fraction`` < 1, lies in their head's
+  top ``merge_fraction`` merge. Keys are kept as they are.
 """
 
 from __future__ import annotations
@@ -18,15 +24,35 @@ KNOBS = (
         "merge",
         "none",
         "merge evicted entries into kept ones: pivot (into the most similar kept key, "
-        "keys and values) or cam (values into the following entries, CaM)",
-        choices=("none", "cam", "pivot"),
+        "keys and values), value (values into the most similar kept key's, kvpress "
+        "MergingPress) or cam (values into the following entries, CaM)",
+        choices=("none", "cam", "pivot", "value"),
+    ),
+    Knob(
+        "similarity_threshold",
+        0.0,
+        "merge='value': smallest cosine similarity of an evicted key to its kept target "
+        "for a merge",
+        check=lambda s: 0.0 <= s <= 1.0,
+        rule="in [0, 1]",
+        when={"merge": ("value",)},
+    ),
+    Knob(
+        "merge_fraction",
+        1.0,
+        "merge='value': share of each head's evicted entries (the most similar) that merge",
+        check=lambda f: 0.0 < f <= 1.0,
+        rule="in (0, 1]",
+        when={"merge": ("value",)},
     ),
 )
+SIMILARITY_EPS = 1e-6  # the reference's _EPS: norms' floor and the weights' denominator
 
 
 def check(values: dict) -> None:
-    if values.get("merge") == "pivot" and values.get("head_budget", "uniform") != "uniform":
-        raise ValueError("merge='pivot' needs head_budget='uniform'")
+    per_head = values.get("head_budget", "uniform") != "uniform"
+    if values.get("merge") in ("pivot", "value") and per_head:
+        raise ValueError(f"merge={values['merge']!r} needs head_budget='uniform'")
     if values.get("merge") != "none" and values.get("gqa_agg") == "none":
         raise ValueError(
             f"merge={values['merge']!r} needs per-KV-head sets: gqa_agg other than 'none'"
@@ -44,6 +70,11 @@ def merge(cfg, obs, scores, idx, keys, values):
     if cfg.merge == "pivot":
         evicted = torch.ones(b, hkv, n, dtype=torch.bool, device=idx.device).scatter_(2, idx, False)
         return pivot_merge(obs.keys, obs.values, idx, evicted & obs.key_valid[:, None])
+    if cfg.merge == "value":
+        evicted = torch.ones(b, hkv, n, dtype=torch.bool, device=idx.device).scatter_(2, idx, False)
+        gate = (cfg.similarity_threshold, cfg.merge_fraction)
+        merged = value_merge(obs.keys, obs.values, idx, evicted & obs.key_valid[:, None], *gate)
+        return keys, merged
     return keys, values
 
 
@@ -92,6 +123,50 @@ def pivot_merge(keys, values, kept_idx, evicted):
         return (kept * (1 + count[..., None] / 2) + incoming / 2) / (1 + count[..., None])
 
     return merge(kept_k, incoming_k).to(keys.dtype), merge(kept_v, incoming_v).to(values.dtype)
+
+
+def nearest_kept(keys, kept_idx):
+    """For every entry of ``keys`` [b, Hkv, L, d], the cosine similarity to its most similar kept
+    key and that key's index among the kept ones -> ([b, Hkv, L] float32, [b, Hkv, L] long), a
+    block of entries at a time (``MERGE_BLOCK``)."""
+    d = keys.shape[-1]
+    kept_k = keys.gather(2, kept_idx[..., None].expand(-1, -1, -1, d)).float()
+    pivots = F.normalize(kept_k, dim=-1, eps=SIMILARITY_EPS).transpose(-1, -2)
+    similarity = torch.empty(keys.shape[:3], device=keys.device)
+    target = torch.empty(keys.shape[:3], dtype=torch.long, device=keys.device)
+    block = max(1, globals()["MERGE_BLOCK"] // max(1, kept_idx.shape[-1]))
+    for s in range(0, keys.shape[2], block):
+        e = min(keys.shape[2], s + block)
+        sim = F.normalize(keys[:, :, s:e].float(), dim=-1, eps=SIMILARITY_EPS) @ pivots
+        similarity[..., s:e], target[..., s:e] = sim.max(-1)
+    return similarity, target
+
+
+def value_merge(keys, values, kept_idx, evicted, threshold: float, fraction: float):
+    """kvpress MergingPress's merge: the kept values [b, Hkv, B, d] (input dtype) after folding each
+    ``evicted`` [b, Hkv, L] entry's value into its most cosine-similar kept entry's (``kept_idx``
+    [b, Hkv, B]); ``threshold`` and ``fraction`` gate which evicted entries merge."""
+    d = values.shape[-1]
+    similarity, target = nearest_kept(keys, kept_idx)
+    ok = evicted & (similarity >= threshold)
+    if fraction < 1.0:  # the (1 - fraction) quantile of each head's evicted similarities
+        candidates = similarity.masked_fill(~ok, float("-inf")).masked_fill(~evicted, float("nan"))
+        floor = candidates.nanquantile(1.0 - fraction, dim=-1, keepdim=True)
+        ok &= similarity >= floor
+    kept_v = values.gather(2, kept_idx[..., None].expand(-1, -1, -1, d)).float()
+    norms = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)  # [b, Hkv, L]
+    target_norms = torch.linalg.vector_norm(kept_v, dim=-1).gather(2, target)
+    weight = similarity.clamp_min(0) * ok * norms / (norms + target_norms + SIMILARITY_EPS)
+    count = torch.zeros_like(kept_v[..., 0]).scatter_add_(2, target, weight)
+    incoming = torch.zeros_like(kept_v)
+    block = max(1, globals()["MERGE_BLOCK"] // (d * kept_v.shape[0] * kept_v.shape[1]))
+    for s in range(0, values.shape[2], block):
+        e = min(values.shape[2], s + block)
+        into = target[..., s:e, None].expand(-1, -1, -1, d)
+        incoming.scatter_add_(2, into, values[:, :, s:e].float() * weight[..., s:e, None])
+    merged = ((kept_v + incoming) / (1 + count[..., None])).to(values.dtype)
+    unmerged = values.gather(2, kept_idx[..., None].expand(-1, -1, -1, d))
+    return torch.where(count[..., None] > 0, merged, unmerged)
 
 
 def cam_values(obs, scores, kept):
