@@ -60,7 +60,23 @@ SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer()
                "dms": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
                "simlayerkv": dict(n_recent=8, lazy_threshold=0.0),  # every layer lazy on a short prompt
                "qfilter": dict(tokenizer=tiny_tokenizer(), qfilter_sequences=2, qfilter_length=256),
-               "kvgrad": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24)}
+               "kvgrad": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
+               "kvzap": dict(tokenizer=tiny_tokenizer(), train_windows=2, train_length=128),
+               "fastkvzip": dict(tokenizer=tiny_tokenizer(), train_windows=2, train_length=128)}
+
+
+def random_weights(cfg, d: int, hkv: int, groups: int, seed: int = 0):
+    """Random weights of a trained method (KVzap, Fast KVzip) for one layer, as ``obs.data`` holds them."""
+    from restkv.integration import trained
+
+    g = torch.Generator().manual_seed(seed)
+    if cfg.method == "fastkvzip":
+        gate = trained.new_gate(d, hkv, groups, g)
+        gate["k_base"] = torch.randn(gate["k_base"].shape, generator=g)
+        gate["b"] = torch.randn(gate["b"].shape, generator=g)
+        return gate
+    mlp = trained.new_mlp(d, hkv, g)
+    return mlp if cfg.get("kvzap_type") == "mlp" else mlp[2:]
 
 
 def small(method, family="llama", **knobs):

@@ -6,13 +6,17 @@ Each is computed once per model and cached (``restkv.integration.headkv``, ``res
 from __future__ import annotations
 
 from ..eviction.plans import plan_layers
-from ..methods import qfilter
-from . import qfilters
+from ..methods import fastkvzip, kvzap, qfilter
+from . import qfilters, trained
 from .headkv import cached_head_importance
 
 # a scorer module -> ``layer_data(cfg, model) -> {layer index: constants}``; a method that reads constants
 # computed from the model adds its line here
-LAYER_DATA = {qfilter: qfilters.layer_data}
+LAYER_DATA = {
+    qfilter: qfilters.layer_data,
+    kvzap: trained.kvzap_data,
+    fastkvzip: trained.fastkvzip_data,
+}
 
 
 def layer_plans(model, cfg) -> list:

@@ -88,19 +88,20 @@ def compute(model, tokenizer, sequences: int, length: int, seed: int = 0) -> "to
     return out
 
 
-def cache_path(model, recipe: tuple) -> Path:
-    """Where ``model``'s filters are kept: ``$RESTKV_CACHE/../qfilters`` (by default
-    ``~/.cache/restkv/qfilters``), named by its checkpoint path or hub id, shape and ``recipe``."""
+def cache_path(model, recipe: tuple, folder: str = "qfilters", version: str = VERSION) -> Path:
+    """Where ``model``'s filters (or another per-model constant: ``folder``, ``version``) are kept:
+    ``$RESTKV_CACHE/../qfilters`` (by default ``~/.cache/restkv/qfilters``), named by its checkpoint
+    path or hub id, shape and ``recipe``."""
     source = str(getattr(model.config, "_name_or_path", "") or "")
     models = os.environ.get("RESTKV_CACHE") or os.path.join(
         Path.home(), ".cache", "restkv", "models"
     )
     config = model.config.get_text_config()
     where = os.path.abspath(source) if os.path.isdir(source) else source
-    shape = f"{config.num_hidden_layers}|{config.num_key_value_heads}|{VERSION}|{recipe}"
+    shape = f"{config.num_hidden_layers}|{config.num_key_value_heads}|{version}|{recipe}"
     key = hashlib.sha1(f"{where}|{shape}".encode()).hexdigest()[:10]
     name = os.path.basename(os.path.normpath(source)) or "model"
-    return Path(models).parent / "qfilters" / f"{name}-{key}-{VERSION}.pt"
+    return Path(models).parent / folder / f"{name}-{key}-{version}.pt"
 
 
 def load(path: str, layers: int, hkv: int, d: int) -> "torch.Tensor":

@@ -31,11 +31,13 @@ from . import (
     cur,
     defensivekv,
     expected_attention,
+    fastkvzip,
     finch,
     h2o,
     keydiff,
     kvcompose,
     kvgrad,
+    kvzap,
     kvzip,
     l2norm,
     lacache,
@@ -108,6 +110,11 @@ class Method:
             check(values, model)
 
     @property
+    def reads_hidden(self) -> bool:
+        """Its score reads the layer's attention input (``obs.hidden``: KVzap, Fast KVzip)."""
+        return bool(getattr(self.module, "READS_HIDDEN", False))
+
+    @property
     def replays(self) -> bool:
         """Its scores come from forward passes of its own after the prefill (``passes``)."""
         return hasattr(self.module, "passes")
@@ -172,5 +179,7 @@ REGISTRY = _register(
     Method("finch", finch),
     Method("kvcompose", kvcompose, {"layer_budget": "global"}),
     Method("kvgrad", kvgrad, {"layer_budget": "global"}),
+    Method("kvzap", kvzap),
+    Method("fastkvzip", fastkvzip, {"layer_budget": "global"}),
 )
 METHODS = tuple(REGISTRY)
