@@ -44,7 +44,7 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "restkv:refine_rounds=8", "restkv:refine_rounds=2,refine_pool=16", "adakv:refine_rounds=8",
                    "cur", "leverage", "lagkv", "noncausal", "compactor", "simlayerkv",
                    "noncausal:head_budget=threshold,threshold=0.0", "qfilter",
-                   "finch", "entropy_gated_chunkkv"]
+                   "finch", "entropy_gated_chunkkv", "kvzap", "kvzap:kvzap_type=linear", "fastkvzip"]
 
 
 def _value(text: str):
@@ -141,15 +141,27 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
             for s in specs]
 
     filters = torch.randn(HKV, D)  # a method's per-layer constants (Q-Filters'), computed once per model
+    hidden = torch.randn(1, length, HIDDEN, dtype=dt, device=device)  # the layer's attention input
 
-    def run(cfg):
-        data = filters if cfg.scorer.name == "qfilter" else None
+    def constants(cfg):
+        """Q-Filters' filters, or a trained method's weights (KVzap's model, Fast KVzip's gate), random."""
+        from restkv.integration import trained
+
+        g = torch.Generator().manual_seed(0)
+        if cfg.scorer.name == "fastkvzip":
+            return trained.new_gate(HIDDEN, hkv, hq // hkv, g)
+        if cfg.scorer.name == "kvzap":
+            return (trained.new_mlp if cfg.kvzap_type == "mlp" else trained.new_linear)(HIDDEN, hkv, g)
+        return filters if cfg.scorer.name == "qfilter" else None
+
+    def run(cfg, data):
         obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,
-                          wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS, data=data)
+                          wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS, data=data,
+                          hidden=hidden if cfg.scorer.reads_hidden else None)
         with torch.no_grad():
             return select(obs, cfg)
 
-    return [lambda cfg=cfg: run(cfg) for cfg in cfgs], 2 * k.numel() * k.element_size()
+    return [lambda cfg=cfg, data=constants(cfg): run(cfg, data) for cfg in cfgs], 2 * k.numel() * k.element_size()
 
 
 def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,

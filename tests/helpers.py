@@ -75,8 +75,7 @@ def random_weights(cfg, d: int, hkv: int, groups: int, seed: int = 0):
         gate["k_base"] = torch.randn(gate["k_base"].shape, generator=g)
         gate["b"] = torch.randn(gate["b"].shape, generator=g)
         return gate
-    mlp = trained.new_mlp(d, hkv, g)
-    return mlp if cfg.get("kvzap_type") == "mlp" else mlp[2:]
+    return (trained.new_mlp if cfg.get("kvzap_type") == "mlp" else trained.new_linear)(d, hkv, g)
 
 
 def small(method, family="llama", **knobs):

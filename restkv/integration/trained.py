@@ -165,6 +165,11 @@ def train_kvzap(data: dict, kind: str) -> list[tuple]:
     return [tuple(p.detach() for p in layer) for layer in params]
 
 
+def new_linear(d: int, hkv: int, g) -> tuple:
+    """KVzap's linear model as nn.Linear initialises it: (W, b)."""
+    return _linear_init(d, hkv, d, g=g), _linear_init(d, hkv, g=g)
+
+
 def new_mlp(d: int, hkv: int, g) -> tuple:
     """KVzap's MLP as nn.Linear initialises it: (W1, b1, W2, b2)."""
     h = kvzap.HIDDEN_UNITS
@@ -303,8 +308,7 @@ def train(model, method: str, kind: str, tokenizer_path, windows: int, length: i
         hkv = fit["scores"].shape[-1]
         g = torch.Generator().manual_seed(SEED)
         d = fit["hidden"].shape[-1]
-        first = new_mlp(d, hkv, g) if kind == "mlp" else (_linear_init(d, hkv, d, g=g), _linear_init(d, hkv, g=g))
-        untrained = [first] * len(weights)
+        untrained = [(new_mlp if kind == "mlp" else new_linear)(d, hkv, g)] * len(weights)
     else:
         weights = train_gates(fit, groups)
         g = torch.Generator().manual_seed(SEED)
