@@ -18,7 +18,11 @@ the most recent tokens in both, whatever the window. SimLayerKV and DMS keep wha
 has no ``compression_ratio`` there): restkv's budget is set above the prompt (``UNCAPPED``), DMS's sliding
 window of 128 is restkv's window, and kept/head shows what each keeps. kvpress's QFilterPress downloads the
 Q-Filters' authors' published filters, which exist for neither model: it gets the filters restkv computes
-for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring. FinchPress's window is the question after a delimiter
+for the model (``restkv.integration.qfilters``, negated into the authors' orientation), so the row compares the scoring.
+KVzapPress and FastKVzipPress download weights published for other models: they get the weights restkv trains
+for the model (``restkv.integration.trained``, in kvpress's formats), so those rows compare the scoring and
+selection. KVzapPress keeps no window (restkv: ``window_size=1``); FastKVzipPress keeps 4 sinks and the last 2%
+of the prompt (restkv: its 4 sinks and ``window_size=40``, 2% of 2048) and shares its budget over all layers. FinchPress's window is the question after a delimiter
 token; here it gets no delimiter (an id never in the input) and the window of 64 set as an attribute, without
 key re-rotation (restkv keeps original positions). KVComposePress, KVzipPress and KVgradPress keep no window
 (restkv: ``window_size=1``) and count their budget over all layers: kvpress keeps ``int(layers L (1 - r))``,
@@ -175,6 +179,10 @@ PAIRS = (
     Pair("KVgrad", dict(method="kvgrad", window_size=1, repeat_chunk=512), press("KVgradPress", compression_ratio=RATIO)),
     Pair("EntropyGatedChunkKV", dict(method="entropy_gated_chunkkv", **SNAP),
          press("EntropyGatedChunkKVPress", press=snapkv_press(), chunk_length=10, low_entropy_chunk_length=4)),
+    # the weights trained here (restkv.integration.trained) loaded into kvpress's models (kvpress_side.given_*)
+    Pair("KVzap", dict(method="kvzap", window_size=1), press("KVzapPress", compression_ratio=RATIO)),
+    # kvpress's gate keeps 2% of the prompt as its window: 40 of the default 2048 tokens
+    Pair("FastKVzip", dict(method="fastkvzip", window_size=40), press("FastKVzipPress", compression_ratio=RATIO)),
 )
 
 
@@ -327,6 +335,20 @@ def shared_qfilters(model, out: str) -> str:
     return path
 
 
+def shared_trained(model, method: str, out: str) -> str:
+    """restkv's trained weights of ``method`` for ``model`` (as ``configure(method=...)`` reads them: the cache,
+    or trained on first use), saved in kvpress's format for its press: both score with the same weights."""
+    import torch
+
+    from restkv.config import CompressionConfig
+    from restkv.integration import trained
+
+    path = str(Path(out) / f"{method}.pt")
+    weights = trained.model_weights(model, method, CompressionConfig(method=method))
+    torch.save(trained.to_file(method, weights), path)
+    return path
+
+
 def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
     """Both libraries on the same windows (kvpress in a child, in parallel): a ``compare`` row per pair, notes."""
     import torch
@@ -346,6 +368,9 @@ def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
                "ratio": compression_ratio(args.length, args.budget), "presses": presses, "out": out}
         if any("QFilterPress" in press_classes(spec) for spec in presses.values()):
             job["q_filters"] = shared_qfilters(model, out)
+        for method, name in (("kvzap", "KVzapPress"), ("fastkvzip", "FastKVzipPress")):
+            if any(name in press_classes(spec) for spec in presses.values()):
+                job[method] = shared_trained(model, method, out)
         child = call_kvpress(args.kvpress_python, "model", job, background=True)
         ours = restkv_model_side(model, samples, args.length, compared, args.budget)
         reply = child.stdout.read()

@@ -27,7 +27,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="registry name, checkpoint folder or hub id")
     p.add_argument("--kvzap_type", choices=("mlp", "linear"), default="mlp")
     p.add_argument("--tokenizer", default=None, help="tokenizer of the essays (default: the model's)")
-    p.add_argument("--train_windows", type=int, default=32)
+    p.add_argument("--train_windows", type=int, default=16)
     p.add_argument("--train_length", type=int, default=1024)
     p.add_argument("--out", default=None, help="a folder for <method>.pt (default: the cache)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")

@@ -105,6 +105,7 @@ def examples(model, tokenizer_path: str | None, windows: int, length: int) -> di
                 x = [hidden[m.layer_idx][0, at.to(device)].float().cpu() for m in scored]
                 y = [_per_kv_head(raw[m.layer_idx][0], hkv)[:, at].cpu().T for m in scored]
                 rows.append((torch.stack(x, 1), torch.stack(y, 1), torch.full((len(at),), w)))
+                print(f"KVzip's scores: window {w + 1}/{ids.shape[0]}", file=sys.stderr, flush=True)
     finally:
         for h in hooks:
             h.remove()

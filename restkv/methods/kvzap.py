@@ -43,7 +43,7 @@ TRAINING = (  # the recipe of weights trained here (read only when no file is gi
     ),
     Knob(
         "train_windows",
-        32,
+        16,
         "essay windows whose KVzip scores train the weights (1 in 8 held out)",
         check=lambda n: n >= 2,
         rule=">= 2",
