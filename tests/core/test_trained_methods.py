@@ -12,6 +12,7 @@ import restkv
 from helpers import prompt, random_weights, tiny_model, tiny_tokenizer
 from restkv.config import CompressionConfig
 from restkv.integration import trained
+from restkv.integration.models import essays_text
 from restkv.methods import fastkvzip, kvzap
 from restkv.scoring.observe import Observation
 
@@ -191,3 +192,47 @@ def test_training_brings_the_scores_closer_to_kvzip_on_held_out_windows(monkeypa
         if method == "kvzap":
             assert after["spearman"] > before["spearman"] + 0.1, (method, kind, report)
         assert len(weights) == 3
+
+
+@pytest.mark.slow
+def test_weights_trained_on_smollm2_agree_with_kvzip_on_held_out_windows(smollm2):
+    """The packaged SmolLM2, trained as ``python -m restkv.train`` does (16 essay windows of 1,024 tokens,
+    2 held out; minutes on CPU): every model's held-out loss falls and its ranking of the entries
+    agrees with KVzip's (Spearman correlation over each layer's and head's drawn positions)."""
+    model, _ = smollm2
+    data = trained.examples(model, None, 16, 1024)
+    for method, kind in (("kvzap", "mlp"), ("kvzap", "linear"), ("fastkvzip", None)):
+        _, report, _ = trained.train(model, method, kind, None, 16, 1024, data)
+        before, after = report["before"], report["after"]
+        assert after["loss"] < before["loss"], (method, kind, report)
+        assert after["spearman"] > SPEARMAN[method, kind], (method, kind, report)
+
+
+@pytest.mark.slow
+def test_kvzap_keeps_what_kvzip_keeps_more_than_chance_on_smollm2(smollm2):
+    """End to end with the weights ``configure`` finds (trained on first use): the kept sets of the
+    trained methods overlap KVzip's on an essay window beyond what a random choice would."""
+    model, tokenizer = smollm2
+    ids = tokenizer(essays_text()[-20000:], return_tensors="pt").input_ids
+    ids = ids[:, -768:]
+    kept = {}
+    for method in ("kvzip", "kvzap", "fastkvzip", "random"):
+        restkv.configure(model, method=method, max_capacity_prompt=192, window_size=16)
+        with torch.no_grad():
+            model(ids, use_cache=True)
+        kept[method] = restkv.kept_positions(model)
+        restkv.detach(model)
+
+    def overlap(a, b):
+        shares = []
+        for x, y in zip(kept[a], kept[b]):
+            if x is None or y is None:
+                continue
+            for hx, hy in zip(x[0], y[0]):
+                sx, sy = set(hx[hx >= 0].tolist()), set(hy[hy >= 0].tolist())
+                shares.append(len(sx & sy) / max(1, len(sx | sy)))
+        return sum(shares) / len(shares)
+
+    chance = overlap("kvzip", "random")
+    for method in ("kvzap", "fastkvzip"):
+        assert overlap("kvzip", method) > chance + 0.05, (method, overlap("kvzip", method), chance)
