@@ -92,7 +92,7 @@ def examples(model, tokenizer_path: str | None, windows: int, length: int) -> di
 
     def keep_input(module, args, kwargs):
         if recording["on"]:  # the prefill, not the passes
-            hidden[module.layer_idx] = kwargs["hidden_states"]
+            hidden[module.layer_idx] = kwargs.get("hidden_states", args[0] if args else None)
 
     def keep_prefill(state, module, query, key, value, attention_mask, kwargs):
         prefills.append(LayerPrefill(state.plan, module, query, key, value, attention_mask, kwargs))
