@@ -194,6 +194,12 @@ def test_training_brings_the_scores_closer_to_kvzip_on_held_out_windows(monkeypa
         assert len(weights) == 3
 
 
+# held-out Spearman correlation with KVzip's scores of the weights trained on SmolLM2 with the default recipe,
+# measured with ``python -m restkv.train kvzap fastkvzip --model smollm2-135m``: 0.70 and 0.46 (before
+# training: 0.02 and 0.01); the bounds leave a margin for other thread counts
+SPEARMAN = {"kvzap": 0.6, "fastkvzip": 0.35}
+
+
 @pytest.mark.slow
 def test_weights_trained_on_smollm2_agree_with_kvzip_on_held_out_windows(smollm2):
     """The packaged SmolLM2, trained as ``python -m restkv.train`` does (16 essay windows of 1,024 tokens,
@@ -201,11 +207,11 @@ def test_weights_trained_on_smollm2_agree_with_kvzip_on_held_out_windows(smollm2
     agrees with KVzip's (Spearman correlation over each layer's and head's drawn positions)."""
     model, _ = smollm2
     data = trained.examples(model, None, 16, 1024)
-    for method, kind in (("kvzap", "mlp"), ("kvzap", "linear"), ("fastkvzip", None)):
+    for method, kind in (("kvzap", "mlp"), ("fastkvzip", None)):
         _, report, _ = trained.train(model, method, kind, None, 16, 1024, data)
         before, after = report["before"], report["after"]
         assert after["loss"] < before["loss"], (method, kind, report)
-        assert after["spearman"] > SPEARMAN[method, kind], (method, kind, report)
+        assert after["spearman"] > SPEARMAN[method], (method, kind, report)
 
 
 @pytest.mark.slow
