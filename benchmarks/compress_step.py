@@ -45,7 +45,8 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "cur", "leverage", "lagkv", "noncausal", "compactor", "simlayerkv",
                    "noncausal:head_budget=threshold,threshold=0.0", "qfilter",
                    "finch", "entropy_gated_chunkkv", "cap", "snapkv:merge=value",
-                   "expected_attention_stats", "duo_attention"]
+                   "expected_attention_stats", "duo_attention",
+                   "kvzap", "kvzap:kvzap_type=linear", "fastkvzip"]
 
 
 def _value(text: str):
@@ -112,6 +113,15 @@ def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = Non
     return [{"time": statistics.median(t), "cpu": statistics.median(c), "reps": len(t)} for t, c in zip(times, cpu)]
 
 
+def on_device(data, device: str):
+    """``data`` (a tensor, or tuples, lists and dicts of tensors) on ``device``."""
+    if isinstance(data, dict):
+        return {key: on_device(x, device) for key, x in data.items()}
+    if isinstance(data, (tuple, list)):
+        return type(data)(on_device(x, device) for x in data)
+    return data.to(device)
+
+
 def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: str, device: str = "cpu",
                heads: tuple[int, int] = (HQ, HKV)) -> tuple[list, int]:
     """One call of the eviction step (``select``) per spec on a random layer of ``heads`` (query, KV) heads
@@ -141,19 +151,36 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
     cfgs = [CompressionConfig.from_kwargs(**{"max_capacity_prompt": budget, "window_size": window, **parse_method(s)})
             for s in specs]
 
-    # a method's per-layer constants (Q-Filters', the query statistics), computed once per model
-    constants = {"qfilter": torch.randn(hkv, D, device=device),
-                 "expected_attention_stats": (torch.randn(hq, D, device=device), torch.eye(D, device=device).expand(hq, D, D)),
-                 "duo_attention": torch.arange(hkv, device=device) < hkv // 2}
+    hidden = torch.randn(1, length, HIDDEN, dtype=dt, device=device)  # the layer's attention input
 
-    def run(cfg):
-        data = constants.get(cfg.scorer.name)
+    def constants(cfg):
+        """A method's per-layer constants, computed once per model (random here): Q-Filters' filters,
+        the query statistics, DuoAttention's streaming heads, a trained method's weights."""
+        from restkv.integration import trained
+
+        name = cfg.scorer.name
+        g = torch.Generator().manual_seed(0)
+        if name == "fastkvzip":
+            return on_device(trained.new_gate(HIDDEN, hkv, hq // hkv, g), device)
+        if name == "kvzap":
+            new = trained.new_mlp if cfg.kvzap_type == "mlp" else trained.new_linear
+            return on_device(new(HIDDEN, hkv, g), device)
+        if name == "qfilter":
+            return torch.randn(hkv, D, device=device)
+        if name == "expected_attention_stats":
+            return torch.randn(hq, D, device=device), torch.eye(D, device=device).expand(hq, D, D)
+        if name == "duo_attention":
+            return torch.arange(hkv, device=device) < hkv // 2
+        return None
+
+    def run(cfg, data):
         obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,
-                          wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS, data=data)
+                          wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS, data=data,
+                          hidden=hidden if cfg.scorer.reads_hidden else None)
         with torch.no_grad():
             return select(obs, cfg)
 
-    return [lambda cfg=cfg: run(cfg) for cfg in cfgs], 2 * k.numel() * k.element_size()
+    return [lambda cfg=cfg, data=constants(cfg): run(cfg, data) for cfg in cfgs], 2 * k.numel() * k.element_size()
 
 
 def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,

@@ -23,7 +23,11 @@ Likewise ExpectedAttentionStatsPress (statistics downloaded for other models) re
 the model, written as its statistics folder (``stats_folder``), and DuoAttentionPress (on-the-fly head scores from
 BookSum, a download) makes its streaming heads with its own code from restkv's head scores
 (``restkv.integration.duo_heads``), half the heads streaming (``head_compression_ratio=0.5``; its default, 0, evicts
-nothing), restkv's budget set above the prompt (``UNCAPPED``) as the heads' kinds decide what they keep. FinchPress's window is the question after a delimiter
+nothing), restkv's budget set above the prompt (``UNCAPPED``) as the heads' kinds decide what they keep.
+KVzapPress and FastKVzipPress download weights published for other models: they get the weights restkv trains
+for the model (``restkv.integration.trained``, in kvpress's formats), so those rows compare the scoring and
+selection. KVzapPress keeps no window (restkv: ``window_size=1``); FastKVzipPress keeps 4 sinks and the last 2%
+of the prompt (restkv: its 4 sinks and ``window_size=40``, 2% of 2048) and shares its budget over all layers. FinchPress's window is the question after a delimiter
 token; here it gets no delimiter (an id never in the input) and the window of 64 set as an attribute, without
 key re-rotation, and again with it (restkv: ``rerotate_keys="start"``; kvpress's kept set: the indices its
 ``KeyRerotationPress.rerotate_keys`` is given). KVComposePress, KVzipPress and KVgradPress keep no window
@@ -222,6 +226,10 @@ PAIRS = (
          press("DuoAttentionPress", head_compression_ratio=DUO_RATIO, on_the_fly_scoring=True)),
     Pair("Merging (SnapKV)", dict(method="snapkv", merge="value", **SNAP),
          press("MergingPress", press=snapkv_press())),
+    # the weights trained here (restkv.integration.trained) loaded into kvpress's models (kvpress_side.given_*)
+    Pair("KVzap", dict(method="kvzap", window_size=1), press("KVzapPress", compression_ratio=RATIO)),
+    # kvpress's gate keeps 2% of the prompt as its window: 40 of the default 2048 tokens
+    Pair("FastKVzip", dict(method="fastkvzip", window_size=40), press("FastKVzipPress", compression_ratio=RATIO)),
 )
 
 
@@ -408,6 +416,17 @@ def shared_duo_head_scores(model, out: str, knobs: dict) -> str:
 
     path = str(Path(out) / "duo_head_scores.pt")
     torch.save(model_head_scores(model, CompressionConfig(**knobs)), path)
+def shared_trained(model, method: str, out: str) -> str:
+    """restkv's trained weights of ``method`` for ``model`` (as ``configure(method=...)`` reads them: the cache,
+    or trained on first use), saved in kvpress's format for its press: both score with the same weights."""
+    import torch
+
+    from restkv.config import CompressionConfig
+    from restkv.integration import trained
+
+    path = str(Path(out) / f"{method}.pt")
+    weights = trained.model_weights(model, method, CompressionConfig(method=method))
+    torch.save(trained.to_file(method, weights), path)
     return path
 
 
@@ -435,6 +454,9 @@ def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
             job["duo_head_scores"] = shared_duo_head_scores(model, out, duo[0].restkv_knobs(args.budget))
         if any("ExpectedAttentionStatsPress" in press_classes(spec) for spec in presses.values()):
             job["query_stats"] = shared_query_stats(model, out)
+        for method, name in (("kvzap", "KVzapPress"), ("fastkvzip", "FastKVzipPress")):
+            if any(name in press_classes(spec) for spec in presses.values()):
+                job[method] = shared_trained(model, method, out)
         child = call_kvpress(args.kvpress_python, "model", job, background=True)
         ours = restkv_model_side(model, samples, args.length, compared, args.budget)
         reply = child.stdout.read()

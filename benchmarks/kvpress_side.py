@@ -278,6 +278,38 @@ def given_stats(built, path: str) -> None:
     """An ``ExpectedAttentionStatsPress`` reading the statistics folder ``path`` (kvpress's
     ``stats_folder``) instead of the hub's (published for other models; nothing is downloaded)."""
     built.stats_folder = path
+def given_kvzap(built, path: str) -> None:
+    """A ``KVzapPress`` with the weights of ``path`` (``KVzapModel``'s state dict, trained here by
+    ``restkv.integration.trained``) instead of NVIDIA's published ones it downloads (none exist for the
+    models compared here)."""
+    import torch
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    state = torch.load(path)
+    mlp = "layers.0.0.weight" in state
+    first, last = (state["layers.0.0.weight"], state["layers.0.2.weight"]) if mlp else (state["layers.0.weight"],) * 2
+    layers = 1 + max(int(name.split(".")[1]) for name in state)
+    config = KVzapConfig(input_dim=first.shape[1], output_dim=last.shape[0], n_modules=layers,
+                         hidden_dim=first.shape[0] if mlp else None)
+    model = KVzapModel(config)
+    model.load_state_dict(state)
+    built.kvzap_model = model.eval()
+    built.post_init_from_model = lambda model: None
+
+
+def given_gates(built, path: str) -> None:
+    """A ``FastKVzipPress`` with the gates of ``path`` (the authors' format, trained here) instead of the
+    published ones it downloads (none exist for the models compared here)."""
+    import torch
+    from kvpress.presses.fastkvzip_press import FastKVzipGate
+
+    gates = []
+    for i, w in enumerate(torch.load(path)["module"]):
+        hkv, _, sinks, o = w["k_base"].shape
+        gate = FastKVzipGate(i, w["q_proj.weight"].shape[1], hkv, w["b"].shape[-1], torch.float32, o, sinks)
+        gate.load_state_dict(w)
+        gates.append(gate.eval())
+    built.gates = gates
 
 
 def load_model(path: str):
@@ -327,6 +359,10 @@ def kvpress_model_child(job: dict) -> dict:
                 given_stats(press_, job["query_stats"])
             if isinstance(press_, classes["DuoAttentionPress"]):
                 given_head_scores(job["duo_head_scores"])
+            if isinstance(press_, classes["KVzapPress"]):
+                given_kvzap(press_, job["kvzap"])
+            if isinstance(press_, classes["FastKVzipPress"]):
+                given_gates(press_, job["fastkvzip"])
         return built
 
     shared = [key for key in job["presses"] if key not in own]
@@ -385,6 +421,11 @@ def kvpress_step_child(job: dict) -> list:
         if isinstance(built, classes["DuoAttentionPress"]):  # half the heads streaming
             built.sink_size, built.recent_size = 128, 256
             built.streaming_mask = (torch.arange(HKV) < HKV // 2)[None]
+        if isinstance(built, classes["KVzapPress"]):  # nor KVzap's on its weights': a random MLP
+            from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+            built.kvzap_model = KVzapModel(KVzapConfig(input_dim=HIDDEN, output_dim=HKV, hidden_dim=512,
+                                                       n_modules=1)).to(dt).eval()
         if type(built).compress is classes["BasePress"].compress:  # compresses through its own hooks (KVzip, Composed)
             print(f"kvpress step: {describe_press(spec)} has no one-layer compress step", file=sys.stderr)
             calls.append(None)

@@ -64,7 +64,22 @@ SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer()
                "expected_attention_stats": dict(tokenizer=tiny_tokenizer(), stats_samples=2,
                                                 stats_length=200),
                "duo_attention": dict(tokenizer=tiny_tokenizer(), head_compression_ratio=0.5,
-                                     duo_samples=2, duo_length=128, sink_size=4, recent_size=8)}
+                                     duo_samples=2, duo_length=128, sink_size=4, recent_size=8),
+               "kvzap": dict(tokenizer=tiny_tokenizer(), train_windows=2, train_length=128),
+               "fastkvzip": dict(tokenizer=tiny_tokenizer(), train_windows=2, train_length=128)}
+
+
+def random_weights(cfg, d: int, hkv: int, groups: int, seed: int = 0):
+    """Random weights of a trained method (KVzap, Fast KVzip) for one layer, as ``obs.data`` holds them."""
+    from restkv.integration import trained
+
+    g = torch.Generator().manual_seed(seed)
+    if cfg.method == "fastkvzip":
+        gate = trained.new_gate(d, hkv, groups, g)
+        gate["k_base"] = torch.randn(gate["k_base"].shape, generator=g)
+        gate["b"] = torch.randn(gate["b"].shape, generator=g)
+        return gate
+    return (trained.new_mlp if cfg.get("kvzap_type") == "mlp" else trained.new_linear)(d, hkv, g)
 
 
 def small(method, family="llama", **knobs):

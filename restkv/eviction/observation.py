@@ -24,9 +24,11 @@ def observation(
     memo: dict,
     rope: Rope | None = None,
     head_valid=None,
+    hidden=None,
 ) -> Observation:
     """What the layer's scorer sees: queries [b, Hq, Lq, d] of the last Lq positions, keys/values [b, H, L, d],
-    key_valid [b, L] (head_valid [b, H, L] when heads hold different entries), this layer's budget and RoPE."""
+    key_valid [b, L] (head_valid [b, H, L] when heads hold different entries), this layer's budget and RoPE,
+    hidden [b, L, D] the layer's attention input (a method that reads it, ``Method.reads_hidden``)."""
     return Observation(
         queries=queries,
         keys=keys,
@@ -44,6 +46,7 @@ def observation(
         memo=memo,
         head_valid=head_valid,
         data=plan.data,
+        hidden=hidden,
     )
 
 

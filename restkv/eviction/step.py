@@ -51,6 +51,7 @@ class LayerPrefill:
         kwargs,
         memo=None,
         rope=None,
+        hidden=None,
     ):
         b, _, n, _ = key.shape
         key_valid = key_valid_of(attention_mask, b, n, key.device)
@@ -61,6 +62,7 @@ class LayerPrefill:
         ):  # the entries older than the window are out of reach: evict among the visible ones
             self.offset = key_valid[:, : self.start].sum(-1)  # [b] real tokens before them
             query, key, value = (x[:, :, self.start :] for x in (query, key, value))
+            hidden = None if hidden is None else hidden[:, self.start :]
             key_valid = key_valid[:, self.start :]
             n = n - self.start
         self.plan = plan
@@ -73,6 +75,8 @@ class LayerPrefill:
         self.query = query
         self.key = key
         self.value = value
+        # [b, n, D] the attention input, held (until ``release``) only for a method that reads it
+        self.hidden = hidden if plan.cfg.scorer.reads_hidden else None
         self.key_valid = key_valid
         self.n = n
         self.query_shape = (query.shape[1], query.shape[3])
@@ -127,6 +131,7 @@ class LayerPrefill:
             self.kwargs,
             memo,
             rope=None if self.rope is None else self.rope.part(sample, first),
+            hidden=None if self.hidden is None else self.hidden[sample, first:],
         )
 
     def score(self, raw=None) -> None:
@@ -141,6 +146,7 @@ class LayerPrefill:
         self.query = None
         self.memo = {}
         self.rope = None
+        self.hidden = None
 
     def select(self, sizes=None) -> Kept:
         """The kept entries; ``sizes`` (per part, [b, Hkv] prefix entries per head) from a cross-layer budget."""
@@ -235,6 +241,7 @@ def evict_layer(
     memo: dict | None = None,
     pending: list | None = None,
     rope: Rope | None = None,
+    hidden=None,
 ):
     """Select what the layer keeps from its prefill tensors.
 
@@ -254,6 +261,8 @@ def evict_layer(
         the layer evicts; the result is then (None, None) until ``restkv.eviction.deferred.finish``.
     rope : Rope, optional
         The layer's RoPE over the prompt (``restkv.scoring.rope``), for scores that need the queries before RoPE.
+    hidden : Tensor, optional
+        [b, L, D] the layer's attention input, for a method that reads it (``Method.reads_hidden``).
 
     Returns
     -------
@@ -266,7 +275,9 @@ def evict_layer(
     float32 whatever the caller's autocast, TF32 setting or default dtype (``float32_scoring``).
     """
     with float32_scoring(key.device.type):
-        prefill = LayerPrefill(plan, module, query, key, value, attention_mask, kwargs, memo, rope)
+        prefill = LayerPrefill(
+            plan, module, query, key, value, attention_mask, kwargs, memo, rope, hidden
+        )
         if plan.deferred and not prefill.keeps_all:
             if not plan.cfg.scorer.replays:
                 prefill.score()

@@ -122,9 +122,12 @@ def _prefill_then_decode(
     if rope is not None:
         after = rope.next_position - (query.shape[2] - prompt)
         state.rope = Rope(rope.cos[:, :prompt], rope.sin[:, :prompt], after, rope.embed)
+    hidden = state.hidden
+    state.hidden = None if hidden is None else hidden[:, :prompt]
     head = (x[:, :, :prompt] for x in (query, key, value))
     state.on_prefill(state, module, *head, attention_mask, kwargs)
     state.rope = rope
+    state.hidden = hidden
     layer = state.cache.layers[module.layer_idx]
     if not isinstance(layer, (VarlenLayer, KeptLayer)):  # nothing evicted: the full forward stands
         return out
@@ -199,6 +202,7 @@ def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -
         kwargs,
         rope=state.rope,
         pending=deferred,
+        hidden=state.hidden,
     )
     state.pending.extend((prefill, state.cache) for prefill in deferred)
     if layer is not None:
@@ -228,6 +232,9 @@ class LayerState:
     )
     prompt_length: int | None = None  # the prompt of the generate() in flight (``modes``)
     chunks: "chunked.Chunks | None" = None  # what a chunked prefill recorded (``chunked``)
+    hidden: torch.Tensor | None = (
+        None  # [b, n, D] the prefill forward's attention input, for a method that reads it
+    )
 
 
 def _wrap(backend, kind):
@@ -276,10 +283,11 @@ def _capture(module, args, kwargs):
     state.rope = (
         capture(state.embed, kwargs, hidden.shape[0]) if prefill and hidden is not None else None
     )
+    state.hidden = hidden if prefill else None  # a reference for the forward's span only
 
 
 def _release(module, args, kwargs, output):
-    module._restkv.cache = module._restkv.rope = None
+    module._restkv.cache = module._restkv.rope = module._restkv.hidden = None
 
 
 class Attachment:

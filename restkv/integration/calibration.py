@@ -8,8 +8,8 @@ computed once per model and cached (``restkv.integration.headkv``, ``restkv.inte
 from __future__ import annotations
 
 from ..eviction.plans import plan_layers
-from ..methods import duo_attention, expected_attention_stats, qfilter
-from . import duo_heads, qfilters, query_stats
+from ..methods import duo_attention, expected_attention_stats, fastkvzip, kvzap, qfilter
+from . import duo_heads, qfilters, query_stats, trained
 from .headkv import cached_head_importance
 
 # a scorer module -> ``layer_data(cfg, model) -> {layer index: constants}``; a method that reads constants
@@ -18,6 +18,8 @@ LAYER_DATA = {
     qfilter: qfilters.layer_data,
     expected_attention_stats: query_stats.layer_data,
     duo_attention: duo_heads.layer_data,
+    kvzap: trained.kvzap_data,
+    fastkvzip: trained.fastkvzip_data,
 }
 
 

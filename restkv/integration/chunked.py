@@ -32,6 +32,7 @@ class Chunks:
     valid: list = field(default_factory=list)  # [b, n_i] bool per chunk: real tokens
     ropes: list = field(default_factory=list)  # the chunks' ``Rope`` (None when the layer has none)
     kwargs: dict = field(default_factory=dict)  # the last chunk's backend arguments (scaling...)
+    hidden: list = field(default_factory=list)  # [b, n_i, D] per chunk, for a method that reads it
 
     @property
     def length(self) -> int:
@@ -59,6 +60,8 @@ def record(state, query, key, attention_mask, kwargs) -> None:
     state.chunks.valid.append(key_valid_of(mask, b, n, query.device))
     state.chunks.ropes.append(state.rope)
     state.chunks.kwargs = kwargs
+    if state.hidden is not None and state.plan.cfg.scorer.reads_hidden:
+        state.chunks.hidden.append(state.hidden)
 
 
 def check(attachment, chunk_size) -> None:
@@ -90,10 +93,12 @@ def evict_recorded(attachment, cache, layer_types: tuple) -> None:
         del chunks.queries[:]
         state.cache = cache
         state.rope = chunks.rope()
+        state.hidden = torch.cat(chunks.hidden, 1) if chunks.hidden else None
+        del chunks.hidden[:]
         try:
             state.on_prefill(state, module, query, layer.keys, layer.values, valid, chunks.kwargs)
         finally:
-            state.cache = state.rope = None
+            state.cache = state.rope = state.hidden = None
 
 
 def chunked_prefill(

@@ -165,6 +165,7 @@ def prefill_caches(
                 memo,
                 deferred[c],
                 rope=state.rope,
+                hidden=state.hidden,
             )
             if layer is not None:
                 layers[c][module.layer_idx] = layer

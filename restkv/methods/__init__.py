@@ -34,11 +34,13 @@ from . import (
     duo_attention,
     expected_attention,
     expected_attention_stats,
+    fastkvzip,
     finch,
     h2o,
     keydiff,
     kvcompose,
     kvgrad,
+    kvzap,
     kvzip,
     l2norm,
     lacache,
@@ -111,6 +113,11 @@ class Method:
             check(values, model)
 
     @property
+    def reads_hidden(self) -> bool:
+        """Its score reads the layer's attention input (``obs.hidden``: KVzap, Fast KVzip)."""
+        return bool(getattr(self.module, "READS_HIDDEN", False))
+
+    @property
     def replays(self) -> bool:
         """Its scores come from forward passes of its own after the prefill (``passes``)."""
         return hasattr(self.module, "passes")
@@ -178,5 +185,7 @@ REGISTRY = _register(
     Method("cap", cap),
     Method("expected_attention_stats", expected_attention_stats),
     Method("duo_attention", duo_attention, {"head_budget": "threshold", "threshold": 0.5}),
+    Method("kvzap", kvzap),
+    Method("fastkvzip", fastkvzip, {"layer_budget": "global"}),
 )
 METHODS = tuple(REGISTRY)

@@ -57,6 +57,9 @@ class Observation:
     query_weights: "torch.Tensor | None" = (
         None  # [b, Lq] a weight per query (KVgrad: the objective's gradient)
     )
+    hidden: "torch.Tensor | None" = (
+        None  # [b, L, D] the layer's attention input (after its input norm), for a method that reads it
+    )
 
     @property
     def prefix_len(self) -> int:

@@ -60,6 +60,11 @@ def check(cfg: CompressionConfig) -> None:
             f"{ENV}: method {cfg.method} scores with forward passes of its own after the prefill; "
             "the vLLM plugin runs methods that read the prefill's queries and keys only"
         )
+    if cfg.scorer.reads_hidden:
+        raise ValueError(
+            f"{ENV}: method {cfg.method} scores the layers' hidden states, which vLLM's attention "
+            "backend does not see"
+        )
     if cfg.method == "expected_attention":
         raise ValueError(
             f"{ENV}: method expected_attention needs the queries before RoPE, which vLLM's "

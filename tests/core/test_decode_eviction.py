@@ -69,8 +69,9 @@ MERGING = [(dict(method="cam"), False), (dict(method="snapkv", merge="pivot"), F
 @pytest.mark.parametrize("method", [m for m in restkv.METHODS if REGISTRY[m].evicts])
 def test_every_method_evicts_while_decoding(method, tmp_path):
     knobs = small(method, max_capacity_prompt=B, window_size=W, decode_interval=3)
-    if is_deferred(CompressionConfig(**small(method, max_capacity_prompt=B, window_size=W))):
-        with pytest.raises(ValueError, match="decode_interval"):  # its selection waits for every layer
+    if is_deferred(CompressionConfig(**small(method, max_capacity_prompt=B, window_size=W))) or REGISTRY[
+            method].reads_hidden:  # its selection waits for every layer, or it reads the prompt's hidden states
+        with pytest.raises(ValueError, match="decode_interval"):
             CompressionConfig(**knobs)
         return
     if declared(method)["head_budget"].default == "headkv":

@@ -21,7 +21,7 @@ STAGES = (
     ("config",),
     ("cache",),
     ("eviction",),
-    ("integration", "vllm"),
+    ("integration", "vllm", "train"),
     ("bench",),
 )
 RANK = {name: rank for rank, names in enumerate(STAGES) for name in names}

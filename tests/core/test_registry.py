@@ -13,7 +13,8 @@ import json
 
 import pytest
 import torch
-from helpers import FAMILIES, SMALL_MODEL, generate, masked_reference_logits, prompt, rope_embed, small, tiny_model
+from helpers import (FAMILIES, SMALL_MODEL, generate, masked_reference_logits, prompt, random_weights, rope_embed,
+                     small, tiny_model)
 
 import restkv
 from restkv.strategies.budgets import layer_budgets
@@ -121,6 +122,9 @@ def _scores(cfg, n=40, seed=0):
     obs = Observation(q, k, v, torch.ones(1, n, dtype=torch.bool), window=cfg.window_size, budget=budget,
                       scaling=8**-0.5, wo_factor=wo_factor(W, 4), wo_weight=W, num_layers=3,
                       rope=Rope.of(rope_embed(8), torch.arange(n)[None]))
+    if cfg.scorer.reads_hidden:  # a trained method: hidden states and weights of its model
+        obs.hidden = torch.randn(1, n, 16, generator=g)
+        obs.data = random_weights(cfg, 16, 2, 2)
     return raw_scores(obs, cfg)
 
 

@@ -31,6 +31,7 @@ def test_config_from_the_environment(monkeypatch):
         ({"method": "fullkv"}, "keeps every entry"),
         ({**SNAPKV, "gqa_agg": "none"}, "gqa_agg"),
         ({"method": "expected_attention"}, "RoPE"),
+        ({"method": "kvzap"}, "hidden states"),
         ({**SNAPKV, "decode_interval": 8}, "decode_interval"),
         ({"method": "snapkv", "bogus": 1}, "bogus"),
     ],
