@@ -46,7 +46,7 @@ def main(argv=None):
     head = " | ".join(f"B={b}" for b in budgets)
     print(f"| config | {head} |\n|---|" + "---|" * len(budgets))
     for name, row in sorted(table.items(), key=lambda kv: mean_se(kv[1][budgets[0]])[0]):
-        cells = [("%.4f ± %.4f" % mean_se(row[b])) if b in row else "" for b in budgets]
+        cells = ["{:.4f} ± {:.4f}".format(*mean_se(row[b])) if b in row else "" for b in budgets]
         print(f"| {name} | " + " | ".join(cells) + " |")
     for ref in args.ref:
         print(f"\npaired difference to {ref} (negative: closer to the full cache; ** when |diff| > 2 s.e.)\n")

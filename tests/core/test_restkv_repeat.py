@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_deferred import G, HKV, LAYERS
+from helpers import capture, prompt, small, tiny_model, tiny_tokenizer
+from test_deferred import HKV, LAYERS, G
 from transformers import AutoTokenizer
 
 import restkv
 from restkv.config import CompressionConfig
-from helpers import capture, prompt, small, tiny_model, tiny_tokenizer
 
 
 def repeat_reference(model, ids, sinks, chunk):
@@ -30,7 +30,7 @@ def repeat_reference(model, ids, sinks, chunk):
         c = stop - start
         got = capture(model, torch.cat([ids, torch.tensor([repeat])], 1), values=True)
         for layer, (q, k, v, scaling) in got.items():
-            def part(x):
+            def part(x, start=start, stop=stop):
                 return torch.cat([x[:, :, :sinks], x[:, :, start:stop], x[:, :, n:]], 2)[0]
 
             seen_k, seen_v = part(k), part(v)  # [Hkv, sinks + c + r, d]
