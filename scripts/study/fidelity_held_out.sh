@@ -3,8 +3,14 @@
 # reported on those of seed SEED_B (SET=held_out), which overlap none of the first 32 windows of SEED_A
 # (benchmarks/fidelity.py --disjoint --held_out_from). Every config of a set on the same windows (one
 # prefill per window); resumes after an interruption; more samples extend a set without changing its first.
-# SET=choice SAMPLES=6 bash scripts/study/fidelity_held_out.sh
-# SET=held_out SAMPLES=8 CONFIGS=best bash scripts/study/fidelity_held_out.sh
+# The runs of docs/results.md (SmolLM2, 6 samples each; OMP_NUM_THREADS=1 on a shared CPU):
+#   SET=choice SAMPLES=6 bash scripts/study/fidelity_held_out.sh
+#   SET=held_out SAMPLES=6 METHODS="restkv snapkv layer_defensivekv" CONFIGS="--variant restkv_worst
+#     metric_mode=before,temporal=max,gqa_agg=max --variant restkv_boundary1 refine_rounds=1,refine_candidates=boundary
+#     --variant restkv_boundary4 refine_rounds=4,refine_candidates=boundary" bash scripts/study/fidelity_held_out.sh
+#   and restkv_global on the held-out windows in its own file: python benchmarks/fidelity.py --samples 6
+#     --length 1024 --disjoint --seed 2 --held_out_from 1 --max_capacity_prompts 128 256 512
+#     --output $OUT/held_out_global.json --variant restkv_global layer_budget=global
 set -euo pipefail
 MODEL=${MODEL:-smollm2-135m}
 SET=${SET:-choice}
@@ -30,10 +36,8 @@ base=(--method $METHODS
 # one or four rounds of swaps at the top-B boundary, budgets across heads / layers from the output change
 candidates=(
   --variant restkv_worst metric_mode=before,temporal=max,gqa_agg=max
-  --variant restkv_worst_global metric_mode=before,temporal=max,gqa_agg=max,layer_budget=global
   --variant restkv_boundary1 refine_rounds=1,refine_candidates=boundary
   --variant restkv_boundary4 refine_rounds=4,refine_candidates=boundary
-  --variant restkv_adakv head_budget=adakv
   --variant restkv_global layer_budget=global)
 if [ "$CONFIGS" = all ]; then
   configs=("${base[@]}" "${candidates[@]}")
