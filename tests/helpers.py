@@ -57,6 +57,7 @@ def tiny_tokenizer() -> str:
 
 # knobs a method needs on the 3-layer models below
 SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
+               "restkv_repeat": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
                "dms": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
                "simlayerkv": dict(n_recent=8, lazy_threshold=0.0),  # every layer lazy on a short prompt
                "qfilter": dict(tokenizer=tiny_tokenizer(), qfilter_sequences=2, qfilter_length=256),

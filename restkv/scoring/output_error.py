@@ -67,23 +67,38 @@ def layer_output_error(attention, values, keep, o_proj_weight) -> "torch.Tensor"
     return output_change(attention, values, keep, o_proj_weight)[0].norm(dim=-1)
 
 
-def layer_terms(values, o_proj_weight, prefix: int) -> tuple:
-    """What the swap errors of a layer read that no swap changes: W_O^h by group [H, g, D, d],
-    ``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d], the prefix values v [b, H, P, d] and ``v_n^T M_ac v_n``
-    [g, g, b, H, P] (a, c: query heads of one group), a block of entries at a time. Cost O(b H g^2 P d^2)."""
+def group_terms(values, o_proj_weight, prefix: int) -> tuple:
+    """The terms of ``layer_terms`` without the per-entry ones: W_O^h by group [H, g, D, d], ``M_ac``
+    [H, g, g, d, d], the prefix values as stored [b, H, P, d] and None for ``v_n^T M_ac v_n``, which
+    ``swap_errors_at`` then computes for the pooled entries only. Cost O(H g^2 D d^2), whatever P."""
     hkv = values.shape[1]
     d = values.shape[-1]
     g = o_proj_weight.shape[1] // d // hkv
     W = o_proj_weight.float().view(-1, hkv, g, d).permute(1, 2, 0, 3)
     M = torch.einsum("kaex,kcey->kacxy", W, W)
-    v = values[:, :, :prefix].float()
+    return W, M, values[:, :, :prefix], None
+
+
+def entry_quadratic(v, M) -> "torch.Tensor":
+    """``v_n^T M_ac v_n`` for v [b, H, n, d] (float32) and M [H, g, g, d, d] -> [g, g, b, H, n]."""
+    return (torch.einsum("bknx,kacxy->acbkny", v, M) * v[None, None]).sum(-1)
+
+
+def layer_terms(values, o_proj_weight, prefix: int) -> tuple:
+    """What the swap errors of a layer read that no swap changes: W_O^h by group [H, g, D, d],
+    ``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d], the prefix values v [b, H, P, d] and ``v_n^T M_ac v_n``
+    [g, g, b, H, P] (a, c: query heads of one group), a block of entries at a time. Cost O(b H g^2 P d^2)."""
+    W, M, v, _ = group_terms(values, o_proj_weight, prefix)
+    hkv = values.shape[1]
+    d = values.shape[-1]
+    g = M.shape[1]
+    v = v.float()
     vMv = v.new_empty(g, g, v.shape[0], hkv, prefix)
     block = entries_per_block(
         g * g * v.shape[0] * hkv * d, v, prefix
     )  # no [g, g, b, H, P, d] whole
     for s in range(0, prefix, block):
-        part = v[:, :, s : s + block]
-        vMv[..., s : s + block] = (torch.einsum("bknx,kacxy->acbkny", part, M) * part).sum(-1)
+        vMv[..., s : s + block] = entry_quadratic(v[:, :, s : s + block], M)
     return W, M, v, vMv
 
 
@@ -189,7 +204,8 @@ def single_errors_blocked(attention, layer: tuple, state: tuple, keep) -> "torch
 
 def swap_errors_at(attention, layer: tuple, state: tuple, removals, additions) -> "torch.Tensor":
     """``swap_errors`` [b, H, R, A] from the terms of the pooled entries only (``removals`` [b, H, R],
-    ``additions`` [b, H, A]): O(b H g^2 r (R + A)) memory, whatever the prompt length."""
+    ``additions`` [b, H, A]): O(b H g^2 r (R + A)) memory, whatever the prompt length. ``layer``: as
+    ``layer_terms``, or ``group_terms`` (the pooled entries' ``v_n^T M_ac v_n`` computed here)."""
     delta, o_kept, z = state
     W, M, v, vMv = layer
     b, heads, n_out = removals.shape
@@ -199,12 +215,12 @@ def swap_errors_at(attention, layer: tuple, state: tuple, removals, additions) -
     cols = torch.cat([removals, additions], -1)  # [b, H, R + A]
     m = cols.shape[-1]
     a = group_view(attention, heads).gather(-1, cols[:, :, None, None].expand(-1, -1, g, r, -1))
-    part = (
-        W,
-        M,
-        v.gather(2, cols[..., None].expand(-1, -1, -1, d)),
-        vMv.gather(-1, cols.expand(g, g, -1, -1, -1)),
-    )
+    v_cols = v.gather(2, cols[..., None].expand(-1, -1, -1, d)).float()
+    if vMv is None:  # group_terms: the per-entry terms of the pooled entries only
+        vMv_cols = entry_quadratic(v_cols, M)
+    else:
+        vMv_cols = vMv.gather(-1, cols.expand(g, g, -1, -1, -1))
+    part = (W, M, v_cols, vMv_cols)
     terms = state_terms(a.flatten(1, 2), part, delta, o_kept, z)
     at = torch.arange(m, device=cols.device).expand(b, heads, m)
     return swap_errors(terms, part, delta, at[..., :n_out], at[..., n_out:])

@@ -16,7 +16,10 @@ Cost per layer and config, with R = ``refine_pool``: once O(b H g^2 P d^2) (``la
 config of a layer in sweep mode); per round O(b H g^2 r P d) (the exact error of every single change, which
 picks the pools) plus O(b H g^2 r R^2) (every swap of the pools) and log2(R) + 2 trial applications of
 O(b Hq r R d + b r Hq d D); one ``output_change`` (O(b Hq r N d)) at the start and the end. No host read:
-every round runs (a round that finds no improving swap changes nothing).
+every round runs (a round that finds no improving swap changes nothing). With
+``refine_candidates="boundary"`` the pools are the kept entries ranked lowest and the evicted ranked highest
+by the ranking key (the top-B boundary), and only their terms are computed: no O(b H g^2 P d^2) or
+O(b H g^2 r P d) term, per round O(b H g^2 r R d + b H g^2 R d^2) for the pools' terms.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from ..knobs import Knob
 from ..lazy import F, torch
 from ..methods import REGISTRY
 from ..scoring.observe import group_view
-from ..scoring.output_error import layer_terms, output_change, single_errors_blocked, swap_errors_at
+from ..scoring.output_error import (
+    group_terms,
+    layer_terms,
+    output_change,
+    single_errors_blocked,
+    swap_errors_at,
+)
 
 POOL = 32
 KNOBS = (
@@ -47,12 +56,23 @@ KNOBS = (
         rule=">= 1",
         stage="select",
     ),
+    Knob(
+        "refine_candidates",
+        "effect",
+        "refinement's candidate pools: effect (the entries whose change of side alone lowers the "
+        "error most, exact over the whole prefix) or boundary (the kept entries ranked lowest and the "
+        "evicted ranked highest: the top-B boundary; the error terms of those entries only)",
+        choices=("effect", "boundary"),
+        stage="select",
+    ),
 )
 
 
 def check(values: dict) -> None:
     if not values.get("refine_rounds") and values.get("refine_pool", POOL) != POOL:
         raise ValueError("refine_pool is read only when refine_rounds > 0")
+    if not values.get("refine_rounds") and values.get("refine_candidates", "effect") != "effect":
+        raise ValueError("refine_candidates is read only when refine_rounds > 0")
     if values.get("refine_rounds"):
         if values.get("layer_budget") == "global" or REGISTRY[values["method"]].replays:
             raise ValueError(
@@ -75,7 +95,9 @@ def refined(obs, cfg, key: "torch.Tensor", keep) -> "torch.Tensor":
         return x if x.shape[1] in (1, heads) else x.repeat_interleave(heads // x.shape[1], 1)
 
     values = per_head(obs.values)
-    layer = obs.shared(f"refine_terms_{heads}", lambda: layer_terms(values, obs.o_proj, P))
+    boundary = cfg.refine_candidates == "boundary"
+    terms = group_terms if boundary else layer_terms
+    layer = obs.shared(f"refine_{terms.__name__}_{heads}", lambda: terms(values, obs.o_proj, P))
     keep, _, _ = swap_search(
         obs.window_attention,
         values,
@@ -85,6 +107,7 @@ def refined(obs, cfg, key: "torch.Tensor", keep) -> "torch.Tensor":
         cfg.refine_rounds,
         cfg.refine_pool,
         cfg.refine_pool,
+        pool_by="score" if boundary else "effect",
         layer=layer,
         allowed=per_head(obs.entry_valid[..., :P]),
         stop=False,

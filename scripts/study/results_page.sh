@@ -15,5 +15,9 @@ mkdir -p docs
     --needle "$STUDY"/needle_question_aware/* --needle_query_agnostic "$STUDY"/needle_query_agnostic/* \
     --ruler "$STUDY"/ruler_question_aware/* --ruler_query_agnostic "$STUDY"/ruler_query_agnostic/* \
     --ceiling "$STUDY"/ceiling/*.json --plots docs
+  if [ -f scripts/study/results_held_out.md ]; then  # the held-out fidelity arm, written from its tables
+    echo
+    cat scripts/study/results_held_out.md
+  fi
 } > docs/results.md
 echo "wrote docs/results.md"

@@ -38,3 +38,25 @@ def test_variants_equal_flags_and_resume(tmp_path, monkeypatch):
     monkeypatch.setattr(fidelity, "continuation_logprobs", lambda *a: calls.append(1) or real(*a))
     fidelity.main(SMALL + ["--method", "snapkv", "--variant", "restkv_rank", "gqa_agg=rank", "--output", str(out)])
     assert len(calls) == 1 and json.loads(out.read_text())["kl"] == kl
+
+
+def test_disjoint_sets_do_not_overlap_and_grow_without_changing():
+    span = 1000
+    chosen = fidelity.disjoint_starts(60_000, span, 20, seed=1)
+    held = fidelity.disjoint_starts(60_000, span, 12, seed=2, avoid=chosen)
+    for a, others in ((chosen, chosen), (held, held), (held, chosen)):
+        for i, s in enumerate(a):
+            assert all(abs(s - t) >= span for j, t in enumerate(others) if others is not a or j != i)
+    assert fidelity.disjoint_starts(60_000, span, 5, seed=1) == chosen[:5]  # more samples extend a set
+    with pytest.raises(ValueError, match="--samples: 80 disjoint windows"):
+        fidelity.disjoint_starts(60_000, span, 80, seed=1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--held_out_from", "1"], "--held_out_from needs --disjoint"),
+    (["--disjoint", "--held_out_from", "42"], "needs a seed other than --seed"),
+])
+def test_held_out_flags_fail_before_any_work(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        fidelity.main(SMALL + flags)
+    assert message in capsys.readouterr().err
