@@ -352,7 +352,8 @@ def step_costs(args, timed_r: list, timed_k: list, python: str) -> tuple[list, l
     """Step time and peak memory of each restkv config and each kvpress press, in one run (children)."""
     from compress_step import measure_in_child, method_spec
 
-    shape = argparse.Namespace(budget=args.step_budget, window=32, dtype=args.step_dtype, reps=args.step_reps, threads=1)
+    shape = argparse.Namespace(budget=args.step_budget, window=32, dtype=args.step_dtype, reps=args.step_reps, threads=1,
+                               device="cpu")
     specs = [method_spec(p.restkv_knobs(args.step_budget)) for p in timed_r]
     presses, keys = distinct([p.kvpress for p in timed_k])
     job = {"presses": list(presses.values()), "ratio": compression_ratio(args.step_length, args.step_budget),
