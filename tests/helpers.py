@@ -8,6 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import AttentionInterface
@@ -81,6 +82,16 @@ def random_weights(cfg, d: int, hkv: int, groups: int, seed: int = 0):
         gate["b"] = torch.randn(gate["b"].shape, generator=g)
         return gate
     return (trained.new_mlp if cfg.get("kvzap_type") == "mlp" else trained.new_linear)(d, hkv, g)
+
+
+def lukv_curve(path, layers: int = 3, hkv: int = 2, seed: int = 0, spread: float = 0.15) -> str:
+    """An LU-KV budget curve [99, layers, hkv] written to ``path`` (.npy): row i's prune ratios are
+    (i + 1) / 100 plus uniform noise of +-``spread``, clipped to [0, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.arange(1, 100, dtype=torch.float64)[:, None, None] / 100
+    noise = (torch.rand(99, layers, hkv, generator=g, dtype=torch.float64) * 2 - 1) * spread
+    np.save(path, (rows + noise).clamp(0, 1).numpy())
+    return str(path)
 
 
 def small(method, family="llama", **knobs):

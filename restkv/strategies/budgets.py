@@ -362,7 +362,7 @@ def lukv_sizes(curve, lengths, budget: int, window: int):
     float64, on the lengths' device, no host read.
     """
     n = lengths.to(torch.float64)[:, None]  # [b, 1]
-    r = 1.0 - budget / n
+    r = 1.0 - n.new_full(n.shape, budget) / n  # Python's 1 - B / L (a scalar / tensor is B * (1 / L))
     row = ((r * 100).round().long() - 1).clamp(0, 98)[:, 0]
     exact = (1.0 - curve.to(lengths.device)[row]).clamp(0.0, 1.0) * n  # [b, Hkv]
     hkv = exact.shape[1]
