@@ -13,8 +13,8 @@ import json
 
 import pytest
 import torch
-from helpers import (FAMILIES, SMALL_MODEL, generate, lukv_curve, masked_reference_logits, prompt, random_weights,
-                     rope_embed, small, tiny_model)
+from helpers import (FAMILIES, SMALL_MODEL, generate, masked_reference_logits, prompt, random_weights, rope_embed,
+                     small, tiny_model)
 
 import restkv
 from restkv.strategies.budgets import layer_budgets
@@ -36,14 +36,12 @@ def head_table(path, layers=3, heads=6):
 
 
 def knobs_for(method, tmp_path, **extra):
-    """Small-budget knobs any method accepts (HeadKV gets a table, LU-KV a budget curve)."""
+    """Small-budget knobs any method accepts (HeadKV gets a table)."""
     if not REGISTRY[method].evicts:
         return dict(method=method)
     knobs = dict(method=method, max_capacity_prompt=20, window_size=4, **SMALL_MODEL.get(method, {}), **extra)
     if declared(method)["head_budget"].default == "headkv":
         knobs["head_importance"] = head_table(tmp_path / "heads.json")
-    if declared(method)["head_budget"].default == "lukv":
-        knobs["lukv_curve"] = lukv_curve(tmp_path / "curve.npy")
     return knobs
 
 
