@@ -24,9 +24,9 @@ def kvpress_keep(curve, length: int, budget: int) -> list[int]:
     heads = len(curve[0])
     if ratio <= 0:
         return [length] * heads
-    row = max(0, min(98, int(round(ratio * 100)) - 1))
+    row = max(0, min(98, round(ratio * 100) - 1))
     exact = [min(1.0, max(0.0, 1.0 - float(p))) * length for p in curve[row]]
-    total = max(heads, min(heads * length, int(round(sum(exact)))))
+    total = max(heads, min(heads * length, round(sum(exact))))
     keep = [math.floor(x) for x in exact]
     remainder = total - sum(keep)
     by_fraction = sorted(range(heads), key=lambda h: (-(exact[h] - keep[h]), h))  # ties: lower head first
