@@ -123,8 +123,7 @@ def select(
         scores = head_scores(obs, cfg) if scores is None else scores
         base = obs.budget - obs.window
         if sizes is None:
-            lengths = obs.key_valid.sum(-1)
-            sizes = head_sizes(cfg, scores, base, table, lengths, obs.window)
+            sizes = head_sizes(cfg, scores, base, table, obs.key_valid, obs.window)
         keep = base if sizes is None else sizes
         idx = _top_then_window(ranking(obs, cfg, scores, keep), keep, obs.window, width)
         keys, values = merge(

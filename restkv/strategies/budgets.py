@@ -7,6 +7,20 @@ all heads' scores), HeadKV (from a head-importance table), a threshold (DMS's fo
 a prompt within the budget is thresholded too, so with ``max_capacity_prompt`` at least the prompt's
 length a head keeps exactly those) or LU-KV's budget curve (``lukv_sizes``). All combine with any scorer.
 
+``head_budget="lukv"`` is kvpress's ``LUKVPress`` (LU-KV, https://arxiv.org/abs/2602.08585, code
+https://github.com/baidu-baige/LU-KV): each KV head of a layer keeps its count from a budget curve, the user's
+``lukv_curve`` (.npy [99, layers, Hkv] of per-head prune ratios, made offline by LU-KV's scripts). Per layer and
+per sample, the compression ratio is ``r = 1 - B / L`` (B the layer's budget, L the sample's real prompt
+length; while decoding, the entries the layer holds) and picks the curve's row ``round(100 r) - 1``; the counts
+are rounded as kvpress does (``lukv_sizes``). The first ``lukv_sink`` tokens (kvpress's ``sink=4``) score
+above every other entry; kvpress's ``window`` (1 token) is restkv's ``window_size``, always kept and counted
+in the head's count (``method="lukv"`` sets 1; with another method the config's, 32 by default). Where restkv
+differs: a head whose count is below its window keeps the window (kvpress: its sinks, then the oldest window
+tokens), and when its count is below sinks plus window, which sinks it keeps is the top-k's choice (kvpress:
+the first); ties between fractional parts go to the lower head (kvpress: ``torch.topk``'s order); the counts
+are computed in float64 (kvpress: float32, which can differ by one entry where ``(1 - ratio) L`` is within
+float32 rounding of an integer).
+
 ``global`` shares ``num_layers * Hkv * (B - window)`` prefix entries among every evicted layer and KV
 head by one top-k over all their scores (``global_sizes``); each (layer, head) keeps its share plus the
 window, which is always kept and never competes, so no layer gets fewer than 0: a layer or head whose
@@ -322,14 +336,14 @@ def global_sizes(scores, total: int):
     return list(counts.view(b, len(scores), hkv).unbind(1))
 
 
-def head_sizes(cfg, scores, base: int, table=None, lengths=None, window: int = 0):
+def head_sizes(cfg, scores, base: int, table=None, key_valid=None, window: int = 0):
     """Entries each KV head keeps [b, Hkv] (window excluded), or None when heads share the budget evenly.
 
     ``scores`` [b, Hkv, P] of the layer, ``base`` the per-head budget, ``table`` the layer's HeadKV row [Hkv]
-    or LU-KV curve [99, Hkv]; LU-KV reads ``lengths`` [b] (each sample's real tokens) and the ``window``.
+    or LU-KV curve [99, Hkv]; LU-KV reads ``key_valid`` [b, L] (each sample's real tokens) and the ``window``.
     """
     if cfg.get("head_budget") == "lukv":
-        return lukv_sizes(table, lengths, base + window, window)
+        return lukv_sizes(table, key_valid.sum(-1), base + window, window)
     if cfg.get("head_budget") == "adakv":
         return adakv_budgets(scores, base, cfg.floor, cfg.normalize)
     if cfg.get("head_budget") == "headkv":
