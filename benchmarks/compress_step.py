@@ -173,14 +173,21 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
             return torch.arange(hkv, device=device) < hkv // 2
         return None
 
-    def run(cfg, data):
+    def curve(cfg):
+        """LU-KV's budget curve of the layer [99, Hkv] (random: the step's cost does not depend on its values)."""
+        if cfg.get("head_budget") != "lukv":
+            return None
+        return torch.rand(99, hkv, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def run(cfg, data, table):
         obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,
                           wo_weight=o_proj, rope=rope, layer=LAYER, num_layers=LAYERS, data=data,
                           hidden=hidden if cfg.scorer.reads_hidden else None)
         with torch.no_grad():
-            return select(obs, cfg)
+            return select(obs, cfg, table)
 
-    return [lambda cfg=cfg, data=constants(cfg): run(cfg, data) for cfg in cfgs], 2 * k.numel() * k.element_size()
+    calls = [lambda cfg=cfg, data=constants(cfg), table=curve(cfg): run(cfg, data, table) for cfg in cfgs]
+    return calls, 2 * k.numel() * k.element_size()
 
 
 def measure(specs: list[str], length: int, budget: int, window: int, dtype: str, reps: int, threads: int,

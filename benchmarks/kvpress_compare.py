@@ -27,8 +27,10 @@ nothing), restkv's budget set above the prompt (``UNCAPPED``) as the heads' kind
 KVzapPress and FastKVzipPress download weights published for other models: they get the weights restkv trains
 for the model (``restkv.integration.trained``, in kvpress's formats), so those rows compare the scoring and
 selection. KVzapPress keeps no window (restkv: ``window_size=1``); FastKVzipPress keeps 4 sinks and the last 2%
-of the prompt (restkv: its 4 sinks and ``window_size=40``, 2% of 2048) and shares its budget over all layers. FinchPress's window is the question after a delimiter
-token; here it gets no delimiter (an id never in the input) and the window of 64 set as an attribute, without
+of the prompt (restkv: its 4 sinks and ``window_size=40``, 2% of 2048) and shares its budget over all layers.
+LUKVPress downloads a budget curve published for Llama-3.1-8B only: both libraries read one random curve of the
+model's shape (``shared_lukv_curve``, at ``LUKV_CURVE``; kvpress through its ``_budget_curves``).
+FinchPress's window is the question after a delimiter token; here it gets no delimiter (an id never in the input) and the window of 64 set as an attribute, without
 key re-rotation, and again with it (restkv: ``rerotate_keys="start"``; kvpress's kept set: the indices its
 ``KeyRerotationPress.rerotate_keys`` is given). KVComposePress, KVzipPress and KVgradPress keep no window
 (restkv: ``window_size=1``) and count their budget over all layers: kvpress keeps ``int(layers L (1 - r))``,
@@ -96,6 +98,9 @@ def snapkv_press(**args) -> dict:
     return press("SnapKVPress", compression_ratio=RATIO, window_size=64, kernel_size=5, **args)
 
 
+# LU-KV's budget curves are made offline by LU-KV's scripts (kvpress downloads one, for Llama-3.1-8B only): both
+# libraries read one random curve of the model's shape, written by ``shared_lukv_curve``
+LUKV_CURVE = str(Path(tempfile.gettempdir()) / f"kvpress_compare-lukv-curve-{os.getuid()}.npy")
 UNCAPPED = 1 << 30  # a budget above any prompt, for methods whose kept sets a threshold decides
 DUO_RATIO = 0.5  # DuoAttention's share of streaming heads (kvpress's default, 0, evicts nothing)
 
@@ -230,6 +235,11 @@ PAIRS = (
     Pair("KVzap", dict(method="kvzap", window_size=1), press("KVzapPress", compression_ratio=RATIO)),
     # kvpress's gate keeps 2% of the prompt as its window: 40 of the default 2048 tokens
     Pair("FastKVzip", dict(method="fastkvzip", window_size=40), press("FastKVzipPress", compression_ratio=RATIO)),
+    # LUKVPress's default: Expected Attention (epsilon 0.02), 4 sinks, a window of 1; the curve: LUKV_CURVE.
+    # --quick: Jaccard 1 (worst 1), 253 / 253 kept per head, KL 0.411 in both (KL(r || k) 1.2e-8)
+    Pair("LU-KV", dict(method="lukv", lukv_curve=LUKV_CURVE),
+         press("LUKVPress", press=press("ExpectedAttentionPress", epsilon=0.02), compression_ratio=RATIO, sink=4,
+               window=1)),
 )
 
 
@@ -417,6 +427,20 @@ def shared_duo_head_scores(model, out: str, knobs: dict) -> str:
 
     path = str(Path(out) / "duo_head_scores.pt")
     torch.save(model_head_scores(model, CompressionConfig(**knobs)), path)
+def shared_lukv_curve(model, seed: int = 0) -> str:
+    """A random LU-KV budget curve [99, layers, KV heads] of ``model``'s shape at ``LUKV_CURVE``, read by both
+    libraries (kvpress's ``LUKVPress`` through its ``_budget_curves``): row i's prune ratios are
+    (i + 1) / 100 plus uniform noise in [-0.15, 0.15], clipped to [0, 1] (``seed``: the noise's)."""
+    import numpy as np
+
+    config = model.config.get_text_config()
+    shape = (99, config.num_hidden_layers, config.num_key_value_heads)
+    rows = np.arange(1, 100)[:, None, None] / 100
+    noise = np.random.default_rng(seed).uniform(-0.15, 0.15, shape)
+    np.save(LUKV_CURVE, np.clip(rows + noise, 0.0, 1.0))
+    return LUKV_CURVE
+
+
 def shared_trained(model, method: str, out: str) -> str:
     """restkv's trained weights of ``method`` for ``model`` (as ``configure(method=...)`` reads them: the cache,
     or trained on first use), saved in kvpress's format for its press: both score with the same weights."""
@@ -455,6 +479,8 @@ def model_side(args, compared: list, with_kvpress: list) -> tuple[list, list]:
             job["duo_head_scores"] = shared_duo_head_scores(model, out, duo[0].restkv_knobs(args.budget))
         if any("ExpectedAttentionStatsPress" in press_classes(spec) for spec in presses.values()):
             job["query_stats"] = shared_query_stats(model, out)
+        if any(p.restkv.get("lukv_curve") == LUKV_CURVE for p in compared):
+            job["lukv_curve"] = shared_lukv_curve(model)
         for method, name in (("kvzap", "KVzapPress"), ("fastkvzip", "FastKVzipPress")):
             if any(name in press_classes(spec) for spec in presses.values()):
                 job[method] = shared_trained(model, method, out)

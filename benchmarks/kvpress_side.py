@@ -297,6 +297,14 @@ def given_kvzap(built, path: str) -> None:
     built.post_init_from_model = lambda model: None
 
 
+def given_curve(built, path: str) -> None:
+    """An ``LUKVPress`` with the budget curve of ``path`` (.npy [99, layers, KV heads]) instead of the one it
+    downloads (published for Llama-3.1-8B only): its ``post_init_from_model`` loads none when one is set."""
+    import numpy as np
+
+    built._budget_curves = np.load(path, allow_pickle=False)
+
+
 def given_gates(built, path: str) -> None:
     """A ``FastKVzipPress`` with the gates of ``path`` (the authors' format, trained here) instead of the
     published ones it downloads (none exist for the models compared here)."""
@@ -363,6 +371,8 @@ def kvpress_model_child(job: dict) -> dict:
                 given_kvzap(press_, job["kvzap"])
             if isinstance(press_, classes["FastKVzipPress"]):
                 given_gates(press_, job["fastkvzip"])
+            if isinstance(press_, classes["LUKVPress"]):
+                given_curve(press_, job["lukv_curve"])
         return built
 
     shared = [key for key in job["presses"] if key not in own]
@@ -426,6 +436,8 @@ def kvpress_step_child(job: dict) -> list:
 
             built.kvzap_model = KVzapModel(KVzapConfig(input_dim=HIDDEN, output_dim=HKV, hidden_dim=512,
                                                        n_modules=1)).to(dt).eval()
+        if isinstance(built, classes["LUKVPress"]):  # nor LU-KV's on its curve's values
+            built._budget_curves = torch.rand(99, 1, HKV, generator=torch.Generator().manual_seed(0)).numpy()
         if type(built).compress is classes["BasePress"].compress:  # compresses through its own hooks (KVzip, Composed)
             print(f"kvpress step: {describe_press(spec)} has no one-layer compress step", file=sys.stderr)
             calls.append(None)

@@ -8,6 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import AttentionInterface
@@ -55,6 +56,25 @@ def tiny_tokenizer() -> str:
     return str(path)
 
 
+def lukv_curve(path, layers: int = 3, hkv: int = 2, seed: int = 0, spread: float = 0.15) -> str:
+    """An LU-KV budget curve [99, layers, hkv] written to ``path`` (.npy): row i's prune ratios are
+    (i + 1) / 100 plus uniform noise of +-``spread``, clipped to [0, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.arange(1, 100, dtype=torch.float64)[:, None, None] / 100
+    noise = (torch.rand(99, layers, hkv, generator=g, dtype=torch.float64) * 2 - 1) * spread
+    np.save(path, (rows + noise).clamp(0, 1).numpy())
+    return str(path)
+
+
+def tiny_lukv_curve() -> str:
+    """An LU-KV budget curve file for the tiny models (3 layers, 2 KV heads; written once)."""
+    path = Path(tempfile.gettempdir()) / f"restkv-tiny-lukv-{os.getuid()}.npy"
+    if not path.is_file():
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.stem + ".")) / "curve.npy"
+        os.replace(lukv_curve(tmp), path)
+    return str(path)
+
+
 # knobs a method needs on the 3-layer models below
 SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
                "restkv_repeat": dict(tokenizer=tiny_tokenizer(), repeat_chunk=24),
@@ -67,7 +87,8 @@ SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer()
                "duo_attention": dict(tokenizer=tiny_tokenizer(), head_compression_ratio=0.5,
                                      duo_samples=2, duo_length=128, sink_size=4, recent_size=8),
                "kvzap": dict(tokenizer=tiny_tokenizer(), train_windows=2, train_length=128),
-               "fastkvzip": dict(tokenizer=tiny_tokenizer(), train_windows=2, train_length=128)}
+               "fastkvzip": dict(tokenizer=tiny_tokenizer(), train_windows=2, train_length=128),
+               "lukv": dict(lukv_curve=tiny_lukv_curve())}
 
 
 def random_weights(cfg, d: int, hkv: int, groups: int, seed: int = 0):

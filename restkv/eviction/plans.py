@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from ..strategies.budgets import check_layers, headkv_budgets, load_head_importance
+from ..strategies.budgets import check_layers, headkv_budgets, load_head_importance, load_lukv_curve
 from ..config import CompressionConfig
 from ..strategies.think import pruned_channels
 from .compose import first_stage
@@ -22,7 +22,8 @@ class LayerPlan:
     cfg: CompressionConfig
     rank: int  # index among the evicted layers; -1: not evicted (sliding-window)
     num_evicted: int
-    table: torch.Tensor | None = None  # HeadKV: entries per KV head, window excluded [Hkv]
+    # HeadKV: entries per KV head, window excluded [Hkv]; LU-KV: the layer's prune ratios [99, Hkv]
+    table: torch.Tensor | None = None
     window: int | None = (
         None  # the sliding window of an evicted sliding-window layer (None: full attention)
     )
@@ -167,6 +168,9 @@ def plan_layers(
             importance[rows], cfg.max_capacity_prompt - cfg.window_size, cfg.headkv_beta
         )
         table = dict(zip(rows, shared))
+    if cfg.get("head_budget") == "lukv":  # indexed by layer, as kvpress: every layer has a row
+        curve = load_lukv_curve(cfg.lukv_curve, config.num_hidden_layers, config.num_key_value_heads)
+        table = {m.layer_idx: curve[:, m.layer_idx] for m in modules}
     data = layer_data or {}
     return [
         LayerPlan(

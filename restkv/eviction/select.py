@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..cache import Kept
 from ..config import CompressionConfig
+from ..methods.expected_attention import keep_sinks
 from ..scoring.observe import Observation, group_view
 from ..strategies import RANKINGS
 from ..strategies.budgets import fits, head_sizes
@@ -65,13 +66,16 @@ def raw_scores(obs: Observation, cfg: CompressionConfig) -> Tensor:
 
 def head_scores(obs: Observation, cfg: CompressionConfig, raw: Tensor | None = None) -> Tensor:
     """Scores of the prefix entries per KV head [b, Hkv, P] (per query head with ``gqa_agg="none"``);
-    padding scores -inf. ``raw``: the method's scores [b, Hq or Hkv or 1, P] when computed elsewhere."""
+    padding scores -inf, LU-KV's ``lukv_sink`` first tokens above every other entry. ``raw``: the
+    method's scores [b, Hq or Hkv or 1, P] when computed elsewhere."""
     b = obs.keys.shape[0]
     hkv = obs.keys.shape[1]
     hq = obs.queries.shape[1]
     how = cfg.get("gqa_agg", "mean")
     raw = raw_scores(obs, cfg) if raw is None else raw
     s = reduce_groups(raw, hkv, how, hq).expand(b, hq if how == "none" else hkv, -1)
+    if cfg.get("head_budget") == "lukv":
+        s = keep_sinks(s, obs, obs.positions >= cfg.lukv_sink)
     return s.masked_fill(~obs.entry_valid[..., : obs.prefix_len], float("-inf"))
 
 
@@ -98,7 +102,8 @@ def select(
     """Keep the top prefix entries of each KV head, plus the window, in position order, then merge.
 
     Each head keeps ``budget - window`` prefix entries, or its own number with per-head budgets
-    (``budgets.head_sizes``: AdaKV from the scores, HeadKV from the layer's ``table`` row [Hkv]; or
+    (``budgets.head_sizes``: AdaKV from the scores, HeadKV from the layer's ``table`` row [Hkv], LU-KV
+    from its curve [99, Hkv] and each sample's real length; or
     ``sizes`` [b, Hkv] given, from a cross-layer budget). ``scores``: ``head_scores`` already
     computed. A selection strategy (``ranking``) may rank by another key than the scores; merging
     reads the scores. With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with
@@ -117,7 +122,8 @@ def select(
     else:
         scores = head_scores(obs, cfg) if scores is None else scores
         base = obs.budget - obs.window
-        sizes = head_sizes(cfg, scores, base, table) if sizes is None else sizes
+        if sizes is None:
+            sizes = head_sizes(cfg, scores, base, table, obs.key_valid, obs.window)
         keep = base if sizes is None else sizes
         idx = _top_then_window(ranking(obs, cfg, scores, keep), keep, obs.window, width)
         keys, values = merge(

@@ -141,6 +141,12 @@ _DMS = {
 }
 
 
+# LU-KV as kvpress's LUKVPress default: Expected Attention (epsilon 0.02) under the per-head budgets of a
+# budget curve (``head_budget="lukv"``, ``lukv_curve``: the user's .npy, made by LU-KV's scripts), its 4 sinks
+# (``lukv_sink``) and its window of 1 token (``window_size=1``). Any other scorer takes head_budget="lukv".
+_LUKV = {"head_budget": "lukv", "epsilon": 0.02, "window_size": 1}
+
+
 def _register(*methods: Method) -> dict:
     return {m.name: m for m in methods}
 
@@ -193,5 +199,6 @@ REGISTRY = _register(
     Method("duo_attention", duo_attention, {"head_budget": "threshold", "threshold": 0.5}),
     Method("kvzap", kvzap),
     Method("fastkvzip", fastkvzip, {"layer_budget": "global"}),
+    Method("lukv", expected_attention, _LUKV),
 )
 METHODS = tuple(REGISTRY)

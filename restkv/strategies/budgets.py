@@ -2,10 +2,24 @@
 
 Layers (``layer_budget``): uniform, the PyramidKV schedule (same total; ``use_pyramid=True`` is its
 other name) or global. KV heads of a layer (``head_budget``): uniform, AdaKV (shared by one top-k over
-all heads' scores), HeadKV (from a head-importance table) or a threshold (DMS's form, as kvpress's
+all heads' scores), HeadKV (from a head-importance table), a threshold (DMS's form, as kvpress's
 ``DMSPress``: a head keeps the entries scoring at least ``threshold``, at most its budget, the best;
 a prompt within the budget is thresholded too, so with ``max_capacity_prompt`` at least the prompt's
-length a head keeps exactly those). All combine with any scorer.
+length a head keeps exactly those) or LU-KV's budget curve (``lukv_sizes``). All combine with any scorer.
+
+``head_budget="lukv"`` is kvpress's ``LUKVPress`` (LU-KV, https://arxiv.org/abs/2602.08585, code
+https://github.com/baidu-baige/LU-KV): each KV head of a layer keeps its count from a budget curve, the user's
+``lukv_curve`` (.npy [99, layers, Hkv] of per-head prune ratios, made offline by LU-KV's scripts). Per layer and
+per sample, the compression ratio is ``r = 1 - B / L`` (B the layer's budget, L the sample's real prompt
+length; while decoding, the entries the layer holds) and picks the curve's row ``round(100 r) - 1``; the counts
+are rounded as kvpress does (``lukv_sizes``). The first ``lukv_sink`` tokens (kvpress's ``sink=4``) score
+above every other entry; kvpress's ``window`` (1 token) is restkv's ``window_size``, always kept and counted
+in the head's count (``method="lukv"`` sets 1; with another method the config's, 32 by default). Where restkv
+differs: a head whose count is below its window keeps the window (kvpress: its sinks, then the oldest window
+tokens), and when its count is below sinks plus window, which sinks it keeps is the top-k's choice (kvpress:
+the first); ties between fractional parts go to the lower head (kvpress: ``torch.topk``'s order); the counts
+are computed in float64 (kvpress: float32, which can differ by one entry where ``(1 - ratio) L`` is within
+float32 rounding of an integer).
 
 ``global`` shares ``num_layers * Hkv * (B - window)`` prefix entries among every evicted layer and KV
 head by one top-k over all their scores (``global_sizes``); each (layer, head) keeps its share plus the
@@ -28,10 +42,12 @@ import json
 import math
 import os
 
+import numpy as np
+
 from ..knobs import Knob
 from ..lazy import torch
 
-HEAD_BUDGETS = ("uniform", "adakv", "headkv", "threshold")
+HEAD_BUDGETS = ("uniform", "adakv", "headkv", "threshold", "lukv")
 PER_HEAD = HEAD_BUDGETS[1:]
 LAYER_BUDGETS = ("uniform", "pyramid", "global")
 PER_LAYER = LAYER_BUDGETS[:2]  # the layer's budget is known before the other layers' prefill
@@ -56,8 +72,8 @@ KNOBS = (
         "head_budget",
         "uniform",
         "how a layer's budget is shared by its KV heads: uniform, adakv (one top-k "
-        "over all heads' scores), headkv (a head-importance table) or threshold (each head keeps the entries "
-        "scoring at least threshold, at most its budget)",
+        "over all heads' scores), headkv (a head-importance table), threshold (each head keeps the entries "
+        "scoring at least threshold, at most its budget) or lukv (LU-KV: a budget curve file, lukv_curve)",
         choices=HEAD_BUDGETS,
         when={"layer_budget": PER_LAYER},
     ),
@@ -98,6 +114,21 @@ KNOBS = (
         when={"head_budget": ("headkv",)},
     ),
     Knob(
+        "lukv_curve",
+        None,
+        "LU-KV: .npy budget curve [99, layers, KV heads] of per-head prune ratios (row "
+        "round(100 r) - 1 for compression ratio r = 1 - B / L), made by LU-KV's scripts",
+        when={"head_budget": ("lukv",)},
+    ),
+    Knob(
+        "lukv_sink",
+        4,
+        "LU-KV: the first tokens of the prompt, kept above every score",
+        check=lambda n: n >= 0,
+        rule=">= 0",
+        when={"head_budget": ("lukv",)},
+    ),
+    Knob(
         "layer_ratios",
         None,
         "a budget per evicted layer instead of max_capacity_prompt: "
@@ -133,6 +164,10 @@ def check(values: dict) -> None:
         raise ValueError(
             "head_budget='threshold' needs threshold=VALUE (entries scoring below it are evicted)"
         )
+    if values.get("head_budget") == "lukv" and values.get("lukv_curve") is None:
+        raise ValueError(
+            "head_budget='lukv' needs lukv_curve=PATH (a .npy budget curve [99, layers, KV heads])"
+        )
     if (
         values.get("head_budget") == "headkv"
         and values.get("max_capacity_prompt_ratio") is not None
@@ -144,7 +179,7 @@ def check(values: dict) -> None:
     if given is not None:
         _check_layer_ratios(values, _parsed(given))
     if values.get("gqa_agg") == "none" and (
-        values.get("head_budget") == "headkv" or values.get("varlen") is False
+        values.get("head_budget") in ("headkv", "lukv") or values.get("varlen") is False
     ):
         raise ValueError(
             "gqa_agg='none' (one set per query head) works with head_budget uniform or adakv, varlen=True"
@@ -253,14 +288,13 @@ def sample_budgets(cfg, real_lengths) -> list[int]:
     return [max(cfg.window_size + 1, round(int(n) * ratio)) for n in real_lengths]
 
 
-def largest_remainder(exact, total: int):
-    """Round non-negative reals (a torch tensor) to ints that sum to ``total``."""
-    sizes = exact.floor().long()
-    leftover = int(total - sizes.sum())
-    if leftover > 0:
-        frac = (exact - sizes).flatten()
-        sizes.view(-1)[frac.topk(leftover).indices] += 1
-    return sizes
+def largest_remainder(exact, total):
+    """Round non-negative reals [..., n] to ints that sum to ``total`` (an int, or [...]) along the last
+    dimension: the floors, plus one for the largest fractional parts (ties: the lower index first)."""
+    sizes = exact.floor()
+    leftover = total - sizes.sum(-1)
+    order = (exact - sizes).argsort(dim=-1, descending=True, stable=True)
+    return (sizes + (order.argsort(dim=-1) < leftover[..., None])).long()
 
 
 def adakv_budgets(scores, base: int, floor: float, normalize: bool):
@@ -302,11 +336,14 @@ def global_sizes(scores, total: int):
     return list(counts.view(b, len(scores), hkv).unbind(1))
 
 
-def head_sizes(cfg, scores, base: int, table=None):
+def head_sizes(cfg, scores, base: int, table=None, key_valid=None, window: int = 0):
     """Entries each KV head keeps [b, Hkv] (window excluded), or None when heads share the budget evenly.
 
-    ``scores`` [b, Hkv, P] of the layer, ``base`` the per-head budget, ``table`` the layer's HeadKV row [Hkv].
+    ``scores`` [b, Hkv, P] of the layer, ``base`` the per-head budget, ``table`` the layer's HeadKV row [Hkv]
+    or LU-KV curve [99, Hkv]; LU-KV reads ``key_valid`` [b, L] (each sample's real tokens) and the ``window``.
     """
+    if cfg.get("head_budget") == "lukv":
+        return lukv_sizes(table, key_valid.sum(-1), base + window, window)
     if cfg.get("head_budget") == "adakv":
         return adakv_budgets(scores, base, cfg.floor, cfg.normalize)
     if cfg.get("head_budget") == "headkv":
@@ -324,7 +361,47 @@ def headkv_budgets(importance, base: int, beta: float):
     """
     pool = (base // beta) * importance.numel()
     share = importance / importance.sum()
-    return largest_remainder(share * pool, int(pool)) + int(base - base // beta)
+    shared = largest_remainder((share * pool).flatten(), int(pool)).view(share.shape)
+    return shared + int(base - base // beta)
+
+
+def lukv_sizes(curve, lengths, budget: int, window: int):
+    """LU-KV: prefix entries each KV head keeps [b, Hkv] (window excluded), as kvpress's ``LUKVPress``.
+
+    ``curve`` [99, Hkv] the layer's prune ratios, ``lengths`` [b] each sample's real tokens L, ``budget`` B
+    (window included). A sample's compression ratio is ``r = 1 - B / L``; its row is ``round(100 r) - 1``
+    (clamped to [0, 98]). The heads keep ``(1 - ratio) L`` rounded by largest remainder: the total
+    ``round(sum)`` (at least Hkv, at most Hkv L), the floors, one more for the largest fractional parts; each
+    head then in [1, L]. The window is part of that count and always kept (a head keeps at least it).
+    float64, on the lengths' device, no host read.
+    """
+    n = lengths.to(torch.float64)[:, None]  # [b, 1]
+    r = 1.0 - n.new_full(n.shape, budget) / n  # Python's 1 - B / L (a scalar / tensor is B * (1 / L))
+    row = ((r * 100).round().long() - 1).clamp(0, 98)[:, 0]
+    exact = (1.0 - curve.to(lengths.device)[row]).clamp(0.0, 1.0) * n  # [b, Hkv]
+    hkv = exact.shape[1]
+    total = torch.minimum(exact.sum(-1).round().clamp_min(hkv), hkv * n[:, 0])
+    keep = torch.minimum(largest_remainder(exact, total).clamp_min(1), n.long())
+    keep = torch.where(r > 0, keep, n.long())  # kvpress: a ratio <= 0 keeps everything
+    return (keep - window).clamp_min(0)
+
+
+def load_lukv_curve(path: str, num_layers: int, num_kv_heads: int):
+    """An LU-KV budget curve (``.npy``, [99, layers, Hkv] prune ratios) as float64; ValueError naming
+    ``lukv_curve`` for a missing or unreadable file, another shape or values that are not finite."""
+    try:
+        curve = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"lukv_curve: cannot read {path} as .npy ({type(e).__name__}: {e})") from None
+    shape = (99, num_layers, num_kv_heads)
+    if curve.shape != shape or not np.issubdtype(curve.dtype, np.number):
+        raise ValueError(
+            f"lukv_curve: {path} has shape {curve.shape} ({curve.dtype}), the model needs {shape} numbers"
+        )
+    curve = torch.from_numpy(curve.astype(np.float64))
+    if not torch.isfinite(curve).all():
+        raise ValueError(f"lukv_curve: {path} holds values that are not finite")
+    return curve
 
 
 def load_head_importance(path: str, num_layers: int, num_heads: int, num_kv_heads: int):
