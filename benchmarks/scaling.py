@@ -210,6 +210,10 @@ def main(argv=None):
         f"{compress_step.D}, {args.dtype}, budget {args.budget}, window {args.window}, {args.device}, "
         f"median of {args.reps}\n"
     )
+    if not names:
+        for spec, why in skipped:
+            print(f"| {spec} | not measured on one layer: {why} |")
+        return [], skipped
     times, peaks, kv_bytes = {}, {}, {}
     for n in args.lengths:
         times[n] = run_child(names, n, args, memory=False)
