@@ -113,15 +113,6 @@ def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = Non
     return [{"time": statistics.median(t), "cpu": statistics.median(c), "reps": len(t)} for t, c in zip(times, cpu)]
 
 
-def on_device(data, device: str):
-    """``data`` (a tensor, or tuples, lists and dicts of tensors) on ``device``."""
-    if isinstance(data, dict):
-        return {key: on_device(x, device) for key, x in data.items()}
-    if isinstance(data, (tuple, list)):
-        return type(data)(on_device(x, device) for x in data)
-    return data.to(device)
-
-
 def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: str, device: str = "cpu",
                heads: tuple[int, int] = (HQ, HKV)) -> tuple[list, int]:
     """One call of the eviction step (``select``) per spec on a random layer of ``heads`` (query, KV) heads
@@ -134,6 +125,7 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
     from restkv.config import CompressionConfig
     from restkv.scoring.observe import Observation, wo_factor
     from restkv.scoring.rope import Rope, rotary_function
+    from restkv.eviction.plans import on_device
     from restkv.eviction.select import select
 
     hq, hkv = heads
@@ -161,10 +153,10 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
         name = cfg.scorer.name
         g = torch.Generator().manual_seed(0)
         if name == "fastkvzip":
-            return on_device(trained.new_gate(HIDDEN, hkv, hq // hkv, g), device)
+            return on_device(trained.new_gate(HIDDEN, hkv, hq // hkv, g), torch.device(device))
         if name == "kvzap":
             new = trained.new_mlp if cfg.kvzap_type == "mlp" else trained.new_linear
-            return on_device(new(HIDDEN, hkv, g), device)
+            return on_device(new(HIDDEN, hkv, g), torch.device(device))
         if name == "qfilter":
             return torch.randn(hkv, D, device=device)
         if name == "expected_attention_stats":

@@ -169,7 +169,9 @@ def plan_layers(
         )
         table = dict(zip(rows, shared))
     if cfg.get("head_budget") == "lukv":  # indexed by layer, as kvpress: every layer has a row
-        curve = load_lukv_curve(cfg.lukv_curve, config.num_hidden_layers, config.num_key_value_heads)
+        curve = load_lukv_curve(
+            cfg.lukv_curve, config.num_hidden_layers, config.num_key_value_heads
+        )
         table = {m.layer_idx: curve[:, m.layer_idx] for m in modules}
     data = layer_data or {}
     return [
@@ -177,12 +179,29 @@ def plan_layers(
             cfg,
             evicted.index(m.layer_idx) if m.layer_idx in evicted else -1,
             len(evicted),
-            None if table is None else table.get(m.layer_idx),
+            on_device(None if table is None else table.get(m.layer_idx), _device(m)),
             windows.get(m.layer_idx),
-            data.get(m.layer_idx),
+            on_device(data.get(m.layer_idx), _device(m)),
         )
         for m in modules
     ]
+
+
+def _device(module: nn.Module) -> torch.device:
+    """Where ``module``'s weights are (its layer's, with ``device_map="auto"``)."""
+    return next(module.parameters()).device
+
+
+def on_device(data, device: torch.device):
+    """``data`` (None, a tensor, or tuples, lists and dicts of them) on ``device``: a layer's
+    constants moved once, when the layer is planned, not at every eviction."""
+    if isinstance(data, dict):
+        return {key: on_device(x, device) for key, x in data.items()}
+    if isinstance(data, (tuple, list)):
+        return type(data)(on_device(x, device) for x in data)
+    if isinstance(data, torch.Tensor) and device.type != "meta":  # offloaded: moved when scored
+        return data.to(device)
+    return data
 
 
 def _check_first_stage(cfg, model, num_layers: int) -> None:
