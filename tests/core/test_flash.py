@@ -58,6 +58,13 @@ def test_every_method_on_flash_equals_sdpa(method, tmp_path):
     dict(method="snapkv", decode_interval=3),  # eviction while decoding
     dict(method="adakv", decode_interval=3),
     dict(method="restkv", layer_budget="global"),  # a deferred selection
+    dict(method="snapkv", rerotate_keys="end"),  # kept keys re-rotated
+    dict(method="adakv", rerotate_keys="end", decode_interval=3),
+    dict(method="snapkv", compose="l2norm"),  # two methods in sequence
+    dict(method="snapkv", prompt_chunk=16),  # a share of the budget per chunk
+    dict(method="snapkv", prompt_block=16),  # block by block
+    dict(method="snapkv", merge="value"),  # evicted values merged
+    dict(method="snapkv", decode_interval=3, decode_compression_ratio=0.5),
 ])
 def test_left_padded_batch_on_flash_equals_sdpa(knobs):
     ids, mask = padded_batch((60, 47))
