@@ -9,6 +9,7 @@ import torch
 from accelerate.utils import align_module_device
 
 from ..scoring.observe import Observation, wo_factor
+from ..scoring.output_error import wo_gram
 from ..scoring.rope import Rope
 
 
@@ -40,6 +41,7 @@ def observation(
         softcap=kwargs.get("softcap"),
         wo_factor=lambda: layer_wo_factor(module, keys.device),
         wo_weight=lambda: layer_wo_weight(module, keys.device),
+        wo_gram=lambda heads: layer_wo_gram(module, keys.device, heads),
         rope=rope,
         layer=plan.rank,
         num_layers=plan.num_evicted,
@@ -50,7 +52,7 @@ def observation(
     )
 
 
-_WO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # o_proj -> (weight tag, R)
+_WO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # o_proj -> {what: (weight tag, value)}
 
 
 def _weights_on(module, device):
@@ -61,17 +63,32 @@ def _weights_on(module, device):
     return align_module_device(module, execution_device=device)
 
 
-def layer_wo_factor(module, device) -> torch.Tensor:
-    """The W_O factor R [Hq, d, d] of an attention module (computed once per weight), on ``device``."""
+def _per_weight(module, device, what, compute) -> torch.Tensor:
+    """``compute(o_proj.weight)`` of an attention module, once per weight and ``what``, on ``device``."""
     o_proj = module.o_proj
     w = o_proj.weight
     tag = "offloaded" if w.device.type == "meta" else (w.data_ptr(), w._version, w.device, w.dtype)
-    cached = _WO.get(o_proj)
+    store = _WO.setdefault(o_proj, {})
+    cached = store.get(what)
     if cached is None or cached[0] != tag:
         with torch.no_grad(), _weights_on(o_proj, device):
-            cached = (tag, wo_factor(o_proj.weight, module.config.num_attention_heads))
-        _WO[o_proj] = cached
+            cached = (tag, compute(o_proj.weight))
+        store[what] = cached
     return cached[1].to(device)
+
+
+def layer_wo_factor(module, device) -> torch.Tensor:
+    """The W_O factor R [Hq, d, d] of an attention module (computed once per weight), on ``device``."""
+    heads = module.config.num_attention_heads
+    return _per_weight(module, device, "factor", lambda w: wo_factor(w, heads))
+
+
+def layer_wo_gram(module, device, heads: int) -> torch.Tensor:
+    """``M_ac`` [H, g, g, d, d] of an attention module's o_proj for ``heads`` groups of its query heads
+    (``output_error.wo_gram``; computed once per weight), on ``device``."""
+    return _per_weight(
+        module, device, ("gram", heads), lambda w: wo_gram(w, heads, module.head_dim)
+    )
 
 
 def layer_wo_weight(module, device) -> torch.Tensor:

@@ -46,6 +46,7 @@ class Observation:
     wo_weight: Any = (
         None  # the layer's o_proj weight [hidden, Hq d] (``o_proj``), or a function that returns it
     )
+    wo_gram: Any = None  # a function heads -> M_ac = W_O^a^T W_O^c [H, g, g, d, d] (``output_error.wo_gram``)
     rope: Any = None  # restkv.scoring.rope.Rope of the layer's prompt (cos/sin, next position, other positions)
     layer: int = 0  # index among the model's evicted layers
     num_layers: int = 1  # evicted layers of the model

@@ -67,15 +67,28 @@ def layer_output_error(attention, values, keep, o_proj_weight) -> "torch.Tensor"
     return output_change(attention, values, keep, o_proj_weight)[0].norm(dim=-1)
 
 
-def group_terms(values, o_proj_weight, prefix: int) -> tuple:
+def group_weights(o_proj_weight, heads: int, head_dim: int) -> "torch.Tensor":
+    """W_O^h by group [H, g, D, d] float32 (a view when ``o_proj_weight`` [D, Hq d] is float32)."""
+    g = o_proj_weight.shape[1] // head_dim // heads
+    return o_proj_weight.float().view(-1, heads, g, head_dim).permute(1, 2, 0, 3)
+
+
+def wo_gram(o_proj_weight, heads: int, head_dim: int) -> "torch.Tensor":
+    """``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d] float32, a and c query heads of one of the ``heads``
+    groups. Cost O(H g^2 D d^2): a constant of the layer's weight (``restkv.eviction.observation``
+    computes it once per weight)."""
+    W = group_weights(o_proj_weight, heads, head_dim)
+    return torch.einsum("kaex,kcey->kacxy", W, W)
+
+
+def group_terms(values, o_proj_weight, prefix: int, gram=None) -> tuple:
     """The terms of ``layer_terms`` without the per-entry ones: W_O^h by group [H, g, D, d], ``M_ac``
-    [H, g, g, d, d], the prefix values as stored [b, H, P, d] and None for ``v_n^T M_ac v_n``, which
-    ``swap_errors_at`` then computes for the pooled entries only. Cost O(H g^2 D d^2), whatever P."""
+    [H, g, g, d, d] (``gram`` when given, else ``wo_gram``), the prefix values as stored [b, H, P, d] and
+    None for ``v_n^T M_ac v_n``, which ``swap_errors_at`` then computes for the pooled entries only."""
     hkv = values.shape[1]
     d = values.shape[-1]
-    g = o_proj_weight.shape[1] // d // hkv
-    W = o_proj_weight.float().view(-1, hkv, g, d).permute(1, 2, 0, 3)
-    M = torch.einsum("kaex,kcey->kacxy", W, W)
+    W = group_weights(o_proj_weight, hkv, d)
+    M = wo_gram(o_proj_weight, hkv, d) if gram is None else gram
     return W, M, values[:, :, :prefix], None
 
 
@@ -84,11 +97,12 @@ def entry_quadratic(v, M) -> "torch.Tensor":
     return (torch.einsum("bknx,kacxy->acbkny", v, M) * v[None, None]).sum(-1)
 
 
-def layer_terms(values, o_proj_weight, prefix: int) -> tuple:
+def layer_terms(values, o_proj_weight, prefix: int, gram=None) -> tuple:
     """What the swap errors of a layer read that no swap changes: W_O^h by group [H, g, D, d],
     ``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d], the prefix values v [b, H, P, d] and ``v_n^T M_ac v_n``
-    [g, g, b, H, P] (a, c: query heads of one group), a block of entries at a time. Cost O(b H g^2 P d^2)."""
-    W, M, v, _ = group_terms(values, o_proj_weight, prefix)
+    [g, g, b, H, P] (a, c: query heads of one group), a block of entries at a time. Cost O(b H g^2 P d^2).
+    ``gram``: ``M_ac`` when already computed (``wo_gram``)."""
+    W, M, v, _ = group_terms(values, o_proj_weight, prefix, gram)
     hkv = values.shape[1]
     d = values.shape[-1]
     g = M.shape[1]

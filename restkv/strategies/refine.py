@@ -19,7 +19,9 @@ O(b Hq r R d + b r Hq d D); one ``output_change`` (O(b Hq r N d)) at the start a
 every round runs (a round that finds no improving swap changes nothing). With
 ``refine_candidates="boundary"`` the pools are the kept entries ranked lowest and the evicted ranked highest
 by the ranking key (the top-B boundary), and only their terms are computed: no O(b H g^2 P d^2) or
-O(b H g^2 r P d) term, per round O(b H g^2 r R d + b H g^2 R d^2) for the pools' terms.
+O(b H g^2 r P d) term, per round O(b H g^2 r R d + b H g^2 R d^2) for the pools' terms. ``M_ac = W_O^a^T W_O^c`` (O(H g^2 D d^2), H g^2 d^2
+float32 numbers) is computed once per layer weight and kept with it (``restkv.eviction.observation``); the
+search converts ``o_proj`` to float32 once per layer and step (D Hq d numbers held during the step).
 """
 
 from __future__ import annotations
@@ -97,13 +99,17 @@ def refined(obs, cfg, key: "torch.Tensor", keep) -> "torch.Tensor":
     values = per_head(obs.values)
     boundary = cfg.refine_candidates == "boundary"
     terms = group_terms if boundary else layer_terms
-    layer = obs.shared(f"refine_{terms.__name__}_{heads}", lambda: terms(values, obs.o_proj, P))
+    w_o = obs.shared("o_proj_float32", lambda: obs.o_proj.float())  # one copy for the whole search
+    gram = None
+    if obs.wo_gram is not None:  # M_ac, a constant of the layer's weight
+        gram = obs.shared(f"wo_gram_{heads}", lambda: obs.wo_gram(heads))
+    layer = obs.shared(f"refine_{terms.__name__}_{heads}", lambda: terms(values, w_o, P, gram))
     keep, _, _ = swap_search(
         obs.window_attention,
         values,
         top_set(key, keep),
         key,
-        obs.o_proj,
+        w_o,
         cfg.refine_rounds,
         cfg.refine_pool,
         cfg.refine_pool,
