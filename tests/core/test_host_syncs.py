@@ -150,6 +150,7 @@ EVERY_INTERVAL = [  # (knobs, per-head layout): dense, packed per head, dense pe
     (dict(method="adakv", varlen=False), CompressedLayer),
     (dict(method="restkv", head_budget="adakv", gqa_agg="none", floor=0.0), VarlenLayer),
     (dict(method="adakv", max_capacity_prompt_ratio=0.5), VarlenLayer),
+    (dict(method="restkv", scale=4.0), None),  # adaptive pooling wider than its kernel
     (small("lacache"), None),  # its ladder from each sample's length
     (dict(method="snapkv", decode_compression_ratio=0.5), None),  # budgets from the tokens seen
     (dict(method="adakv", decode_compression_ratio=0.5), VarlenLayer),
