@@ -2,7 +2,7 @@
 and quantized layers, ``cache_layer`` (which one holds a selection) and ``memory_report``."""
 
 from .dense import CompressedLayer, KeptLayer
-from .kept import HeldSizes, Kept, appended_positions, stack_samples
+from .kept import HeldSizes, Kept, appended_positions, newest_positions, stack_samples
 from .layers import cache_layer
 from .packed import SegmentIndex, VarlenLayer, masked_attention, varlen_attention
 from .pruned import PrunedLayer, PrunedVarlenLayer
@@ -23,6 +23,7 @@ __all__ = [
     "held_bytes",
     "masked_attention",
     "memory_report",
+    "newest_positions",
     "quantized_layer",
     "stack_samples",
     "tensor_bytes",

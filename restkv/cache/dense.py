@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from .kept import HeldSizes, Kept, appended_positions
+from .kept import HeldSizes, Kept, appended_positions, newest_positions
 
 
 class KeptLayer:
@@ -36,7 +36,7 @@ class KeptLayer:
         self.valid = (
             kept.valid
         )  # [b, B], or [b, Hkv, B] when heads keep different numbers (masked layout)
-        self.sizes = HeldSizes.of(kept.valid) if sizes is None else sizes
+        self.sizes = HeldSizes.of(kept.valid, kept.positions) if sizes is None else sizes
         self.all_valid = self.sizes.full
         self.prompt_end = (
             kept.positions.amax((1, 2)) + 1
@@ -62,11 +62,20 @@ class KeptLayer:
             return None
         return self.sizes.extent(samples, self.stored - self.valid.shape[-1])
 
+    def seen_per_sample(self) -> tuple | None:
+        """``HeldSizes.seen``: each sample's newest position + 1 (the tokens it has seen), known
+        without a host read (None after a reorder of the samples)."""
+        if self.sizes is None:
+            return None
+        return self.sizes.seen(self.stored - self.valid.shape[-1])
+
     def measured_sizes(self) -> Tensor:
         """``HeldSizes.measure`` of the kept entries, on the device (to read with other layers')."""
         count = self.valid.sum(-1)
         return HeldSizes.measure(
-            count if count.dim() == 2 else count[:, None], self.valid.shape[-1]
+            count if count.dim() == 2 else count[:, None],
+            self.valid.shape[-1],
+            newest_positions(self.positions),
         )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -45,46 +45,68 @@ class HeldSizes:
 
     total: entries kept in all; full: every slot of the [b, (H,) B] layout is kept; longest[i],
     differ[i]: the most entries a head of sample i keeps, and whether its heads keep different
-    numbers.
+    numbers; ends[i]: sample i's newest kept position + 1 (the tokens it had seen, when its newest
+    entry is kept).
     """
 
     total: int
     full: bool
     longest: tuple
     differ: tuple
+    ends: tuple
 
     @staticmethod
-    def measure(count: Tensor, width) -> Tensor:
+    def measure(count: Tensor, width, newest: Tensor) -> Tensor:
         """The sizes as one long tensor on ``count``'s device, to read with others':
-        ``count`` [b, H] entries per head, ``width`` the slots per head (an int or a device scalar)."""
+        ``count`` [b, H] entries per head, ``width`` the slots per head (an int or a device scalar),
+        ``newest`` [b] each sample's newest kept position (``newest_positions``)."""
         b = count.shape[0]
         if count.numel() == 0:
-            return count.new_zeros(2 + 2 * b)
+            return count.new_zeros(2 + 3 * b)
         longest = count.amax(1)
         differ = (count.amin(1) != longest).long()
+        ends = newest.to(count) + 1
         return torch.cat(
-            [torch.stack([count.sum(), (count == width).all().long()]), longest, differ]
+            [torch.stack([count.sum(), (count == width).all().long()]), longest, differ, ends]
         )
 
     @classmethod
     def read(cls, values: list) -> "HeldSizes":
         """The sizes from ``measure``'s values (a list of ints)."""
-        b = (len(values) - 2) // 2
+        b = (len(values) - 2) // 3
         return cls(
-            values[0], bool(values[1]), tuple(values[2 : 2 + b]), tuple(map(bool, values[2 + b :]))
+            values[0],
+            bool(values[1]),
+            tuple(values[2 : 2 + b]),
+            tuple(map(bool, values[2 + b : 2 + 2 * b])),
+            tuple(values[2 + 2 * b :]),
         )
 
     @classmethod
-    def of(cls, valid: Tensor) -> "HeldSizes":
-        """The sizes of ``valid`` [b, B] or [b, H, B] (one host read)."""
+    def of(cls, valid: Tensor, positions: Tensor) -> "HeldSizes":
+        """The sizes of entries with validity ``valid`` [b, B] or [b, H, B] and positions
+        ``positions`` [b, H, B] (one host read)."""
         count = valid.sum(-1)
         count = count if count.dim() == 2 else count[:, None]
-        return cls.read(cls.measure(count, valid.shape[-1]).tolist())
+        newest = newest_positions(positions)
+        return cls.read(cls.measure(count, valid.shape[-1], newest).tolist())
 
     def extent(self, samples: slice, decoded: int) -> tuple[int, bool]:
         """``(most entries a head holds, every sample's heads hold as many)`` over ``samples`` once
         ``decoded`` entries were appended to every head."""
         return max(self.longest[samples]) + decoded, not any(self.differ[samples])
+
+    def seen(self, decoded: int) -> tuple:
+        """Each sample's newest position + 1 once ``decoded`` entries were appended after its kept
+        ones (one position after another, as ``appended_positions`` numbers them)."""
+        return tuple(end + decoded for end in self.ends)
+
+
+def newest_positions(positions: Tensor) -> Tensor:
+    """[b] each sample's newest position in ``positions`` [b, H, n] (-1 where it holds none)."""
+    if positions.shape[-1] == 0:
+        return positions.new_full(positions.shape[:1], -1)
+    return positions.amax((1, 2))
 
 
 def stack_samples(parts: list[Kept]) -> Kept:

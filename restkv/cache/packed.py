@@ -20,7 +20,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers.cache_utils import DynamicLayer
 
 from .dense import cropped_tokens
-from .kept import HeldSizes, Kept, appended_positions
+from .kept import HeldSizes, Kept, appended_positions, newest_positions
 
 
 class SegmentIndex:
@@ -216,7 +216,9 @@ class VarlenLayer(DynamicLayer):
         valid = kept.valid if kept.valid.dim() == 3 else kept.valid[:, None].expand(b, heads, -1)
         self.device = kept.keys.device
         self.shape = (b, heads, d)
-        self.sizes = HeldSizes.of(valid) if sizes is None else sizes  # one host read if not given
+        if sizes is None:
+            sizes = HeldSizes.of(valid, kept.positions)  # one host read
+        self.sizes = sizes
         held = _held_slots(valid, self.sizes.total)
         self.keys = kept.keys.flatten(0, 2).index_select(0, held)  # [N, d], segment order
         self.values = kept.values.flatten(0, 2).index_select(0, held)
@@ -299,10 +301,17 @@ class VarlenLayer(DynamicLayer):
         host read (None after a reorder of the samples)."""
         return None if self.sizes is None else self.sizes.extent(samples, self.steps)
 
+    def seen_per_sample(self) -> tuple | None:
+        """``HeldSizes.seen``: each sample's newest position + 1 (the tokens it has seen), known
+        without a host read (None after a reorder of the samples)."""
+        return None if self.sizes is None else self.sizes.seen(self.steps)
+
     def measured_sizes(self) -> Tensor:
         """``HeldSizes.measure`` of the kept entries, on the device (to read with other layers')."""
         b, heads, _ = self.shape
-        return HeldSizes.measure(self.index.lengths.view(b, heads), self.index.width)
+        return HeldSizes.measure(
+            self.index.lengths.view(b, heads), self.index.width, newest_positions(self.positions)
+        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep samples ``beam_idx`` [b'] (beam search's reordering; any selection of samples). As

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..cache import HeldSizes, Kept, cache_layer, stack_samples
+from ..cache import HeldSizes, Kept, cache_layer, newest_positions, stack_samples
 from ..scoring.precision import float32_scoring
 from ..scoring.rope import LazyRope, Rope
 from ..strategies.budgets import fits
@@ -131,7 +131,7 @@ def _measure_unknown(cache) -> None:
 def _shrink(layer, module, kwargs) -> list:
     """``(Kept, slots, evicted)`` of each group of samples (one group when they share a budget)."""
     policy, (keys, values, valid, positions) = layer.policy, layer.stored_entries()
-    budgets = _budgets(policy, positions)
+    budgets = _budgets(policy, layer)
     rotated = _rotated_at(policy, valid, positions)
     groups = (
         [slice(None)] if len(set(budgets)) == 1 else [slice(i, i + 1) for i in range(keys.shape[0])]
@@ -180,7 +180,8 @@ def _measure(s: Shrink) -> torch.Tensor:
     widths = torch.stack([torch.as_tensor(w, device=device) for w in s.widths])
     count = torch.cat([_count(p.valid, heads) for p in s.parts])
     width = widths.amax() if len(s.parts) > 1 else widths[0]
-    return torch.cat([widths, HeldSizes.measure(count, width)])
+    newest = torch.cat([newest_positions(p.positions) for p in s.parts])
+    return torch.cat([widths, HeldSizes.measure(count, width, newest)])
 
 
 def _count(valid, heads: int) -> torch.Tensor:
@@ -204,13 +205,13 @@ def _shrunk(s: Shrink, values: list):
     return new
 
 
-def _budgets(policy, positions) -> tuple:
+def _budgets(policy, layer) -> tuple:
     """Each sample's budget now: the prefill's, or a share of the tokens it has seen
-    (``decode_compression_ratio``; one host read per eviction)."""
+    (``decode_compression_ratio``; known on the host from the layer's ``HeldSizes``)."""
     cfg = policy.plan.cfg
     if cfg.get("decode_compression_ratio") is None:
         return policy.budgets
-    seen = (positions.amax((1, 2)) + 1).tolist()
+    seen = list(layer.seen_per_sample())
     return tuple(decoding_budgets(cfg, seen, policy.plan.num_evicted, policy.plan.rank))
 
 

@@ -79,58 +79,88 @@ def _steps(layers: int, span: int, overlap: int) -> tuple[int, int, int]:
 def ladder(
     length: int, cache: int, start: int, layers: int, layer: int, span: int, overlap: int
 ) -> list[int]:
-    """Positions layer ``layer`` keeps of ``length`` tokens: the reference's compaction with cursor ``start``."""
+    """Positions layer ``layer`` keeps of ``length`` tokens: the reference's compaction with cursor
+    ``start`` (``ladder_mask`` of one sample)."""
+    kept = ladder_mask(
+        torch.arange(length)[None],
+        torch.tensor([[length]]),
+        cache,
+        torch.tensor([[start]]),
+        (layers, layer, span, overlap),
+    )
+    return kept[0].nonzero().flatten().tolist()
+
+
+def ladder_mask(place, length, cache: int, start, rungs: tuple) -> "torch.Tensor":
+    """[b, n] bool: which of the places ``place`` [b, n] (0: the sample's first token) a layer keeps
+    of each sample's ``length`` [b, 1] tokens, with ``start`` [b, 1] sinks and cache size ``cache``:
+    the reference's compaction, on the device. ``rungs``: (layers, layer, span, overlap).
+
+    With ``need = length - cache`` tokens to remove: nothing when need <= 0; with no room for one
+    rung beyond the sinks and the layers, the sinks and the most recent tokens; else the sinks, one
+    ladder pass (``steps`` groups of g tokens, a tokens kept of each at the layer's phase) and the
+    rest; when one pass removes too few (``cap``), the kept ones thinned again by a second ladder
+    over their order, of longer groups read with a stride (``times``).
+    """
+    layers, layer, span, overlap = rungs
     group, after, removable = _steps(layers, span, overlap)
+    real = (place >= 0) & (place < length)
     need = length - cache
-    if need <= 0:
-        return list(range(length))
     room = cache - start - layers
-    if room < after:  # no room for one rung: the sinks and the most recent tokens (as StreamingLLM)
-        return list(range(min(start, cache))) + list(range(length - max(0, cache - start), length))
-    cap = (room // after) * removable
-    steps = math.ceil(need / removable) if need <= cap else room // after
-
-    def rungs(first, size, n, stride, phase):
-        return [first + phase + size * j + stride * k for j in range(n) for k in range(after)]
-
-    kept = (
-        list(range(start))
-        + rungs(start, group, steps, 1, layer % (removable + 1))
-        + list(range(start + group * steps, length))
-    )
-    if need <= cap:
-        return kept
-    rest = need - cap  # startover: thin the ladder again with a stride
-    once = ((cache - start - layers) // after) * removable
-    times = math.ceil(rest / once)
+    fit = room.div(after, rounding_mode="floor")
+    cap = fit * removable
+    one_pass = need <= cap
+    steps = torch.where(one_pass, _ceil_div(need, removable), fit)
+    phase = layer % (removable + 1)
+    first = (place < start) | (place >= start + group * steps)
+    first = real & (first | _on_rungs(place - start - phase, group, steps, 1, after))
+    rest = need - cap
+    times = _ceil_div(rest, cap.clamp_min(1)).clamp_min(1)
     group2 = group + (times - 1) * (group - 1)
-    steps2 = math.ceil(rest / (group2 - after))
-    keep = (
-        list(range(start))
-        + rungs(start, group2, steps2, times, layer % (group2 - after + 1))
-        + list(range(start + group2 * steps2, len(kept)))
-    )
-    return [kept[i] for i in keep]
+    steps2 = _ceil_div(rest, group2 - after)
+    phase2 = torch.remainder(torch.full_like(group2, layer), group2 - after + 1)
+    rank = first.long().cumsum(-1) - 1  # the place's index among the first pass's kept
+    second = (rank < start) | (rank >= start + group2 * steps2)
+    second = first & (second | _on_rungs(rank - start - phase2, group2, steps2, times, after))
+    recent = place >= length - (cache - start).clamp_min(0)
+    no_room = real & ((place < torch.clamp(start, max=cache)) | recent)
+    kept = torch.where(one_pass, first, second)
+    kept = torch.where(room < after, no_room, kept)
+    return torch.where(need <= 0, real, kept)
+
+
+def _ceil_div(a, b):
+    """ceil(a / b) of integer tensors, ``b`` > 0."""
+    return -torch.div(-a, b, rounding_mode="floor")
+
+
+def _on_rungs(offset, size, count, stride, after: int):
+    """Whether ``offset`` (from the first rung's first token) is ``size * j + stride * k`` for some
+    ``j < count`` and ``k < after``."""
+    hit = torch.zeros_like(offset, dtype=torch.bool)
+    for k in range(after):
+        q = offset - stride * k
+        rung = q.div(size, rounding_mode="floor")
+        hit |= (q >= 0) & (torch.remainder(q, size) == 0) & (rung < count)
+    return hit
 
 
 def score(obs, cfg):
-    """Sinks first, then the layer's ladder (newest first), then the rest by recency -> [b, 1, P]."""
+    """Sinks first, then the layer's ladder (newest first), then the rest by recency -> [b, 1, P];
+    each sample's ladder from its length, on the device."""
     n = obs.keys.shape[2]
     P = obs.prefix_len
     pos = obs.positions.float()  # [b, L], -1 on padding
-    out = []
-    for row in range(pos.shape[0]):
-        length = int((pos[row] >= 0).sum())
-        start = cfg.sink_tokens
-        if start is None:
-            start = max(1, min(128, length - obs.num_layers - 1, obs.budget - obs.num_layers - 1))
-        keep = torch.tensor(
-            ladder(length, obs.budget, start, obs.num_layers, obs.layer, cfg.span, cfg.overlap)
-        )
-        s = pos[row] / max(n, 1)  # recency in [0, 1)
-        ladder_pos = torch.zeros(n, dtype=torch.bool)
-        ladder_pos[n - length + keep] = True
-        s = torch.where(ladder_pos.to(s.device), 2.0 + s, s)
-        s = torch.where((pos[row] >= 0) & (pos[row] < start), torch.full_like(s, 4.0), s)
-        out.append(s[:P])
-    return torch.stack(out)[:, None]
+    length = (obs.positions >= 0).sum(-1, keepdim=True)  # [b, 1]
+    if cfg.sink_tokens is None:
+        room = min(128, obs.budget - obs.num_layers - 1)
+        start = (length - obs.num_layers - 1).clamp(max=room).clamp(min=1)
+    else:
+        start = torch.full_like(length, cfg.sink_tokens)
+    place = torch.arange(n, device=length.device) - (n - length)  # the last ``length`` slots
+    rungs = (obs.num_layers, obs.layer, cfg.span, cfg.overlap)
+    on_ladder = ladder_mask(place, length, obs.budget, start, rungs)
+    s = pos / max(n, 1)  # recency in [0, 1)
+    s = torch.where(on_ladder, 2.0 + s, s)
+    s = torch.where((pos >= 0) & (pos < start), torch.full_like(s, 4.0), s)
+    return s[:, None, :P]

@@ -294,6 +294,7 @@ def adaptive_pool(
     scale: float,
     n_pad: "torch.Tensor | None" = None,
     reach: int | None = None,
+    bounded: bool = False,
 ) -> "torch.Tensor":
     """Average pooling whose width and shift follow the drift, per sample and head.
 
@@ -301,7 +302,9 @@ def adaptive_pool(
     when ``t <= 0``), replicate padding ``k // 2 - s`` on the left and ``k // 2 + s`` on the right.
     ``n_pad`` [b] left-padding lengths: each sample is padded from its first real entry. ``reach``:
     a bound of ``|t|`` (the keys the drift's positions range over); when ``reach / scale`` cannot
-    widen the kernel, its width is known without the host read of the widest.
+    widen the kernel, its width is known without the host read of the widest; with ``bounded`` the
+    widest kernel ``reach`` allows is laid out instead of reading it (the same averages: the taps
+    past a row's own window weigh 0).
     """
     if n_pad is not None:
         first = n_pad.clamp(max=scores.shape[-1] - 1)[:, None, None].expand(-1, scores.shape[1], 1)
@@ -313,6 +316,8 @@ def adaptive_pool(
     shift = torch.maximum(torch.minimum(shift, half), -half)
     if reach is not None and reach // scale <= kernel_size // 2:  # every head's half is k // 2
         max_pad = 2 * (kernel_size // 2)
+    elif reach is not None and bounded:  # half <= reach // scale, + 1 for float32's rounding
+        max_pad = 2 * (int(reach // scale) + 1)
     else:
         max_pad = 2 * int(half.max())  # one host read per layer
     left = (half - shift).flatten()
@@ -419,7 +424,9 @@ def score(obs, cfg):
         s = observed["s"]
     if cfg.pooling == "adaptive":
         n_pad = (~obs.key_valid[:, :P]).sum(-1)
-        s = adaptive_pool(s, drift, cfg.kernel_size, cfg.scale, n_pad, obs.keys.shape[2])
+        reach = obs.keys.shape[2]
+        bounded = obs.first_query > 0  # the window's queries only (decoding): no read per layer
+        s = adaptive_pool(s, drift, cfg.kernel_size, cfg.scale, n_pad, reach, bounded)
     else:
         s = pool1d(s, cfg.pooling, cfg.get("kernel_size", 1))
     return s if counted is None else expected.keep_sinks(s, obs, counted)

@@ -13,7 +13,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import prompt, tiny_model
+from helpers import prompt, small, tiny_model
 from transformers.cache_utils import DynamicCache
 
 import restkv
@@ -150,6 +150,10 @@ EVERY_INTERVAL = [  # (knobs, per-head layout): dense, packed per head, dense pe
     (dict(method="adakv", varlen=False), CompressedLayer),
     (dict(method="restkv", head_budget="adakv", gqa_agg="none", floor=0.0), VarlenLayer),
     (dict(method="adakv", max_capacity_prompt_ratio=0.5), VarlenLayer),
+    (dict(method="restkv", scale=4.0), None),  # adaptive pooling wider than its kernel
+    (small("lacache"), None),  # its ladder from each sample's length
+    (dict(method="snapkv", decode_compression_ratio=0.5), None),  # budgets from the tokens seen
+    (dict(method="adakv", decode_compression_ratio=0.5), VarlenLayer),
 ]
 
 
@@ -175,6 +179,24 @@ def test_eviction_while_decoding_reads_the_host_once_per_interval(knobs, layout)
     assert int(held.max()) <= 50  # back to the budget (24, or half a 50-token prompt) plus the window
     if layout is not None:
         assert all(type(layer) is layout for layer in layers)
+    restkv.detach(model)
+
+
+@pytest.mark.parametrize("knobs", [small("lacache"), small("lacache", sink_tokens=4)])
+def test_lacache_prefill_reads_the_host_as_snapkv_does(knobs):
+    """LaCache's ladder, from each sample's length, adds no host read to the prefill: once per layer
+    (its cache layer's sizes), as SnapKV's."""
+    model = tiny_model("llama", "eager", seed=3)
+    ids = torch.cat([prompt(50, seed=1), prompt(50, seed=2)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    counts = []
+    for method in (dict(method="snapkv"), knobs):
+        restkv.configure(model, max_capacity_prompt=24, window_size=6, **method)
+        with torch.no_grad(), counting_syncs() as n:
+            model(input_ids=ids, attention_mask=mask, use_cache=True, cache=DynamicCache())
+        counts.append(n[0])
+    assert counts == [model.config.num_hidden_layers] * 2, counts
     restkv.detach(model)
 
 

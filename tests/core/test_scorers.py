@@ -144,6 +144,19 @@ def test_adaptive_pooling_equals_per_head_reference():
     torch.testing.assert_close(got, _adaptive_reference(scores, drift, 1, 1000.0))
 
 
+def test_adaptive_pooling_bounded_by_its_reach_is_the_same():
+    """``bounded`` (while decoding): the padding of the widest kernel the reach allows, no host read;
+    the same averages as the padding of the widest kernel read from the host."""
+    torch.manual_seed(4)
+    for reach, scale, kernel in [(300, 40.0, 7), (300, 7.0, 3), (1000, 100.0, 1)]:
+        scores = torch.rand(2, 6, reach)
+        drift = (torch.rand(2, 6) * 2 - 1) * (reach - 1)
+        drift[0, :2] = torch.tensor([0.0, -(reach - 1.0)])
+        wide = rk.adaptive_pool(scores, drift, kernel, scale, reach=reach, bounded=True)
+        assert torch.equal(wide, rk.adaptive_pool(scores, drift, kernel, scale, reach=reach))
+        torch.testing.assert_close(wide, _adaptive_reference(scores, drift, kernel, scale))
+
+
 def test_window_drift_follows_attention_mass():
     A = torch.zeros(1, 1, 8, 100)
     A[..., :4, 10:20] = 1.0  # first half looks early
