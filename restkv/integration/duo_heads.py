@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from ..config import CompressionConfig
-from ..eviction.plans import attention_modules, plan_layers
+from ..eviction.plans import attention_modules, evicted_layers, plan_layers
 from ..lazy import torch
 from ..methods.duo_attention import head_scores, streaming_heads
 from .attachment import attached
@@ -99,5 +99,9 @@ def layer_data(cfg, model) -> dict:
     hkv = model.config.get_text_config().num_key_value_heads
     if cfg.head_compression_ratio == 0 and cfg.duo_attention_file is None:
         return {m.layer_idx: torch.zeros(hkv, dtype=torch.bool) for m in modules}
-    streaming = streaming_heads(model_head_scores(model, cfg), cfg.head_compression_ratio)
+    scores = model_head_scores(model, cfg)  # [layers, Hkv]
+    evicted = evicted_layers(model.config.get_text_config(), [m.layer_idx for m in modules])
+    rows = [i for i, m in enumerate(modules) if m.layer_idx in evicted]
+    streaming = torch.zeros(scores.shape, dtype=torch.bool)
+    streaming[rows] = streaming_heads(scores[rows], cfg.head_compression_ratio)
     return {m.layer_idx: s for m, s in zip(modules, streaming)}

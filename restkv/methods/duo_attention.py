@@ -6,7 +6,8 @@ and kvpress ``DuoAttentionPress`` (https://github.com/NVIDIA/kvpress,
 ``kvpress/presses/duo_attention_press.py``), whose definition this is.
 
 Every (layer, KV head) of the model has a score; the ``round(heads x head_compression_ratio)`` heads
-of lowest score over the whole model are streaming heads: they keep their first ``sink_size`` and
+of lowest score over the model's evicted layers are streaming heads (every layer in most models; Gemma
+2/3 keep their sliding-window layers whole, so their heads are not counted): they keep their first ``sink_size`` and
 last ``recent_size`` tokens, the other (retrieval) heads keep everything. The scores are kvpress's
 on-the-fly ones (``restkv.integration.duo_heads``): per layer, the mean query and the mean key
 before RoPE of a calibration text, each repeated over ``Q_LEN`` = 500 positions and rotated there;
@@ -20,7 +21,7 @@ How much a head keeps depends on its kind, so the method is a scorer under the t
 (``head_budget="threshold"``, ``threshold=0.5``, registered so): an entry a head keeps scores at
 least 1, one it evicts less than 0; kept entries are ordered by recency, the sinks first, which
 matters only when ``max_capacity_prompt`` is smaller than what a head keeps (at least the prompt's
-length: the kept sets are kvpress's).
+length: the kept sets are kvpress's); a budget below ``sink_size`` keeps the earliest sinks.
 
 Defaults are kvpress's on-the-fly scoring's (``head_compression_ratio=0``, which keeps every head
 whole; ``sink_size=128, recent_size=256``). Differences: the calibration texts are ``duo_samples``
@@ -44,7 +45,7 @@ KNOBS = (
     Knob(
         "head_compression_ratio",
         0.0,
-        "DuoAttention: share of the model's (layer, KV head) pairs made streaming heads",
+        "DuoAttention: share of the evicted layers' (layer, KV head) pairs made streaming heads",
         check=lambda r: 0.0 <= r <= 1.0,
         rule="in [0, 1]",
     ),
@@ -134,8 +135,8 @@ def own_streaming_heads(obs, cfg) -> "torch.Tensor":
 
 
 def score(obs, cfg):
-    """At least 1 where the head keeps the entry (sinks 3, then ``1 + recency``), ``recency - 1``
-    where it evicts it -> [b, Hkv, P]."""
+    """At least 1 where the head keeps the entry (sinks ``4 - recency``: the earliest first, then
+    ``1 + recency``: the latest first), ``recency - 1`` where it evicts it -> [b, Hkv, P]."""
     streaming = own_streaming_heads(obs, cfg) if obs.data is None else obs.data
     streaming = streaming.to(obs.keys.device)  # [Hkv]
     P = obs.prefix_len
@@ -145,5 +146,5 @@ def score(obs, cfg):
     streamed = sinks | (pos >= length - cfg.recent_size)  # what a streaming head keeps
     keeps = ~streaming[None, :, None] | streamed[:, None]  # [b, Hkv, P]
     recency = ((pos + 1) / length).float()[:, None]  # (0, 1] on real entries
-    kept = 1.0 + recency + 2.0 * sinks[:, None]
+    kept = torch.where(sinks[:, None], 4.0 - recency, 1.0 + recency)
     return torch.where(keeps, kept, recency - 1.0)

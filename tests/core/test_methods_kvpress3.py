@@ -316,6 +316,10 @@ def test_duo_attention_streaming_heads_keep_sinks_and_recent_tokens():
     got = {int(p) for p in capped.positions[0, 1] if p >= 0}
     assert got == {0, 1, 2} | set(range(30 - 7, 30))
     assert pos[1, 6] == 0
+    obs.budget = 3  # fewer than the sinks: the earliest of them, then the window
+    capped = select(obs, CompressionConfig(max_capacity_prompt=3, **knobs))
+    got = {int(p) for p in capped.positions[0, 1] if p >= 0}
+    assert got == {0, 1, 29}
 
 
 def test_duo_attention_without_patterns_ranks_the_layers_own_heads():
@@ -368,6 +372,22 @@ def test_duo_attention_head_scores_of_a_model_are_those_of_its_means_on_the_essa
     picked = streaming.flatten().nonzero().flatten()
     assert picked.sort().values.tolist() == lowest.sort().values.tolist()
     restkv.detach(model)
+
+
+def test_duo_attention_streaming_heads_are_chosen_among_the_evicted_layers(tmp_path):
+    """Gemma 3 keeps its sliding-window layers whole: their heads are never streaming heads, and the
+    ratio counts the evicted layers' heads only (here layer 1's two)."""
+    from helpers import tiny_model
+
+    import restkv
+
+    model = tiny_model("gemma3", "sdpa")
+    (tmp_path / "heads.tsv").write_text("0.1\t0.2\n0.9\t0.5\n0.3\t0.4\n")
+    restkv.configure(model, method=DUO, head_compression_ratio=0.5,
+                     duo_attention_file=str(tmp_path / "heads.tsv"))
+    states = model._restkv.states
+    assert [s.plan.rank for s in states] == [-1, 0, -1]
+    assert [s.plan.data.tolist() for s in states] == [[False, False], [False, True], [False, False]]
 
 
 def test_a_duo_attention_file_is_read_and_checked(tmp_path):
