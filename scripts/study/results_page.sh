@@ -15,9 +15,13 @@ mkdir -p docs
     --needle "$STUDY"/needle_question_aware/* --needle_query_agnostic "$STUDY"/needle_query_agnostic/* \
     --ruler "$STUDY"/ruler_question_aware/* --ruler_query_agnostic "$STUDY"/ruler_query_agnostic/* \
     --ceiling "$STUDY"/ceiling/*.json --plots docs
-  if [ -f scripts/study/results_held_out.md ]; then  # the held-out fidelity arm, written from its tables
-    echo
-    cat scripts/study/results_held_out.md
-  fi
+  # the held-out fidelity arm (SmolLM2, then Gemma 3), the query-agnostic ReST-KV and the frontier,
+  # each written from its tables
+  for part in held_out gemma_held_out query_agnostic_repeat frontier; do
+    if [ -f "scripts/study/results_$part.md" ]; then
+      echo
+      cat "scripts/study/results_$part.md"
+    fi
+  done
 } > docs/results.md
 echo "wrote docs/results.md"
