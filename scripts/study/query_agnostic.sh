@@ -10,11 +10,14 @@ DEPTHS=${DEPTHS:-0:100/3}
 BUDGETS=${BUDGETS:-"128 256"}
 OUT=${OUT:-results/study}
 PY=${PY:-python}
+MODES=${MODES:-"question_aware query_agnostic"}  # MODES=query_agnostic: that mode alone
+VARIANTS=${VARIANTS-"--variant restkv_paper preset=paper --variant restkv_both query_proxy=both"}
+EXTRA=${EXTRA:-}  # more runner flags, e.g. EXTRA="--seed 7"
 METHODS=${METHODS:-"fullkv restkv snapkv adakv streamingllm cam expected_attention criticalkv kvzip
   defensivekv"}
-for mode in question_aware query_agnostic; do
+for mode in $MODES; do
   flag=$([ "$mode" = query_agnostic ] && echo --query_agnostic || true)
   "$PY" run_needle_in_haystack.py --model_path "$MODEL" --needles passkey --context_lengths $LENGTHS \
     --depth_percents $DEPTHS --max_capacity_prompts $BUDGETS --save_dir "$OUT/needle_$mode" --no_plots \
-    --method $METHODS --variant restkv_paper preset=paper --variant restkv_both query_proxy=both $flag
+    --method $METHODS $VARIANTS $EXTRA $flag
 done

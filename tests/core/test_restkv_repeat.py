@@ -82,3 +82,35 @@ def test_restkv_repeat_refuses_adaptive_pooling_and_decoding_eviction():
         CompressionConfig(method="restkv_repeat", pooling="adaptive")
     with pytest.raises(ValueError, match="decode_interval"):
         CompressionConfig(method="restkv_repeat", decode_interval=4)
+
+
+def test_restkv_repeat_global_keeps_the_top_of_the_float64_loop_over_all_layers():
+    """``layer_budget="global"`` (KVzip's split): one top-k of the same indicator over every layer and head."""
+    model = tiny_model("llama", "eager")
+    ids = prompt(62)
+    budget, window, sinks, chunk = 22, 4, 4, 24
+    knobs = small("restkv_repeat", max_capacity_prompt=budget, window_size=window, layer_budget="global")
+    restkv.configure(model, **knobs)
+    model(ids, use_cache=True)
+    kept = restkv.kept_positions(model)
+    P = ids.shape[1] - window
+    reference = repeat_reference(model, ids, sinks, chunk)[..., :P]
+    total = LAYERS * HKV * (budget - window)
+    cut = reference.flatten().sort(descending=True).values[total - 1]
+    sizes = set()
+    count = 0
+    for layer, positions in enumerate(kept):
+        for h in range(HKV):
+            own = {int(p) for p in positions[0, h] if p >= 0}
+            assert set(range(P, P + window)) <= own
+            prefix = own - set(range(P, P + window))
+            sizes.add(len(prefix))
+            count += len(prefix)
+            for p in range(P):
+                value = float(reference[layer, h, p])
+                if p in prefix:
+                    assert value >= cut * (1 - 1e-4), (layer, h, p)
+                else:
+                    assert value <= cut * (1 + 1e-4), (layer, h, p)
+    assert count == total
+    assert len(sizes) > 1, "the heads keep different numbers of entries"
