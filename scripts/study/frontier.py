@@ -1,0 +1,248 @@
+"""The quality-cost frontier of the held-out fidelity study: per model and budget, mean KL to the full cache
+against the compression step's cost as a multiple of SnapKV's, every config, the default marked, the Pareto
+frontier drawn.
+
+Two steps (``bash scripts/study/frontier_costs.sh`` runs the measurements and the first):
+
+    python scripts/study/frontier.py costs --step results/study/frontier/compress_step.json \\
+        --passes results/study/frontier/passes.json --output results/study/frontier/costs.json
+    python scripts/study/frontier.py plot --costs docs/frontier_costs.json \\
+        --results results/study/fidelity_held_out --models smollm2-135m gemma3-270m --docs docs
+
+Cost of a config (``costs``), in CPU time with one thread, as a multiple of SnapKV's step on the same layer
+(``benchmarks/compress_step.py``: one Llama-3-8B-shaped layer):
+
+- ``step``: its compression step on that layer (scoring, budgets, top-B and gather).
+- ``global`` (``layer_budget="global"``: the layers share one top-k after the prefill): the same per-layer
+  step; the top-k over all layers is not timed, and holding every layer's full cache until the prefill ends
+  is memory, not time.
+- ``passes`` (the model reads its prompt again after the prefill: KVzip's passes): the step plus the
+  per-layer share of the passes, ``(passes - their scoring) / full-cache prefill`` in CPU time on SmolLM2
+  (``benchmarks/deferred_cost.py``) times the forward of the same layer over the prompt (the
+  ``layer_forward`` row of compress_step). The scoring is left out of the passes' share because the step
+  already counts it.
+
+Per-model constants computed once (Q-Filters' filters, the query statistics, DuoAttention's head scores,
+KVzap's and Fast KVzip's trained weights) are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from held_out_table import mean_se, split  # noqa: E402
+
+BUDGETS = (128, 256, 512)
+DEFAULT = "restkv"
+HELD_OUT_FILES = ("held_out.json", "held_out_global.json", "held_out_new.json", "held_out_duo.json")
+
+
+def pareto(points: dict) -> set:
+    """``{name: (cost, kl)}`` -> the names no other point dominates (another with cost <= and kl <=, one of
+    them strictly lower). Equal points are both kept. O(n log n): sweep by cost, keep the lowest KL so far."""
+    order = sorted(points, key=lambda n: points[n])
+    front = set()
+    best = math.inf
+    i = 0
+    while i < len(order):
+        cost = points[order[i]][0]
+        group = []
+        while i < len(order) and points[order[i]][0] == cost:
+            group.append(order[i])
+            i += 1
+        lowest = points[group[0]][1]
+        if lowest < best:
+            front.update(n for n in group if points[n][1] == lowest)
+            best = lowest
+    return front
+
+
+def global_budget(spec: str) -> bool:
+    """The config of a compress_step spec shares one top-k across the layers (``layer_budget="global"``)."""
+    from compress_step import parse_method
+
+    from restkv.config import CompressionConfig
+
+    cfg = CompressionConfig.from_kwargs(max_capacity_prompt=512, window_size=32, **parse_method(spec))
+    return cfg.get("layer_budget") == "global"
+
+
+def combine(step: dict, passes: dict) -> dict:
+    """compress_step's ``--json`` and deferred_cost's ``--json`` -> the cost of every config (module doc)."""
+    rows = {r["name"]: r for r in step["rows"]}
+    for needed in ("snapkv", "layer_forward"):
+        if needed not in rows:
+            raise ValueError(f"--step: no {needed!r} row in the compress_step file")
+    snapkv = rows["snapkv"]["cpu"]
+    forward = rows["layer_forward"]["cpu"]
+    full = passes["rows"]["fullkv"]["prefill_cpu"]
+    configs = {}
+    for name, r in rows.items():
+        if name == "layer_forward":
+            continue
+        entry = {"spec": r["spec"], "step_ms": r["cpu"] * 1e3, "step_x": r["cpu"] / snapkv,
+                 "peak_x_kv": r["peak_x_kv"], "kind": "step", "passes_x": 0.0}
+        replay = passes["rows"].get(name)
+        if replay is not None and replay["pass_tokens"] > 0:
+            share = (replay["pass_cpu"] - replay["pass_scoring_cpu"]) / full
+            entry.update(kind="passes", pass_share_of_prefill=share, passes_x=share * forward / snapkv)
+        elif global_budget(r["spec"]):
+            entry["kind"] = "global"
+        entry["cost_x"] = entry["step_x"] + entry["passes_x"]
+        configs[name] = entry
+    return {"step_settings": step["settings"], "pass_settings": passes["settings"], "length": rows["snapkv"]["length"],
+            "snapkv_step_ms": snapkv * 1e3, "layer_forward_x": forward / snapkv, "configs": configs}
+
+
+def load_kl(folder: Path) -> tuple[dict, list]:
+    """The held-out files of one model folder -> ({config: {budget: [KL per sample]}}, files read). A config
+    in several files keeps its first; every file must be on the same windows."""
+    table: dict = {}
+    starts = None
+    read = []
+    for name in HELD_OUT_FILES:
+        path = folder / name
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        if starts is not None and data["starts"] != starts:
+            raise ValueError(f"{path}: its windows differ from those of {read[0]}")
+        starts = data["starts"]
+        read.append(path)
+        for label, values in data["kl"].items():
+            config, budget = split(label)
+            table.setdefault(config, {}).setdefault(budget, values)
+    return table, read
+
+
+def frontier_rows(table: dict, costs: dict) -> tuple[list, list]:
+    """-> (rows: [name, cost, {budget: (mean, se)}, {budgets on the frontier}], names without a cost)."""
+    priced = {n: per for n, per in table.items() if n in costs}
+    fronts = {}
+    for b in BUDGETS:
+        points = {n: (costs[n]["cost_x"], mean_se(per[b])[0]) for n, per in priced.items() if b in per}
+        fronts[b] = pareto(points)
+    rows = []
+    for name, per in sorted(priced.items(), key=lambda kv: costs[kv[0]]["cost_x"]):
+        stats = {b: mean_se(per[b]) for b in BUDGETS if b in per}
+        rows.append([name, costs[name]["cost_x"], stats, {b for b in BUDGETS if name in fronts[b]}])
+    return rows, sorted(set(table) - set(priced))
+
+
+def draw(rows: list, model: str, path: Path, length: int) -> None:
+    """Three panels (one per budget): KL ± s.e. against cost (log-log), labels, default, frontier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(15, 5.2))
+    for ax, b in zip(axes, BUDGETS):
+        front = []
+        for name, cost, stats, on in rows:
+            if b not in stats:
+                continue
+            mean, se = stats[b]
+            default = name == DEFAULT
+            color = "#d62728" if default else ("#1f77b4" if b in on else "#7f7f7f")
+            ax.errorbar(cost, mean, yerr=se, fmt="*" if default else "o", ms=13 if default else 4, color=color,
+                        ecolor=color, elinewidth=0.7, capsize=1.5, zorder=3 if default else 2)
+            ax.annotate(name, (cost, mean), xytext=(3, 2), textcoords="offset points", fontsize=6,
+                        color=color, weight="bold" if default else "normal")
+            if b in on:
+                front.append((cost, mean))
+        front.sort()
+        ax.plot([c for c, _ in front], [m for _, m in front], ls="--", lw=0.9, color="#1f77b4", zorder=1,
+                drawstyle="steps-post", label="Pareto frontier")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"B={b}", fontsize=10)
+        ax.set_xlabel(f"compression-step cost, x SnapKV's (CPU time, one layer, L={length})", fontsize=8)
+        ax.grid(True, which="both", lw=0.3, alpha=0.5)
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("KL(full || evicted), held-out mean ± s.e.", fontsize=8)
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{model}: quality against cost (red star: the default restkv; blue: on the frontier)",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def markdown(rows: list, costs: dict) -> str:
+    head = " | ".join(f"KL B={b}" for b in BUDGETS)
+    lines = [f"| config | cost x SnapKV | of which passes | kind | {head} | on the frontier at |",
+             "|---|---|---|---|" + "---|" * len(BUDGETS) + "---|"]
+    for name, cost, stats, on in rows:
+        cells = []
+        for b in BUDGETS:
+            text = "{:.4f} ± {:.4f}".format(*stats[b]) if b in stats else ""
+            cells.append(f"**{text}**" if b in on else text)
+        label = f"**{name}** (default)" if name == DEFAULT else name
+        where = ", ".join(f"B={b}" for b in sorted(on)) or "none"
+        passes = costs[name]["passes_x"]
+        lines.append(f"| {label} | {cost:.2f} | {passes:.2f} | {costs[name]['kind']} | " + " | ".join(cells)
+                     + f" | {where} |")
+    return "\n".join(lines)
+
+
+def plot(args) -> None:
+    costs_file = json.loads(args.costs.read_text())
+    costs = costs_file["configs"]
+    for model in args.models:
+        folder = args.results / model
+        if not (folder / "held_out.json").exists():
+            print(f"## {model}\n\nskipped: no {folder / 'held_out.json'}\n")
+            continue
+        table, read = load_kl(folder)
+        rows, unpriced = frontier_rows(table, costs)
+        png = args.docs / f"frontier_{model}.png"
+        draw(rows, model, png, costs_file["length"])
+        n = min(len(v) for per in table.values() for v in per.values())
+        print(f"## {model}\n\n{n} samples; files: {', '.join(p.name for p in read)}; figure: {png}\n")
+        print(markdown(rows, costs))
+        if unpriced:
+            print(f"\nwithout a cost (not on the axes): {', '.join(unpriced)}")
+        print()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("costs", help="combine compress_step's and deferred_cost's --json files")
+    c.add_argument("--step", type=Path, required=True)
+    c.add_argument("--passes", type=Path, required=True)
+    c.add_argument("--output", type=Path, required=True)
+    d = sub.add_parser("plot", help="figures and tables per model")
+    d.add_argument("--costs", type=Path, required=True)
+    d.add_argument("--results", type=Path, default=Path("results/study/fidelity_held_out"))
+    d.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    d.add_argument("--docs", type=Path, default=Path("docs"))
+    args = p.parse_args(argv)
+    if args.command == "costs":
+        for flag in ("step", "passes"):
+            if not getattr(args, flag).exists():
+                raise ValueError(f"--{flag}: {getattr(args, flag)} does not exist")
+        out = combine(json.loads(args.step.read_text()), json.loads(args.passes.read_text()))
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(out, indent=1) + "\n")
+        for name, entry in sorted(out["configs"].items(), key=lambda kv: kv[1]["cost_x"]):
+            print(f"{name}: {entry['cost_x']:.2f} ({entry['kind']})")
+        return
+    if not args.costs.exists():
+        raise ValueError(f"--costs: {args.costs} does not exist")
+    plot(args)
+
+
+if __name__ == "__main__":
+    main()
