@@ -33,6 +33,8 @@ def test_pareto_by_hand():
         "refine": (156.0, 0.078),
         "twin": (42.0, 0.071),  # equal to defensive: both stay
         "cheap_bad": (0.5, 1.3),
+        "same_kl_dearer": (10.0, 0.072),  # the KL of defensive_l2 at a higher cost
+        "restkv_worse": (3.5, 0.115),  # the cost of restkv (on the frontier) with a higher KL
     }
     expected = {"cheap_bad", "snapkv", "restkv", "defensive_l2", "defensive", "twin"}
     assert frontier.pareto(points) == expected
