@@ -4,10 +4,11 @@ Two tables, on one prompt of ``--length`` tokens of Paul Graham essays:
 
 1. Prefill: wall time of ``model(ids)`` (the prefill forward plus every layer's selection, deferred or
    not), the median of ``--reps`` runs taken round robin, its ratio to the full-cache prefill; for
-   KVzip, KVCompose and KVgrad (and the configs on KVzip's passes: DMS, ReST-KV over the repeat passes) the
-   extra tokens their passes feed the model (relative to the prompt) and the time of the passes alone
-   (relative to the full-cache prefill). ``--json`` also writes, per config, the medians of both the wall
-   and the process CPU time (with ``--threads 1`` the compute time, robust to other processes).
+   KVzip, KVCompose and KVgrad (and the configs on KVzip's passes: DMS, ReST-KV over the repeat
+   passes) the extra tokens their passes feed the model (relative to the prompt) and the time of the
+   passes alone (relative to the full-cache prefill). ``--json`` also writes, per config, the
+   medians of both the wall and the process CPU time (with ``--threads 1`` the compute time,
+   robust to other processes).
 2. Memory: ``restkv.memory_report`` after the prefill, summed over the layers: the bytes a full cache
    would hold and the bytes held, with and without ThinK's ``pruning_ratio``.
 
@@ -53,8 +54,8 @@ def essay_prompt(tokenizer, length: int) -> torch.Tensor:
 
 class PassClock:
     """Tokens fed to the model by the passes (KVzip's, KVCompose's, KVgrad's with its backward), their wall time (``deferred.replay_scores``)
-    and the part of it spent scoring (the methods' ``score``: the passes' attention at every layer); the same
-    two in process CPU time (``cpu_seconds``, ``cpu_scoring``)."""
+    and the part of it spent scoring (the methods' ``score``: the passes' attention at every layer);
+    the same two in process CPU time (``cpu_seconds``, ``cpu_scoring``)."""
 
     def __init__(self, decoder):
         self.tokens, self.seconds, self.scoring, self.first = 0, 0.0, 0.0, True
@@ -93,7 +94,8 @@ class PassClock:
 
 @torch.no_grad()
 def prefill(model, ids, knobs):
-    """One prefill -> (wall s, pass tokens, pass s, scoring s, memory report, CPU s: prefill, passes, scoring)."""
+    """One prefill -> (wall s, pass tokens, pass s, scoring s, memory report,
+    CPU s: (prefill, passes, scoring))."""
     restkv.configure(model, **knobs)
     clock = PassClock(deferred.decoder_of(model))
     try:
@@ -110,20 +112,29 @@ def prefill(model, ids, knobs):
 
 
 def write_json(args, runs: dict, length: int) -> None:
-    """The prefill table's medians per config: wall and CPU seconds of the prefill, the passes and their
-    scoring, the passes' tokens, and the ratios to the full-cache prefill and to the prompt."""
+    """The prefill table's medians per config: wall and CPU seconds of the prefill, the passes and
+    their scoring, the passes' tokens, and the ratios to the full-cache prefill and to the prompt."""
     full_cpu = statistics.median(r[5][0] for r in runs["fullkv"])
     full_wall = statistics.median(r[0] for r in runs["fullkv"])
     rows = {}
     for name, rs in runs.items():
         cpu, pass_cpu, scoring_cpu = (statistics.median(r[5][i] for r in rs) for i in range(3))
         wall, tokens, passes, scoring = (statistics.median(r[i] for r in rs) for i in range(4))
-        rows[name] = {"knobs": CONFIGS[name], "prefill_cpu": cpu, "prefill_wall": wall, "pass_cpu": pass_cpu,
-                      "pass_scoring_cpu": scoring_cpu, "pass_wall": passes, "pass_scoring_wall": scoring,
-                      "pass_tokens": tokens, "pass_tokens_x_prompt": tokens / length,
-                      "pass_cpu_x_full": pass_cpu / full_cpu, "pass_wall_x_full": passes / full_wall}
-    settings = {"model": "smollm2-135m", "length": length, "budget": args.budget, "window": args.window,
-                "reps": args.reps, "threads": args.threads}
+        rows[name] = {
+            "knobs": CONFIGS[name],
+            "prefill_cpu": cpu,
+            "prefill_wall": wall,
+            "pass_cpu": pass_cpu,
+            "pass_scoring_cpu": scoring_cpu,
+            "pass_wall": passes,
+            "pass_scoring_wall": scoring,
+            "pass_tokens": tokens,
+            "pass_tokens_x_prompt": tokens / length,
+            "pass_cpu_x_full": pass_cpu / full_cpu,
+            "pass_wall_x_full": passes / full_wall,
+        }
+    settings = {"model": "smollm2-135m", "length": length, "budget": args.budget,
+                "window": args.window, "reps": args.reps, "threads": args.threads}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
 
@@ -140,7 +151,8 @@ def main():
     p.add_argument("--memory", nargs="+", default=["fullkv", "snapkv", "snapkv global", "kvzip"], choices=list(CONFIGS),
                    help="methods of the memory table (each one more prefill with ThinK)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", type=Path, help="also write the prefill table's medians (wall and CPU) to this file")
+    p.add_argument("--json", type=Path,
+                   help="also write the prefill table's medians (wall and CPU) to this file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2-135m")
@@ -149,7 +161,8 @@ def main():
     base = dict(max_capacity_prompt=args.budget, window_size=args.window)
 
     def knobs(name, ratio=None):
-        cfg = {"window_size": args.window, **CONFIGS[name], "pruning_ratio": ratio}  # a config's own window wins
+        # a config's own window wins
+        cfg = {"window_size": args.window, **CONFIGS[name], "pruning_ratio": ratio}
         return cfg if name == "fullkv" else {**base, **cfg}
 
     print(f"SmolLM2-135M float32 sdpa, CPU {args.threads} threads; prompt {L} tokens, budget {args.budget}, "

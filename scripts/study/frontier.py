@@ -1,6 +1,6 @@
-"""The quality-cost frontier of the held-out fidelity study: per model and budget, mean KL to the full cache
-against the compression step's cost as a multiple of SnapKV's, every config, the default marked, the Pareto
-frontier drawn.
+"""The quality-cost frontier of the held-out fidelity study: per model and budget, mean KL to the
+full cache against the compression step's cost as a multiple of SnapKV's, every config, the default
+marked, the Pareto frontier drawn.
 
 Two steps (``bash scripts/study/frontier_costs.sh`` runs the measurements and the first):
 
@@ -9,21 +9,21 @@ Two steps (``bash scripts/study/frontier_costs.sh`` runs the measurements and th
     python scripts/study/frontier.py plot --costs docs/frontier_costs.json \\
         --results results/study/fidelity_held_out --models smollm2-135m gemma3-270m --docs docs
 
-Cost of a config (``costs``), in CPU time with one thread, as a multiple of SnapKV's step on the same layer
-(``benchmarks/compress_step.py``: one Llama-3-8B-shaped layer):
+Cost of a config (``costs``), in CPU time with one thread, as a multiple of SnapKV's step on the
+same layer (``benchmarks/compress_step.py``: one Llama-3-8B-shaped layer):
 
 - ``step``: its compression step on that layer (scoring, budgets, top-B and gather).
-- ``global`` (``layer_budget="global"``: the layers share one top-k after the prefill): the same per-layer
-  step; the top-k over all layers is not timed, and holding every layer's full cache until the prefill ends
-  is memory, not time.
-- ``passes`` (the model reads its prompt again after the prefill: KVzip's passes): the step plus the
-  per-layer share of the passes, ``(passes - their scoring) / full-cache prefill`` in CPU time on SmolLM2
-  (``benchmarks/deferred_cost.py``) times the forward of the same layer over the prompt (the
-  ``layer_forward`` row of compress_step). The scoring is left out of the passes' share because the step
-  already counts it.
+- ``global`` (``layer_budget="global"``: the layers share one top-k after the prefill): the same
+  per-layer step; the top-k over all layers is not timed, and holding every layer's full cache
+  until the prefill ends is memory, not time.
+- ``passes`` (the model reads its prompt again after the prefill: KVzip's passes): the step plus
+  the per-layer share of the passes, ``(passes - their scoring) / full-cache prefill`` in CPU time
+  on SmolLM2 (``benchmarks/deferred_cost.py``) times the forward of the same layer over the prompt
+  (the ``layer_forward`` row of compress_step). The scoring is left out of the passes' share
+  because the step already counts it.
 
-Per-model constants computed once (Q-Filters' filters, the query statistics, DuoAttention's head scores,
-KVzap's and Fast KVzip's trained weights) are not counted.
+Per-model constants computed once (Q-Filters' filters, the query statistics, DuoAttention's head
+scores, KVzap's and Fast KVzip's trained weights) are not counted.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ HELD_OUT_FILES = ("held_out.json", "held_out_global.json", "held_out_new.json", 
 
 
 def pareto(points: dict) -> set:
-    """``{name: (cost, kl)}`` -> the names no other point dominates (another with cost <= and kl <=, one of
-    them strictly lower). Equal points are both kept. O(n log n): sweep by cost, keep the lowest KL so far."""
+    """``{name: (cost, kl)}`` -> the names no other point dominates (another with cost <= and
+    kl <=, one of them strictly lower). Equal points are both kept. O(n log n): a sweep by cost
+    that keeps the lowest KL so far."""
     order = sorted(points, key=lambda n: points[n])
     front = set()
     best = math.inf
@@ -67,17 +68,20 @@ def pareto(points: dict) -> set:
 
 
 def global_budget(spec: str) -> bool:
-    """The config of a compress_step spec shares one top-k across the layers (``layer_budget="global"``)."""
+    """The config of a compress_step spec shares one top-k across the layers
+    (``layer_budget="global"``)."""
     from compress_step import parse_method
 
     from restkv.config import CompressionConfig
 
-    cfg = CompressionConfig.from_kwargs(max_capacity_prompt=512, window_size=32, **parse_method(spec))
+    cfg = CompressionConfig.from_kwargs(
+        max_capacity_prompt=512, window_size=32, **parse_method(spec)
+    )
     return cfg.get("layer_budget") == "global"
 
 
 def combine(step: dict, passes: dict) -> dict:
-    """compress_step's ``--json`` and deferred_cost's ``--json`` -> the cost of every config (module doc)."""
+    """compress_step's and deferred_cost's ``--json`` -> the cost of every config (module doc)."""
     rows = {r["name"]: r for r in step["rows"]}
     for needed in ("snapkv", "layer_forward"):
         if needed not in rows:
@@ -89,23 +93,37 @@ def combine(step: dict, passes: dict) -> dict:
     for name, r in rows.items():
         if name == "layer_forward":
             continue
-        entry = {"spec": r["spec"], "step_ms": r["cpu"] * 1e3, "step_x": r["cpu"] / snapkv,
-                 "peak_x_kv": r["peak_x_kv"], "kind": "step", "passes_x": 0.0}
+        entry = {
+            "spec": r["spec"],
+            "step_ms": r["cpu"] * 1e3,
+            "step_x": r["cpu"] / snapkv,
+            "peak_x_kv": r["peak_x_kv"],
+            "kind": "step",
+            "passes_x": 0.0,
+        }
         replay = passes["rows"].get(name)
         if replay is not None and replay["pass_tokens"] > 0:
             share = (replay["pass_cpu"] - replay["pass_scoring_cpu"]) / full
-            entry.update(kind="passes", pass_share_of_prefill=share, passes_x=share * forward / snapkv)
+            entry.update(
+                kind="passes", pass_share_of_prefill=share, passes_x=share * forward / snapkv
+            )
         elif global_budget(r["spec"]):
             entry["kind"] = "global"
         entry["cost_x"] = entry["step_x"] + entry["passes_x"]
         configs[name] = entry
-    return {"step_settings": step["settings"], "pass_settings": passes["settings"], "length": rows["snapkv"]["length"],
-            "snapkv_step_ms": snapkv * 1e3, "layer_forward_x": forward / snapkv, "configs": configs}
+    return {
+        "step_settings": step["settings"],
+        "pass_settings": passes["settings"],
+        "length": rows["snapkv"]["length"],
+        "snapkv_step_ms": snapkv * 1e3,
+        "layer_forward_x": forward / snapkv,
+        "configs": configs,
+    }
 
 
 def load_kl(folder: Path) -> tuple[dict, list]:
-    """The held-out files of one model folder -> ({config: {budget: [KL per sample]}}, files read). A config
-    in several files keeps its first; every file must be on the same windows."""
+    """The held-out files of one model folder -> ({config: {budget: [KL per sample]}}, files read).
+    A config in several files keeps its first; every file must be on the same windows."""
     table: dict = {}
     starts = None
     read = []
@@ -125,11 +143,14 @@ def load_kl(folder: Path) -> tuple[dict, list]:
 
 
 def frontier_rows(table: dict, costs: dict) -> tuple[list, list]:
-    """-> (rows: [name, cost, {budget: (mean, se)}, {budgets on the frontier}], names without a cost)."""
+    """-> (rows: [name, cost, {budget: (mean, se)}, {budgets on the frontier}], names without a
+    cost)."""
     priced = {n: per for n, per in table.items() if n in costs}
     fronts = {}
     for b in BUDGETS:
-        points = {n: (costs[n]["cost_x"], mean_se(per[b])[0]) for n, per in priced.items() if b in per}
+        points = {
+            n: (costs[n]["cost_x"], mean_se(per[b])[0]) for n, per in priced.items() if b in per
+        }
         fronts[b] = pareto(points)
     rows = []
     for name, per in sorted(priced.items(), key=lambda kv: costs[kv[0]]["cost_x"]):
@@ -139,7 +160,8 @@ def frontier_rows(table: dict, costs: dict) -> tuple[list, list]:
 
 
 def draw(rows: list, model: str, path: Path, length: int) -> None:
-    """Three panels (one per budget): KL ± s.e. against cost (log-log), labels, default, frontier."""
+    """Three panels (one per budget): KL ± s.e. against cost (log-log), every config labelled,
+    the default marked, the frontier drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,25 +176,54 @@ def draw(rows: list, model: str, path: Path, length: int) -> None:
             mean, se = stats[b]
             default = name == DEFAULT
             color = "#d62728" if default else ("#1f77b4" if b in on else "#7f7f7f")
-            ax.errorbar(cost, mean, yerr=se, fmt="*" if default else "o", ms=13 if default else 4, color=color,
-                        ecolor=color, elinewidth=0.7, capsize=1.5, zorder=3 if default else 2)
-            ax.annotate(name, (cost, mean), xytext=(3, 2), textcoords="offset points", fontsize=6,
-                        color=color, weight="bold" if default else "normal")
+            ax.errorbar(
+                cost,
+                mean,
+                yerr=se,
+                fmt="*" if default else "o",
+                ms=13 if default else 4,
+                color=color,
+                ecolor=color,
+                elinewidth=0.7,
+                capsize=1.5,
+                zorder=3 if default else 2,
+            )
+            ax.annotate(
+                name,
+                (cost, mean),
+                xytext=(3, 2),
+                textcoords="offset points",
+                fontsize=6,
+                color=color,
+                weight="bold" if default else "normal",
+            )
             if b in on:
                 front.append((cost, mean))
         front.sort()
-        ax.plot([c for c, _ in front], [m for _, m in front], ls="--", lw=0.9, color="#1f77b4", zorder=1,
-                drawstyle="steps-post", label="Pareto frontier")
+        ax.plot(
+            [c for c, _ in front],
+            [m for _, m in front],
+            ls="--",
+            lw=0.9,
+            color="#1f77b4",
+            zorder=1,
+            drawstyle="steps-post",
+            label="Pareto frontier",
+        )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(f"B={b}", fontsize=10)
-        ax.set_xlabel(f"compression-step cost, x SnapKV's (CPU time, one layer, L={length})", fontsize=8)
+        ax.set_xlabel(
+            f"compression-step cost, x SnapKV's (CPU time, one layer, L={length})", fontsize=8
+        )
         ax.grid(True, which="both", lw=0.3, alpha=0.5)
         ax.tick_params(labelsize=7)
     axes[0].set_ylabel("KL(full || evicted), held-out mean ± s.e.", fontsize=8)
     axes[0].legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"{model}: quality against cost (red star: the default restkv; blue: on the frontier)",
-                 fontsize=10)
+    fig.suptitle(
+        f"{model}: quality against cost (red star: the default restkv; blue: on the frontier)",
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
@@ -181,8 +232,10 @@ def draw(rows: list, model: str, path: Path, length: int) -> None:
 
 def markdown(rows: list, costs: dict) -> str:
     head = " | ".join(f"KL B={b}" for b in BUDGETS)
-    lines = [f"| config | cost x SnapKV | of which passes | kind | {head} | on the frontier at |",
-             "|---|---|---|---|" + "---|" * len(BUDGETS) + "---|"]
+    lines = [
+        f"| config | cost x SnapKV | of which passes | kind | {head} | on the frontier at |",
+        "|---|---|---|---|" + "---|" * len(BUDGETS) + "---|",
+    ]
     for name, cost, stats, on in rows:
         cells = []
         for b in BUDGETS:
@@ -191,8 +244,11 @@ def markdown(rows: list, costs: dict) -> str:
         label = f"**{name}** (default)" if name == DEFAULT else name
         where = ", ".join(f"B={b}" for b in sorted(on)) or "none"
         passes = costs[name]["passes_x"]
-        lines.append(f"| {label} | {cost:.2f} | {passes:.2f} | {costs[name]['kind']} | " + " | ".join(cells)
-                     + f" | {where} |")
+        lines.append(
+            f"| {label} | {cost:.2f} | {passes:.2f} | {costs[name]['kind']} | "
+            + " | ".join(cells)
+            + f" | {where} |"
+        )
     return "\n".join(lines)
 
 
@@ -209,7 +265,9 @@ def plot(args) -> None:
         png = args.docs / f"frontier_{model}.png"
         draw(rows, model, png, costs_file["length"])
         n = min(len(v) for per in table.values() for v in per.values())
-        print(f"## {model}\n\n{n} samples; files: {', '.join(p.name for p in read)}; figure: {png}\n")
+        print(
+            f"## {model}\n\n{n} samples; files: {', '.join(p.name for p in read)}; figure: {png}\n"
+        )
         print(markdown(rows, costs))
         if unpriced:
             print(f"\nwithout a cost (not on the axes): {', '.join(unpriced)}")
@@ -217,7 +275,7 @@ def plot(args) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("costs", help="combine compress_step's and deferred_cost's --json files")
     c.add_argument("--step", type=Path, required=True)

@@ -1,4 +1,4 @@
-"""scripts/study/frontier.py: the Pareto frontier against brute force, the cost of a config by hand."""
+"""scripts/study/frontier.py: the Pareto frontier against brute force, a config's cost by hand."""
 
 from __future__ import annotations
 
@@ -8,17 +8,24 @@ import random
 import pytest
 from helpers import ROOT
 
-spec = importlib.util.spec_from_file_location("study_frontier", ROOT / "scripts" / "study" / "frontier.py")
+spec = importlib.util.spec_from_file_location(
+    "study_frontier", ROOT / "scripts" / "study" / "frontier.py"
+)
 frontier = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(frontier)
 
 
 def brute_force(points: dict) -> set:
     """Every point that no other point dominates (cost <= and kl <=, not both equal)."""
+
     def dominates(a, b):
         return a[0] <= b[0] and a[1] <= b[1] and a != b
 
-    return {n for n, p in points.items() if not any(dominates(q, p) for m, q in points.items() if m != n)}
+    return {
+        n
+        for n, p in points.items()
+        if not any(dominates(q, p) for m, q in points.items() if m != n)
+    }
 
 
 def test_pareto_by_hand():
@@ -51,17 +58,45 @@ def test_pareto_matches_brute_force(seed):
 
 
 def test_cost_of_a_config_with_passes():
-    step = {"settings": {}, "rows": [
-        {"name": "snapkv", "spec": "snapkv", "length": 4096, "cpu": 0.1, "peak_x_kv": 1.0},
-        {"name": "restkv", "spec": "restkv", "length": 4096, "cpu": 0.3, "peak_x_kv": 4.0},
-        {"name": "layer_defensivekv", "spec": "layer_defensivekv", "length": 4096, "cpu": 3.0, "peak_x_kv": 3.0},
-        {"name": "kvzip", "spec": "kvzip", "length": 4096, "cpu": 0.5, "peak_x_kv": 2.0},
-        {"name": "layer_forward", "spec": "layer_forward", "length": 4096, "cpu": 6.0, "peak_x_kv": 9.0},
-    ]}
-    passes = {"settings": {}, "rows": {
-        "fullkv": {"prefill_cpu": 10.0, "pass_cpu": 0.0, "pass_scoring_cpu": 0.0, "pass_tokens": 0},
-        "kvzip": {"prefill_cpu": 40.0, "pass_cpu": 30.0, "pass_scoring_cpu": 12.0, "pass_tokens": 2100},
-    }}
+    step = {
+        "settings": {},
+        "rows": [
+            {"name": "snapkv", "spec": "snapkv", "length": 4096, "cpu": 0.1, "peak_x_kv": 1.0},
+            {"name": "restkv", "spec": "restkv", "length": 4096, "cpu": 0.3, "peak_x_kv": 4.0},
+            {
+                "name": "layer_defensivekv",
+                "spec": "layer_defensivekv",
+                "length": 4096,
+                "cpu": 3.0,
+                "peak_x_kv": 3.0,
+            },
+            {"name": "kvzip", "spec": "kvzip", "length": 4096, "cpu": 0.5, "peak_x_kv": 2.0},
+            {
+                "name": "layer_forward",
+                "spec": "layer_forward",
+                "length": 4096,
+                "cpu": 6.0,
+                "peak_x_kv": 9.0,
+            },
+        ],
+    }
+    passes = {
+        "settings": {},
+        "rows": {
+            "fullkv": {
+                "prefill_cpu": 10.0,
+                "pass_cpu": 0.0,
+                "pass_scoring_cpu": 0.0,
+                "pass_tokens": 0,
+            },
+            "kvzip": {
+                "prefill_cpu": 40.0,
+                "pass_cpu": 30.0,
+                "pass_scoring_cpu": 12.0,
+                "pass_tokens": 2100,
+            },
+        },
+    }
     out = frontier.combine(step, passes)["configs"]
     assert "layer_forward" not in out
     assert out["restkv"]["cost_x"] == pytest.approx(3.0)
