@@ -10,10 +10,10 @@ warm-up call. Time: median of ``--reps`` calls, each on a fresh ``Observation`` 
 between calls), taken round robin over the methods; both wall time and process CPU time are shown
 (CPU time counts all threads; with one thread it is the compute time, robust to other processes
 sharing the cores); on CUDA (``--device cuda``) clocks are read after ``torch.cuda.synchronize(device)``.
-A method may be named (``restkv_boundary1=restkv:refine_rounds=1,refine_candidates=boundary``: the name goes
-into the table and the ``--json`` file). ``layer_forward`` is a reference row: the forward of one
-Llama-3-8B-shaped decoder layer (random weights, sdpa, causal) over the ``L`` prompt tokens, the share of
-one layer in a prefill or in a method's own passes after it (KVzip's).
+A method may be named (``restkv_boundary1=restkv:refine_rounds=1,refine_candidates=boundary``: the
+name goes into the table and the ``--json`` file). ``layer_forward`` is a reference row: the forward
+of one Llama-3-8B-shaped decoder layer (random weights, sdpa, causal) over the ``L`` prompt tokens,
+the share of one layer in a prefill or in a method's own passes after it (KVzip's).
 Peak extra memory: on CUDA ``torch.cuda.max_memory_allocated(device)`` during one call minus the memory
 allocated before it; on CPU the process's peak resident set during one call (VmHWM,
 reset through ``/proc/self/clear_refs`` just before) minus its resident set before it; inputs are
@@ -25,8 +25,9 @@ Usage::
 
     python benchmarks/compress_step.py --lengths 4096 16384 32768
     python benchmarks/compress_step.py --device cuda --lengths 32768 131072
-    python benchmarks/compress_step.py --lengths 4096 --budget 512 --threads 1 --json costs.json \
-        --methods restkv restkv_boundary1=restkv:refine_rounds=1,refine_candidates=boundary layer_forward
+    python benchmarks/compress_step.py --lengths 4096 --budget 512 --threads 1 --json step.json \\
+        --methods restkv restkv_boundary1=restkv:refine_rounds=1,refine_candidates=boundary \\
+        layer_forward
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def parse_method(spec: str) -> dict:
 
 
 def named(spec: str) -> tuple[str, str]:
-    """``"restkv_boundary1=restkv:refine_rounds=1"`` -> ("restkv_boundary1", "restkv:refine_rounds=1");
-    an unnamed spec is its own name."""
+    """``"restkv_boundary1=restkv:refine_rounds=1"`` -> ("restkv_boundary1",
+    "restkv:refine_rounds=1"); an unnamed spec is its own name."""
     head, sep, rest = spec.partition(":")
     if "=" not in head:
         return spec, spec
@@ -134,9 +135,11 @@ def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = Non
     return [{"time": statistics.median(t), "cpu": statistics.median(c), "reps": len(t)} for t, c in zip(times, cpu)]
 
 
-def layer_forward_call(length: int, dtype: str, device: str = "cpu", heads: tuple[int, int] = (HQ, HKV)):
-    """The forward of one random Llama-3-8B-shaped decoder layer (sdpa, causal) over ``length`` tokens
-    [1, length, HIDDEN], a function of no arguments; the layer, its input and RoPE are built here."""
+def layer_forward_call(length: int, dtype: str, device: str = "cpu",
+                       heads: tuple[int, int] = (HQ, HKV)):
+    """The forward of one random Llama-3-8B-shaped decoder layer (sdpa, causal) over ``length``
+    tokens [1, length, HIDDEN], a function of no arguments; the layer, its input and RoPE are built
+    here."""
     import torch
 
     from transformers import LlamaConfig
@@ -156,7 +159,8 @@ def layer_forward_call(length: int, dtype: str, device: str = "cpu", heads: tupl
 
     def call():
         with torch.no_grad():
-            return layer(x, attention_mask=None, position_embeddings=cos_sin, position_ids=positions)
+            return layer(x, attention_mask=None, position_embeddings=cos_sin,
+                         position_ids=positions)
 
     return call
 
@@ -164,8 +168,8 @@ def layer_forward_call(length: int, dtype: str, device: str = "cpu", heads: tupl
 def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: str, device: str = "cpu",
                heads: tuple[int, int] = (HQ, HKV)) -> tuple[list, int]:
     """One call of the eviction step (``select``) per spec on a random layer of ``heads`` (query, KV) heads
-    and ``length`` entries -> (calls, bytes of the layer's K+V). The inputs and W_O factor are built here.
-    The spec ``layer_forward`` is the layer's forward instead (``layer_forward_call``)."""
+    and ``length`` entries -> (calls, bytes of the layer's K+V). The inputs and W_O factor are built
+    here. The spec ``layer_forward`` is the layer's forward instead (``layer_forward_call``)."""
     import torch
 
     from transformers import LlamaConfig
@@ -189,9 +193,9 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
     rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=hq, head_dim=D,
                                               rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
     rope = Rope.of(rotary_function(rotary.to(device)), torch.arange(length, device=device)[None])
+    base = {"max_capacity_prompt": budget, "window_size": window}
     cfgs = [None if s == LAYER_FORWARD else
-            CompressionConfig.from_kwargs(**{"max_capacity_prompt": budget, "window_size": window, **parse_method(s)})
-            for s in specs]
+            CompressionConfig.from_kwargs(**{**base, **parse_method(s)}) for s in specs]
 
     hidden = torch.randn(1, length, HIDDEN, dtype=dt, device=device)  # the layer's attention input
 
@@ -228,8 +232,13 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
         with torch.no_grad():
             return select(obs, cfg, table)
 
-    calls = [layer_forward_call(length, dtype, device, heads) if cfg is None else
-             lambda cfg=cfg, data=constants(cfg), table=curve(cfg): run(cfg, data, table) for cfg in cfgs]
+    calls = []
+    for cfg in cfgs:
+        if cfg is None:
+            calls.append(layer_forward_call(length, dtype, device, heads))
+        else:
+            data, table = constants(cfg), curve(cfg)
+            calls.append(lambda cfg=cfg, data=data, table=table: run(cfg, data, table))
     return calls, 2 * k.numel() * k.element_size()
 
 
@@ -288,25 +297,38 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for length in args.lengths:
-        kept = [(n, s) for n, s in methods if not (s.startswith("h2o") and length > args.h2o_max_length)]
+        too_long = length > args.h2o_max_length
+        kept = [(n, s) for n, s in methods if not (s.startswith("h2o") and too_long)]
         specs = [s for _, s in kept]
         times, peaks = measure_in_child(args, specs, length, False), measure_in_child(args, specs, length, True)
         results = [{**t, **m} for t, m in zip(times, peaks)]
         ref = results[0]
         for (name, spec), r in zip(kept, results):
-            row = {"name": name, "spec": spec, "length": length, **r,
-                   "cpu_x_snapkv": r["cpu"] / ref["cpu"], "time_x_snapkv": r["time"] / ref["time"],
-                   "peak_x_snapkv": r["peak"] / max(ref["peak"], 1), "peak_x_kv": r["peak"] / r["kv_bytes"]}
+            row = {
+                "name": name,
+                "spec": spec,
+                "length": length,
+                **r,
+                "cpu_x_snapkv": r["cpu"] / ref["cpu"],
+                "time_x_snapkv": r["time"] / ref["time"],
+                "peak_x_snapkv": r["peak"] / max(ref["peak"], 1),
+                "peak_x_kv": r["peak"] / r["kv_bytes"],
+            }
             rows.append(row)
             label = spec if name == spec else f"{name} ({spec})"
             print(f"| {length} | {label} | {r['cpu'] * 1e3:.0f} | {row['cpu_x_snapkv']:.2f} | "
                   f"{r['time'] * 1e3:.0f} | {row['time_x_snapkv']:.2f} | "
-                  f"{r['peak'] / 2**20:.0f} | {row['peak_x_snapkv']:.2f} | {row['peak_x_kv']:.2f} |", flush=True)
+                  f"{r['peak'] / 2**20:.0f} | {row['peak_x_snapkv']:.2f} | "
+                  f"{row['peak_x_kv']:.2f} |",
+                  flush=True)
     if args.json:
-        settings = {k: getattr(args, k) for k in ("budget", "window", "dtype", "reps", "threads", "device")}
-        shape = {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "hidden": HIDDEN, "layer": LAYER, "layers": LAYERS}
+        keys = ("budget", "window", "dtype", "reps", "threads", "device")
+        settings = {k: getattr(args, k) for k in keys}
+        shape = {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "hidden": HIDDEN,
+                 "intermediate": INTERMEDIATE, "layer": LAYER, "layers": LAYERS}
+        out = {"settings": settings, "shape": shape, "rows": rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"settings": settings, "shape": shape, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -17,10 +17,13 @@ same layer (``benchmarks/compress_step.py``: one Llama-3-8B-shaped layer):
   per-layer step; the top-k over all layers is not timed, and holding every layer's full cache
   until the prefill ends is memory, not time.
 - ``passes`` (the model reads its prompt again after the prefill: KVzip's passes): the step plus
-  the per-layer share of the passes, ``(passes - their scoring) / full-cache prefill`` in CPU time
-  on SmolLM2 (``benchmarks/deferred_cost.py``) times the forward of the same layer over the prompt
-  (the ``layer_forward`` row of compress_step). The scoring is left out of the passes' share
-  because the step already counts it.
+  the per-layer share of the passes, their CPU time (scoring included) over the full-cache
+  prefill's on SmolLM2 (``benchmarks/deferred_cost.py``), times the forward of the same layer over
+  the prompt (the ``layer_forward`` row of compress_step). The step on that layer scores from the
+  window's queries only, so it counts the top-B and the gather of the final selection once more
+  and part of the scoring twice (a few x SnapKV, small beside the passes). SmolLM2's scoring is
+  a larger share of its forward than a Llama-3-8B layer's, which makes the passes' share an upper
+  estimate for an 8B model.
 
 Per-model constants computed once (Q-Filters' filters, the query statistics, DuoAttention's head
 scores, KVzap's and Fast KVzip's trained weights) are not counted.
@@ -103,7 +106,7 @@ def combine(step: dict, passes: dict) -> dict:
         }
         replay = passes["rows"].get(name)
         if replay is not None and replay["pass_tokens"] > 0:
-            share = (replay["pass_cpu"] - replay["pass_scoring_cpu"]) / full
+            share = replay["pass_cpu"] / full
             entry.update(
                 kind="passes", pass_share_of_prefill=share, passes_x=share * forward / snapkv
             )

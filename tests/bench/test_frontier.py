@@ -103,6 +103,7 @@ def test_cost_of_a_config_with_passes():
     assert out["restkv"]["kind"] == "step"
     assert out["layer_defensivekv"]["cost_x"] == pytest.approx(30.0)
     assert out["layer_defensivekv"]["kind"] == "global"
-    # kvzip: its step (5x) + (30 - 12) / 10 of a prefill = 1.8 layer forwards of 60x SnapKV each
-    assert out["kvzip"]["cost_x"] == pytest.approx(5.0 + 1.8 * 60.0)
+    # kvzip: its step (5x) + 30 / 10 of a prefill = 3 layer forwards of 60x SnapKV each
+    assert out["kvzip"]["cost_x"] == pytest.approx(5.0 + 3.0 * 60.0)
+    assert out["kvzip"]["passes_x"] == pytest.approx(3.0 * 60.0)
     assert out["kvzip"]["kind"] == "passes"
