@@ -46,7 +46,6 @@ from held_out_table import mean_se, split  # noqa: E402
 
 BUDGETS = (128, 256, 512)
 DEFAULT = "restkv"
-HELD_OUT_FILES = ("held_out.json", "held_out_global.json", "held_out_new.json", "held_out_duo.json")
 
 
 def pareto(points: dict) -> set:
@@ -125,16 +124,20 @@ def combine(step: dict, passes: dict) -> dict:
 
 
 def load_kl(folder: Path) -> tuple[dict, list]:
-    """The held-out files of one model folder -> ({config: {budget: [KL per sample]}}, files read).
-    A config in several files keeps its first; every file must be on the same windows."""
+    """The held-out files of one model folder (``held_out.json``, then every other
+    ``held_out*.json`` by name) -> ({config: {budget: [KL per sample]}}, files read). A config in
+    several files keeps its first; every file must be on the same windows (a file still being
+    written may hold fewer samples)."""
     table: dict = {}
     starts = None
     read = []
-    for name in HELD_OUT_FILES:
-        path = folder / name
-        if not path.exists():
+    others = sorted(p for p in folder.glob("held_out*.json") if p.name != "held_out.json")
+    for path in [folder / "held_out.json", *others]:
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            print(f"{path}: not read (not valid JSON: still being written?)")
             continue
-        data = json.loads(path.read_text())
         if starts is not None and data["starts"] != starts:
             raise ValueError(f"{path}: its windows differ from those of {read[0]}")
         starts = data["starts"]
@@ -146,8 +149,8 @@ def load_kl(folder: Path) -> tuple[dict, list]:
 
 
 def frontier_rows(table: dict, costs: dict) -> tuple[list, list]:
-    """-> (rows: [name, cost, {budget: (mean, se)}, {budgets on the frontier}], names without a
-    cost)."""
+    """-> (rows, names without a cost); a row: ``{"name", "cost", "stats": {budget: (mean, se)},
+    "n": {budget: samples}, "on": {budgets where it is on the frontier}}``, by cost."""
     priced = {n: per for n, per in table.items() if n in costs}
     fronts = {}
     for b in BUDGETS:
@@ -157,8 +160,11 @@ def frontier_rows(table: dict, costs: dict) -> tuple[list, list]:
         fronts[b] = pareto(points)
     rows = []
     for name, per in sorted(priced.items(), key=lambda kv: costs[kv[0]]["cost_x"]):
-        stats = {b: mean_se(per[b]) for b in BUDGETS if b in per}
-        rows.append([name, costs[name]["cost_x"], stats, {b for b in BUDGETS if name in fronts[b]}])
+        row = {"name": name, "cost": costs[name]["cost_x"]}
+        row["stats"] = {b: mean_se(per[b]) for b in BUDGETS if b in per}
+        row["n"] = {b: len(per[b]) for b in BUDGETS if b in per}
+        row["on"] = {b for b in BUDGETS if name in fronts[b]}
+        rows.append(row)
     return rows, sorted(set(table) - set(priced))
 
 
@@ -173,10 +179,13 @@ def draw(rows: list, model: str, path: Path, length: int) -> None:
     fig, axes = plt.subplots(1, len(BUDGETS), figsize=(15, 5.2))
     for ax, b in zip(axes, BUDGETS):
         front = []
-        for name, cost, stats, on in rows:
-            if b not in stats:
+        for row in rows:
+            if b not in row["stats"]:
                 continue
-            mean, se = stats[b]
+            name = row["name"]
+            cost = row["cost"]
+            on = row["on"]
+            mean, se = row["stats"][b]
             default = name == DEFAULT
             color = "#d62728" if default else ("#1f77b4" if b in on else "#7f7f7f")
             ax.errorbar(
@@ -234,15 +243,26 @@ def draw(rows: list, model: str, path: Path, length: int) -> None:
 
 
 def markdown(rows: list, costs: dict) -> str:
+    """The table of a model: cost, KL ± s.e. at each budget (bold: on the frontier; ``n=``: fewer
+    samples than the others), the budgets where it is on the frontier."""
     head = " | ".join(f"KL B={b}" for b in BUDGETS)
+    most = max(n for row in rows for n in row["n"].values())
     lines = [
         f"| config | cost x SnapKV | of which passes | kind | {head} | on the frontier at |",
         "|---|---|---|---|" + "---|" * len(BUDGETS) + "---|",
     ]
-    for name, cost, stats, on in rows:
+    for row in rows:
+        name = row["name"]
+        cost = row["cost"]
+        on = row["on"]
         cells = []
         for b in BUDGETS:
-            text = "{:.4f} ± {:.4f}".format(*stats[b]) if b in stats else ""
+            if b not in row["stats"]:
+                cells.append("")
+                continue
+            text = "{:.4f} ± {:.4f}".format(*row["stats"][b])
+            if row["n"][b] < most:
+                text += f" (n={row['n'][b]})"
             cells.append(f"**{text}**" if b in on else text)
         label = f"**{name}** (default)" if name == DEFAULT else name
         where = ", ".join(f"B={b}" for b in sorted(on)) or "none"
@@ -267,10 +287,10 @@ def plot(args) -> None:
         rows, unpriced = frontier_rows(table, costs)
         png = args.docs / f"frontier_{model}.png"
         draw(rows, model, png, costs_file["length"])
-        n = min(len(v) for per in table.values() for v in per.values())
-        print(
-            f"## {model}\n\n{n} samples; files: {', '.join(p.name for p in read)}; figure: {png}\n"
-        )
+        sizes = sorted({len(v) for per in table.values() for v in per.values()})
+        samples = "/".join(str(n) for n in sizes)
+        files = ", ".join(p.name for p in read)
+        print(f"## {model}\n\n{samples} samples; files: {files}; figure: {png}\n")
         print(markdown(rows, costs))
         if unpriced:
             print(f"\nwithout a cost (not on the axes): {', '.join(unpriced)}")
