@@ -106,4 +106,7 @@ def test_cost_of_a_config_with_passes():
     # kvzip: its step (5x) + 30 / 10 of a prefill = 3 layer forwards of 60x SnapKV each
     assert out["kvzip"]["cost_x"] == pytest.approx(5.0 + 3.0 * 60.0)
     assert out["kvzip"]["passes_x"] == pytest.approx(3.0 * 60.0)
+    # without the passes' scoring: (30 - 12) / 10 = 1.8 layer forwards
+    assert out["kvzip"]["low_x"] == pytest.approx(5.0 + 1.8 * 60.0)
+    assert out["restkv"]["low_x"] == pytest.approx(3.0)
     assert out["kvzip"]["kind"] == "passes"
