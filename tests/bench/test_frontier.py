@@ -110,3 +110,21 @@ def test_cost_of_a_config_with_passes():
     assert out["kvzip"]["low_x"] == pytest.approx(5.0 + 1.8 * 60.0)
     assert out["restkv"]["low_x"] == pytest.approx(3.0)
     assert out["kvzip"]["kind"] == "passes"
+
+
+def test_named_specs_of_the_cost_run():
+    from compress_step import named, parse_method
+
+    name, spec = named("restkv_boundary1=restkv:refine_rounds=1,refine_candidates=boundary")
+    assert name == "restkv_boundary1"
+    assert parse_method(spec) == {
+        "method": "restkv",
+        "refine_rounds": 1,
+        "refine_candidates": "boundary",
+    }
+    assert named("restkv:refine_rounds=8") == ("restkv:refine_rounds=8", "restkv:refine_rounds=8")
+    assert named("dms_w64=dms:window_size=64") == ("dms_w64", "dms:window_size=64")
+    assert named("snap=snapkv") == ("snap", "snapkv")
+    for bad in ("=restkv", "restkv_x=:refine_rounds=8"):
+        with pytest.raises(ValueError, match="NAME=METHOD"):
+            named(bad)
