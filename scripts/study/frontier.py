@@ -179,10 +179,10 @@ def draw(rows: list, model: str, path: Path, length: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(15, 5.2))
+    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(15, 6.5))
     for ax, b in zip(axes, BUDGETS):
         front = []
-        for row in rows:
+        for i, row in enumerate(rows):  # by cost: neighbours' labels go above and below by turns
             if b not in row["stats"]:
                 continue
             name = row["name"]
@@ -206,7 +206,7 @@ def draw(rows: list, model: str, path: Path, length: int) -> None:
             ax.annotate(
                 name,
                 (cost, mean),
-                xytext=(3, 2),
+                xytext=(3, 2 if i % 2 == 0 else -8),
                 textcoords="offset points",
                 fontsize=6,
                 color=color,

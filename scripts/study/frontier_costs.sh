@@ -11,9 +11,10 @@ LENGTH=${LENGTH:-4096}
 PASS_LENGTH=${PASS_LENGTH:-2048}
 PASS_REPS=${PASS_REPS:-2}
 REPS=${REPS:-3}
+BUDGET=${BUDGET:-512}
 mkdir -p "$OUT"
 if [ ! -s "$OUT/compress_step.json" ]; then
-  OMP_NUM_THREADS=1 "$PY" benchmarks/compress_step.py --lengths "$LENGTH" --reps "$REPS" --threads 1 --budget 512 \
+  OMP_NUM_THREADS=1 "$PY" benchmarks/compress_step.py --lengths "$LENGTH" --reps "$REPS" --threads 1 --budget "$BUDGET" \
     --json "$OUT/compress_step.json" --methods restkv snapkv \
     restkv_refine=restkv:refine_rounds=8 \
     restkv_boundary1=restkv:refine_rounds=1,refine_candidates=boundary \
@@ -26,7 +27,7 @@ if [ ! -s "$OUT/compress_step.json" ]; then
     layer_forward | tee "$OUT/compress_step.md"
 fi
 if [ ! -s "$OUT/passes.json" ]; then
-  OMP_NUM_THREADS=1 "$PY" benchmarks/deferred_cost.py --length "$PASS_LENGTH" --budget 512 --reps "$PASS_REPS" \
+  OMP_NUM_THREADS=1 "$PY" benchmarks/deferred_cost.py --length "$PASS_LENGTH" --budget "$BUDGET" --reps "$PASS_REPS" \
     --threads 1 --methods kvzip kvcompose kvgrad restkv_repeat dms_w64 --memory fullkv \
     --json "$OUT/passes.json" | tee "$OUT/passes.md"
 fi
