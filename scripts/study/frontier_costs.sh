@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Costs of the frontier plot (scripts/study/frontier.py). The compression step of every config of the
-# held-out fidelity tables on one Llama-3-8B-shaped layer (benchmarks/compress_step.py, L=4096, B=512, one
-# thread, CPU time), with the forward of that layer as a reference row; the passes after the prefill of the
-# methods that run their own (benchmarks/deferred_cost.py, SmolLM2-135M); then the combined cost file.
-#   bash scripts/study/frontier_costs.sh       (OUT=results/study/frontier by default; a step whose JSON
-#                                               is already there is not run again)
+# Costs of the frontier plot (scripts/study/frontier.py). The compression step of every config of
+# the held-out fidelity tables on one Llama-3-8B-shaped layer (benchmarks/compress_step.py, L=4096,
+# B=512, one thread, CPU time), with the forward of that layer as a reference row; the passes after
+# the prefill of the methods that run their own (benchmarks/deferred_cost.py, SmolLM2-135M); then the
+# combined cost file. A step whose JSON is already in OUT is not run again.
+#   bash scripts/study/frontier_costs.sh       (OUT=results/study/frontier by default)
 set -euo pipefail
 OUT=${OUT:-results/study/frontier}
 PY=${PY:-python}
@@ -15,8 +15,8 @@ REPS=${REPS:-3}
 BUDGET=${BUDGET:-512}
 mkdir -p "$OUT"
 if [ ! -s "$OUT/compress_step.json" ]; then
-  OMP_NUM_THREADS=1 "$PY" benchmarks/compress_step.py --lengths "$LENGTH" --reps "$REPS" --threads 1 \
-    --budget "$BUDGET" --json "$OUT/compress_step.json" --methods restkv snapkv \
+  OMP_NUM_THREADS=1 "$PY" benchmarks/compress_step.py --lengths "$LENGTH" --reps "$REPS" \
+    --threads 1 --budget "$BUDGET" --json "$OUT/compress_step.json" --methods restkv snapkv \
     restkv_refine=restkv:refine_rounds=8 \
     restkv_boundary1=restkv:refine_rounds=1,refine_candidates=boundary \
     restkv_boundary4=restkv:refine_rounds=4,refine_candidates=boundary \
