@@ -2,8 +2,8 @@
 # Costs of the frontier plot (scripts/study/frontier.py). The compression step of every config of
 # the held-out fidelity tables on one Llama-3-8B-shaped layer (benchmarks/compress_step.py, L=4096,
 # B=512, one thread, CPU time), with the forward of that layer as a reference row; the passes after
-# the prefill of the methods that run their own (benchmarks/deferred_cost.py, SmolLM2-135M); then the
-# combined cost file. A step whose JSON is already in OUT is not run again.
+# the prefill of the methods that run their own (benchmarks/deferred_cost.py, SmolLM2-135M); then
+# the combined cost file. A step whose JSON is already in OUT is not run again.
 #   bash scripts/study/frontier_costs.sh       (OUT=results/study/frontier by default)
 set -euo pipefail
 OUT=${OUT:-results/study/frontier}
