@@ -253,9 +253,9 @@ def markdown(rows: list, costs: dict) -> str:
     samples than the others), the budgets where it is on the frontier."""
     head = " | ".join(f"KL B={b}" for b in BUDGETS)
     most = max(n for row in rows for n in row["n"].values())
+    columns = "| config | cost x SnapKV | of which passes | without their scoring | kind |"
     lines = [
-        f"| config | cost x SnapKV | of which passes | without their scoring | kind | {head} "
-        "| on the frontier at |",
+        f"{columns} {head} | on the frontier at |",
         "|---|---|---|---|---|" + "---|" * len(BUDGETS) + "---|",
     ]
     for row in rows:
