@@ -10,6 +10,10 @@ warm-up call. Time: median of ``--reps`` calls, each on a fresh ``Observation`` 
 between calls), taken round robin over the methods; both wall time and process CPU time are shown
 (CPU time counts all threads; with one thread it is the compute time, robust to other processes
 sharing the cores); on CUDA (``--device cuda``) clocks are read after ``torch.cuda.synchronize(device)``.
+A method may be named (``restkv_boundary1=restkv:refine_rounds=1,refine_candidates=boundary``: the
+name goes into the table and the ``--json`` file). ``layer_forward`` is a reference row: the forward
+of one Llama-3-8B-shaped decoder layer (random weights, sdpa, causal) over the ``L`` prompt tokens,
+the share of one layer in a prefill or in a method's own passes after it (KVzip's).
 Peak extra memory: on CUDA ``torch.cuda.max_memory_allocated(device)`` during one call minus the memory
 allocated before it; on CPU the process's peak resident set during one call (VmHWM,
 reset through ``/proc/self/clear_refs`` just before) minus its resident set before it; inputs are
@@ -21,6 +25,9 @@ Usage::
 
     python benchmarks/compress_step.py --lengths 4096 16384 32768
     python benchmarks/compress_step.py --device cuda --lengths 32768 131072
+    python benchmarks/compress_step.py --lengths 4096 --budget 512 --threads 1 --json step.json \\
+        --methods restkv restkv_boundary1=restkv:refine_rounds=1,refine_candidates=boundary \\
+        layer_forward
 """
 
 from __future__ import annotations
@@ -32,10 +39,13 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from devices import PeakMemory, process_status, sync  # noqa: F401  (process_status: re-exported)
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
+INTERMEDIATE = 14336  # Llama-3-8B's MLP width (the ``layer_forward`` row)
+LAYER_FORWARD = "layer_forward"
 LAYER, LAYERS = 15, 32  # a middle layer of Llama-3-8B's 32 (LaCache's ladder depends on the depth)
 DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mode=before", "restkv:query_window=256",
                    "restkv:query_proxy=expected", "restkv:query_proxy=both", "cam", "streamingllm",
@@ -69,6 +79,18 @@ def parse_method(spec: str) -> dict:
         key, value = item.split("=")
         knobs[key] = _value(value)
     return knobs
+
+
+def named(spec: str) -> tuple[str, str]:
+    """``"restkv_boundary1=restkv:refine_rounds=1"`` -> ("restkv_boundary1",
+    "restkv:refine_rounds=1"); an unnamed spec is its own name."""
+    head, sep, rest = spec.partition(":")
+    if "=" not in head:
+        return spec, spec
+    name, _, method = head.partition("=")
+    if not name or not method:
+        raise ValueError(f"--methods: {spec!r} is not NAME=METHOD[:knob=value,...]")
+    return name, method + sep + rest
 
 
 def method_spec(knobs: dict) -> str:
@@ -113,10 +135,41 @@ def time_and_peak(calls: list, reps: int, memory: bool, slow: float | None = Non
     return [{"time": statistics.median(t), "cpu": statistics.median(c), "reps": len(t)} for t, c in zip(times, cpu)]
 
 
+def layer_forward_call(length: int, dtype: str, device: str = "cpu",
+                       heads: tuple[int, int] = (HQ, HKV)):
+    """The forward of one random Llama-3-8B-shaped decoder layer (sdpa, causal) over ``length``
+    tokens [1, length, HIDDEN], a function of no arguments; the layer, its input and RoPE are built
+    here."""
+    import torch
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    hq, hkv = heads
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=hq,
+                         num_key_value_heads=hkv, head_dim=D,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    config._attn_implementation = "sdpa"
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(config, LAYER).to(device=device, dtype=dt).eval()
+    x = torch.randn(1, length, HIDDEN, dtype=dt, device=device)
+    positions = torch.arange(length, device=device)[None]
+    cos_sin = LlamaRotaryEmbedding(config).to(device)(x, positions)
+
+    def call():
+        with torch.no_grad():
+            return layer(x, attention_mask=None, position_embeddings=cos_sin,
+                         position_ids=positions)
+
+    return call
+
+
 def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: str, device: str = "cpu",
                heads: tuple[int, int] = (HQ, HKV)) -> tuple[list, int]:
     """One call of the eviction step (``select``) per spec on a random layer of ``heads`` (query, KV) heads
-    and ``length`` entries -> (calls, bytes of the layer's K+V). The inputs and W_O factor are built here."""
+    and ``length`` entries -> (calls, bytes of the layer's K+V). The inputs and W_O factor are built
+    here. The spec ``layer_forward`` is the layer's forward instead (``layer_forward_call``)."""
     import torch
 
     from transformers import LlamaConfig
@@ -140,8 +193,9 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
     rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=HIDDEN, num_attention_heads=hq, head_dim=D,
                                               rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
     rope = Rope.of(rotary_function(rotary.to(device)), torch.arange(length, device=device)[None])
-    cfgs = [CompressionConfig.from_kwargs(**{"max_capacity_prompt": budget, "window_size": window, **parse_method(s)})
-            for s in specs]
+    base = {"max_capacity_prompt": budget, "window_size": window}
+    cfgs = [None if s == LAYER_FORWARD else
+            CompressionConfig.from_kwargs(**{**base, **parse_method(s)}) for s in specs]
 
     hidden = torch.randn(1, length, HIDDEN, dtype=dt, device=device)  # the layer's attention input
 
@@ -178,7 +232,13 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
         with torch.no_grad():
             return select(obs, cfg, table)
 
-    calls = [lambda cfg=cfg, data=constants(cfg), table=curve(cfg): run(cfg, data, table) for cfg in cfgs]
+    calls = []
+    for cfg in cfgs:
+        if cfg is None:
+            calls.append(layer_forward_call(length, dtype, device, heads))
+        else:
+            data, table = constants(cfg), curve(cfg)
+            calls.append(lambda cfg=cfg, data=data, table=table: run(cfg, data, table))
     return calls, 2 * k.numel() * k.element_size()
 
 
@@ -219,6 +279,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:n]: where the layer's tensors and the step run")
     p.add_argument("--h2o-max-length", type=int, default=4096, help="skip h2o (if listed) above this length: it scores every query, O(L^2)")
+    p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     p.add_argument("--child", nargs="+", metavar="LENGTH METHOD", help=argparse.SUPPRESS)
     p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -227,23 +288,47 @@ def main():
         print(json.dumps(measure(specs, int(length), args.budget, args.window, args.dtype, args.reps, args.threads,
                                  args.memory, args.device)))
         return
-    methods = ["snapkv"] + [m for m in args.methods if m != "snapkv"]
+    entries = [named(m) for m in args.methods]
+    methods = [("snapkv", "snapkv")] + [e for e in entries if e != ("snapkv", "snapkv")]
     where = f"{args.threads} CPU threads" if args.device == "cpu" else args.device
     print(f"compress step, one layer: {HQ} q heads, {HKV} KV heads, head_dim {D}, {args.dtype}, "
           f"budget {args.budget}, window {args.window}, {where}, median of {args.reps}\n")
     print("| L | method | CPU time (ms) | x SnapKV | wall (ms) | x SnapKV | peak extra (MiB) | x SnapKV | x layer K+V |")
     print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for length in args.lengths:
-        specs = [m for m in methods if not (m.startswith("h2o") and length > args.h2o_max_length)]
+        too_long = length > args.h2o_max_length
+        kept = [(n, s) for n, s in methods if not (s.startswith("h2o") and too_long)]
+        specs = [s for _, s in kept]
         times, peaks = measure_in_child(args, specs, length, False), measure_in_child(args, specs, length, True)
         results = [{**t, **m} for t, m in zip(times, peaks)]
         ref = results[0]
-        for spec, r in zip(specs, results):
-            print(f"| {length} | {spec} | {r['cpu'] * 1e3:.0f} | {r['cpu'] / ref['cpu']:.2f} | "
-                  f"{r['time'] * 1e3:.0f} | {r['time'] / ref['time']:.2f} | "
-                  f"{r['peak'] / 2**20:.0f} | {r['peak'] / max(ref['peak'], 1):.2f} | {r['peak'] / r['kv_bytes']:.2f} |",
+        for (name, spec), r in zip(kept, results):
+            row = {
+                "name": name,
+                "spec": spec,
+                "length": length,
+                **r,
+                "cpu_x_snapkv": r["cpu"] / ref["cpu"],
+                "time_x_snapkv": r["time"] / ref["time"],
+                "peak_x_snapkv": r["peak"] / max(ref["peak"], 1),
+                "peak_x_kv": r["peak"] / r["kv_bytes"],
+            }
+            rows.append(row)
+            label = spec if name == spec else f"{name} ({spec})"
+            print(f"| {length} | {label} | {r['cpu'] * 1e3:.0f} | {row['cpu_x_snapkv']:.2f} | "
+                  f"{r['time'] * 1e3:.0f} | {row['time_x_snapkv']:.2f} | "
+                  f"{r['peak'] / 2**20:.0f} | {row['peak_x_snapkv']:.2f} | "
+                  f"{row['peak_x_kv']:.2f} |",
                   flush=True)
-
+    if args.json:
+        keys = ("budget", "window", "dtype", "reps", "threads", "device")
+        settings = {k: getattr(args, k) for k in keys}
+        shape = {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "hidden": HIDDEN,
+                 "intermediate": INTERMEDIATE, "layer": LAYER, "layers": LAYERS}
+        out = {"settings": settings, "shape": shape, "rows": rows}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 if __name__ == "__main__":
     main()

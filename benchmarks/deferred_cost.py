@@ -4,8 +4,11 @@ Two tables, on one prompt of ``--length`` tokens of Paul Graham essays:
 
 1. Prefill: wall time of ``model(ids)`` (the prefill forward plus every layer's selection, deferred or
    not), the median of ``--reps`` runs taken round robin, its ratio to the full-cache prefill; for
-   KVzip, KVCompose and KVgrad the extra tokens their passes feed the model (relative to the prompt) and the time of the
-   passes alone (relative to the full-cache prefill).
+   KVzip, KVCompose and KVgrad (and the configs on KVzip's passes: DMS, ReST-KV over the repeat
+   passes) the extra tokens their passes feed the model (relative to the prompt) and the time of the
+   passes alone (relative to the full-cache prefill). ``--json`` also writes, per config, the
+   medians of both the wall and the process CPU time (with ``--threads 1`` the compute time,
+   robust to other processes).
 2. Memory: ``restkv.memory_report`` after the prefill, summed over the layers: the bytes a full cache
    would hold and the bytes held, with and without ThinK's ``pruning_ratio``.
 
@@ -17,8 +20,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,9 +40,10 @@ CONFIGS = {
     "snapkv global": dict(method="snapkv", layer_budget="global"),
     "layer_defensivekv": dict(method="layer_defensivekv"),
     "kvzip": dict(method="kvzip"),
-    "restkv_repeat": dict(method="restkv_repeat"),
     "kvcompose": dict(method="kvcompose"),
     "kvgrad": dict(method="kvgrad"),
+    "restkv_repeat": dict(method="restkv_repeat"),
+    "dms_w64": dict(method="dms", window_size=64),
 }
 
 
@@ -48,11 +54,12 @@ def essay_prompt(tokenizer, length: int) -> torch.Tensor:
 
 class PassClock:
     """Tokens fed to the model by the passes (KVzip's, KVCompose's, KVgrad's with its backward), their wall time (``deferred.replay_scores``)
-    and the part of it spent scoring (the methods' ``score``: the passes' attention at every layer)."""
+    and the part of it spent scoring (the methods' ``score``: the passes' attention at every layer);
+    the same two in process CPU time (``cpu_seconds``, ``cpu_scoring``)."""
 
-    def __init__(self, decoder, clock=time.perf_counter):
-        self.clock = clock
+    def __init__(self, decoder):
         self.tokens, self.seconds, self.scoring, self.first = 0, 0.0, 0.0, True
+        self.cpu_seconds, self.cpu_scoring = 0.0, 0.0
         self._replay, self._scores = deferred.replay_scores, [m.score for m in REPLAYED]
         deferred.replay_scores = self._timed(self._replay, "seconds")
         for m in REPLAYED:
@@ -61,11 +68,14 @@ class PassClock:
 
     def _timed(self, fn, field):
         def timed(*args, **kwargs):
-            t0 = self.clock()
+            t0 = time.perf_counter()
+            c0 = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                setattr(self, field, getattr(self, field) + self.clock() - t0)
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
+                cpu_field = "cpu_" + field
+                setattr(self, cpu_field, getattr(self, cpu_field) + time.process_time() - c0)
         return timed
 
     def _count(self, module, args, kwargs):
@@ -83,18 +93,50 @@ class PassClock:
 
 
 @torch.no_grad()
-def prefill(model, ids, knobs, clock=time.perf_counter):
-    """One prefill -> (wall s, pass tokens, pass s, scoring s, memory report)."""
+def prefill(model, ids, knobs):
+    """One prefill -> (wall s, pass tokens, pass s, scoring s, memory report,
+    CPU s: (prefill, passes, scoring))."""
     restkv.configure(model, **knobs)
-    passes = PassClock(deferred.decoder_of(model), clock)
+    clock = PassClock(deferred.decoder_of(model))
     try:
-        t0 = clock()
+        t0 = time.perf_counter()
+        c0 = time.process_time()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        seconds = clock() - t0
+        seconds = time.perf_counter() - t0
+        cpu = time.process_time() - c0
     finally:
-        passes.close()
+        clock.close()
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-    return seconds, passes.tokens, passes.seconds, passes.scoring, restkv.memory_report(cache)
+    cpus = (cpu, clock.cpu_seconds, clock.cpu_scoring)
+    return seconds, clock.tokens, clock.seconds, clock.scoring, restkv.memory_report(cache), cpus
+
+
+def write_json(args, runs: dict, length: int) -> None:
+    """The prefill table's medians per config: wall and CPU seconds of the prefill, the passes and
+    their scoring, the passes' tokens, and the ratios to the full-cache prefill and to the prompt."""
+    full_cpu = statistics.median(r[5][0] for r in runs["fullkv"])
+    full_wall = statistics.median(r[0] for r in runs["fullkv"])
+    rows = {}
+    for name, rs in runs.items():
+        cpu, pass_cpu, scoring_cpu = (statistics.median(r[5][i] for r in rs) for i in range(3))
+        wall, tokens, passes, scoring = (statistics.median(r[i] for r in rs) for i in range(4))
+        rows[name] = {
+            "knobs": CONFIGS[name],
+            "prefill_cpu": cpu,
+            "prefill_wall": wall,
+            "pass_cpu": pass_cpu,
+            "pass_scoring_cpu": scoring_cpu,
+            "pass_wall": passes,
+            "pass_scoring_wall": scoring,
+            "pass_tokens": tokens,
+            "pass_tokens_x_prompt": tokens / length,
+            "pass_cpu_x_full": pass_cpu / full_cpu,
+            "pass_wall_x_full": passes / full_wall,
+        }
+    settings = {"model": "smollm2-135m", "length": length, "budget": args.budget,
+                "window": args.window, "reps": args.reps, "threads": args.threads}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
 
 
 def main():
@@ -110,7 +152,10 @@ def main():
                    help="methods of the memory table (each one more prefill with ThinK)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall: elapsed seconds; cpu: the process's CPU seconds (a shared machine, with --threads 1)")
+                   help="the printed table's seconds: wall (elapsed) or cpu (the process's CPU time: a "
+                        "shared machine, with --threads 1); --json writes both")
+    p.add_argument("--json", type=Path,
+                   help="also write the prefill table's medians (wall and CPU) to this file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2-135m")
@@ -119,24 +164,30 @@ def main():
     base = dict(max_capacity_prompt=args.budget, window_size=args.window)
 
     def knobs(name, ratio=None):
-        cfg = dict(CONFIGS[name], window_size=args.window, pruning_ratio=ratio)
+        # a config's own window wins
+        cfg = {"window_size": args.window, **CONFIGS[name], "pruning_ratio": ratio}
         return cfg if name == "fullkv" else {**base, **cfg}
 
-    print(f"SmolLM2-135M float32 sdpa, CPU {args.threads} threads, {args.clock} clock; prompt {L} tokens, budget {args.budget}, "
-          f"window {args.window}\n")
+    print(f"SmolLM2-135M float32 sdpa, CPU {args.threads} threads, {args.clock} clock; prompt {L} tokens, "
+          f"budget {args.budget}, window {args.window}\n")
     runs = {name: [] for name in dict.fromkeys(["fullkv", *args.methods])}
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    prefill(model, ids[:, :64], knobs("fullkv"), clock)  # warm-up
+    prefill(model, ids[:, :64], knobs("fullkv"))  # warm-up
     for _ in range(args.reps):
         for name in runs:
-            runs[name].append(prefill(model, ids, knobs(name), clock))
-    full = statistics.median(r[0] for r in runs["fullkv"])
-    print("| method | prefill (s) | x full | pass tokens | x prompt | passes (s) | x full | of which scoring (s) |")
+            runs[name].append(prefill(model, ids, knobs(name)))
+    shown = runs
+    if args.clock == "cpu":  # the CPU seconds in the wall ones' places
+        shown = {n: [(r[5][0], r[1], r[5][1], r[5][2]) for r in rs] for n, rs in runs.items()}
+    full = statistics.median(r[0] for r in shown["fullkv"])
+    print(f"| method | prefill {args.clock} (s) | x full | pass tokens | x prompt | passes (s) | x full "
+          f"| of which scoring (s) |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, rs in runs.items():
+    for name, rs in shown.items():
         wall, tokens, passes, scoring = (statistics.median(r[i] for r in rs) for i in range(4))
         print(f"| {name} | {wall:.2f} | {wall / full:.2f} | {tokens} | {tokens / L:.3f} | {passes:.2f} | "
               f"{passes / full:.2f} | {scoring:.2f} |")
+    if args.json:
+        write_json(args, runs, L)
     print(f"\nKV cache after the prefill (MiB), pruning_ratio {args.pruning_ratio} (head_dim "
           f"{model.config.head_dim}: {int(model.config.head_dim * args.pruning_ratio)} key channels dropped)\n")
     print("| method | full cache | held | held with ThinK | ThinK / without |")
