@@ -78,10 +78,10 @@ def method_files(model, folder: Path, tokenizer: str) -> dict:
     ]
     gates_path = folder / "gates.pt"
     torch.save(trained.to_file("fastkvzip", gates), gates_path)
-    return {
-        "tokenizer": tokenizer,
+    return {  # the files first: a method reads its tokenizer only when it trains what they hold
         "head_importance": str(table_path),
         "fastkvzip_file": str(gates_path),
+        "tokenizer": tokenizer,
     }
 
 
