@@ -27,7 +27,6 @@ def test_quick_run(capsys):
         "restkv:query_window=64",
         "snapkv:refine_rounds=1",
         "snapkv:merge=pivot",
-        "headkv",
         "kvzip",
     ]
     rows, model_rows = scaling.main(
