@@ -180,6 +180,7 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
     from restkv.scoring.rope import Rope, rotary_function
     from restkv.eviction.plans import on_device
     from restkv.eviction.select import select
+    from restkv.strategies.budgets import headkv_budgets
 
     hq, hkv = heads
     torch.manual_seed(0)
@@ -220,10 +221,15 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
         return None
 
     def curve(cfg):
-        """LU-KV's budget curve of the layer [99, Hkv] (random: the step's cost does not depend on its values)."""
+        """The layer's row of a budget table (random: the step's cost does not depend on its values): LU-KV's
+        curve [99, Hkv], or HeadKV's per-head budgets [Hkv] from a random head-importance table."""
+        g = torch.Generator().manual_seed(0)
+        if cfg.get("head_budget") == "headkv":
+            importance = torch.rand(LAYERS, hkv, dtype=torch.float64, generator=g)
+            return headkv_budgets(importance, budget - window, cfg.headkv_beta)[LAYER].to(device)
         if cfg.get("head_budget") != "lukv":
             return None
-        return torch.rand(99, hkv, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+        return torch.rand(99, hkv, dtype=torch.float64, generator=g).to(device)
 
     def run(cfg, data, table):
         obs = Observation(q, k, v, valid, window=cfg.window_size, budget=budget, scaling=D**-0.5, wo_factor=wo,

@@ -137,6 +137,9 @@ def passes(
 def score(obs, cfg):
     """Largest attention each prefix entry gets from the window's queries (a pass's tokens), sinks above all
     -> [b, Hq, P]."""
-    s = obs.window_attention[..., : obs.prefix_len].amax(-2)
+    s = None
+    for _, attention in obs.recent_attention_blocks(obs.window):  # a pass's queries: in blocks
+        block = attention[..., : obs.prefix_len].amax(-2)
+        s = block if s is None else torch.maximum(s, block)
     pos = obs.positions[:, None, : obs.prefix_len]
     return torch.where((pos >= 0) & (pos < cfg.sink_tokens), SINK, s)

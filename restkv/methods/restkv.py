@@ -355,7 +355,8 @@ def row_terms(obs, cfg, A: "torch.Tensor") -> dict:
             return {}
         return {"a": A[..., :P], "mass": A[..., P:].sum(-1, keepdim=True)}
     R = obs.wo if cfg.use_wo else None
-    out = obs.window_output if A is obs.window_attention else weighted_values(A, obs.values)
+    shared = obs.memo.get(("window_attention", obs.window))  # read, never formed here
+    out = obs.window_output if A is shared else weighted_values(A, obs.values)
     dist, o_norm = output_distance_rows(out, obs.values, P, R)
     rows = exact_dominant(dist.mul_(odds(A[..., :P])), A, obs.values, R, 1.0)
     return {"s": rows / o_norm.clamp_min(_EPS) if cfg.use_norm else rows}

@@ -19,6 +19,7 @@ VALUE_BLOCK = 4096  # positions converted to float32 at a time
 QUERY_BLOCK = (
     None  # query rows of a block of a long query window (None: about the layer's K+V, see below)
 )
+LONG_WINDOW = 256  # a window of more queries (a repeat pass's) is attended in blocks of this many rows
 PROJECTION_BLOCK = (
     1 << 22
 )  # float32 elements of a block of W_O-projected values ([b, Hkv, n, hidden])
@@ -174,20 +175,27 @@ class Observation:
     def recent_attention_blocks(self, rows: int):
         """The ``recent_attention(rows)`` rows in blocks, oldest first: yields (first row, [b, Hq, rb, L]).
 
-        The window's (shared) is one block; longer query windows come in blocks of about the layer's
-        K+V in float32 attention (at least the window; ``QUERY_BLOCK`` rows when set), so that no
-        [b, Hq, r, L] tensor is formed.
+        The window's (shared) is one block when it has at most ``LONG_WINDOW`` queries; longer query
+        windows, and a repeat pass's queries, come in blocks of about the layer's K+V in float32
+        attention (at least the window or ``LONG_WINDOW`` rows; ``QUERY_BLOCK`` rows when set), so that
+        no [b, Hq, r, L] tensor is formed.
         """
-        n = self.keys.shape[2]
         rows = min(rows or self.window, self.queries.shape[2])
-        if rows == self.window:
+        if rows == self.window <= LONG_WINDOW:
             yield 0, self.window_attention
             return
+        yield from self.attention_blocks(rows, least=min(self.window, LONG_WINDOW))
+
+    def attention_blocks(self, rows: int, least: int = 1):
+        """The attention of the ``rows`` most recent queries in blocks, oldest first: yields (first row,
+        [b, Hq, rb, L]), rb rows of about the layer's K+V in float32 attention (at least ``least``;
+        ``QUERY_BLOCK`` rows when set), never the whole [b, Hq, r, L]."""
+        n = self.keys.shape[2]
         b, hq = self.queries.shape[:2]
         hkv = self.keys.shape[1]
         d = self.keys.shape[-1]
         block = globals()["QUERY_BLOCK"] or max(
-            self.window, 2 * hkv * d * self.keys.element_size() // (4 * hq)
+            least, 2 * hkv * d * self.keys.element_size() // (4 * hq)
         )
         for start in range(n - rows, n, block):
             yield start - (n - rows), self.attention(start, min(n, start + block))

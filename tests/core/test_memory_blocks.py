@@ -1,5 +1,5 @@
 """Memory linear in the prompt: the blocked float32 work (H2O, pivot merging, refinement, ReST-KV's
-query_window) equals the unblocked computation with a small block forced, and KVzip's passes and sweep mode
+query_window, the scores of a repeat pass's queries) equals the unblocked computation with a small block forced, and KVzip's passes and sweep mode
 hold no second full copy of the cache."""
 
 from __future__ import annotations
@@ -197,4 +197,40 @@ def test_query_window_blocked_equals_one_block(knobs, monkeypatch):
     whole = scores()
     monkeypatch.setattr(observe, "QUERY_BLOCK", 4)
     blocked = scores()
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["kvzip", "restkv_repeat"])
+def test_repeat_pass_scored_in_blocks_equals_one_block(method, monkeypatch):
+    """A repeat pass's observation (its r queries after the prompt's keys, window r): with a window over
+    ``LONG_WINDOW`` its attention is formed a block of rows at a time, with the scores of one block."""
+    from restkv.methods import kvzip, restkv_repeat
+    from restkv.scoring import observe
+    from restkv.scoring.observe import wo_factor
+
+    module = kvzip if method == "kvzip" else restkv_repeat
+    cfg = CompressionConfig.from_kwargs(
+        method=method, max_capacity_prompt=16, window_size=4, tokenizer="unused"
+    ).score_knobs()
+    R = wo_factor(torch.randn(32, 32, generator=torch.Generator().manual_seed(1)), 4)
+    g = torch.Generator().manual_seed(2)
+    r, n = 23, 50
+    q = torch.randn(1, 4, r, 8, generator=g)
+    k = torch.randn(1, 2, n, 8, generator=g)
+    v = torch.randn(1, 2, n, 8, generator=g)
+
+    def scores():
+        obs = Observation(q, k, v, torch.ones(1, n, dtype=torch.bool), window=r, budget=n,
+                          scaling=8**-0.5, wo_factor=R)
+        return module.score(obs, cfg)
+
+    whole = scores()  # 23 rows <= LONG_WINDOW: the shared window attention
+    rows = []
+    attention = Observation.attention
+    monkeypatch.setattr(Observation, "attention",
+                        lambda self, start, stop: rows.append(stop - start) or attention(self, start, stop))
+    monkeypatch.setattr(observe, "LONG_WINDOW", 4)
+    monkeypatch.setattr(observe, "QUERY_BLOCK", 4)
+    blocked = scores()
+    assert rows == [4] * 5 + [3]
     torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
