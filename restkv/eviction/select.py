@@ -178,8 +178,13 @@ def _top_then_window(scores: Tensor, keep, window: int, width: int | None = None
 
 def _gather(x: Tensor, idx: Tensor) -> Tensor:
     """Entries ``idx`` [b, H, K] of x [b, Hkv, L, d] -> [b, H, K, d]; H a multiple of Hkv (query heads)."""
-    b, hkv, _, d = x.shape
+    b, hkv, n, d = x.shape
     heads = idx.shape[1]
     k = idx.shape[2]
     grouped = idx.reshape(b, hkv, (heads // hkv) * k)  # query heads of one KV head are contiguous
-    return x.gather(2, grouped[..., None].expand(-1, -1, -1, d)).view(b, heads, k, d)
+    if x.is_contiguous():  # whole rows of d copied at once: several times faster than gather
+        rows = grouped + torch.arange(b * hkv, device=idx.device).view(b, hkv, 1) * n
+        return x.view(b * hkv * n, d).index_select(0, rows.flatten()).view(b, heads, k, d)
+    sample = torch.arange(b, device=idx.device)[:, None, None]
+    head = torch.arange(hkv, device=idx.device)[None, :, None]
+    return x[sample, head, grouped].view(b, heads, k, d)
