@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import capture, prompt, small, tiny_model, tiny_tokenizer
-from test_deferred import HKV, LAYERS, G
+from test_deferred import HKV, LAYERS, G, assert_global_top
 from transformers import AutoTokenizer
 
 import restkv
@@ -69,12 +69,17 @@ def test_restkv_repeat_keeps_the_top_of_a_float64_loop():
             prefix = sorted(own - set(range(P, n)))
             assert len(prefix) == budget - window
             cut = reference[layer, h].sort(descending=True).values[budget - window - 1]
-            for p in range(P):
-                value = float(reference[layer, h, p])
-                if p in prefix:
-                    assert value >= cut * (1 - 1e-4), (layer, h, p)
-                else:
-                    assert value <= cut * (1 + 1e-4), (layer, h, p)
+            assert_split_at(reference[layer, h], set(prefix), cut, (layer, h))
+
+
+def assert_split_at(row, prefix: set, cut: float, where) -> None:
+    """Every entry of ``prefix`` scores at least ``cut`` in ``row`` [P], every other at most (1e-4 relative)."""
+    for p in range(row.shape[0]):
+        value = float(row[p])
+        if p in prefix:
+            assert value >= cut * (1 - 1e-4), (*where, p)
+        else:
+            assert value <= cut * (1 + 1e-4), (*where, p)
 
 
 def test_restkv_repeat_refuses_adaptive_pooling_and_decoding_eviction():
@@ -95,22 +100,6 @@ def test_restkv_repeat_global_keeps_the_top_of_the_float64_loop_over_all_layers(
     kept = restkv.kept_positions(model)
     P = ids.shape[1] - window
     reference = repeat_reference(model, ids, sinks, chunk)[..., :P]
-    total = LAYERS * HKV * (budget - window)
-    cut = reference.flatten().sort(descending=True).values[total - 1]
-    sizes = set()
-    count = 0
-    for layer, positions in enumerate(kept):
-        for h in range(HKV):
-            own = {int(p) for p in positions[0, h] if p >= 0}
-            assert set(range(P, P + window)) <= own
-            prefix = own - set(range(P, P + window))
-            sizes.add(len(prefix))
-            count += len(prefix)
-            for p in range(P):
-                value = float(reference[layer, h, p])
-                if p in prefix:
-                    assert value >= cut * (1 - 1e-4), (layer, h, p)
-                else:
-                    assert value <= cut * (1 + 1e-4), (layer, h, p)
-    assert count == total
+    assert_global_top(kept, reference, window, LAYERS * HKV * (budget - window))
+    sizes = {int((positions[0, h] >= 0).sum()) for positions in kept for h in range(HKV)}
     assert len(sizes) > 1, "the heads keep different numbers of entries"
