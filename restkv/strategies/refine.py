@@ -19,9 +19,10 @@ O(b Hq r R d + b r Hq d D); one ``output_change`` (O(b Hq r N d)) at the start a
 every round runs (a round that finds no improving swap changes nothing). With
 ``refine_candidates="boundary"`` the pools are the kept entries ranked lowest and the evicted ranked highest
 by the ranking key (the top-B boundary), and only their terms are computed: no O(b H g^2 P d^2) or
-O(b H g^2 r P d) term, per round O(b H g^2 r R d + b H g^2 R d^2) for the pools' terms. ``M_ac = W_O^a^T W_O^c`` (O(H g^2 D d^2), H g^2 d^2
-float32 numbers) is computed once per layer weight and kept with it (``restkv.eviction.observation``); the
-search converts ``o_proj`` to float32 once per layer and step (D Hq d numbers held during the step).
+O(b H g^2 r P d) term, per round O(b H g^2 r R d + b H g^2 R d^2) for the pools' terms.
+``M_ac = W_O^a^T W_O^c`` (O(H g^2 D d^2), H g^2 d^2 float32 numbers) is computed once per layer weight and
+kept with it (``restkv.eviction.observation``); the search converts ``o_proj`` to float32 once per layer
+and step (D Hq d numbers held during the step).
 """
 
 from __future__ import annotations
