@@ -8,8 +8,7 @@ and kvpress ``DuoAttentionPress`` (https://github.com/NVIDIA/kvpress,
 Every (layer, KV head) of the model has a score; the ``round(heads x head_compression_ratio)`` heads
 of lowest score over the model's evicted layers are streaming heads (every layer in most models; Gemma
 2/3 keep their sliding-window layers whole, so their heads are not counted): they keep their first
-``sink_size`` and
-last ``recent_size`` tokens, the other (retrieval) heads keep everything. The scores are kvpress's
+``sink_size`` and last ``recent_size`` tokens, the other (retrieval) heads keep everything. The scores are kvpress's
 on-the-fly ones (``restkv.integration.duo_heads``): per layer, the mean query and the mean key
 before RoPE of a calibration text, each repeated over ``Q_LEN`` = 500 positions and rotated there;
 the last position's query attends to the 500 keys, and the score is the mean of the cumulated
