@@ -102,6 +102,6 @@ def layer_data(cfg, model) -> dict:
     scores = model_head_scores(model, cfg)  # [layers, Hkv]
     evicted = evicted_layers(model.config.get_text_config(), [m.layer_idx for m in modules])
     rows = [i for i, m in enumerate(modules) if m.layer_idx in evicted]
-    streaming = torch.zeros(scores.shape, dtype=torch.bool)
+    streaming = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     streaming[rows] = streaming_heads(scores[rows], cfg.head_compression_ratio)
     return {m.layer_idx: s for m, s in zip(modules, streaming)}

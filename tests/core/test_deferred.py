@@ -41,6 +41,15 @@ def test_global_sizes_count_the_top_entries_of_a_sorted_list(seed):
                 assert int(sizes[l][b, h]) == counts.get((l, h), 0)
 
 
+def repeat_ids(tok, ids, i: int, start: int, stop: int) -> list:
+    """KVzip's i-th repeat pass over ``ids[0, start:stop]``: the request, the 8 tokens before the chunk
+    after the first pass, a newline, the chunk."""
+    ask = ("\n\nRepeat the previous context exactly." if i == 0 else
+           "\n\nRepeat the part of the previous context exactly, starting with ")
+    repeat = tok.encode(ask, add_special_tokens=False) + (ids[0, start - 8 : start].tolist() if i else [])
+    return repeat + tok.encode("\n", add_special_tokens=False) + ids[0, start:stop].tolist()
+
+
 def assert_global_top(kept, reference, window, total):
     """``kept`` (restkv.kept_positions) is the window plus the top ``total`` of ``reference`` [layers, Hkv, P]
     over all layers and heads (entries within 1e-5 of the cut may fall either side)."""
@@ -88,10 +97,7 @@ def test_kvzip_keeps_what_a_float64_reconstruction_scores_highest():
     reference = torch.zeros(LAYERS, HKV, n, dtype=torch.float64)
     for i, start in enumerate(range(sinks, n, chunk)):
         stop = min(n, start + chunk)
-        ask = ("\n\nRepeat the previous context exactly." if i == 0 else
-               "\n\nRepeat the part of the previous context exactly, starting with ")
-        repeat = tok.encode(ask, add_special_tokens=False) + (ids[0, start - 8 : start].tolist() if i else [])
-        repeat += tok.encode("\n", add_special_tokens=False) + ids[0, start:stop].tolist()
+        repeat = repeat_ids(tok, ids, i, start, stop)
         for layer, (q, k, scaling) in capture(model, torch.cat([ids, torch.tensor([repeat])], 1)).items():
             seen = torch.cat([k[:, :, :sinks], k[:, :, start:stop], k[:, :, n:]], 2)[0]  # [Hkv, s + c + r, d]
             for qh in range(HKV * G):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import capture, prompt, small, tiny_model, tiny_tokenizer
-from test_deferred import HKV, LAYERS, G, assert_global_top
+from test_deferred import HKV, LAYERS, G, assert_global_top, repeat_ids
 from transformers import AutoTokenizer
 
 import restkv
@@ -23,10 +23,7 @@ def repeat_reference(model, ids, sinks, chunk):
     reference = torch.zeros(LAYERS, HKV, n, dtype=torch.float64)
     for i, start in enumerate(range(sinks, n, chunk)):
         stop = min(n, start + chunk)
-        ask = ("\n\nRepeat the previous context exactly." if i == 0 else
-               "\n\nRepeat the part of the previous context exactly, starting with ")
-        repeat = tok.encode(ask, add_special_tokens=False) + (ids[0, start - 8 : start].tolist() if i else [])
-        repeat += tok.encode("\n", add_special_tokens=False) + ids[0, start:stop].tolist()
+        repeat = repeat_ids(tok, ids, i, start, stop)
         c = stop - start
         got = capture(model, torch.cat([ids, torch.tensor([repeat])], 1), values=True)
         for layer, (q, k, v, scaling) in got.items():
