@@ -91,11 +91,19 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
     """The method's scores of every prompt position from its passes: {layer_idx: [b, H, n] float32}.
 
     Each sample (its real tokens only, batch 1 as the reference) runs every pass on a shallow copy of
-    the cache whose layers store nothing (``_pass_layer``), so no pass's tokens stay in it and no second
-    copy of the cache is held: at each scored layer the pass's queries observe
-    [sinks | the pass's positions | the pass's own keys]. A method with ``run_pass(decoder, ids, position_ids,
-    cache, modules)`` runs each pass itself and returns a weight per pass token [1, r] for each attention
-    module (``Observation.query_weights``); its layers are scored after the pass.
+    the cache whose layers never store into the prompt's entries (``_pass_layer``), so no pass's
+    tokens stay in it and no second copy of the cache is held: at each scored layer the pass's
+    queries observe [sinks | the pass's positions | the pass's own keys]. A method with
+    ``run_pass(decoder, ids, position_ids, cache, modules)`` runs each pass itself and returns a
+    weight per pass token [1, r] for each attention module (``Observation.query_weights``); its
+    layers are scored after the pass.
+
+    A method with ``PASS_CHUNK`` (KVCompose) reads each pass in forwards of that many tokens, so
+    that no forward builds a [pass, L + pass] mask: the views keep the pass's own keys and values
+    apart between its forwards (one more copy of the model's K+V at most, as the reference's cache
+    of 2L). Each forward's queries give ``query_statistic(obs, cfg)`` [1, Hq, n]; ``merge(a, b,
+    cfg)`` combines the forwards' statistics, and ``finish(statistic, rows, Hkv, cfg)`` turns the
+    pass's into its scores.
     """
     if input_ids is None:
         raise ValueError(
@@ -105,9 +113,6 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
     cfg = prefills[0].plan.cfg
     knobs = cfg.score_knobs()
     decoder = decoder_of(model)
-    run = getattr(
-        cfg.scorer.module, "run_pass", None
-    )  # a pass that is more than a forward (KVgrad's backward)
     lengths = prefills[0].key_valid.sum(-1).tolist()
     b, n = input_ids.shape
     out: dict = {}
@@ -116,79 +121,119 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
         sinks, passes = cfg.scorer.module.passes(input_ids[s, pad:], knobs, model)
         base = [_sample_view(layer, s, length) for layer in cache.layers]
         for start, stop, ids in passes:
-            observed = []
-
-            def observe(prefill, query, key, value):
-                def part(x):  # [sinks | the pass's positions | the pass's own entries]
-                    return torch.cat(
-                        [x[:, :, :sinks], x[:, :, start:stop], x[:, :, length:]], 2
-                    ).detach()
-
-                keys = part(key)
-                obs = Observation(
-                    queries=query.detach(),
-                    keys=keys,
-                    values=part(value),
-                    window=query.shape[2],
-                    budget=keys.shape[2],
-                    scaling=prefill.scaling,
-                    softcap=prefill.softcap,
-                    key_valid=torch.ones(1, keys.shape[2], dtype=torch.bool, device=keys.device),
-                    wo_factor=lambda m=prefill.module, at=keys.device: layer_wo_factor(m, at),
-                    layer=prefill.plan.rank,
-                    num_layers=prefill.plan.num_evicted,
-                )
-                observed.append((prefill, obs))
-                if (
-                    run is None
-                ):  # scored at once; after the pass when it weighs its tokens (query_weights)
-                    record(*observed.pop())
-
-            def record(prefill, obs):
-                with float32_scoring(obs.keys.device.type):
-                    r = cfg.scorer.score(obs, knobs)
-                if prefill.module.layer_idx not in out:
-                    out[prefill.module.layer_idx] = r.new_zeros(b, r.shape[1], n)
-                row = out[prefill.module.layer_idx][s]
-                row[:, pad : pad + sinks], row[:, pad + start : pad + stop] = (
-                    r[0, :, :sinks],
-                    r[0, :, sinks:],
-                )
-
-            view = copy.copy(cache)
-            view.layers = [_pass_layer(layer) for layer in base]
-            position_ids = torch.arange(length, length + ids.shape[0], device=ids.device)[None]
-            with _scoring(prefills, observe):
-                if run is None:
-                    decoder(
-                        input_ids=ids[None],
-                        position_ids=position_ids,
-                        use_cache=True,
-                        **{cache_argument(decoder): view},
-                    )
-                else:
-                    weights = run(
-                        decoder, ids[None], position_ids, view, [p.module for p in prefills]
-                    )
-            for prefill, obs in observed:
-                obs.query_weights = weights[prefill.module]
-                record(prefill, obs)
+            span = (sinks, start, stop)
+            scores = _pass_scores(decoder, base, cache, prefills, ids, length, span)
+            for idx, r in scores.items():
+                if idx not in out:
+                    out[idx] = r.new_zeros(b, r.shape[1], n)
+                row = out[idx][s]
+                row[:, pad : pad + sinks] = r[0, :, :sinks]
+                row[:, pad + start : pad + stop] = r[0, :, sinks : sinks + stop - start]
     return out
 
 
-def _pass_layer(layer):
+def _pass_scores(decoder, base, cache, prefills, ids, length, span) -> dict:
+    """One pass ``ids`` [r] after the sample's ``length`` held tokens (``base``: its cache layers) ->
+    {layer_idx: [1, H, sinks + stop - start] float32}, the scores of [sinks | the pass's positions]
+    (``span`` = (sinks, start, stop))."""
+    sinks, start, stop = span
+    cfg = prefills[0].plan.cfg
+    knobs = cfg.score_knobs()
+    module = cfg.scorer.module
+    # a pass that is more than a forward (KVgrad's backward)
+    run = getattr(module, "run_pass", None)
+    chunked = hasattr(module, "PASS_CHUNK")
+    chunk = module.PASS_CHUNK if chunked else None
+    chunk = chunk or ids.shape[0]
+    statistic = module.query_statistic if chunked else cfg.scorer.score
+    observed = []
+    out: dict = {}
+
+    def observe(prefill, query, key, value):
+        def part(x):  # [sinks | the pass's positions | the pass's own entries]
+            return torch.cat([x[:, :, :sinks], x[:, :, start:stop], x[:, :, length:]], 2).detach()
+
+        keys = part(key)
+        obs = Observation(
+            queries=query.detach(),
+            keys=keys,
+            values=part(value),
+            window=query.shape[2],
+            budget=keys.shape[2],
+            scaling=prefill.scaling,
+            softcap=prefill.softcap,
+            key_valid=torch.ones(1, keys.shape[2], dtype=torch.bool, device=keys.device),
+            wo_factor=lambda m=prefill.module, at=keys.device: layer_wo_factor(m, at),
+            layer=prefill.plan.rank,
+            num_layers=prefill.plan.num_evicted,
+        )
+        observed.append((prefill, obs))
+        if run is None:  # scored at once; after the pass when it weighs its tokens (query_weights)
+            record(*observed.pop())
+
+    def record(prefill, obs):
+        with float32_scoring(obs.keys.device.type):
+            r = statistic(obs, knobs)[..., : sinks + stop - start]  # not the pass's own entries
+        idx = prefill.module.layer_idx
+        out[idx] = r if idx not in out else module.merge(out[idx], r, knobs)
+
+    view = copy.copy(cache)
+    view.layers = [_pass_layer(layer, keep=chunk < ids.shape[0]) for layer in base]
+    with _scoring(prefills, observe):
+        for first in range(0, ids.shape[0], chunk):
+            part_ids = ids[first : first + chunk]
+            at = length + first
+            position_ids = torch.arange(at, at + part_ids.shape[0], device=ids.device)[None]
+            if run is None:
+                decoder(
+                    input_ids=part_ids[None],
+                    position_ids=position_ids,
+                    use_cache=True,
+                    **{cache_argument(decoder): view},
+                )
+            else:
+                modules = [p.module for p in prefills]
+                weights = run(decoder, part_ids[None], position_ids, view, modules)
+            for prefill, obs in observed:
+                obs.query_weights = weights[prefill.module]
+                record(prefill, obs)
+            observed.clear()
+    if not chunked:
+        return out
+    hkv = prefills[0].key.shape[1]
+    return {idx: module.finish(r, ids.shape[0], hkv, knobs) for idx, r in out.items()}
+
+
+def _pass_layer(layer, keep: bool = False):
     """A shallow copy of a cache layer for one pass: a full layer returns its entries and the pass's
-    without storing them, so that the pass holds no second copy of the prompt's entries; the copy of a
-    layer is made there, one layer at a time, and freed after its attention."""
+    without storing them in its own, so that the pass holds no second copy of the prompt's entries;
+    the copy of a layer is made there, one layer at a time, and freed after its attention. ``keep``:
+    the pass comes in several forwards, and the view keeps the pass's own entries apart between
+    them."""
     view = copy.copy(layer)
     if type(layer) is DynamicLayer:
+        view.pass_entries = None
+        view.keep_pass = keep
         view.update = functools.partial(_attend_without_storing, view)
+        view.get_seq_length = functools.partial(_held_and_pass, view)
     return view
 
 
 def _attend_without_storing(view, key_states, value_states, *args, **kwargs):
-    """``DynamicLayer.update`` of a pass's view: [held | new] keys and values, the view left as it was."""
+    """``DynamicLayer.update`` of a pass's view: [held | the pass's earlier entries | new] keys and
+    values, the held ones left as they were."""
+    if view.pass_entries is not None:
+        key_states = torch.cat([view.pass_entries[0], key_states], -2)
+        value_states = torch.cat([view.pass_entries[1], value_states], -2)
+    if view.keep_pass:
+        view.pass_entries = (key_states, value_states)
     return torch.cat([view.keys, key_states], -2), torch.cat([view.values, value_states], -2)
+
+
+def _held_and_pass(view) -> int:
+    """``get_seq_length`` of a pass's view: the held entries and the pass's kept ones."""
+    own = 0 if view.pass_entries is None else view.pass_entries[0].shape[-2]
+    return view.keys.shape[-2] + own
 
 
 def _sample_view(layer, sample: int, length: int):

@@ -15,9 +15,12 @@ A registry line may give other defaults, for the method's knobs or for the strat
 merging): PyramidKV is SnapKV's score with ``layer_budget="pyramid"``.
 
 A method whose scores come from forward passes of its own after the prefill (KVzip) also has
-``passes(context_ids, cfg)`` (see ``restkv.eviction.deferred``) and ``check_model(values, model)`` (run by
-``configure`` before any work); one that shares ``layer_budget="global"``'s entries among the layers
-and heads in its own way (KVCompose's composite tokens) has ``global_sizes(scores, total, cfg, top_k)`` (``top_k``: the plain split, to fall back on).
+``passes(context_ids, cfg)`` (see ``restkv.eviction.deferred``) and ``check_model(values, model)``
+(run by ``configure`` before any work); to read a long pass in several forwards, ``PASS_CHUNK`` with
+``query_statistic``, ``merge`` and ``finish`` (KVCompose; see ``replay_scores``). One that shares
+``layer_budget="global"``'s entries among the layers and heads in its own way (KVCompose's composite
+tokens) has ``global_sizes(scores, total, cfg, top_k)`` (``top_k``: the plain split, to fall back
+on).
 """
 
 from __future__ import annotations

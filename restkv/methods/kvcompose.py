@@ -4,10 +4,10 @@ Paper: "KVCompose: Efficient Structured KV Cache Compression with Composite Toke
 2025), https://arxiv.org/abs/2509.05165; code: kvpress ``KVComposePress``
 (https://github.com/NVIDIA/kvpress, ``kvpress/presses/kvcompose_press.py``).
 
-After the prefill the model reads its prompt a second time (one pass, positions L..2L-1, on a copy
-of the full cache). An entry's score at a query head is the largest (``agg_task="max"``) or mean
-attention it receives from that pass's queries; the heads of a GQA group are averaged
-(``agg_group``), and the mean over the layer's KV heads is added to every head
+After the prefill the model reads its prompt a second time (one pass, positions L..2L-1, after the
+full cache, which it leaves as it was). An entry's score at a query head is the largest
+(``agg_task="max"``) or mean attention it receives from that pass's queries; the heads of a GQA
+group are averaged (``agg_group``), and the mean over the layer's KV heads is added to every head
 (``add_mean_across_heads``).
 
 Composite tokens (``structured=True``): each KV head's scores are sorted, the i-th composite token
@@ -20,10 +20,12 @@ each layer keeps (``global_sizes``, replacing the plain top-k over every layer, 
 ``structured=False`` is the reference's unstructured variant: the plain global top-k.
 ``keep_token_lower_bound``: every layer keeps at least that many entries per head.
 
-Cost: one extra forward of the L prompt tokens, each attending over the 2L keys of [prompt | the
-pass] (the reference warns of a cache of about 2L during the prefill; here too); the scores are
-computed from the pass's queries a block at a time (``QUERY_BLOCK`` float32 elements), so memory
-stays linear in L.
+Cost: the L prompt tokens read again, each attending over the prompt and the pass's tokens before
+it. They are read in forwards of ``PASS_CHUNK`` tokens, so no forward builds an [L, 2L] mask; the
+pass's own keys and values are held between them (one more copy of the model's K+V at the end, as
+the reference's cache of about 2L). Each forward's attention is computed a block of queries at a
+time (``Observation.attention_blocks``: about the layer's K+V in float32), so memory stays linear in
+L.
 
 Differences: float32 scores (the reference's eager attention is in the model dtype); the observation
 window is always kept apart (the reference keeps no window: ``window_size=1`` comes closest) and the
@@ -40,7 +42,7 @@ from ..knobs import Knob
 from ..lazy import torch
 from ..scoring.observe import group_view
 
-QUERY_BLOCK = 1 << 25  # float32 elements of one block of the pass's attention ([b, Hq, rows, 2L])
+PASS_CHUNK = 512  # the pass's tokens per forward (restkv.eviction.deferred.replay_scores)
 
 KNOBS = (
     Knob(
@@ -101,21 +103,34 @@ def passes(context_ids: "torch.Tensor", cfg, model) -> tuple[int, list]:
 def score(obs, cfg):
     """Attention of the pass's queries over the prompt's entries, reduced over the queries and the
     group, plus the mean over the KV heads -> [b, Hkv, P]."""
+    return finish(query_statistic(obs, cfg), obs.queries.shape[2], obs.keys.shape[1], cfg)
+
+
+def query_statistic(obs, cfg):
+    """The largest (``agg_task="max"``) or summed attention each entry before the queries receives
+    from them -> [b, Hq, P]; one forward's part of a pass read in several (``PASS_CHUNK``)."""
     b, hq, rows, _ = obs.queries.shape
-    n = obs.keys.shape[2]
     P = obs.prefix_len
-    block = max(1, QUERY_BLOCK // (b * hq * n))
-    first = obs.first_query
     acc = torch.zeros(b, hq, P, device=obs.keys.device)  # attention >= 0: 0 is neutral for both
-    for s in range(first, first + rows, block):
-        a = obs.attention(s, min(first + rows, s + block))[..., :P]  # [b, Hq, r, P]
+    for _, a in obs.attention_blocks(rows):  # [b, Hq, r, n], about the layer's K+V each
+        a = a[..., :P]
         if cfg.agg_task == "max":
             torch.maximum(acc, a.amax(-2), out=acc)
         else:
             acc += a.sum(-2)
-    if cfg.agg_task == "mean":
-        acc /= rows
-    grouped = group_view(acc, obs.keys.shape[1])
+    return acc
+
+
+def merge(a, b, cfg):
+    """Two forwards' ``query_statistic`` of one pass [b, Hq, P] -> theirs together."""
+    return torch.maximum(a, b) if cfg.agg_task == "max" else a + b
+
+
+def finish(statistic, rows: int, hkv: int, cfg):
+    """A pass's ``query_statistic`` [b, Hq, P] over its ``rows`` queries -> scores [b, Hkv, P]:
+    the mean over the queries (``agg_task="mean"``), the group's reduction, the heads' mean added."""
+    per_query = statistic / rows if cfg.agg_task == "mean" else statistic
+    grouped = group_view(per_query, hkv)
     s = grouped.amax(2) if cfg.agg_group == "max" else grouped.mean(2)
     return s + s.mean(1, keepdim=True) if cfg.add_mean_across_heads else s
 

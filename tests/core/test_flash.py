@@ -144,3 +144,14 @@ def test_chunked_prefill_on_flash():
         got = tokens_and_kept(flash_model("llama"), ids, mask, knobs, 6, prefill_chunk_size=16)
     assert torch.equal(got[0], expected[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+
+
+def test_kvcompose_pass_in_several_forwards_on_flash(monkeypatch):
+    """KVCompose's second reading in forwards of 7 tokens: flash's causal alignment of a forward after
+    the held entries and the pass's earlier ones gives sdpa's tokens and kept entries."""
+    from restkv.methods import kvcompose
+
+    monkeypatch.setattr(kvcompose, "PASS_CHUNK", 7)
+    ids, mask = padded_batch()
+    knobs = dict(method="kvcompose", max_capacity_prompt=20, window_size=4)
+    assert_flash_equals_sdpa("llama", ids, mask, knobs)

@@ -112,8 +112,8 @@ def test_kvzip_passes_store_nothing_in_the_cache(monkeypatch):
     views = []
     made = deferred._pass_layer
 
-    def recorded(layer):
-        views.append((layer, made(layer)))
+    def recorded(layer, **kw):
+        views.append((layer, made(layer, **kw)))
         return views[-1][1]
 
     monkeypatch.setattr(deferred, "_pass_layer", recorded)
@@ -125,6 +125,7 @@ def test_kvzip_passes_store_nothing_in_the_cache(monkeypatch):
             view.keys is base.keys and view.values is base.values
         )  # nothing stored: no second copy
         assert view.keys.shape[2] == 90
+        assert view.pass_entries is None  # KVzip's passes are one forward each: none kept
     monkeypatch.setattr(deferred, "_pass_layer", made)
 
 

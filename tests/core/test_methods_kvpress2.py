@@ -12,6 +12,7 @@ from test_methods_2026 import case, scores_of, window_attention_loops
 from restkv.strategies.budgets import global_sizes
 from restkv.config import CompressionConfig
 from restkv.methods import kvcompose, kvgrad
+from restkv.scoring import observe
 from restkv.scoring.observe import Observation, wo_factor
 
 
@@ -97,7 +98,7 @@ def kvcompose_loops(q, k, agg_task="max", agg_group="mean", add_mean=True):
     "knobs", [dict(), dict(agg_task="mean", agg_group="max", add_mean_across_heads=False)]
 )
 def test_kvcompose_scores_equal_float64_loops(knobs, monkeypatch):
-    monkeypatch.setattr(kvcompose, "QUERY_BLOCK", 4 * 28 * 3)  # blocks of 3 queries
+    monkeypatch.setattr(observe, "QUERY_BLOCK", 3)  # blocks of 3 queries
     obs, q, k = pass_observation()
     got = scores_of(obs, method="kvcompose", **knobs)
     ref = kvcompose_loops(
@@ -445,3 +446,43 @@ def test_low_precision_inputs_give_finite_float32_scores(dtype, method):
     obs.queries, obs.keys = obs.queries * 30, obs.keys * 30  # near one-hot attention
     got = scores_of(obs, method=method)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize(
+    "family, backend", [("llama", "sdpa"), ("llama", "eager"), ("gemma3", "sdpa")]
+)
+def test_kvcompose_pass_in_forwards_of_7_tokens_equals_one_forward(family, backend, monkeypatch):
+    """The second reading fed in forwards of 7 tokens (the views keeping its own entries between
+    them) gives one forward's scores, kept entries and tokens, on a left-padded batch."""
+    from helpers import generate, prompt, small, tiny_model
+
+    import restkv
+    from restkv.eviction import deferred
+
+    replayed = []
+    real = deferred.replay_scores
+
+    def replay(*args):
+        replayed.append(real(*args))
+        return replayed[-1]
+
+    monkeypatch.setattr(deferred, "replay_scores", replay)
+    model = tiny_model(family, backend)
+    ids = torch.cat([prompt(50, seed=3), prompt(50, seed=4)])
+    mask = torch.ones_like(ids)
+    ids[1, :9] = 0
+    mask[1, :9] = 0
+    runs = []
+    for chunk in (None, 7):
+        monkeypatch.setattr(kvcompose, "PASS_CHUNK", chunk)
+        restkv.configure(model, **small("kvcompose", max_capacity_prompt=20, window_size=4))
+        tokens, _ = generate(model, ids, mask, n=4)
+        runs.append((replayed[-1], tokens, restkv.kept_positions(model)))
+    (one, tokens, kept), (chunked, chunked_tokens, chunked_kept) = runs
+    assert one.keys() == chunked.keys() and len(one) > 0
+    for layer in one:
+        assert one[layer].shape == (2, 2, 50)
+        torch.testing.assert_close(chunked[layer], one[layer], rtol=1e-5, atol=1e-6)
+    assert torch.equal(chunked_tokens, tokens)
+    for a, b in zip(chunked_kept, kept):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
