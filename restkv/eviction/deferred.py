@@ -143,8 +143,7 @@ def _pass_scores(decoder, base, cache, prefills, ids, length, span) -> dict:
     # a pass that is more than a forward (KVgrad's backward)
     run = getattr(module, "run_pass", None)
     chunked = hasattr(module, "PASS_CHUNK")
-    chunk = module.PASS_CHUNK if chunked else None
-    chunk = chunk or ids.shape[0]
+    chunk = getattr(module, "PASS_CHUNK", None) or ids.shape[0]
     statistic = module.query_statistic if chunked else cfg.scorer.score
     observed = []
     out: dict = {}

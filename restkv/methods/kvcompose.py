@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from ..knobs import Knob
 from ..lazy import torch
-from ..scoring.observe import group_view
+from ..scoring.observe import attention_received, group_view
 
 PASS_CHUNK = 512  # the pass's tokens per forward (restkv.eviction.deferred.replay_scores)
 
@@ -109,16 +109,8 @@ def score(obs, cfg):
 def query_statistic(obs, cfg):
     """The largest (``agg_task="max"``) or summed attention each entry before the queries receives
     from them -> [b, Hq, P]; one forward's part of a pass read in several (``PASS_CHUNK``)."""
-    b, hq, rows, _ = obs.queries.shape
-    P = obs.prefix_len
-    acc = torch.zeros(b, hq, P, device=obs.keys.device)  # attention >= 0: 0 is neutral for both
-    for _, a in obs.attention_blocks(rows):  # [b, Hq, r, n], about the layer's K+V each
-        a = a[..., :P]
-        if cfg.agg_task == "max":
-            torch.maximum(acc, a.amax(-2), out=acc)
-        else:
-            acc += a.sum(-2)
-    return acc
+    blocks = obs.attention_blocks(obs.queries.shape[2])  # about the layer's K+V each
+    return attention_received(blocks, obs.prefix_len, "max" if cfg.agg_task == "max" else "sum")
 
 
 def merge(a, b, cfg):

@@ -43,6 +43,7 @@ import functools
 
 from ..knobs import GQA_AGG, Knob
 from ..lazy import torch
+from ..scoring.observe import attention_received
 from . import streamingllm
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -137,9 +138,7 @@ def passes(
 def score(obs, cfg):
     """Largest attention each prefix entry gets from the window's queries (a pass's tokens), sinks above all
     -> [b, Hq, P]."""
-    s = None
-    for _, attention in obs.recent_attention_blocks(obs.window):  # a pass's queries: in blocks
-        block = attention[..., : obs.prefix_len].amax(-2)
-        s = block if s is None else torch.maximum(s, block)
+    blocks = obs.recent_attention_blocks(obs.window)  # a pass's queries: in blocks
+    s = attention_received(blocks, obs.prefix_len)
     pos = obs.positions[:, None, : obs.prefix_len]
     return torch.where((pos >= 0) & (pos < cfg.sink_tokens), SINK, s)

@@ -76,21 +76,6 @@ def _steps(layers: int, span: int, overlap: int) -> tuple[int, int, int]:
     return group, after, group - after
 
 
-def ladder(
-    length: int, cache: int, start: int, layers: int, layer: int, span: int, overlap: int
-) -> list[int]:
-    """Positions layer ``layer`` keeps of ``length`` tokens: the reference's compaction with cursor
-    ``start`` (``ladder_mask`` of one sample)."""
-    kept = ladder_mask(
-        torch.arange(length)[None],
-        torch.tensor([[length]]),
-        cache,
-        torch.tensor([[start]]),
-        (layers, layer, span, overlap),
-    )
-    return kept[0].nonzero().flatten().tolist()
-
-
 def ladder_mask(place, length, cache: int, start, rungs: tuple) -> "torch.Tensor":
     """[b, n] bool: which of the places ``place`` [b, n] (0: the sample's first token) a layer keeps
     of each sample's ``length`` [b, 1] tokens, with ``start`` [b, 1] sinks and cache size ``cache``:

