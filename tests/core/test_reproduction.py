@@ -150,7 +150,7 @@ def test_one_set_per_query_head_refuses_what_it_cannot_hold():
 def test_budget_as_a_fraction_of_each_sample():
     """max_capacity_prompt_ratio: round(L * ratio) per sample (window included), as the original's runner."""
     import restkv
-    from helpers import generate, masked_reference_logits, prompt, tiny_model
+    from helpers import generate, prompt, tiny_model
 
     model = tiny_model("llama", "sdpa")
     long, short = prompt(80, seed=1), prompt(50, seed=2)
