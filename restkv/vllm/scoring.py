@@ -1,78 +1,94 @@
-"""One request's eviction in one layer, from the tensors vLLM's attention backend receives (no vLLM
-import).
+"""One request's eviction in one layer, from what vLLM's attention backend holds (no vLLM import).
 
 The observation and selection are restkv's own (``restkv.scoring.observe.Observation``,
-``restkv.eviction.select.select``), so the kept entries are those ``restkv.configure`` keeps for the same
-prompt, layer and config.
+``restkv.eviction.select.select``), laid out as restkv's eviction while decoding lays out a layer:
+the entries held in cache order, the most recent queries as the window's. So the kept entries are
+those ``restkv.configure`` keeps for the same prompt, layer and config, at prefill and while
+decoding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..strategies.budgets import layer_budgets
-from ..config import CompressionConfig
-from ..scoring.observe import Observation, wo_factor
 from ..cache import Kept
-from ..eviction.select import select
+from ..config import CompressionConfig
+from ..eviction.select import head_scores, select
+from ..scoring.observe import Observation, wo_factor
+from ..scoring.output_error import wo_gram
+from ..scoring.precision import float32_scoring
 
 
-@torch.no_grad()
-def kept_entries(
+def observation(
     cfg: CompressionConfig,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    budget: int,
     scale: float,
     softcap: float | None,
     layer: int,
     num_layers: int,
     o_proj_weight=None,
-    wo=None,
-) -> Kept:
-    """What one request keeps in one layer.
+    factor=None,
+    window: int | None = None,
+) -> Observation:
+    """What the scorer sees of one request in one layer.
 
     Parameters
     ----------
-    query, key, value : Tensor
-        [L, Hq, d], [L, Hkv, d], [L, Hkv, d]: the request's prompt as the backend received it (after
-        RoPE).
-    scale, softcap
-        The layer's attention scale and logit softcap (None: none).
-    layer, num_layers
-        The layer's index and the model's number of attention layers (for per-layer budgets and
-        scores).
-    o_proj_weight : callable, optional
-        Returns the layer's o_proj weight [hidden, Hq d] (ReST-KV's W_O terms), called only if a
-        score reads it.
-    wo : callable, optional
-        Returns the W_O factor R [Hq, d, d] (``restkv.scoring.observe.wo_factor`` of that weight; by default
-        computed here).
-
-    Returns
-    -------
-    Kept
-        keys / values [1, Hkv, B, d], positions [1, Hkv, B]: B = the layer's budget, window
-        included.
+    queries, keys, values : Tensor
+        [r, Hq, d] the queries of the last r positions held, [H, Hkv, d] the entries held (after
+        RoPE), in cache order.
+    budget
+        Entries kept per KV head, window included.
+    o_proj_weight, factor : callable, optional
+        Return the layer's o_proj weight [hidden, Hq d] and its W_O factor R [Hq, d, d]
+        (``restkv.scoring.observe.wo_factor``; ReST-KV's W_O terms), called only if a score reads
+        them; the factor defaults to one computed from the weight.
+    window
+        The observation window (default ``cfg.window_size``; 0 scores every entry held).
     """
-    n, hq, _ = query.shape
-    budget = layer_budgets(cfg, num_layers, n)[layer]
-    obs = Observation(
-        queries=query.transpose(0, 1)[None],
-        keys=key.transpose(0, 1)[None],
-        values=value.transpose(0, 1)[None],
-        key_valid=torch.ones(1, n, dtype=torch.bool, device=key.device),
-        window=cfg.window_size,
+    n = keys.shape[0]
+    hq, d = queries.shape[1], queries.shape[2]
+    weight = o_proj_weight
+    return Observation(
+        queries=queries.transpose(0, 1)[None],
+        keys=keys.transpose(0, 1)[None],
+        values=values.transpose(0, 1)[None],
+        key_valid=torch.ones(1, n, dtype=torch.bool, device=keys.device),
+        window=cfg.window_size if window is None else window,
         budget=budget,
         scaling=scale,
         softcap=softcap or None,
         layer=layer,
         num_layers=num_layers,
-        wo_factor=wo
-        or (None if o_proj_weight is None else (lambda: wo_factor(o_proj_weight(), hq))),
-        wo_weight=o_proj_weight,
+        wo_factor=factor or (None if weight is None else (lambda: wo_factor(weight(), hq))),
+        wo_weight=weight,
+        wo_gram=None if weight is None else (lambda heads: wo_gram(weight(), heads, d)),
     )
-    return select(obs, cfg)
+
+
+@torch.no_grad()
+def kept_entries(
+    obs: Observation, cfg: CompressionConfig, summed: torch.Tensor | None = None
+) -> Kept:
+    """What one request keeps in one layer: keys / values [1, Hkv, B, d], positions [1, Hkv, B]
+    (indices among the entries held). ``summed`` [Hq or Hkv, H]: a ``SUMMED`` method's score of every
+    entry held, added up over the prompt's chunks (``chunk_score``)."""
+    with float32_scoring(obs.keys.device.type):
+        scores = (
+            None if summed is None else head_scores(obs, cfg, summed[None, :, : obs.prefix_len])
+        )
+        return select(obs, cfg, scores=scores)
+
+
+@torch.no_grad()
+def chunk_score(obs: Observation, cfg: CompressionConfig) -> torch.Tensor:
+    """A ``SUMMED`` method's score of every entry held from the queries ``obs`` holds (a chunk of
+    the prompt; ``obs.window`` 0) -> [Hq or Hkv, H] float32."""
+    with float32_scoring(obs.keys.device.type):
+        return cfg.scorer.score(obs, cfg.score_knobs())[0]
 
 
 def slot_rows(kept: Kept) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,14 +1,20 @@
-"""The plugin's configuration and the rule both of vLLM's sides apply: no vLLM import here.
+"""The plugin's configuration and the rules both of vLLM's sides apply: no vLLM import here.
 
 ``RESTKV_VLLM`` (a JSON object) holds the knobs of ``restkv.configure`` (``method``,
-``max_capacity_prompt``, ``window_size``, the method's own); vLLM's own
-``additional_config={"restkv": {...}}`` takes precedence. Unset, the plugin changes nothing.
+``max_capacity_prompt``, ``window_size``, ``decode_interval``, the method's own); an engine's
+``additional_config={"restkv": {...}}`` (``--additional-config`` of ``vllm serve``) takes precedence
+over it. Neither set: the plugin changes nothing.
+
+The rules (``eviction``, ``hit_limit``, the block counts) are what the scheduler, which frees and
+allocates blocks, and every worker, which rewrites the cache, both compute from the same numbers,
+so they agree without a message.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 from ..config import CompressionConfig
 
@@ -26,24 +32,53 @@ _NEEDED = {
         "none: vLLM holds the cache (its kv_cache_dtype quantizes)",
     ),
     "pruning_ratio": (lambda v: v is None, "none: vLLM's cache keeps every key channel"),
-    "decode_interval": (lambda v: not v, "0: the plugin evicts at prefill only"),
+    "query_proxy": (lambda v: v == "window", "'window' (the others read every query before RoPE)"),
+    "rerotate_keys": (
+        lambda v: v in (None, "none"),
+        "none: vLLM's cache holds the keys as RoPE rotated them",
+    ),
 }
+
+# Methods whose score reads what the attention backend does not give it: every query of the prompt
+# (other than as a sum, see ``SUMMED``), the queries or keys before RoPE, or constants of the model.
+_NEEDS = {
+    "cap": "the queries before RoPE",
+    "compactor": "every query of the prompt",
+    "noncausal": "every query of the prompt",
+    "qfilter": "the model's Q-Filters, computed from its queries before RoPE",
+    "expected_attention": "the queries before RoPE",
+    "expected_attention_stats": "the model's query statistics, computed before RoPE",
+    "duo_attention": "the queries and keys before RoPE",
+    "leverage": "the keys before RoPE",
+}
+
+# Methods whose score is a sum over the queries it is given: over a prompt computed in chunks it is
+# the sum of the chunks' scores (each chunk's queries over the keys before them).
+SUMMED = ("restkv.methods.h2o",)
+
+# Methods whose score of a head reads other heads (a mean over the heads, a normalisation by the
+# largest): with tensor parallelism each worker holds some heads only.
+MIXES_HEADS = ("restkv.methods.tova", "restkv.methods.cur", "restkv.methods.compactor")
 
 
 def from_env(additional: dict | None = None) -> CompressionConfig | None:
     """The config the plugin runs (None: the plugin is off), validated; a bad one raises a one-line
     ValueError."""
     knobs = (additional or {}).get("restkv")
+    source = "additional_config['restkv']"
     if knobs is None:
         text = os.environ.get(ENV)
         if not text:
             return None
+        source = ENV
         try:
             knobs = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{ENV} must be a JSON object of restkv knobs: {e}") from None
     if not isinstance(knobs, dict):
-        raise ValueError(f"{ENV} must be a JSON object of restkv knobs; got {type(knobs).__name__}")
+        raise ValueError(
+            f"{source} must be a JSON object of restkv knobs; got {type(knobs).__name__}"
+        )
     cfg = CompressionConfig.from_kwargs(**knobs)
     check(cfg)
     return cfg
@@ -65,24 +100,125 @@ def check(cfg: CompressionConfig) -> None:
             f"{ENV}: method {cfg.method} scores the layers' hidden states, which vLLM's attention "
             "backend does not see"
         )
-    if cfg.method == "expected_attention":
+    needs = _NEEDS.get(cfg.scorer.scorer.rsplit(".", 1)[-1])
+    if needs:
         raise ValueError(
-            f"{ENV}: method expected_attention needs the queries before RoPE, which vLLM's "
-            "attention backend does not see"
+            f"{ENV}: method {cfg.method} needs {needs}, which vLLM's attention backend does not see"
         )
     for name, (runs, needed) in _NEEDED.items():
         if name in cfg and not runs(cfg[name]):
             raise ValueError(f"{ENV}: {name}={cfg[name]!r} cannot run in vLLM; it needs {needed}")
 
 
-def kept_entries(computed_before: int, scheduled: int, prompt_len: int, budget: int) -> int | None:
-    """Entries a request holds after this step, if it evicts in this step; None if it does not.
+def query_rows(cfg: CompressionConfig) -> int:
+    """The most recent queries an eviction reads: the window's (ReST-KV: ``query_window`` when
+    longer). A ``SUMMED`` method's prefill reads every query, as chunk scores (``summed``)."""
+    return max(cfg.window_size, cfg.get("query_window") or 0)
 
-    A request evicts in the step that computes its whole sequence from the start (its prefill, or
-    the re-prefill of a preempted request) when that sequence is longer than the budget. The
-    scheduler (which frees the blocks) and the worker (which rewrites the cache) both decide with
-    this rule.
+
+def summed(cfg: CompressionConfig) -> bool:
+    """Its prefill score is a sum over every query of the prompt, added up chunk by chunk."""
+    return cfg.scorer.scorer in SUMMED
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What one request does at the end of one engine step.
+
+    ``held`` entries are in its blocks once the step's tokens are written; it keeps ``budget`` of
+    them. ``fresh``: the kept entries go to ``kept_blocks`` new blocks allocated after the held ones
+    (its first eviction with prefix caching on: the held blocks may be shared with other requests
+    or offered as cache hits, so they are left whole and released); else they are written over its
+    first ``kept_blocks`` blocks (its blocks are its own).
     """
-    if computed_before != 0 or scheduled < prompt_len or scheduled <= budget:
+
+    held: int
+    budget: int
+    fresh: bool
+    block_size: int
+
+    @property
+    def held_blocks(self) -> int:
+        return -(-self.held // self.block_size)
+
+    @property
+    def kept_blocks(self) -> int:
+        return -(-self.budget // self.block_size)
+
+    @property
+    def first_kept_block(self) -> int:
+        """Index in the request's blocks of the first block the kept entries go to."""
+        return self.held_blocks if self.fresh else 0
+
+    @property
+    def slots(self) -> int:
+        """Token slots the request needs during the step."""
+        return self.held_blocks * self.block_size + (
+            self.kept_blocks * self.block_size if self.fresh else 0
+        )
+
+
+def eviction(
+    cfg: CompressionConfig,
+    computed: int,
+    scheduled: int,
+    prompt_len: int,
+    offset: int,
+    caching: bool,
+    block_size: int,
+) -> Eviction | None:
+    """The request's eviction at the end of a step that computes its tokens ``computed`` ..
+    ``computed + scheduled - 1`` (logical positions), or None.
+
+    Eviction is checked once a step has computed the whole prompt (``prompt_len``) and then every
+    ``decode_interval`` tokens after it (logical counts ``prompt_len + m * decode_interval``), as
+    restkv's transformers path does; a request evicts at a check when it holds more than its budget:
+    ``max_capacity_prompt``, or while decoding under ``decode_compression_ratio`` r
+    ``max(window_size + 1, int(n (1 - r)))`` of the n tokens it has seen. ``offset``: entries it
+    evicted before (logical - held); ``caching``: prefix caching is on.
+    """
+    end = computed + scheduled
+    if not _checks_between(computed, end, prompt_len, cfg.get("decode_interval") or 0):
         return None
-    return budget
+    held = end - offset
+    budget = budget_at(cfg, end, at_prefill=computed < prompt_len)
+    if held <= budget:
+        return None
+    return Eviction(held, budget, caching and offset == 0, block_size)
+
+
+def _checks_between(computed: int, end: int, prompt_len: int, interval: int) -> bool:
+    """Whether a check point (``prompt_len``, then every ``interval`` tokens) is in (computed, end]."""
+    if end < prompt_len:
+        return False
+    if computed < prompt_len:
+        return True
+    return interval > 0 and (end - prompt_len) // interval > (computed - prompt_len) // interval
+
+
+def budget_at(cfg: CompressionConfig, seen: int, at_prefill: bool) -> int:
+    """Entries kept per KV head and layer at a check after ``seen`` tokens (window included)."""
+    ratio = cfg.get("decode_compression_ratio")
+    if at_prefill or ratio is None:
+        return cfg.max_capacity_prompt
+    return max(cfg.window_size + 1, max(1, int(seen * (1 - ratio))))
+
+
+def hit_limit(cfg: CompressionConfig, num_tokens: int) -> int:
+    """The most tokens of a request that a prefix-cache hit may provide: an eviction reads the
+    queries of its last ``query_rows`` positions (and a ``SUMMED`` method's prefill every query),
+    which only a computed token has. ``num_tokens``: what the request's prefill computes up to."""
+    if summed(cfg) and num_tokens > cfg.max_capacity_prompt:
+        return 0
+    return max(0, num_tokens - query_rows(cfg))
+
+
+def extra_blocks(cfg: CompressionConfig, max_model_len: int, block_size: int) -> int:
+    """Blocks a request can hold beyond ``max_model_len``'s: the kept ones during a first eviction
+    with prefix caching on."""
+    most = (
+        max_model_len
+        if cfg.get("decode_compression_ratio") is not None
+        else cfg.max_capacity_prompt
+    )
+    return -(-min(most, max_model_len) // block_size)

@@ -1,202 +1,155 @@
-"""The vLLM plugin (``restkv.vllm``) on the packaged SmolLM2, against plain vLLM and restkv's
-transformers path.
+"""The vLLM plugin (``restkv.vllm``) inside vLLM on the packaged SmolLM2, against plain vLLM and
+restkv's transformers path, at vLLM's defaults (prefix caching and chunked prefill on).
 
 Runs in the vLLM environment (``make vllm-test``); skipped where vLLM is not installed. Each engine
-runs in a subprocess (``run_engine.py``); restkv's transformers path runs in restkv's own
-environment (``RESTKV_PYTHON``, default ``.venv/bin/python``) through ``reference.py``.
+runs in a subprocess (``run_engine.py``, eager unless a test says otherwise); restkv's transformers
+path runs in restkv's own environment (``RESTKV_PYTHON``, default ``.venv/bin/python``) through
+``reference.py``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from harness import (
+    DECODING,
+    H2O,
+    PROMPT_LEN,
+    RESTKV,
+    SNAPKV,
+    TP3_ENV,
+    blocks,
+    engine_run,
+    reference,
+)
+
 pytestmark = pytest.mark.vllm
-
-HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
-PROMPT_LEN = 300
-NEW_TOKENS = 16
-BLOCK = 32
-SNAPKV = {"method": "snapkv", "max_capacity_prompt": 128, "window_size": 32}
-RESTKV = {"preset": "paper", "max_capacity_prompt": 128}
-
-
-def _restkv_python() -> str:
-    python = os.environ.get("RESTKV_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
-    if not Path(python).exists():
-        pytest.skip(
-            f"restkv's own environment is needed for the reference (RESTKV_PYTHON={python})"
-        )
-    return python
-
-
-def _run(cmd: list[str], env: dict) -> str:
-    done = subprocess.run(
-        cmd,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd=ROOT,
-    )
-    if done.returncode != 0:
-        raise AssertionError(f"{cmd[1]} failed:\n{done.stderr[-4000:]}")
-    return done.stdout
-
-
-@pytest.fixture(scope="session")
-def prompt() -> list[int]:
-    """The README's first PROMPT_LEN tokens (and the packaged model converted, by restkv's
-    environment)."""
-    code = (
-        "import json; from restkv.bench.models import load_model; "
-        "_, t = load_model('smollm2-135m'); "
-        f"print(json.dumps(t(open('README.md').read())['input_ids'][:{PROMPT_LEN}]))"
-    )
-    ids = json.loads(_run([_restkv_python(), "-c", code], {}).strip().splitlines()[-1])
-    assert len(ids) == PROMPT_LEN
-    return ids
-
-
-@pytest.fixture(scope="session")
-def model_dir(prompt) -> str:
-    from restkv.bench.models import cache_dir
-
-    return str(cache_dir("smollm2-135m"))
-
-
-_RUNS: dict = {}
-
-
-def engine_run(model_dir: str, prompt: list[int], knobs: dict | None, more=()) -> dict:
-    """Greedy tokens, kept positions and block counts of one engine on ``prompt`` and ``more``
-    prompts submitted with it (cached per knobs and prompts)."""
-    key = json.dumps([knobs, len(more)], sort_keys=True)
-    if key not in _RUNS:
-        spec = {
-            "model": model_dir,
-            "prompts": [prompt, *more],
-            "max_tokens": NEW_TOKENS,
-            "block_size": BLOCK,
-        }
-        env = {"RESTKV_VLLM": json.dumps(knobs)} if knobs else {"RESTKV_VLLM": ""}
-        out = _run([sys.executable, str(HERE / "run_engine.py"), json.dumps(spec)], env)
-        _RUNS[key] = json.loads(
-            next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]
-        )
-    return _RUNS[key]
-
-
-_REFS: dict = {}
-
-
-def reference(prompt: list[int], knobs: dict) -> dict:
-    """restkv's transformers path on ``prompt`` (cached per knobs and prompt)."""
-    key = json.dumps([knobs, prompt], sort_keys=True)
-    if key not in _REFS:
-        _REFS[key] = _reference(prompt, knobs)
-    return _REFS[key]
-
-
-def _reference(prompt: list[int], knobs: dict) -> dict:
-    out = _run(
-        [
-            _restkv_python(),
-            str(HERE / "reference.py"),
-            json.dumps(knobs),
-            str(NEW_TOKENS),
-            json.dumps(prompt),
-        ],
-        {},
-    )
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_budget_covering_the_prompt_gives_plain_vllm_tokens(model_dir, prompt):
-    plain = engine_run(model_dir, prompt, None)
-    covered = engine_run(model_dir, prompt, {**SNAPKV, "max_capacity_prompt": PROMPT_LEN})
+    plain = engine_run(model_dir, [prompt], None)
+    covered = engine_run(model_dir, [prompt], {**SNAPKV, "max_capacity_prompt": PROMPT_LEN})
     assert covered["tokens"] == plain["tokens"]
     assert covered["kept"] == [[]]  # nothing evicted
-    assert covered["steps"][:2] == plain["steps"][:2]  # the same blocks held
+    assert covered["steps"] == plain["steps"]  # the same blocks held at every step
 
 
-@pytest.mark.parametrize("knobs", [SNAPKV, RESTKV], ids=["snapkv", "restkv-paper"])
-def test_eviction_matches_restkv_transformers_path(model_dir, prompt, knobs):
+@pytest.mark.parametrize(
+    "knobs", [SNAPKV, RESTKV, H2O], ids=["snapkv", "restkv-paper", "h2o-summed"]
+)
+def test_chunked_prefill_eviction_matches_restkv_transformers_path(model_dir, prompt, knobs):
+    """The prompt in chunks of 142 (the window split over the last two): every layer keeps the
+    transformers path's positions and the tokens follow it."""
     ref = reference(prompt, knobs)
-    run = engine_run(model_dir, prompt, knobs)
-    kept = run["kept"][0]
+    run = engine_run(model_dir, [prompt], knobs)
+    (kept,) = run["kept"][0]  # one tensor-parallel rank
     assert len(kept) == len(ref["kept"]) == 30
     for layer, (ours, theirs) in enumerate(zip(kept, ref["kept"])):
         assert ours == theirs, f"layer {layer}: kept positions differ"
     assert run["tokens"][0] == ref["tokens"]
 
 
-def test_a_batch_evicts_each_request_on_its_own(model_dir, prompt):
-    """Three requests in one step: two longer than the budget (300 and 200 tokens), one shorter."""
-    more = [prompt[50:250], prompt[100:200]]
-    run = engine_run(model_dir, prompt, SNAPKV, more)
-    for i, p in enumerate([prompt, *more]):
+def test_a_batch_and_a_prefix_hit(model_dir, text_ids, prompt):
+    """Three requests in one batch (300 and 200 tokens over the budget, 100 under it), then a fourth
+    sharing the first's first 256 tokens: each gives its own transformers-path tokens and kept
+    positions; the fourth reads its first 256 tokens from the prefix cache (the first's 8 blocks,
+    left whole by its eviction; the hit may reach 316 - 32, the window's queries)."""
+    batch = [prompt, text_ids[350:550], text_ids[600:700]]
+    later = text_ids[:256] + text_ids[700:760]
+    run = engine_run(model_dir, [*batch, {"ids": later, "after": 0}], SNAPKV)
+    for i, p in enumerate([*batch, later]):
         ref = reference(p, SNAPKV)
         assert run["tokens"][i] == ref["tokens"], f"request {i}"
         if len(p) > SNAPKV["max_capacity_prompt"]:
-            assert run["kept"][i] == ref["kept"], f"request {i}"
-    scheduled, after_prefill = run["steps"][0]
-    blocks = [-(-len(p) // BLOCK) for p in [prompt, *more]]
-    kept = [min(b, -(-SNAPKV["max_capacity_prompt"] // BLOCK)) for b in blocks]
-    assert run["free_at_start"] - scheduled == sum(blocks)
-    assert after_prefill - scheduled == sum(blocks) - sum(kept)
+            assert run["kept"][i] == [ref["kept"]], f"request {i}"
+    assert run["cached"][3] == 256
+    assert run["cached"][:3] == [0, 0, 0]
 
 
 def test_evicted_blocks_return_to_the_pool(model_dir, prompt):
-    budget = SNAPKV["max_capacity_prompt"]
-    run = engine_run(model_dir, prompt, SNAPKV)
-    plain = engine_run(model_dir, prompt, None)
-    (scheduled, after_prefill), (decode_scheduled, _) = run["steps"][:2]
-    full_blocks = -(-PROMPT_LEN // BLOCK)
-    kept_blocks = -(-budget // BLOCK)
-    assert (
-        run["free_at_start"] - scheduled == full_blocks
-    )  # the prefill step holds the whole prompt
-    assert (
-        after_prefill - scheduled == full_blocks - kept_blocks
-    )  # then the evicted blocks come back
-    assert plain["steps"][0][1] == plain["steps"][0][0]  # plain vLLM keeps them
-    assert run["free_at_start"] - decode_scheduled == -(
-        -(budget + 1) // BLOCK
-    )  # decoding appends after B entries
+    """With prefix caching the step that evicts holds the prompt's blocks and the 4 new ones its
+    kept entries go to; after it, the 4 only; the prompt's blocks are back in the pool (free, and
+    still cached)."""
+    run = engine_run(model_dir, [prompt], SNAPKV)
+    plain = engine_run(model_dir, [prompt], None)
+    start = run["free_at_start"]
+    last_chunk = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
+    scheduled, after = run["steps"][last_chunk]
+    kept = blocks(SNAPKV["max_capacity_prompt"])
+    assert start - scheduled == blocks(PROMPT_LEN) + kept
+    assert start - after == kept
+    assert run["held"][0] == blocks(PROMPT_LEN) + kept
+    assert start - plain["steps"][last_chunk][1] == blocks(PROMPT_LEN)  # plain vLLM holds them all
+    assert start - run["steps"][last_chunk + 1][0] == blocks(SNAPKV["max_capacity_prompt"] + 1)
 
 
-def test_refusals_at_startup(model_dir, monkeypatch):
+@pytest.mark.parametrize(
+    "length", [100, PROMPT_LEN], ids=["prompt-under-budget", "prompt-over-budget"]
+)
+def test_eviction_while_generating(model_dir, text_ids, length):
+    """decode_interval=32 over 200 generated tokens: the transformers path's tokens, and a request
+    never holds more than its budget plus the interval (plus the kept blocks of its first eviction,
+    during that step)."""
+    p = text_ids[:length]
+    ref = reference(p, DECODING, 200)
+    run = engine_run(model_dir, [p], DECODING, new_tokens=200)
+    assert run["tokens"][0] == ref["tokens"]
+    budget, interval = DECODING["max_capacity_prompt"], DECODING["decode_interval"]
+    most = max(blocks(length), blocks(budget + interval)) + blocks(budget)
+    assert run["held"][0] <= most
+    plain = engine_run(model_dir, [p], None, new_tokens=200)
+    assert plain["held"][0] == blocks(length + 200 - 1)
+    assert run["steps"][-1][1] == run["free_at_start"]  # every block back at the end
+
+
+def test_tensor_parallel_ranks_evict_their_own_heads(model_dir, prompt):
+    """TP=3 (one of SmolLM2's 3 KV heads per rank): each rank keeps the transformers path's positions
+    for its head, with ReST-KV's W_O its own columns; the tokens are the transformers path's."""
+    knobs = {**RESTKV, "decode_interval": 32}
+    ref = reference(prompt, knobs, 64)
+    run = engine_run(model_dir, [prompt], knobs, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
+    ranks = run["kept"][0]
+    assert len(ranks) == 3
+    for rank, kept in enumerate(ranks):
+        for layer, (ours, theirs) in enumerate(zip(kept, ref["kept"])):
+            assert ours == [theirs[rank]], f"rank {rank} layer {layer}"
+    assert run["tokens"][0] == ref["tokens"]
+
+
+def test_additional_config_without_the_environment_variable(model_dir, prompt):
+    run = engine_run(model_dir, [prompt], None, additional_config={"restkv": SNAPKV})
+    assert run["kept"][0] == [reference(prompt, SNAPKV)["kept"]]
+
+
+def test_compiled_engine_at_every_default(model_dir, prompt):
+    """No engine knob but the budget's: compiled model, vLLM's own chunk size (the prompt in one
+    chunk), prefix caching on."""
+    run = engine_run(model_dir, [prompt], SNAPKV, enforce_eager=False, max_num_batched_tokens=None)
+    assert run["tokens"][0] == reference(prompt, SNAPKV)["tokens"]
+
+
+def test_refusals_at_startup_all_at_once(model_dir, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
-    from restkv.vllm.engine import check_config, install
+    from restkv.vllm import settings
+    from restkv.vllm.hooks import install, refusals
 
-    monkeypatch.setenv("RESTKV_VLLM", json.dumps(SNAPKV))
+    monkeypatch.setenv("RESTKV_VLLM", json.dumps({"method": "tova", "max_capacity_prompt": 128}))
     install()
-    ok = dict(
-        model=model_dir,
-        dtype="float32",
-        enable_prefix_caching=False,
-        enable_chunked_prefill=False,
-        max_model_len=1024,
-        max_num_batched_tokens=1024,
-    )
-    for change, words in [
-        ({"enable_prefix_caching": True}, "prefix caching"),
-        ({"enable_chunked_prefill": True}, "chunked prefill"),
-    ]:
-        with pytest.raises(ValueError, match=words):
-            EngineArgs(**{**ok, **change}).create_engine_config()
-    config = EngineArgs(**ok).create_engine_config()  # the supported setting starts
-    # vLLM's CPU platform turns asynchronous scheduling off itself; a config that has it is refused
+    args = dict(model=model_dir, dtype="float32", max_model_len=1024)
+    config = EngineArgs(**args).create_engine_config()  # vLLM's defaults start
     config.scheduler_config.async_scheduling = True
-    with pytest.raises(ValueError, match="asynchronous scheduling"):
-        check_config(config)
+    config.cache_config.cache_dtype = "fp8"
+    config.parallel_config.tensor_parallel_size = 3
+    lines = refusals(config, settings.from_env())
+    assert len(lines) == 3
+    for line, words in zip(
+        lines, ["--no-async-scheduling", "--tensor-parallel-size 1", "--kv-cache-dtype auto"]
+    ):
+        assert words in line and "=" in line and line.startswith("RESTKV_VLLM: ")
+    with pytest.raises(ValueError, match="kv_cache_dtype='auto'"):
+        EngineArgs(**args, kv_cache_dtype="fp8").create_engine_config()

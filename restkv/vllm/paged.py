@@ -1,0 +1,152 @@
+"""A layer's paged KV cache as restkv reads and writes it: entries by slot, in the backend's own layout.
+
+A slot is ``block * block_size + offset``. Every layout is a pair of index maps from (block, offset,
+KV head, channel) to an element of the cache tensor, one for the keys and one for the values:
+
+- ``declared``: the GPU backends of vLLM (FlashAttention, FlashInfer, Triton) hold a layer as a
+  logical ``[blocks, KV heads, block_size, 2 d]`` tensor whose last axis is the key then the value
+  (whatever its physical stride order): the keys and values are strided views of it.
+- ``probed``: vLLM's CPU backend packs each block for its ISA (the keys of a block and head as
+  ``[d, block_size]`` on AVX-512, tiles on AMX), which no shape declares: the map is read off the
+  backend's own cache writer, by writing known values into a scratch block and finding where each
+  lands. A map that is strided is used as a view; one that is not as an element index.
+
+Reads and writes are plain indexing on the cache's device, never a host read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Paged:
+    """Keys and values of one layer's cache by slot.
+
+    ``keys`` / ``values``: views [blocks, block_size, Hkv, d] of the cache tensor, or (a layout that
+    is not strided) element offsets [block_size, Hkv, d] into the flat cache within a block, with
+    ``block_stride`` elements from one block to the next.
+    """
+
+    cache: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    block_size: int
+    block_stride: int = 0
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries of ``slots`` [n] -> keys, values [n, Hkv, d] (copies)."""
+        return self._at(self.keys, slots), self._at(self.values, slots)
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys, values [n, Hkv, d] into ``slots`` [n]."""
+        self._put(self.keys, slots, keys)
+        self._put(self.values, slots, values)
+
+    def _at(self, where: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        block, offset = slots // self.block_size, slots % self.block_size
+        if where.dim() == 4:
+            return where[block, offset]
+        return self.cache.view(-1)[block[:, None, None] * self.block_stride + where[offset]]
+
+    def _put(self, where: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        block, offset = slots // self.block_size, slots % self.block_size
+        if where.dim() == 4:
+            where[block, offset] = x.to(where.dtype)
+        else:
+            index = block[:, None, None] * self.block_stride + where[offset]
+            self.cache.view(-1)[index] = x.to(self.cache.dtype)
+
+
+def declared(kv_cache: torch.Tensor, head_size: int) -> Paged:
+    """A GPU backend's layer: ``kv_cache`` logical [blocks, Hkv, block_size, 2 d], keys then values on
+    the last axis."""
+    keys = kv_cache[..., :head_size].transpose(1, 2)
+    values = kv_cache[..., head_size:].transpose(1, 2)
+    return Paged(kv_cache, keys, values, kv_cache.shape[2])
+
+
+_PROBED: dict = {}  # (shape of a block, dtype, writer's key) -> (key map, value map), per process
+
+
+def probed(
+    kv_cache: torch.Tensor, block_size: int, heads: int, head_size: int, writer, key=None
+) -> Paged:
+    """A layer whose layout only its cache writer knows.
+
+    ``kv_cache``: the layer's contiguous cache, blocks first; ``writer(cache, keys, values, slots)``
+    writes keys, values [n, Hkv, d] into ``slots`` of a cache shaped as ``kv_cache``. The maps are
+    found once per block shape, dtype and ``key`` (e.g. the ISA) on a scratch cache of one block.
+    """
+    if not kv_cache.is_contiguous():
+        raise ValueError("restkv.vllm.paged.probed needs a contiguous cache")
+    found = (tuple(kv_cache.shape[1:]), kv_cache.dtype, key)
+    if found not in _PROBED:
+        _PROBED[found] = _probe(kv_cache, block_size, heads, head_size, writer)
+    key_map, value_map = (m.to(kv_cache.device) for m in _PROBED[found])
+    stride = kv_cache[0].numel()
+    return Paged(
+        kv_cache, *(_as_view(kv_cache, m, stride) for m in (key_map, value_map)), block_size, stride
+    )
+
+
+def _probe(kv_cache, block_size: int, heads: int, head_size: int, writer):
+    """(key map, value map): the element of a block's storage where each (offset, head, channel)
+    lands, [block_size, Hkv, d] each. Each element's number is written in base-64 digits (1..64,
+    small integers every dtype holds exactly, and never the scratch's 0), one writer call per digit,
+    the keys and the values each on their own."""
+    scratch = torch.zeros((1, *kv_cache.shape[1:]), dtype=kv_cache.dtype)
+    size = block_size * heads * head_size
+    number = torch.arange(size).view(block_size, heads, head_size)
+    zeros = torch.zeros(block_size, heads, head_size, dtype=scratch.dtype)
+    slots = torch.arange(block_size)
+    maps = []
+    for kind in range(2):
+        landed = torch.zeros(scratch.numel(), dtype=torch.long)
+        for digit in range(_digits(size)):
+            code = (number // 64**digit % 64 + 1).to(scratch.dtype)
+            scratch.zero_()
+            writer(scratch, *((code, zeros) if kind == 0 else (zeros, code)), slots)
+            raw = scratch.reshape(-1).float().round().long()
+            hit = raw > 0
+            landed[hit] += (raw[hit] - 1) * 64**digit
+        element = torch.full((size,), -1, dtype=torch.long)
+        where = torch.nonzero(hit).flatten()
+        element[landed[where]] = where
+        if (element < 0).any() or where.numel() != size:
+            raise RuntimeError(
+                "restkv.vllm: the cache writer does not place each key and value once"
+            )
+        maps.append(element.view(block_size, heads, head_size))
+    return maps
+
+
+def _digits(count: int) -> int:
+    digits = 1
+    while 64**digits < count:
+        digits += 1
+    return digits
+
+
+def _as_view(kv_cache: torch.Tensor, element: torch.Tensor, block_stride: int) -> torch.Tensor:
+    """[blocks, block_size, Hkv, d] strided view of ``kv_cache`` when the map is strided, else the map."""
+    base = int(element[0, 0, 0])
+    strides = []
+    for axis in range(3):
+        step = (
+            element.narrow(axis, 1, 1) - element.narrow(axis, 0, 1)
+            if element.shape[axis] > 1
+            else None
+        )
+        strides.append(0 if step is None else int(step.flatten()[0]))
+    grid = [torch.arange(n) * s for n, s in zip(element.shape, strides)]
+    affine = base + grid[0][:, None, None] + grid[1][None, :, None] + grid[2][None, None, :]
+    if not torch.equal(affine.to(element.device), element):
+        return element
+    return kv_cache.as_strided(
+        (kv_cache.shape[0], *element.shape),
+        (block_stride, *strides),
+        kv_cache.storage_offset() + base,
+    )

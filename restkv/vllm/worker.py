@@ -1,0 +1,275 @@
+"""A worker's eviction state and its steps (no vLLM import: ``restkv.vllm.hooks`` feeds it vLLM's
+tensors and block tables).
+
+Each engine step the model runner describes its batch (``Worker.begin``): per request its tokens in
+the step, the tokens computed before, its prompt length and its blocks. The rule of
+``restkv.vllm.settings.eviction`` says which requests evict at the end of the step. Then every
+attention layer, after its attention, calls ``Worker.layer``: the step's queries go to the query
+ring; a ``SUMMED`` method's prompt chunk adds its scores; each evicting request reads the entries it
+holds back from the layer's paged cache (``restkv.vllm.paged``), selects, and writes the kept
+entries to the blocks the rule names. ``Worker.end`` records the new offsets and returns the
+block-table edits for the next step.
+
+Memory, per request and layer: the ring's ``query_rows`` queries [rows, Hq, d]; during an eviction
+the entries it holds, read back once (one copy of its K+V) plus the selection's own; a ``SUMMED``
+method's prefill [Hq, L] float32 scores.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..scoring.observe import wo_factor
+from . import settings
+from .scoring import chunk_score, kept_entries, observation, slot_rows
+
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+@dataclass
+class Held:
+    """One request's state on a worker."""
+
+    slot: int  # its row in the query ring
+    offset: int = 0  # entries evicted so far (logical - held)
+    sums: dict = field(default_factory=dict)  # layer name -> [Hq or Hkv, n] summed chunk scores
+
+
+@dataclass
+class Scheduled:
+    """One request's part of a step."""
+
+    req_id: str
+    held: Held
+    start: int  # its first token in the step's batch
+    count: int  # its tokens in the step
+    computed: int  # tokens computed before the step (logical)
+    prompt_len: int
+    blocks: np.ndarray  # its block ids
+    eviction: settings.Eviction | None
+    sums: bool  # its prefill adds a SUMMED method's chunk scores
+    held_slots: torch.Tensor | None = (
+        None  # [held] the slots of the entries it holds, on the device
+    )
+    kept_slots: torch.Tensor | None = None  # [budget] where its kept entries go
+
+    @property
+    def end(self) -> int:
+        return self.computed + self.count
+
+
+class QueryRing:
+    """The most recent queries of every request, per layer: [slots, rows, Hq, d], the query of
+    position p in row ``p % rows`` (allocated on a layer's first step, on its queries' device)."""
+
+    def __init__(self, rows: int, slots: int):
+        self.rows = rows
+        self.slots = slots
+        self.buffers: dict = {}
+
+    def write(
+        self, layer: str, query: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor
+    ) -> None:
+        """query [T, Hq, d]: the step's; ``tokens`` [m] which of them, ``index`` [m] their rows."""
+        if layer not in self.buffers:
+            self.buffers[layer] = query.new_zeros(self.slots * self.rows, *query.shape[1:])
+        self.buffers[layer].index_copy_(0, index, query.index_select(0, tokens))
+
+    def read(self, layer: str, slot: int, end: int, count: int) -> torch.Tensor:
+        """The queries of positions ``end - count`` .. ``end - 1`` of the request in ``slot`` ->
+        [count, Hq, d], oldest first."""
+        buffer = self.buffers[layer]
+        rows = torch.arange(end - count, end, device=buffer.device) % self.rows + slot * self.rows
+        return buffer.index_select(0, rows)
+
+
+class Worker:
+    """One model runner's eviction state (``cfg`` the plugin's config, ``slots`` its most
+    requests at once, ``caching`` vLLM's prefix caching, ``block_size`` its blocks' tokens)."""
+
+    def __init__(self, cfg, slots: int, caching: bool, block_size: int):
+        self.cfg = cfg
+        self.caching = caching
+        self.block_size = block_size
+        self.ring = QueryRing(settings.query_rows(cfg), slots)
+        self.free_slots = list(range(slots - 1, -1, -1))
+        self.requests: dict = {}  # request id -> Held
+        self.step: list = []  # Scheduled, this step's
+        self.ring_tokens = self.ring_index = None
+        self.pinned = None  # the host buffer of a step's slots (CUDA)
+        self.o_proj: dict = {}  # attention layer name -> a function returning its W_O [hidden, Hq d]
+        self.factors: dict = {}  # attention layer name -> its W_O factor R [Hq, d, d]
+        self.rank: dict = {}  # attention layer name -> its index among the attention layers
+        self.kept: dict = {}  # request id -> {layer: kept positions [Hkv, B]}, first evictions (recent requests)
+
+    # ---- the model's layers ----
+
+    def index_layers(self, names_to_o_proj: dict) -> None:
+        """``{attention layer name: a function returning its o_proj weight, or None}``."""
+        self.o_proj.update({n: f for n, f in names_to_o_proj.items() if f is not None})
+        names = sorted(
+            names_to_o_proj, key=lambda n: int(m.group(1)) if (m := _LAYER.search(n)) else 0
+        )
+        self.rank = {name: i for i, name in enumerate(names)}
+
+    # ---- requests ----
+
+    def forget(self, req_ids) -> None:
+        """Finished, aborted or preempted requests: their state and ring slot go."""
+        for req_id in req_ids:
+            held = self.requests.pop(req_id, None)
+            if held is not None:
+                self.free_slots.append(held.slot)
+
+    def offsets(self, req_ids) -> np.ndarray:
+        """Entries evicted by each request (logical positions - held entries)."""
+        return np.array(
+            [self.requests[r].offset if r in self.requests else 0 for r in req_ids], dtype=np.int64
+        )
+
+    # ---- a step ----
+
+    def begin(self, req_ids, computed, counts, prompt_lens, blocks, device) -> None:
+        """The step's batch, in its order: per request its id, tokens computed before, tokens in the
+        step, prompt length and block ids (numpy). The host's part of the step (slots, ring rows)
+        goes to ``device`` in one copy."""
+        self.step = []
+        start = 0
+        host = []  # arrays for the device, in order: ring tokens, ring rows, then each request's slots
+        rows = self.ring.rows
+        tokens, index = [], []
+        for req_id, c, n, length, row in zip(req_ids, computed, counts, prompt_lens, blocks):
+            c, n, length = int(c), int(n), int(length)
+            held = self.requests.get(req_id)
+            if held is None:
+                held = self.requests[req_id] = Held(self.free_slots.pop())
+            eviction = settings.eviction(
+                self.cfg, c, n, length, held.offset, self.caching, self.block_size
+            )
+            sums = (
+                settings.summed(self.cfg) and c < length and length > self.cfg.max_capacity_prompt
+            )
+            s = Scheduled(req_id, held, start, n, c, length, row, eviction, sums)
+            self.step.append(s)
+            last = min(n, rows)
+            tokens.append(np.arange(start + n - last, start + n))
+            index.append(held.slot * rows + np.arange(c + n - last, c + n) % rows)
+            if sums or eviction is not None:
+                held_count = s.end - held.offset
+                host.append(self._slots(row, 0, held_count))
+                if eviction is not None:
+                    host.append(
+                        self._slots(
+                            row, eviction.first_kept_block * self.block_size, eviction.budget
+                        )
+                    )
+            start += n
+        staged = self._stage([np.concatenate(tokens), np.concatenate(index), *host], device)
+        self.ring_tokens, self.ring_index = staged[0], staged[1]
+        rest = iter(staged[2:])
+        for s in self.step:
+            if s.sums or s.eviction is not None:
+                s.held_slots = next(rest)
+                s.kept_slots = next(rest) if s.eviction is not None else None
+
+    def _slots(self, blocks: np.ndarray, first: int, count: int) -> np.ndarray:
+        """The slots of entries ``first`` .. ``first + count - 1`` of a request with ``blocks``."""
+        j = np.arange(first, first + count)
+        return blocks[j // self.block_size].astype(np.int64) * self.block_size + j % self.block_size
+
+    def _stage(self, arrays: list, device) -> list:
+        """``arrays`` (int64) on ``device``, with one host-to-device copy that does not wait for the
+        device (through a pinned buffer on CUDA)."""
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        host = torch.from_numpy(flat.astype(np.int64))
+        if torch.device(device).type == "cuda":
+            if self.pinned is None or self.pinned.numel() < host.numel():
+                self.pinned = torch.empty(
+                    max(host.numel(), 1 << 16), dtype=torch.long, pin_memory=True
+                )
+            self.pinned[: host.numel()].copy_(host)
+            host = self.pinned[: host.numel()]
+        moved = host.to(device, non_blocking=True)
+        return list(torch.split(moved, [len(a) for a in arrays]))
+
+    def evicting(self) -> bool:
+        return any(s.eviction is not None or s.sums for s in self.step)
+
+    def layer(self, name: str, query: torch.Tensor, paged, scale: float, softcap) -> None:
+        """After layer ``name``'s attention: its queries [T, Hq, d] of the step to the ring, then each
+        request's summed chunk scores and evictions, on ``paged`` (``restkv.vllm.paged.Paged``)."""
+        self.ring.write(name, query, self.ring_tokens, self.ring_index)
+        for s in self.step:
+            if s.sums:
+                self._add_chunk(name, s, query, paged, scale, softcap)
+            if s.eviction is not None:
+                self._evict(name, s, paged, scale, softcap)
+
+    def _observe(
+        self, name, s: Scheduled, queries, keys, values, budget, scale, softcap, window=None
+    ):
+        return observation(
+            self.cfg,
+            queries,
+            keys,
+            values,
+            budget,
+            scale,
+            softcap,
+            self.rank.get(name, 0),
+            max(len(self.rank), 1),
+            self.o_proj.get(name),
+            (lambda: self._factor(name, queries.shape[1])) if name in self.o_proj else None,
+            window,
+        )
+
+    def _factor(self, name: str, heads: int) -> torch.Tensor:
+        """The layer's W_O factor R [Hq, d, d], computed once."""
+        if name not in self.factors:
+            self.factors[name] = wo_factor(self.o_proj[name](), heads)
+        return self.factors[name]
+
+    def _add_chunk(self, name, s: Scheduled, query, paged, scale, softcap) -> None:
+        keys, values = paged.read(s.held_slots)
+        chunk = query[s.start : s.start + s.count]
+        obs = self._observe(name, s, chunk, keys, values, s.end, scale, softcap, window=0)
+        part = chunk_score(obs, self.cfg)
+        before = s.held.sums.get(name)
+        if before is not None:
+            part[:, : before.shape[1]] += before
+        s.held.sums[name] = part
+
+    def _evict(self, name, s: Scheduled, paged, scale, softcap) -> None:
+        e = s.eviction
+        keys, values = paged.read(s.held_slots)
+        rows = min(self.ring.rows, s.end)
+        queries = self.ring.read(name, s.held.slot, s.end, rows)
+        obs = self._observe(name, s, queries, keys, values, e.budget, scale, softcap)
+        summed = s.held.sums.pop(name, None)
+        kept = kept_entries(obs, self.cfg, summed)
+        paged.write(s.kept_slots, *slot_rows(kept))
+        if s.held.offset == 0:
+            self._record(s.req_id, name, kept.positions[0])
+
+    def end(self) -> list:
+        """After the step: each evicting request's new offset; returns the block-table edits
+        ``(request id, first kept block, kept blocks)``."""
+        edits = []
+        for s in self.step:
+            if s.eviction is not None:
+                s.held.offset = s.end - s.eviction.budget
+                s.held.sums.clear()
+                edits.append((s.req_id, s.eviction.first_kept_block, s.eviction.kept_blocks))
+            elif s.sums and s.end >= s.prompt_len:
+                s.held.sums.clear()
+        self.step = []
+        return edits
+
+    def _record(self, req_id: str, layer: str, positions: torch.Tensor) -> None:
+        if req_id not in self.kept and len(self.kept) >= 8:
+            del self.kept[next(iter(self.kept))]
+        self.kept.setdefault(req_id, {})[layer] = positions.detach()

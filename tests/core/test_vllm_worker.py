@@ -1,0 +1,166 @@
+"""restkv's vLLM path (``restkv.vllm``: its rules, paged layouts, query ring and worker) against
+``restkv.configure`` on a tiny model, through a paged-attention engine in plain torch
+(``tests/vllm_sim.py``; the plugin inside vLLM itself: tests/vllm_plugin)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import prompt, small, tiny_model
+from vllm_sim import PagedEngine, scrambled_writer
+
+import restkv
+from restkv.config import CompressionConfig
+from restkv.methods import METHODS, REGISTRY
+from restkv.vllm import paged, settings
+
+BUDGET = dict(max_capacity_prompt=40, window_size=8)
+
+
+def _runs_in_vllm(name: str) -> bool:
+    knobs = small(name)
+    try:
+        settings.check(CompressionConfig.from_kwargs(**knobs, **BUDGET))
+    except ValueError:
+        return False
+    return True
+
+
+VLLM_METHODS = [name for name in METHODS if REGISTRY[name].evicts and _runs_in_vllm(name)]
+
+
+def reference(knobs: dict, ids: list[int], new: int):
+    """Tokens and each layer's kept positions [Hkv, B] of restkv's transformers path."""
+    model = tiny_model()
+    restkv.configure(model, **knobs)
+    x = torch.tensor([ids])
+    out = model.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, pad_token_id=0
+    )
+    kept = [None if p is None else p[0] for p in restkv.kept_positions(model)]
+    return out[0, len(ids) :].tolist(), kept
+
+
+def engine(knobs: dict, **kw) -> PagedEngine:
+    return PagedEngine(tiny_model(attn_implementation="restkv_paged_sim"), knobs, **kw)
+
+
+def kept_of(eng: PagedEngine) -> list:
+    recorded = eng.worker.kept.get("r", {})
+    return [recorded.get(name) for name in eng.names]
+
+
+@pytest.mark.parametrize("method", VLLM_METHODS)
+@pytest.mark.parametrize("chunk", [None, 13], ids=["whole", "chunks-of-13"])
+def test_prefill_eviction_equals_configure(method, chunk):
+    """Every method the plugin runs keeps configure()'s positions in every layer, with the prompt in
+    one step or in chunks of 13 tokens (the 8-token window split across two), and decodes its
+    tokens."""
+    knobs = {**small(method), **BUDGET}
+    ids = prompt(80)[0].tolist()
+    tokens, kept = reference(knobs, ids, 6)
+    eng = engine(knobs, chunk=chunk)
+    assert eng.generate(ids, 6) == tokens
+    for layer, (ours, theirs) in enumerate(zip(kept_of(eng), kept)):
+        assert torch.equal(ours, theirs), f"layer {layer}"
+
+
+@pytest.mark.parametrize("method", ["snapkv", "restkv", "h2o", "keydiff"])
+@pytest.mark.parametrize("length", [30, 80], ids=["prompt-under-budget", "prompt-over-budget"])
+def test_eviction_while_decoding_equals_configure(method, length):
+    """decode_interval=10: evictions every 10 generated tokens give configure()'s tokens over 60."""
+    knobs = {**small(method), **BUDGET, "decode_interval": 10}
+    ids = prompt(length)[0].tolist()
+    tokens, _ = reference(knobs, ids, 60)
+    assert engine(knobs).generate(ids, 60) == tokens
+
+
+def test_decode_compression_ratio_equals_configure():
+    knobs = {"method": "snapkv", **BUDGET, "decode_interval": 8, "decode_compression_ratio": 0.5}
+    ids = prompt(60)[0].tolist()
+    tokens, _ = reference(knobs, ids, 40)
+    assert engine(knobs).generate(ids, 40) == tokens
+
+
+@pytest.mark.parametrize("method", ["snapkv", "restkv", "h2o"])
+def test_prefix_cache_hit_keeps_the_shared_blocks_whole(method):
+    """A prompt evicted under prefix caching gives its blocks back whole (its kept entries went to
+    new blocks); a second prompt hitting them evicts as without the hit."""
+    knobs = {**small(method), **BUDGET, "decode_interval": 10}
+    first = prompt(80, seed=1)[0].tolist()
+    second = first[:64] + prompt(24, seed=2)[0].tolist()
+    eng = engine(knobs, caching=True)
+    eng.generate(first, 25)
+    (gone, contents), *later = eng.released
+    assert not later, "one first eviction, one release"
+    for cache, saved in zip(eng.caches, contents):
+        assert torch.equal(cache[gone], saved), "a released block was rewritten"
+    hits = gone[:8]  # the blocks of the first 64 prompt tokens, whole
+    tokens, kept = reference(knobs, second, 25)
+    again = engine(knobs, caching=True)
+    again.caches = eng.caches  # the same pool, the released blocks still holding the first prompt
+    again.paged = eng.paged
+    again.free = [b for b in eng.free if b not in hits]
+    assert again.generate(second, 25, hit_blocks=hits) == tokens
+    for ours, theirs in zip(kept_of(again), kept):
+        assert torch.equal(ours, theirs)
+
+
+def test_hit_limit_leaves_the_read_queries_computed():
+    cfg = CompressionConfig.from_kwargs(method="snapkv", **BUDGET)
+    assert settings.hit_limit(cfg, 100) == 92  # the window's 8 queries are computed
+    restkv_cfg = CompressionConfig.from_kwargs(method="restkv", query_window=20, **BUDGET)
+    assert settings.hit_limit(restkv_cfg, 100) == 80
+    h2o = CompressionConfig.from_kwargs(method="h2o", **BUDGET)
+    assert settings.hit_limit(h2o, 100) == 0  # its prefill sums every query
+    assert settings.hit_limit(h2o, 30) == 22  # a prompt under the budget: its window only
+
+
+def test_scrambled_layout_equals_declared():
+    """The probed map of a writer whose blocks are not strided (element order scrambled) reads back
+    what the writer wrote, and the engine on it keeps what it keeps on the declared layout."""
+    cache = torch.zeros(6, 2, 8, 32)
+    p = paged.probed(cache, 8, 2, 16, scrambled_writer, "scrambled-test")
+    assert p.keys.dim() == 3  # an element map, not a view
+    k, v = torch.randn(2, 20, 2, 16).unbind(0)
+    slots = torch.randperm(48)[:20]
+    scrambled_writer(cache, k, v, slots)
+    rk, rv = p.read(slots)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    blank = torch.zeros_like(cache)
+    paged.probed(blank, 8, 2, 16, scrambled_writer, "scrambled-test").write(slots, k, v)
+    assert torch.equal(blank, cache)
+    knobs = {"method": "snapkv", **BUDGET}
+    ids = prompt(80)[0].tolist()
+    a, b = engine(knobs), engine(knobs, layout="scrambled")
+    assert a.generate(ids, 5) == b.generate(ids, 5)
+    for x, y in zip(kept_of(a), kept_of(b)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "computed, scheduled, offset, due",
+    [
+        (0, 80, 0, True),  # the whole prompt in one step
+        (0, 64, 0, False),  # a chunk before the prompt's end
+        (64, 16, 0, True),  # the last chunk
+        (80, 1, 40, False),  # decoding, before the interval
+        (89, 1, 40, True),  # the 10th token after the prompt
+        (99, 1, 50, True),  # the 20th
+    ],
+)
+def test_eviction_checks(computed, scheduled, offset, due):
+    cfg = CompressionConfig.from_kwargs(method="snapkv", **BUDGET, decode_interval=10)
+    e = settings.eviction(cfg, computed, scheduled, 80, offset, False, 8)
+    assert (e is not None) == due
+    if due:
+        assert e.held == computed + scheduled - offset and e.budget == 40 and not e.fresh
+
+
+def test_fresh_blocks_only_for_a_first_eviction_under_prefix_caching():
+    cfg = CompressionConfig.from_kwargs(method="snapkv", **BUDGET, decode_interval=10)
+    first = settings.eviction(cfg, 0, 80, 80, 0, True, 8)
+    assert first.fresh and first.first_kept_block == 10 and first.slots == 80 + 40
+    later = settings.eviction(cfg, 89, 1, 80, 40, True, 8)
+    assert not later.fresh and later.first_kept_block == 0 and later.slots == 56
+    assert settings.eviction(cfg, 0, 40, 40, 0, True, 8) is None  # fits the budget

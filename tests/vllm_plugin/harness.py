@@ -1,0 +1,114 @@
+"""What the vLLM plugin's tests share: the packaged model's prompt, one engine run (``run_engine.py``,
+in a subprocess) and restkv's transformers path (``reference.py``, in restkv's own environment:
+``RESTKV_PYTHON``, default ``.venv/bin/python``), each cached for the session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+PROMPT_LEN = 300
+NEW_TOKENS = 16
+BLOCK = 32
+CHUNK = (
+    142  # prefill tokens per step: 300 = 142 + 142 + 16, the last chunk inside the 32-token window
+)
+SNAPKV = {"method": "snapkv", "max_capacity_prompt": 128, "window_size": 32}
+RESTKV = {"preset": "paper", "max_capacity_prompt": 128}
+H2O = {"method": "h2o", "max_capacity_prompt": 128, "window_size": 32}
+DECODING = {**SNAPKV, "decode_interval": 32}
+TP3_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}  # three ranks on two cores
+
+
+def _restkv_python() -> str:
+    python = os.environ.get("RESTKV_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    if not Path(python).exists():
+        pytest.skip(
+            f"restkv's own environment is needed for the reference (RESTKV_PYTHON={python})"
+        )
+    return python
+
+
+def _run(cmd: list[str], env: dict) -> str:
+    done = subprocess.run(
+        cmd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"{cmd[1]} failed:\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
+def text_ids() -> list[int]:
+    """The README's first 800 tokens (and the packaged model converted, by restkv's environment)."""
+    code = (
+        "import json; from restkv.bench.models import load_model; "
+        "_, t = load_model('smollm2-135m'); "
+        "print(json.dumps(t(open('README.md').read())['input_ids'][:800]))"
+    )
+    ids = json.loads(_run([_restkv_python(), "-c", code], {}).strip().splitlines()[-1])
+    assert len(ids) == 800
+    return ids
+
+
+_RUNS: dict = {}
+
+
+def engine_run(
+    model_dir: str, prompts: list, knobs: dict | None, new_tokens=NEW_TOKENS, env=None, **vllm
+) -> dict:
+    """Greedy tokens, kept positions and block counts of one engine on ``prompts`` (cached)."""
+    vllm = {"enforce_eager": True, "max_num_batched_tokens": CHUNK, **vllm}
+    key = json.dumps([knobs, prompts, new_tokens, env, vllm], sort_keys=True)
+    if key not in _RUNS:
+        spec = {
+            "model": model_dir,
+            "prompts": prompts,
+            "max_tokens": new_tokens,
+            "block_size": BLOCK,
+            **vllm,
+        }
+        base = {"RESTKV_VLLM": json.dumps(knobs) if knobs else ""}
+        out = _run(
+            [sys.executable, str(HERE / "run_engine.py"), json.dumps(spec)], {**base, **(env or {})}
+        )
+        _RUNS[key] = json.loads(
+            next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]
+        )
+    return _RUNS[key]
+
+
+_REFS: dict = {}
+
+
+def reference(prompt: list[int], knobs: dict, new_tokens=NEW_TOKENS) -> dict:
+    """restkv's transformers path on ``prompt``: tokens and each layer's kept positions [Hkv][B]."""
+    key = json.dumps([knobs, prompt, new_tokens], sort_keys=True)
+    if key not in _REFS:
+        out = _run(
+            [
+                _restkv_python(),
+                str(HERE / "reference.py"),
+                json.dumps(knobs),
+                str(new_tokens),
+                json.dumps(prompt),
+            ],
+            {},
+        )
+        _REFS[key] = json.loads(out.strip().splitlines()[-1])
+    return _REFS[key]
+
+
+def blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK)

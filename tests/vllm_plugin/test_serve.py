@@ -1,0 +1,121 @@
+"""``vllm serve`` with the plugin (``restkv-vllm serve``: vLLM's own command line), answering an
+OpenAI-compatible completion over HTTP on 127.0.0.1 with eviction on, configured by
+``--additional-config`` alone (no environment variable), at every vLLM default."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from harness import SNAPKV, engine_run, reference
+
+pytestmark = pytest.mark.vllm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def _wait(url: str, server: subprocess.Popen, seconds: int = 900) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(
+                f"the server exited ({server.returncode}):\n{server.stdout.read()[-4000:]}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
+    raise AssertionError(f"the server did not answer {url} in {seconds} s")
+
+
+def test_serve_answers_over_http_with_eviction(model_dir, prompt):
+    from transformers import AutoTokenizer
+
+    ref = reference(prompt, SNAPKV)
+    plain = engine_run(model_dir, [prompt], None)
+    assert ref["tokens"] != plain["tokens"][0], "the prompt must show the eviction in its tokens"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}
+    command = [
+        str(Path(sys.executable).parent / "restkv-vllm"),
+        "serve",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory-bytes",
+        str(4096 * 2 * 30 * 3 * 64 * 4),
+        "--additional-config",
+        json.dumps({"restkv": SNAPKV}),
+    ]
+    server = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait(f"http://127.0.0.1:{port}/health", server)
+        body = {
+            "model": model_dir,
+            "prompt": prompt,
+            "max_tokens": len(ref["tokens"]),
+            "temperature": 0.0,
+        }
+        answer = _post(f"http://127.0.0.1:{port}/v1/completions", body)
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    text = AutoTokenizer.from_pretrained(model_dir).decode(ref["tokens"])
+    assert answer["choices"][0]["text"] == text
+
+
+def test_serve_refuses_in_lines_before_starting(model_dir):
+    """A configuration the plugin cannot run: one line per cause, exit code 2, no engine started."""
+    command = [
+        str(Path(sys.executable).parent / "restkv-vllm"),
+        "serve",
+        model_dir,
+        "--max-model-len",
+        "1024",
+        "--kv-cache-dtype",
+        "fp8",
+        "--additional-config",
+        json.dumps({"restkv": {"method": "tova", "max_capacity_prompt": 128}}),
+        "--tensor-parallel-size",
+        "3",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("RESTKV_VLLM: ")]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert any("--kv-cache-dtype auto" in line for line in lines)
+    assert any("--tensor-parallel-size 1" in line for line in lines)
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,160 @@
+"""A paged-attention engine in plain torch around a transformers model, driving ``restkv.vllm``'s
+worker as the vLLM plugin's hooks do (no vLLM needed).
+
+Its scheduler applies ``restkv.vllm.settings``' rules (blocks allocated for the held entries, the
+fresh ones of a first eviction under prefix caching, the hit limit, the blocks given back); its
+attention writes each step's keys and values into a paged cache of the chosen layout
+(``restkv.vllm.paged``), attends over the entries the request holds and calls ``Worker.layer``. So a
+test can put restkv's vLLM path beside ``restkv.configure`` on the same model, prompt and knobs.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_utils import AttentionInterface
+
+from restkv.config import CompressionConfig
+from restkv.vllm import paged, settings
+from restkv.vllm.worker import Worker
+
+_ENGINES: list = [None]  # the engine whose forward is running (read by the attention function)
+
+
+def _paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    out = _ENGINES[0].attend(module, query, key, value, scaling or module.head_dim**-0.5)
+    return out, None
+
+
+AttentionInterface.register("restkv_paged_sim", _paged_attention)
+
+
+def scrambled_writer(cache, keys, values, slots):
+    """A cache writer whose block layout is not strided: each block's keys and values are stored
+    in a fixed random order of its elements (as a packed ISA layout would be)."""
+    _, heads, block_size, width = cache.shape
+    d = width // 2
+    size = block_size * heads * d
+    order = torch.randperm(2 * size, generator=torch.Generator().manual_seed(7))
+    for slot, k, v in zip(slots.tolist(), keys, values):
+        block, offset = divmod(slot, block_size)
+        flat = cache[block].view(-1)
+        inner = torch.arange(heads * d).view(heads, d) + offset * heads * d
+        flat[order[inner]] = k
+        flat[order[inner + size]] = v
+
+
+class PagedEngine:
+    """One request at a time, greedy; ``chunk``: prefill tokens per step (None: the whole prompt)."""
+
+    def __init__(
+        self,
+        model,
+        knobs: dict,
+        block_size=8,
+        num_blocks=256,
+        chunk=None,
+        caching=False,
+        layout="declared",
+    ):
+        cfg = model.config
+        self.model = model
+        self.cfg = CompressionConfig.from_kwargs(**knobs)
+        settings.check(self.cfg)
+        self.bs = block_size
+        self.chunk = chunk
+        self.caching = caching
+        hkv, d = cfg.num_key_value_heads, cfg.head_dim
+        self.caches = [
+            torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=model.dtype)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        if layout == "declared":
+            self.paged = [paged.declared(c, d) for c in self.caches]
+        else:
+            self.paged = [
+                paged.probed(c, block_size, hkv, d, scrambled_writer, "scrambled")
+                for c in self.caches
+            ]
+        self.free = list(range(num_blocks))
+        self.worker = Worker(self.cfg, slots=4, caching=caching, block_size=block_size)
+        layers = model.model.layers
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(len(layers))]
+        self.worker.index_layers(
+            {
+                n: (lambda a=layer.self_attn: a.o_proj.weight.detach())
+                for n, layer in zip(self.names, layers)
+            }
+        )
+        self.released = []  # blocks given back by first evictions under prefix caching: (block ids, contents)
+
+    def generate(self, ids: list[int], new_tokens: int, hit_blocks: list[int] = ()) -> list[int]:
+        """Greedy tokens after ``ids``; ``hit_blocks``: blocks holding the prompt's first tokens (a
+        prefix-cache hit, capped by ``settings.hit_limit``)."""
+        hit = min(len(hit_blocks) * self.bs, settings.hit_limit(self.cfg, len(ids))) // self.bs
+        self.blocks = list(hit_blocks[:hit])
+        computed, offset, seq, out = hit * self.bs, 0, list(ids), []
+        req = "r"
+        while len(out) < new_tokens:
+            prompt_left = len(ids) - computed
+            n = prompt_left if prompt_left > 0 else 1
+            if prompt_left > 0 and self.chunk:
+                n = min(n, self.chunk)
+            e = settings.eviction(self.cfg, computed, n, len(ids), offset, self.caching, self.bs)
+            slots = e.slots if e is not None and e.fresh else computed + n - offset
+            while len(self.blocks) * self.bs < slots:
+                self.blocks.append(self.free.pop(0))
+            self.step = (computed, n, offset)
+            self.worker.begin(
+                [req], [computed], [n], [len(ids)], [torch.tensor(self.blocks).numpy()], "cpu"
+            )
+            logits = self.forward(seq[computed : computed + n], computed)
+            edits = self.worker.end()
+            for _, first, kept in edits:
+                keep = self.blocks[first : first + kept]
+                gone = self.blocks[:first] + self.blocks[first + kept :]
+                if e.fresh:
+                    self.released.append((gone, [c[gone].clone() for c in self.caches]))
+                self.free += [b for b in gone if b not in hit_blocks]
+                self.blocks = keep
+                offset = computed + n - e.budget
+            computed += n
+            if computed >= len(ids):
+                token = int(logits.argmax())
+                out.append(token)
+                seq.append(token)
+        self.worker.forget([req])
+        return out
+
+    @torch.no_grad()
+    def forward(self, tokens: list[int], first: int):
+        _ENGINES[0] = self
+        try:
+            ids = torch.tensor([tokens])
+            positions = torch.arange(first, first + len(tokens))[None]
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False)
+        finally:
+            _ENGINES[0] = None
+        return out.logits[0, -1]
+
+    def attend(self, module, query, key, value, scale):
+        """The step's queries [1, Hq, n, d] over the entries the request holds, its own keys and
+        values [1, Hkv, n, d] written first; then the worker's eviction for the layer."""
+        computed, n, offset = self.step
+        layer = module.layer_idx
+        cache = self.paged[layer]
+        held_before = computed - offset
+        j = torch.arange(held_before, held_before + n)
+        slots = torch.tensor(self.blocks)[j // self.bs] * self.bs + j % self.bs
+        cache.write(slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        held = torch.arange(held_before + n)
+        k, v = cache.read(torch.tensor(self.blocks)[held // self.bs] * self.bs + held % self.bs)
+        q = query[0].transpose(0, 1).float()  # [n, Hq, d]
+        g = q.shape[1] // k.shape[1]
+        k = k.float().repeat_interleave(g, 1)
+        v = v.float().repeat_interleave(g, 1)
+        logits = torch.einsum("qhd,khd->hqk", q, k) * scale
+        visible = held[None, :] <= (held_before + torch.arange(n))[:, None]
+        logits = logits.masked_fill(~visible, float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v).to(query.dtype)
+        self.worker.layer(self.names[layer], query[0].transpose(0, 1), cache, scale, None)
+        return out[None]
