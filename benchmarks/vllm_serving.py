@@ -1,18 +1,20 @@
-"""Serving throughput with the vLLM plugin: full cache vs eviction after prefill, at the same KV
-memory.
+"""Serving with the vLLM plugin: plain vLLM (full cache) against each method, at the same KV memory,
+at vLLM's defaults (prefix caching and chunked prefill on).
 
-The KV pool holds ``--pool_requests`` N full-length requests (prompt + new tokens); ``--requests`` M
-long-prompt requests (default 4 N) are submitted at once. Each arm is one vLLM engine in a
-subprocess (the plugin's overrides are process-wide): ``full`` is plain vLLM, ``evicted`` sets
-``RESTKV_VLLM`` to the config. Printed per arm and as evicted / full ratios: requests/s, output
-tokens/s, total tokens/s, the peak number of running requests, and preemptions. Run in the vLLM
-environment (``make vllm-test`` sets it up):
+Two workloads (``--workload``):
 
-    .venv-vllm/bin/python benchmarks/vllm_serving.py --prompt_len 2048 --new_tokens 128
-    --pool_requests 4 \\
-        --method snapkv --max_capacity_prompt 256
+- ``prompts``: M requests of ``--prompt_len`` random tokens and ``--new_tokens`` generated, the KV
+  pool sized for N (``--pool_requests``) of them at full length; the plugin evicts after the prompt.
+- ``generation``: M short prompts each generating ``--new_tokens`` (thousands), the pool sized for
+  N of them at full length; the plugin evicts every ``--decode_interval`` generated tokens.
 
-Timings need an otherwise idle machine.
+Every arm is one engine in a subprocess (the plugin is process-wide), all requests submitted at
+once, greedy. Printed per arm and as ratios to the full cache: requests/s, output tokens/s, total
+tokens/s, the peak number of running requests, preemptions, and the peak of blocks held (pool
+blocks minus free ones); for the evicting arms the time spent evicting, split into reading the
+held entries back from the paged cache, selecting (scoring included) and writing the kept entries,
+as seconds and as a share of the arm's wall time. Run in the vLLM environment (``make
+vllm-install``), on an otherwise idle machine; README gives the commands of its figures.
 """
 
 from __future__ import annotations
@@ -28,83 +30,84 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+METRICS = (
+    "requests/s",
+    "output tokens/s",
+    "total tokens/s",
+    "peak running",
+    "preemptions",
+    "peak held blocks",
+)
+PARTS = ("read back", "select", "write")
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", default=None, help="a HF-format model folder (default: the packaged SmolLM2)"
-    )
-    p.add_argument("--prompt_len", type=int, default=2048)
-    p.add_argument("--new_tokens", type=int, default=128)
-    p.add_argument(
-        "--pool_requests", type=int, default=4, help="N: the KV pool holds N full-length requests"
-    )
-    p.add_argument(
-        "--requests", type=int, default=None, help="M requests submitted at once (default 4 N)"
-    )
-    p.add_argument(
-        "--block_size", type=int, default=32, help="KV block size (a multiple of 32 on CPU)"
-    )
-    p.add_argument("--method", default="snapkv")
-    p.add_argument("--max_capacity_prompt", type=int, default=256)
+    p.add_argument("--model", default=None, help="a HF-format model folder (default: the packaged SmolLM2)")
+    p.add_argument("--workload", choices=("prompts", "generation"), default="prompts")
+    p.add_argument("--prompt_len", type=int, default=None, help="prompt tokens (default 1024; generation: 64)")
+    p.add_argument("--new_tokens", type=int, default=None, help="tokens generated (default 64; generation: 2048)")
+    p.add_argument("--pool_requests", type=int, default=2, help="N: the KV pool holds N full-length requests")
+    p.add_argument("--requests", type=int, default=None, help="M requests submitted at once (default 8 N)")
+    p.add_argument("--block_size", type=int, default=32, help="KV block size (a multiple of 32 on CPU)")
+    p.add_argument("--methods", nargs="+", default=["snapkv", "restkv"], help="restkv methods, one arm each")
+    p.add_argument("--max_capacity_prompt", type=int, default=128)
     p.add_argument("--window_size", type=int, default=32)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument(
-        "--arm", choices=("full", "evicted"), help=argparse.SUPPRESS
-    )  # one arm, in a subprocess
+    p.add_argument("--decode_interval", type=int, default=None, help="default: 0 (prompts), 128 (generation)")
+    p.add_argument("--max_num_batched_tokens", type=int, default=None, help="vLLM's chunk size (its default)")
+    p.add_argument("--no_prefix_caching", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--arm", help=argparse.SUPPRESS)  # one arm, in a subprocess
     args = p.parse_args(argv)
-    for name in ("prompt_len", "new_tokens", "pool_requests", "max_capacity_prompt", "window_size"):
+    generation = args.workload == "generation"
+    args.prompt_len = args.prompt_len or (64 if generation else 1024)
+    args.new_tokens = args.new_tokens or (2048 if generation else 64)
+    args.decode_interval = (128 if generation else 0) if args.decode_interval is None else args.decode_interval
+    args.requests = args.requests or 8 * args.pool_requests
+    for name in ("prompt_len", "new_tokens", "pool_requests", "requests", "max_capacity_prompt", "window_size"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1")
-    if args.requests is not None and args.requests < 1:
-        raise ValueError("--requests must be >= 1")
+            p.error(f"--{name} must be >= 1")
     if args.block_size % 32:
-        raise ValueError(
-            f"--block_size must be a multiple of 32 on vLLM's CPU backend; got {args.block_size}"
-        )
-    if args.max_capacity_prompt >= args.prompt_len:
-        raise ValueError(
-            "--max_capacity_prompt must be smaller than --prompt_len (else nothing is evicted)"
-        )
+        p.error(f"--block_size must be a multiple of 32 on vLLM's CPU backend; got {args.block_size}")
+    if generation and not args.decode_interval:
+        p.error("--workload generation evicts while generating: give --decode_interval > 0")
+    if not generation and args.max_capacity_prompt >= args.prompt_len:
+        p.error("--max_capacity_prompt must be smaller than --prompt_len (else nothing is evicted)")
     return args
 
 
-def knobs(args) -> dict:
-    return {
-        "method": args.method,
-        "max_capacity_prompt": args.max_capacity_prompt,
-        "window_size": args.window_size,
-    }
+def knobs(args, method: str) -> dict:
+    out = {"method": method, "max_capacity_prompt": args.max_capacity_prompt, "window_size": args.window_size}
+    if args.decode_interval:
+        out["decode_interval"] = args.decode_interval
+    return out
 
 
 def run_arm(args) -> dict:
-    """One engine: submit every request at once, time them, count running requests and
-    preemptions."""
+    """One engine: every request at once; timings, running requests, preemptions, blocks held."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from vllm import LLM, SamplingParams
 
-    from restkv.bench.models import cache_dir
+    from restkv.integration.models import cache_dir
 
+    timers = _time_eviction() if args.arm != "full" else None
     model = args.model or str(cache_dir("smollm2-135m"))
     length = args.prompt_len + args.new_tokens
+    extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     llm = LLM(
         model=model,
         dtype=args.dtype,
-        enforce_eager=True,
         max_model_len=length,
         block_size=args.block_size,
-        kv_cache_memory_bytes=args.pool_requests
-        * -(-length // args.block_size)
-        * _block_bytes(model, args),
-        enable_prefix_caching=False,
-        enable_chunked_prefill=False,
-        max_num_batched_tokens=length,
+        kv_cache_memory_bytes=args.pool_requests * -(-length // args.block_size) * _block_bytes(model, args),
+        enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=max(256, args.requests),
         seed=0,
+        **extra,
     )
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    counts = {"peak_running": 0, "preemptions": 0}
+    counts = {"peak running": 0, "preemptions": 0, "peak held blocks": 0}
     _watch(scheduler, counts)
     g = torch.Generator().manual_seed(0)
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -124,7 +127,33 @@ def run_arm(args) -> dict:
         **counts,
         "pool blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
         "seconds": seconds,
+        **({} if timers is None else dict(timers)),
     }
+
+
+def _time_eviction() -> dict:
+    """Accumulate the worker's eviction time in its three parts (wall seconds)."""
+    from restkv.vllm import paged, worker
+
+    timers = dict.fromkeys(PARTS, 0.0)
+
+    def timed(owner, name, part):
+        orig = getattr(owner, name)
+
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                timers[part] += time.perf_counter() - t
+
+        setattr(owner, name, run)
+
+    timed(paged.Paged, "read", "read back")
+    timed(worker, "kept_entries", "select")
+    timed(worker, "chunk_score", "select")
+    timed(paged.Paged, "write", "write")
+    return timers
 
 
 def _block_bytes(model: str, args) -> int:
@@ -132,22 +161,18 @@ def _block_bytes(model: str, args) -> int:
     config = json.loads((Path(model) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
-    return (
-        2
-        * config["num_hidden_layers"]
-        * config["num_key_value_heads"]
-        * head_dim
-        * itemsize
-        * args.block_size
-    )
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * itemsize * args.block_size
 
 
 def _watch(scheduler, counts: dict) -> None:
     schedule, preempt = scheduler.schedule, scheduler._preempt_request
+    pool = scheduler.kv_cache_manager.block_pool
 
     def scheduled(*a, **k):
         out = schedule(*a, **k)
-        counts["peak_running"] = max(counts["peak_running"], len(scheduler.running))
+        counts["peak running"] = max(counts["peak running"], len(scheduler.running))
+        held = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # the null block aside
+        counts["peak held blocks"] = max(counts["peak held blocks"], held)
         return out
 
     def preempted(*a, **k):
@@ -158,48 +183,51 @@ def _watch(scheduler, counts: dict) -> None:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    args.requests = args.requests or 4 * args.pool_requests
     if args.arm:
         print("RESULT " + json.dumps(run_arm(args)))
         return {}
     results = {}
-    for arm in ("full", "evicted"):
+    for arm in ("full", *args.methods):
         env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
-            "RESTKV_VLLM": json.dumps(knobs(args)) if arm == "evicted" else "",
+            "RESTKV_VLLM": "" if arm == "full" else json.dumps(knobs(args, arm)),
         }
-        cmd = [
-            sys.executable,
-            __file__,
-            *(argv if argv is not None else sys.argv[1:]),
-            "--arm",
-            arm,
-        ]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, *argv, "--arm", arm], env=env, capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise RuntimeError(f"the {arm} arm failed:\n{done.stderr[-3000:]}")
-        results[arm] = json.loads(
-            next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:]
-        )
-    report(args, results)
+        results[arm] = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    report(args, argv, results)
     return results
 
 
-def report(args, results: dict) -> None:
+def report(args, argv, results: dict) -> None:
+    print(f"python benchmarks/vllm_serving.py {' '.join(argv)}")
     print(
-        f"{args.requests} requests of {args.prompt_len} prompt + {args.new_tokens} new tokens; "
-        f"KV pool for {args.pool_requests} full-length requests "
-        f"({results['full']['pool blocks']} blocks of {args.block_size}); "
-        f"evicted: {json.dumps(knobs(args))}"
+        f"{args.workload}: {args.requests} requests of {args.prompt_len} prompt + {args.new_tokens} new tokens; "
+        f"KV pool for {args.pool_requests} full-length requests ({results['full']['pool blocks']} blocks "
+        f"of {args.block_size}); budget {args.max_capacity_prompt}, window {args.window_size}, "
+        f"decode_interval {args.decode_interval}; prefix caching {'off' if args.no_prefix_caching else 'on'}"
     )
-    names = ("requests/s", "output tokens/s", "total tokens/s", "peak_running", "preemptions")
-    print(f"| {'':16} | {'full':>10} | {'evicted':>10} | {'evicted / full':>14} |")
-    for name in names:
-        full, ev = results["full"][name], results["evicted"][name]
-        ratio = f"{ev / full:.2f}" if full else "-"
-        print(f"| {name:16} | {full:10.3g} | {ev:10.3g} | {ratio:>14} |")
+    arms = list(results)
+    print("| | " + " | ".join(arms) + " | " + " | ".join(f"{m} / full" for m in arms[1:]) + " |")
+    print("|---" * (2 * len(arms)) + "|")
+    for name in METRICS:
+        row = [results[a][name] for a in arms]
+        ratios = [f"{v / row[0]:.2f}" if row[0] else "-" for v in row[1:]]
+        print(f"| {name} | " + " | ".join(f"{v:.3g}" for v in row) + " | " + " | ".join(ratios) + " |")
+    print()
+    print("| eviction (s, share of wall time) | " + " | ".join(PARTS) + " | all |")
+    print("|---" * (len(PARTS) + 2) + "|")
+    for arm in arms[1:]:
+        r = results[arm]
+        parts = [r[p] for p in PARTS]
+        cells = [f"{s:.2f} ({s / r['seconds']:.1%})" for s in parts + [sum(parts)]]
+        print(f"| {arm} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

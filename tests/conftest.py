@@ -21,3 +21,4 @@ def smollm2():
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs on the packaged model (the quick subset: -m 'not slow')")
     config.addinivalue_line("markers", "vllm: the vLLM plugin's tests (vLLM's own environment: make vllm-test)")
+    config.addinivalue_line("markers", "quick: the vLLM plugin's tests .ci/run runs (make vllm-test-quick)")

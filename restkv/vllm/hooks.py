@@ -77,9 +77,9 @@ def refusals(vllm_config, cfg) -> list[str]:
             "pipeline parallelism: pipeline_parallel_size=1 (vllm serve: --pipeline-parallel-size 1)",
         ),
         (
-            parallel.tensor_parallel_size > 1 and cfg.scorer.scorer in settings.MIXES_HEADS,
-            f"method {cfg.method} scores a head from every head's attention, which tensor parallelism "
-            "splits: tensor_parallel_size=1 (vllm serve: --tensor-parallel-size 1) or another method",
+            parallel.tensor_parallel_size > 1 and settings.mixes_heads(cfg) is not None,
+            f"{settings.mixes_heads(cfg)}, and tensor parallelism gives each rank some heads: "
+            "tensor_parallel_size=1 (vllm serve: --tensor-parallel-size 1) or another method",
         ),
         (
             getattr(parallel, "decode_context_parallel_size", 1) > 1,

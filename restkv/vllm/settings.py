@@ -56,9 +56,6 @@ _NEEDS = {
 # the sum of the chunks' scores (each chunk's queries over the keys before them).
 SUMMED = ("restkv.methods.h2o",)
 
-# Methods whose score of a head reads other heads (a mean over the heads, a normalisation by the
-# largest): with tensor parallelism each worker holds some heads only.
-MIXES_HEADS = ("restkv.methods.tova", "restkv.methods.cur", "restkv.methods.compactor")
 
 
 def from_env(additional: dict | None = None) -> CompressionConfig | None:
@@ -108,6 +105,18 @@ def check(cfg: CompressionConfig) -> None:
     for name, (runs, needed) in _NEEDED.items():
         if name in cfg and not runs(cfg[name]):
             raise ValueError(f"{ENV}: {name}={cfg[name]!r} cannot run in vLLM; it needs {needed}")
+
+
+def mixes_heads(cfg: CompressionConfig) -> str | None:
+    """Why a head's kept entries depend on the other heads (tensor parallelism gives each rank some
+    of them), or None."""
+    if cfg.scorer.scorer == "restkv.methods.tova":
+        return "TOVA scores an entry by the mean over every head"
+    if cfg.scorer.scorer == "restkv.methods.random" or cfg.get("indicator") == "random":
+        return "random scores are drawn for every head at once"
+    if cfg.get("chunk_size"):
+        return "ChunkKV ranks chunks by the score summed over every head"
+    return None
 
 
 def query_rows(cfg: CompressionConfig) -> int:

@@ -64,20 +64,23 @@ class Scheduled:
 
 class QueryRing:
     """The most recent queries of every request, per layer: [slots, rows, Hq, d], the query of
-    position p in row ``p % rows`` (allocated on a layer's first step, on its queries' device)."""
+    position p in row ``p % rows`` (allocated on a layer's first step, on its queries' device, for
+    as many slots as requests have run at once; grown, never per token, when more do)."""
 
-    def __init__(self, rows: int, slots: int):
+    def __init__(self, rows: int):
         self.rows = rows
-        self.slots = slots
+        self.slots = 1
         self.buffers: dict = {}
 
-    def write(
-        self, layer: str, query: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor
-    ) -> None:
+    def write(self, layer: str, query: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor) -> None:
         """query [T, Hq, d]: the step's; ``tokens`` [m] which of them, ``index`` [m] their rows."""
-        if layer not in self.buffers:
-            self.buffers[layer] = query.new_zeros(self.slots * self.rows, *query.shape[1:])
-        self.buffers[layer].index_copy_(0, index, query.index_select(0, tokens))
+        buffer = self.buffers.get(layer)
+        if buffer is None or buffer.shape[0] < self.slots * self.rows:
+            grown = query.new_zeros(self.slots * self.rows, *query.shape[1:])
+            if buffer is not None:
+                grown[: buffer.shape[0]] = buffer
+            buffer = self.buffers[layer] = grown
+        buffer.index_copy_(0, index, query.index_select(0, tokens))
 
     def read(self, layer: str, slot: int, end: int, count: int) -> torch.Tensor:
         """The queries of positions ``end - count`` .. ``end - 1`` of the request in ``slot`` ->
@@ -95,7 +98,7 @@ class Worker:
         self.cfg = cfg
         self.caching = caching
         self.block_size = block_size
-        self.ring = QueryRing(settings.query_rows(cfg), slots)
+        self.ring = QueryRing(settings.query_rows(cfg))
         self.free_slots = list(range(slots - 1, -1, -1))
         self.requests: dict = {}  # request id -> Held
         self.step: list = []  # Scheduled, this step's
@@ -147,6 +150,7 @@ class Worker:
             held = self.requests.get(req_id)
             if held is None:
                 held = self.requests[req_id] = Held(self.free_slots.pop())
+                self.ring.slots = max(self.ring.slots, held.slot + 1)
             eviction = settings.eviction(
                 self.cfg, c, n, length, held.offset, self.caching, self.block_size
             )

@@ -164,3 +164,30 @@ def test_fresh_blocks_only_for_a_first_eviction_under_prefix_caching():
     later = settings.eviction(cfg, 89, 1, 80, 40, True, 8)
     assert not later.fresh and later.first_kept_block == 0 and later.slots == 56
     assert settings.eviction(cfg, 0, 40, 40, 0, True, 8) is None  # fits the budget
+
+
+@pytest.mark.parametrize("method", VLLM_METHODS)
+def test_heads_split_over_ranks_keep_what_all_heads_keep(method):
+    """Tensor parallelism gives each rank some KV heads (their query heads, their o_proj columns): a
+    config ``settings.mixes_heads`` lets through keeps, from one KV head's share, what it keeps for
+    that head from all; one it refuses does not (so it refuses what it must)."""
+    from restkv.vllm.scoring import kept_entries, observation
+
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, n, hidden = 6, 2, 16, 90, 48
+    q, k, v = (torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv))
+    weight = torch.randn(hidden, hq * d, generator=g)
+    cfg = CompressionConfig.from_kwargs(**small(method), **BUDGET)
+    rows = settings.query_rows(cfg)
+
+    def kept(heads: slice, kv: slice):
+        w = weight.view(hidden, hq, d)[:, heads].reshape(hidden, -1)
+        obs = observation(cfg, q[-rows:, heads], k[:, kv], v[:, kv], 40, d**-0.5, None, 1, 3, lambda: w)
+        return kept_entries(obs, cfg).positions[0]
+
+    whole = kept(slice(None), slice(None))
+    split = torch.cat([kept(slice(3 * r, 3 * r + 3), slice(r, r + 1)) for r in range(hkv)])
+    if settings.mixes_heads(cfg):
+        assert not torch.equal(whole, split)
+    else:
+        assert torch.equal(whole, split)

@@ -98,6 +98,7 @@ def test_serve_answers_over_http_with_eviction(model_dir, prompt):
     assert answer["choices"][0]["text"] == text
 
 
+@pytest.mark.quick
 def test_serve_refuses_in_lines_before_starting(model_dir):
     """A configuration the plugin cannot run: one line per cause, exit code 2, no engine started."""
     command = [

@@ -132,6 +132,7 @@ def test_compiled_engine_at_every_default(model_dir, prompt):
     assert run["tokens"][0] == reference(prompt, SNAPKV)["tokens"]
 
 
+@pytest.mark.quick
 def test_refusals_at_startup_all_at_once(model_dir, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
