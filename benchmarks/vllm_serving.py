@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode_interval", type=int, default=None, help="default: 0 (prompts), 128 (generation)")
     p.add_argument("--max_num_batched_tokens", type=int, default=None, help="vLLM's chunk size (its default)")
     p.add_argument("--no_prefix_caching", action="store_true")
+    p.add_argument("--no_chunked_prefill", action="store_true", help="the whole prompt in one step")
+    p.add_argument("--enforce_eager", action="store_true", help="no compiled model")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--arm", help=argparse.SUPPRESS)  # one arm, in a subprocess
     args = p.parse_args(argv)
@@ -94,7 +96,8 @@ def run_arm(args) -> dict:
     timers = _time_eviction() if args.arm != "full" else None
     model = args.model or str(cache_dir("smollm2-135m"))
     length = args.prompt_len + args.new_tokens
-    extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    chunk = args.max_num_batched_tokens or (length if args.no_chunked_prefill else None)
+    extra = {} if chunk is None else {"max_num_batched_tokens": chunk}
     llm = LLM(
         model=model,
         dtype=args.dtype,
@@ -102,6 +105,8 @@ def run_arm(args) -> dict:
         block_size=args.block_size,
         kv_cache_memory_bytes=args.pool_requests * -(-length // args.block_size) * _block_bytes(model, args),
         enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        enforce_eager=args.enforce_eager,
         max_num_seqs=max(256, args.requests),
         seed=0,
         **extra,
@@ -211,7 +216,8 @@ def report(args, argv, results: dict) -> None:
         f"{args.workload}: {args.requests} requests of {args.prompt_len} prompt + {args.new_tokens} new tokens; "
         f"KV pool for {args.pool_requests} full-length requests ({results['full']['pool blocks']} blocks "
         f"of {args.block_size}); budget {args.max_capacity_prompt}, window {args.window_size}, "
-        f"decode_interval {args.decode_interval}; prefix caching {'off' if args.no_prefix_caching else 'on'}"
+        f"decode_interval {args.decode_interval}; prefix caching {'off' if args.no_prefix_caching else 'on'}, "
+        f"chunked prefill {'off' if args.no_chunked_prefill else 'on'}{', eager' if args.enforce_eager else ''}"
     )
     arms = list(results)
     print("| | " + " | ".join(arms) + " | " + " | ".join(f"{m} / full" for m in arms[1:]) + " |")
