@@ -104,12 +104,13 @@ class PagedEngine:
             while len(self.blocks) * self.bs < slots:
                 self.blocks.append(self.free.pop(0))
             self.step = (computed, n, offset)
-            self.worker.begin(
-                [req], [computed], [n], [len(ids)], [torch.tensor(self.blocks).numpy()], "cpu"
-            )
+            self.worker.blocks[req] = list(self.blocks)
+            self.worker.begin([req], [computed], [n], [len(ids)], "cpu")
             logits = self.forward(seq[computed : computed + n], computed)
-            edits = self.worker.end()
-            for _, first, kept in edits:
+            self.worker.end()
+            edit = self.worker.cut(req)
+            if edit is not None:
+                first, kept = edit
                 keep = self.blocks[first : first + kept]
                 gone = self.blocks[:first] + self.blocks[first + kept :]
                 if e.fresh:

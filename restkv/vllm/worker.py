@@ -103,11 +103,17 @@ class Worker:
         self.requests: dict = {}  # request id -> Held
         self.step: list = []  # Scheduled, this step's
         self.ring_tokens = self.ring_index = None
+        # the step's offsets (logical - held): per request on the host, per token and per request on the device
+        self.request_offsets = np.zeros(0, dtype=np.int64)
+        self.token_offsets_device = self.request_offsets_device = None
         self.pinned = None  # the host buffer of a step's slots (CUDA)
         self.o_proj: dict = {}  # attention layer name -> a function returning its W_O [hidden, Hq d]
         self.factors: dict = {}  # attention layer name -> its W_O factor R [Hq, d, d]
         self.rank: dict = {}  # attention layer name -> its index among the attention layers
         self.kept: dict = {}  # request id -> {layer: kept positions [Hkv, B]}, first evictions (recent requests)
+        self.blocks: dict = {}  # request id -> its block ids (the scheduler's, as the steps give them)
+        self.pending: dict = {}  # request id -> (first kept block, kept blocks): to cut before the next step
+        self.held_lengths = None  # the step's sequence lengths of the entries held, where a runner needs them
 
     # ---- the model's layers ----
 
@@ -122,11 +128,22 @@ class Worker:
     # ---- requests ----
 
     def forget(self, req_ids) -> None:
-        """Finished, aborted or preempted requests: their state and ring slot go."""
+        """Finished, aborted, preempted or resumed requests: their state, blocks and ring slot go."""
         for req_id in req_ids:
             held = self.requests.pop(req_id, None)
             if held is not None:
                 self.free_slots.append(held.slot)
+            self.blocks.pop(req_id, None)
+            self.pending.pop(req_id, None)
+
+    def cut(self, req_id: str) -> tuple[int, int] | None:
+        """Cut the request's blocks to those its last eviction kept -> (first, count), or None."""
+        edit = self.pending.pop(req_id, None)
+        if edit is not None:
+            first, count = edit
+            ids = self.blocks[req_id]
+            ids[:] = ids[first : first + count]
+        return edit
 
     def offsets(self, req_ids) -> np.ndarray:
         """Entries evicted by each request (logical positions - held entries)."""
@@ -136,17 +153,18 @@ class Worker:
 
     # ---- a step ----
 
-    def begin(self, req_ids, computed, counts, prompt_lens, blocks, device) -> None:
+    def begin(self, req_ids, computed, counts, prompt_lens, device) -> None:
         """The step's batch, in its order: per request its id, tokens computed before, tokens in the
-        step, prompt length and block ids (numpy). The host's part of the step (slots, ring rows)
-        goes to ``device`` in one copy."""
+        step and prompt length (its blocks: ``blocks``). The host's part of the step (slots, ring
+        rows) goes to ``device`` in one copy."""
         self.step = []
         start = 0
-        host = []  # arrays for the device, in order: ring tokens, ring rows, then each request's slots
+        host = []  # arrays for the device: ring tokens, ring rows, offsets per token and per request, slots
         rows = self.ring.rows
         tokens, index = [], []
-        for req_id, c, n, length, row in zip(req_ids, computed, counts, prompt_lens, blocks):
+        for req_id, c, n, length in zip(req_ids, computed, counts, prompt_lens):
             c, n, length = int(c), int(n), int(length)
+            row = np.asarray(self.blocks[req_id], dtype=np.int64)
             held = self.requests.get(req_id)
             if held is None:
                 held = self.requests[req_id] = Held(self.free_slots.pop())
@@ -172,9 +190,12 @@ class Worker:
                         )
                     )
             start += n
-        staged = self._stage([np.concatenate(tokens), np.concatenate(index), *host], device)
-        self.ring_tokens, self.ring_index = staged[0], staged[1]
-        rest = iter(staged[2:])
+        self.request_offsets = np.array([s.held.offset for s in self.step], dtype=np.int64)
+        per_token = np.repeat(self.request_offsets, [s.count for s in self.step])
+        arrays = [np.concatenate(tokens), np.concatenate(index), per_token, self.request_offsets, *host]
+        staged = self._stage(arrays, device)
+        self.ring_tokens, self.ring_index, self.token_offsets_device, self.request_offsets_device = staged[:4]
+        rest = iter(staged[4:])
         for s in self.step:
             if s.sums or s.eviction is not None:
                 s.held_slots = next(rest)
@@ -259,19 +280,17 @@ class Worker:
         if s.held.offset == 0:
             self._record(s.req_id, name, kept.positions[0])
 
-    def end(self) -> list:
-        """After the step: each evicting request's new offset; returns the block-table edits
-        ``(request id, first kept block, kept blocks)``."""
-        edits = []
+    def end(self) -> None:
+        """After the step: each evicting request's new offset, and its blocks to cut before the next
+        step (``pending``, ``cut``)."""
         for s in self.step:
             if s.eviction is not None:
                 s.held.offset = s.end - s.eviction.budget
                 s.held.sums.clear()
-                edits.append((s.req_id, s.eviction.first_kept_block, s.eviction.kept_blocks))
+                self.pending[s.req_id] = (s.eviction.first_kept_block, s.eviction.kept_blocks)
             elif s.sums and s.end >= s.prompt_len:
                 s.held.sums.clear()
         self.step = []
-        return edits
 
     def _record(self, req_id: str, layer: str, positions: torch.Tensor) -> None:
         if req_id not in self.kept and len(self.kept) >= 8:

@@ -52,7 +52,8 @@ def test_bad_json_is_one_line(monkeypatch):
 def test_another_vllm_version_is_refused():
     check_version("0.32.0")
     check_version("0.32.0+cpu")
-    with pytest.raises(RuntimeError, match="0.32.0"):
+    check_version("0.33.0")
+    with pytest.raises(RuntimeError, match="0.32.0, 0.33.0"):
         check_version("0.31.1")
 
 

@@ -191,3 +191,30 @@ def test_heads_split_over_ranks_keep_what_all_heads_keep(method):
         assert not torch.equal(whole, split)
     else:
         assert torch.equal(whole, split)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "restkv", "h2o"])
+def test_no_host_read_in_the_workers_steps(method):
+    """The worker converts no tensor to the host in a step, decoding or evicting (its host facts are
+    the runner's numpy arrays; its one copy per step goes host to device): on a GPU no step waits."""
+    from test_host_syncs import counting_syncs
+
+    knobs = {**small(method), **BUDGET, "decode_interval": 10}
+    eng = engine(knobs, chunk=13)
+    counts = []
+
+    def counted(name):
+        orig = getattr(eng.worker, name)
+
+        def run(*a, **k):
+            with counting_syncs() as n:
+                out = orig(*a, **k)
+            counts.append(n[0])
+            return out
+
+        setattr(eng.worker, name, run)
+
+    for name in ("begin", "layer", "end"):
+        counted(name)
+    eng.generate(prompt(80)[0].tolist(), 30)
+    assert len(counts) > 100 and sum(counts) == 0

@@ -14,6 +14,7 @@ import pytest
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
 PROMPT_LEN = 300
 NEW_TOKENS = 16
 BLOCK = 32
@@ -65,27 +66,18 @@ def text_ids() -> list[int]:
 _RUNS: dict = {}
 
 
-def engine_run(
-    model_dir: str, prompts: list, knobs: dict | None, new_tokens=NEW_TOKENS, env=None, **vllm
-) -> dict:
-    """Greedy tokens, kept positions and block counts of one engine on ``prompts`` (cached)."""
+def engine_run(model_dir: str, prompts: list, knobs: dict | None, new_tokens=NEW_TOKENS, env=None, **vllm) -> dict:
+    """Greedy tokens, kept positions and block counts of one engine on ``prompts`` (cached):
+    ``benchmarks/vllm_check.py``'s ``run_spec`` in a subprocess, eager, chunks of ``CHUNK`` tokens,
+    unless ``vllm`` says otherwise."""
+    from vllm_check import run_in_subprocess
+
     vllm = {"enforce_eager": True, "max_num_batched_tokens": CHUNK, **vllm}
     key = json.dumps([knobs, prompts, new_tokens, env, vllm], sort_keys=True)
     if key not in _RUNS:
-        spec = {
-            "model": model_dir,
-            "prompts": prompts,
-            "max_tokens": new_tokens,
-            "block_size": BLOCK,
-            **vllm,
-        }
-        base = {"RESTKV_VLLM": json.dumps(knobs) if knobs else ""}
-        out = _run(
-            [sys.executable, str(HERE / "run_engine.py"), json.dumps(spec)], {**base, **(env or {})}
-        )
-        _RUNS[key] = json.loads(
-            next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]
-        )
+        spec = {"model": model_dir, "prompts": prompts, "max_tokens": new_tokens, "block_size": BLOCK}
+        spec.update(kv_tokens=4096, **vllm)
+        _RUNS[key] = run_in_subprocess(spec, knobs, env)
     return _RUNS[key]
 
 

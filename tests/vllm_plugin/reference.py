@@ -2,7 +2,8 @@
 stdout.
 
 Run with restkv's own environment: ``python tests/vllm_plugin/reference.py '<knobs json>' <new tokens>
-<prompt ids json>`` (knobs ``{}``: no eviction). The vLLM plugin's tests compare against it.
+<prompt ids json> [model]`` (knobs ``{}``: no eviction; model: a registry name or a folder, default
+the packaged SmolLM2). The vLLM plugin's tests and ``benchmarks/vllm_check.py`` compare against it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import sys
 import torch
 
 
-def main(knobs: dict, new_tokens: int, prompt: list[int]) -> dict:
+def main(knobs: dict, new_tokens: int, prompt: list[int], name: str = "smollm2-135m") -> dict:
     import restkv
-    from restkv.bench.models import load_model
+    from restkv.integration.models import load_model
 
-    model, _ = load_model("smollm2-135m")
+    model, _ = load_model(name)
     if knobs:
         restkv.configure(model, **knobs)
     ids = torch.tensor([prompt])
@@ -35,4 +36,4 @@ def main(knobs: dict, new_tokens: int, prompt: list[int]) -> dict:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(json.dumps(main(json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))))
+    print(json.dumps(main(json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), *sys.argv[4:])))

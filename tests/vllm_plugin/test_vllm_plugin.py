@@ -39,7 +39,9 @@ def test_budget_covering_the_prompt_gives_plain_vllm_tokens(model_dir, prompt):
 
 
 @pytest.mark.parametrize(
-    "knobs", [SNAPKV, RESTKV, H2O], ids=["snapkv", "restkv-paper", "h2o-summed"]
+    "knobs",
+    [pytest.param(SNAPKV, marks=pytest.mark.quick), RESTKV, H2O],
+    ids=["snapkv", "restkv-paper", "h2o-summed"],
 )
 def test_chunked_prefill_eviction_matches_restkv_transformers_path(model_dir, prompt, knobs):
     """The prompt in chunks of 142 (the window split over the last two): every layer keeps the
@@ -137,7 +139,8 @@ def test_refusals_at_startup_all_at_once(model_dir, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
     from restkv.vllm import settings
-    from restkv.vllm.hooks import install, refusals
+    from restkv.vllm.hooks import install
+    from restkv.vllm.hooks.refusals import refusals
 
     monkeypatch.setenv("RESTKV_VLLM", json.dumps({"method": "tova", "max_capacity_prompt": 128}))
     install()

@@ -1,0 +1,202 @@
+"""The scheduler's side (engine core process): hits, allocations and the blocks given back.
+
+- ``Scheduler.__init__``: the scheduler's ``Blocks`` (offsets, the step's evictions).
+- ``KVCacheManager.get_computed_blocks``: a prefix-cache hit stops where the queries an eviction
+  reads begin (``settings.hit_limit``).
+- ``KVCacheManager.allocate_slots``: whether the request evicts at the end of this step
+  (``settings.eviction``); ``KVCacheCoordinator.get_num_blocks_to_allocate`` /
+  ``allocate_new_blocks`` then count the entries it holds, plus the fresh blocks of a first
+  eviction under prefix caching; ``free`` / ``pop_blocks_for_free`` forget it.
+- ``Scheduler.update_from_output``: after the step, the blocks past the kept ones go back to the
+  pool (a block other requests share keeps its other references, a cached one its hash: it was not
+  written), and an evicted request's blocks are never cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+from .. import settings
+from .refusals import check_config
+
+NEVER_CACHED = 1 << 62  # an evicted request's count of cached blocks: none of its blocks is hashed again
+
+
+@dataclass
+class Blocks:
+    """Entries each request evicted, and the evictions of the step scheduled."""
+
+    cfg: object
+    caching: bool
+    block_size: int
+    offsets: dict = field(default_factory=dict)  # request id -> logical - held entries
+    due: dict = field(default_factory=dict)  # request id -> settings.Eviction, this step's
+
+    def held(self, request_id: str, tokens: int) -> int:
+        return tokens - self.offsets.get(request_id, 0)
+
+    def slots(self, request_id: str, tokens: int) -> int:
+        """Slots a request needs for ``tokens`` logical tokens: the entries it holds, and the
+        fresh blocks of its first eviction under prefix caching in this step."""
+        e = self.due.get(request_id)
+        return e.slots if e is not None and e.fresh else self.held(request_id, tokens)
+
+    def forget(self, request_id: str) -> None:
+        self.offsets.pop(request_id, None)
+        self.due.pop(request_id, None)
+
+
+def scheduler_init(orig):
+    @functools.wraps(orig)
+    def init(self, vllm_config, *args, **kwargs):
+        orig(self, vllm_config, *args, **kwargs)
+        cfg = check_config(vllm_config)
+        manager = self.kv_cache_manager
+        block_size = vllm_config.cache_config.block_size
+        state = None if cfg is None else Blocks(cfg, bool(manager.enable_caching), block_size)
+        manager._restkv = manager.coordinator._restkv = state
+
+    return init
+
+
+def get_computed_blocks(orig):
+    @functools.wraps(orig)
+    def wrapped(self, request, *args, **kwargs):
+        blocks, hit, *rest = orig(self, request, *args, **kwargs)
+        state = getattr(self, "_restkv", None)
+        if state is None or hit == 0:
+            return (blocks, hit, *rest)
+        limit = settings.hit_limit(state.cfg, min(request.num_tokens, request.num_prompt_tokens))
+        if hit > limit:
+            hit = limit // state.block_size * state.block_size
+            blocks = self.truncate_computed_blocks(blocks, hit)
+        return (blocks, hit, *rest)
+
+    return wrapped
+
+
+def allocate_slots(orig):
+    signature = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def wrapped(self, request, *args, **kwargs):
+        state = getattr(self, "_restkv", None)
+        if state is not None:
+            bound = signature.bind(self, request, *args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            computed = (
+                request.num_computed_tokens
+                + a["num_new_computed_tokens"]
+                + a["num_external_computed_tokens"]
+            )
+            e = settings.eviction(
+                state.cfg,
+                computed,
+                a["num_new_tokens"],
+                request.num_prompt_tokens,
+                state.offsets.get(request.request_id, 0),
+                state.caching,
+                state.block_size,
+            )
+            if e is None:
+                state.due.pop(request.request_id, None)
+            else:
+                state.due[request.request_id] = e
+        return orig(self, request, *args, **kwargs)
+
+    return wrapped
+
+
+def get_num_blocks_to_allocate(orig):
+    @functools.wraps(orig)
+    def wrapped(
+        self,
+        request_id,
+        num_tokens,
+        new_computed_blocks,
+        num_encoder_tokens,
+        total_computed_tokens,
+        num_local_computed_tokens,
+        num_tokens_main_model,
+        **kwargs,
+    ):
+        s = getattr(self, "_restkv", None)
+        if s is not None:
+            num_tokens = s.slots(request_id, num_tokens)
+            total_computed_tokens = s.held(request_id, total_computed_tokens)
+            num_local_computed_tokens = s.held(request_id, num_local_computed_tokens)
+            num_tokens_main_model = s.slots(request_id, num_tokens_main_model)
+        return orig(
+            self,
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            **kwargs,
+        )
+
+    return wrapped
+
+
+def allocate_new_blocks(orig):
+    @functools.wraps(orig)
+    def wrapped(self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens=0):
+        s = getattr(self, "_restkv", None)
+        if s is not None:
+            num_tokens = s.slots(request_id, num_tokens)
+            num_tokens_main_model = s.slots(request_id, num_tokens_main_model)
+        return orig(self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens)
+
+    return wrapped
+
+
+def forget(orig):
+    @functools.wraps(orig)
+    def wrapped(self, request_id, *args, **kwargs):
+        s = getattr(self, "_restkv", None)
+        if s is not None:
+            s.forget(request_id)
+        return orig(self, request_id, *args, **kwargs)
+
+    return wrapped
+
+
+def update_from_output(orig):
+    """After the original: each request that evicted in the step keeps its kept blocks only."""
+
+    @functools.wraps(orig)
+    def wrapped(self, scheduler_output, model_runner_output):
+        out = orig(self, scheduler_output, model_runner_output)
+        state = getattr(self.kv_cache_manager, "_restkv", None)
+        if state is None:
+            return out
+        for req_id in scheduler_output.num_scheduled_tokens:
+            e = state.due.pop(req_id, None)
+            request = self.requests.get(req_id)
+            if e is None or request is None or request.is_finished():
+                continue
+            for manager in self.kv_cache_manager.coordinator.single_type_managers:
+                keep_evicted(manager, req_id, e, state.caching)
+            state.offsets[req_id] = state.offsets.get(req_id, 0) + e.held - e.budget
+        return out
+
+    return wrapped
+
+
+def keep_evicted(manager, req_id: str, e: settings.Eviction, caching: bool) -> None:
+    """Keep the request's kept blocks; the others go back to the pool, tail first."""
+    blocks = manager.req_to_blocks.get(req_id)
+    if not blocks:
+        return
+    first, count = e.first_kept_block, e.kept_blocks
+    gone = blocks[:first] + blocks[first + count :]
+    blocks[:] = blocks[first : first + count]
+    if caching:
+        manager.num_cached_block[req_id] = NEVER_CACHED
+    manager.block_pool.free_blocks(reversed(gone))
