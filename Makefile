@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
-.PHONY: demo test test-all test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick
+.PHONY: demo test test-all test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick vllm033-test
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -56,6 +56,26 @@ vllm-test: vllm-install
 vllm-test-quick: vllm-install
 	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q -m quick tests/vllm_plugin
 
+# The CUDA build vllm 0.33.0 cannot start an engine without a GPU, but its scheduler side imports: the
+# plugin's scheduler tests run against it in .venv-vllm033 (its Python sources without their CUDA torch, and
+# the pure-Python packages those modules import, at the versions read here).
+VLLM033_VENV ?= .venv-vllm033
+VLLM033_STAMP := $(VLLM033_VENV)/.restkv-vllm033-installed
+
+$(VLLM033_STAMP):
+	$(PY) -m venv $(VLLM033_VENV)
+	$(VLLM033_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM033_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM033_VENV)/bin/python -m pip install -q --no-deps vllm==0.33.0
+	$(VLLM033_VENV)/bin/python -m pip install -q packaging pydantic regex numpy cbor2 psutil pyzmq urllib3 \
+		"transformers<5.25" aiohttp requests openai-harmony openai pillow pybase64 cachetools msgspec \
+		cloudpickle uvloop py-cpuinfo prometheus-client xgrammar fastapi partial-json-parser llguidance \
+		einops pytest safetensors
+	touch $(VLLM033_STAMP)
+
+vllm033-test: $(VLLM033_STAMP)
+	PYTHONPATH=$(CURDIR) $(VLLM033_VENV)/bin/python -m pytest -q tests/vllm_plugin/test_scheduler_side.py
+
 # The quick suite on the lowest transformers requirements.txt allows: a venv that installs only that version
 # and takes everything else from $(VENV) (a .pth file); `make test` covers the highest.
 LOWEST := .venv-lowest
@@ -70,7 +90,7 @@ test-lowest: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(LOWEST)/bin/python -m pytest -q -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LOWEST)
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) $(LOWEST)
 
 # kvpress (transformers < 5.3) in a venv of its own, for benchmarks/kvpress_compare.py; never a dependency
 kvpress-venv:

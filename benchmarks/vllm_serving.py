@@ -10,8 +10,9 @@ Two workloads (``--workload``):
 
 Every arm is one engine in a subprocess (the plugin is process-wide), all requests submitted at
 once, greedy. Printed per arm and as ratios to the full cache: requests/s, output tokens/s, total
-tokens/s, the peak number of running requests, preemptions, and the peak of blocks held (pool
-blocks minus free ones); for the evicting arms the time spent evicting, split into reading the
+tokens/s, output tokens per CPU second of the engine's process (the engine runs in it: a figure
+that other jobs on the machine disturb less than wall time), the peak number of running requests,
+preemptions, and the peak of blocks held (pool blocks minus free ones); for the evicting arms the time spent evicting, split into reading the
 held entries back from the paged cache, selecting (scoring included) and writing the kept entries,
 as seconds and as a share of the arm's wall time. Run in the vLLM environment (``make
 vllm-install``), on an otherwise idle machine; README gives the commands of its figures.
@@ -34,6 +35,7 @@ METRICS = (
     "requests/s",
     "output tokens/s",
     "total tokens/s",
+    "output tokens/CPU s",
     "peak running",
     "preemptions",
     "peak held blocks",
@@ -121,14 +123,15 @@ def run_arm(args) -> dict:
         for _ in range(args.requests)
     ]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     new = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "requests/s": len(outs) / seconds,
         "output tokens/s": new / seconds,
         "total tokens/s": (new + args.requests * args.prompt_len) / seconds,
+        "output tokens/CPU s": new / cpu,
         **counts,
         "pool blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
         "seconds": seconds,
@@ -212,6 +215,7 @@ def main(argv=None) -> dict:
 
 def report(args, argv, results: dict) -> None:
     print(f"python benchmarks/vllm_serving.py {' '.join(argv)}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     print(
         f"{args.workload}: {args.requests} requests of {args.prompt_len} prompt + {args.new_tokens} new tokens; "
         f"KV pool for {args.pool_requests} full-length requests ({results['full']['pool blocks']} blocks "

@@ -35,7 +35,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from restkv.integration.models import cache_dir
 from restkv.vllm import hooks
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.quick]
 
 BLOCK = 16
 CHUNK = 128  # max_num_batched_tokens: a 300-token prompt is computed as 128 + 128 + 44
@@ -236,7 +236,8 @@ def test_decode_interval_keeps_the_held_blocks_bounded(monkeypatch):
         out = sched.schedule()
         scheduled = out.num_scheduled_tokens["a"]
         held, end = held + scheduled, end + scheduled
-        # checks at 100, 132, 164, ... logical tokens; over the budget the request keeps 128
+        # checks at 100, 132, 164, ... logical tokens; over the budget the request keeps 128, its
+        # first time (prefix caching on) in 8 fresh blocks beside the held ones, then in place
         evicts = end >= 100 and (end - 100) % interval == 0 and held > BUDGET
         during = cdiv(held, BLOCK) + (cdiv(BUDGET, BLOCK) if evicts and first else 0)
         assert len(blocks(sched, "a")) == during, f"after schedule, {end} tokens"
