@@ -22,6 +22,12 @@ from harness import SNAPKV, engine_run, reference
 pytestmark = pytest.mark.vllm
 
 
+def serve(model_dir: str, knobs: dict, *flags: str) -> list[str]:
+    """``restkv-vllm serve`` of the packaged model with restkv's ``knobs`` by --additional-config."""
+    command = [str(Path(sys.executable).parent / "restkv-vllm"), "serve", model_dir, "--max-model-len", "1024"]
+    return command + ["--additional-config", json.dumps({"restkv": knobs}), *flags]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,23 +65,8 @@ def test_serve_answers_over_http_with_eviction(model_dir, prompt):
     assert ref["tokens"] != plain["tokens"][0], "the prompt must show the eviction in its tokens"
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}
-    command = [
-        str(Path(sys.executable).parent / "restkv-vllm"),
-        "serve",
-        model_dir,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--kv-cache-memory-bytes",
-        str(4096 * 2 * 30 * 3 * 64 * 4),
-        "--additional-config",
-        json.dumps({"restkv": SNAPKV}),
-    ]
+    command = serve(model_dir, SNAPKV, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32")
+    command += ["--kv-cache-memory-bytes", str(4096 * 2 * 30 * 3 * 64 * 4)]
     server = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -101,19 +92,8 @@ def test_serve_answers_over_http_with_eviction(model_dir, prompt):
 @pytest.mark.quick
 def test_serve_refuses_in_lines_before_starting(model_dir):
     """A configuration the plugin cannot run: one line per cause, exit code 2, no engine started."""
-    command = [
-        str(Path(sys.executable).parent / "restkv-vllm"),
-        "serve",
-        model_dir,
-        "--max-model-len",
-        "1024",
-        "--kv-cache-dtype",
-        "fp8",
-        "--additional-config",
-        json.dumps({"restkv": {"method": "tova", "max_capacity_prompt": 128}}),
-        "--tensor-parallel-size",
-        "3",
-    ]
+    knobs = {"method": "tova", "max_capacity_prompt": 128}
+    command = serve(model_dir, knobs, "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "3")
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stderr.splitlines() if line.startswith("RESTKV_VLLM: ")]
     assert done.returncode == 2, done.stderr[-3000:]

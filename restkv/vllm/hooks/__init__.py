@@ -19,82 +19,80 @@ import importlib
 
 from . import attention, refusals, runner, scheduler
 
-# (module, owner, function, wrapper), for every supported version
-TARGETS = (
-    ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", refusals.create_engine_config),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "__init__", scheduler.scheduler_init),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", scheduler.update_from_output),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_computed_blocks", scheduler.get_computed_blocks),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots", scheduler.allocate_slots),
-    (
-        "vllm.v1.core.kv_cache_coordinator",
-        "KVCacheCoordinator",
-        "get_num_blocks_to_allocate",
-        scheduler.get_num_blocks_to_allocate,
-    ),
-    ("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator", "allocate_new_blocks", scheduler.allocate_new_blocks),
-    ("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator", "free", scheduler.forget),
-    ("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator", "pop_blocks_for_free", scheduler.forget),
-    # V1 model runner
-    (
-        "vllm.v1.worker.gpu_input_batch",
-        "InputBatch",
-        "__init__",
-        lambda f: runner.widened(f, "max_num_blocks_per_req"),
-    ),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "__init__", runner.runner_init),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "load_model", runner.load_model),
-    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "load_model", runner.load_model),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states", runner.v1_update_states),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", runner.v1_prepare_inputs),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", runner.execute_model),
-    # V2 model runner
-    (
-        "vllm.v1.worker.gpu.block_table",
-        "BlockTables",
-        "__init__",
-        lambda f: runner.widened(f, "max_num_blocks_per_group"),
-    ),
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "__init__", runner.runner_init),
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "load_model", runner.load_model),
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "finish_requests", runner.v2_finish_requests),
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "add_requests", runner.v2_add_requests),
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "update_requests", runner.v2_update_requests),
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_attn", runner.v2_prepare_attn),
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model", runner.execute_model),
-    (
-        "vllm.v1.worker.gpu.model_states.default",
-        "DefaultModelState",
-        "prepare_attn",
-        runner.v2_model_state_prepare_attn,
-    ),
-    # attention backends
-    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "forward", attention.forward(attention.cpu)),
-    (
-        "vllm.v1.attention.backends.flash_attn",
-        "FlashAttentionImpl",
-        "forward",
-        attention.forward(attention.declared),
-    ),
-    ("vllm.v1.attention.backends.flashinfer", "FlashInferImpl", "forward", attention.forward(attention.declared)),
-    (
-        "vllm.v1.attention.backends.triton_attn",
-        "TritonAttentionImpl",
-        "forward",
-        attention.forward(attention.declared),
-    ),
-)
+_V1 = "vllm.v1.worker.gpu_model_runner"
+_V2 = "vllm.v1.worker.gpu.model_runner"
+_BACKENDS = "vllm.v1.attention.backends"
+
+# module -> owner -> {function: wrapper}, for every supported version
+TARGETS = {
+    "vllm.engine.arg_utils": {"EngineArgs": {"create_engine_config": refusals.create_engine_config}},
+    "vllm.v1.core.sched.scheduler": {
+        "Scheduler": {"__init__": scheduler.scheduler_init, "update_from_output": scheduler.update_from_output}
+    },
+    "vllm.v1.core.kv_cache_manager": {
+        "KVCacheManager": {
+            "get_computed_blocks": scheduler.get_computed_blocks,
+            "allocate_slots": scheduler.allocate_slots,
+        }
+    },
+    "vllm.v1.core.kv_cache_coordinator": {
+        "KVCacheCoordinator": {
+            "get_num_blocks_to_allocate": scheduler.get_num_blocks_to_allocate,
+            "allocate_new_blocks": scheduler.allocate_new_blocks,
+            "free": scheduler.forget,
+            "pop_blocks_for_free": scheduler.forget,
+        }
+    },
+    # the V1 model runner
+    "vllm.v1.worker.gpu_input_batch": {
+        "InputBatch": {"__init__": lambda f: runner.widened(f, "max_num_blocks_per_req")}
+    },
+    _V1: {
+        "GPUModelRunner": {
+            "__init__": runner.runner_init,
+            "load_model": runner.load_model,
+            "_update_states": runner.v1_update_states,
+            "_prepare_inputs": runner.v1_prepare_inputs,
+            "execute_model": runner.execute_model,
+        }
+    },
+    "vllm.v1.worker.cpu_model_runner": {"CPUModelRunner": {"load_model": runner.load_model}},
+    # the V2 model runner
+    "vllm.v1.worker.gpu.block_table": {
+        "BlockTables": {"__init__": lambda f: runner.widened(f, "max_num_blocks_per_group")}
+    },
+    _V2: {
+        "GPUModelRunner": {
+            "__init__": runner.runner_init,
+            "load_model": runner.load_model,
+            "finish_requests": runner.v2_finish_requests,
+            "add_requests": runner.v2_add_requests,
+            "update_requests": runner.v2_update_requests,
+            "prepare_attn": runner.v2_prepare_attn,
+            "execute_model": runner.execute_model,
+        }
+    },
+    "vllm.v1.worker.gpu.model_states.default": {
+        "DefaultModelState": {"prepare_attn": runner.v2_model_state_prepare_attn}
+    },
+    # the attention backends
+    f"{_BACKENDS}.cpu_attn": {"CPUAttentionBackendImpl": {"forward": attention.forward(attention.cpu)}},
+    f"{_BACKENDS}.flash_attn": {"FlashAttentionImpl": {"forward": attention.forward(attention.declared)}},
+    f"{_BACKENDS}.flashinfer": {"FlashInferImpl": {"forward": attention.forward(attention.declared)}},
+    f"{_BACKENDS}.triton_attn": {"TritonAttentionImpl": {"forward": attention.forward(attention.declared)}},
+}
 
 
 def targets() -> list:
     """(owner class, function name, wrapper) of every target whose module imports here."""
     found = []
-    for module, owner, name, wrap in TARGETS:
+    for module, owners in TARGETS.items():
         try:
-            cls = getattr(importlib.import_module(module), owner)
+            imported = importlib.import_module(module)
         except ImportError:
             continue
-        found.append((cls, name, wrap))
+        for owner, functions in owners.items():
+            found += [(getattr(imported, owner), name, wrap) for name, wrap in functions.items()]
     return found
 
 

@@ -212,29 +212,28 @@ def v1_prepare_inputs(orig):
 # ---- V2 ----
 
 
-def v2_finish_requests(orig):
-    @functools.wraps(orig)
-    def wrapped(self, scheduler_output):
-        worker = getattr(self, "_restkv", None)
-        if worker is not None:
-            preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
-            worker.forget(set(scheduler_output.finished_req_ids) | set(preempted))
-        return orig(self, scheduler_output)
+def forgetting(gone):
+    """A V2 function after which the requests ``gone(scheduler_output)`` start afresh:
+    ``finish_requests`` (finished and preempted ones), ``add_requests`` (V2 adds a resumed request
+    again)."""
 
-    return wrapped
+    def wrap(orig):
+        @functools.wraps(orig)
+        def wrapped(self, scheduler_output):
+            worker = getattr(self, "_restkv", None)
+            if worker is not None:
+                worker.forget(gone(scheduler_output))
+            return orig(self, scheduler_output)
+
+        return wrapped
+
+    return wrap
 
 
-def v2_add_requests(orig):
-    """Before the original: a request added again (V2 re-adds a resumed one) starts afresh."""
-
-    @functools.wraps(orig)
-    def wrapped(self, scheduler_output):
-        worker = getattr(self, "_restkv", None)
-        if worker is not None:
-            worker.forget([new.req_id for new in scheduler_output.scheduled_new_reqs])
-        return orig(self, scheduler_output)
-
-    return wrapped
+v2_finish_requests = forgetting(
+    lambda out: set(out.finished_req_ids) | set(getattr(out, "preempted_req_ids", None) or ())
+)
+v2_add_requests = forgetting(lambda out: [new.req_id for new in out.scheduled_new_reqs])
 
 
 def v2_update_requests(orig):

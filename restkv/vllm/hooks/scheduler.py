@@ -110,50 +110,37 @@ def allocate_slots(orig):
     return wrapped
 
 
-def get_num_blocks_to_allocate(orig):
-    @functools.wraps(orig)
-    def wrapped(
-        self,
-        request_id,
-        num_tokens,
-        new_computed_blocks,
-        num_encoder_tokens,
-        total_computed_tokens,
-        num_local_computed_tokens,
-        num_tokens_main_model,
-        **kwargs,
-    ):
-        s = getattr(self, "_restkv", None)
-        if s is not None:
-            num_tokens = s.slots(request_id, num_tokens)
-            total_computed_tokens = s.held(request_id, total_computed_tokens)
-            num_local_computed_tokens = s.held(request_id, num_local_computed_tokens)
-            num_tokens_main_model = s.slots(request_id, num_tokens_main_model)
-        return orig(
-            self,
-            request_id,
-            num_tokens,
-            new_computed_blocks,
-            num_encoder_tokens,
-            total_computed_tokens,
-            num_local_computed_tokens,
-            num_tokens_main_model,
-            **kwargs,
-        )
+def counted(held: tuple, slots: tuple):
+    """A coordinator function whose token counts ``held`` become the entries a request holds and
+    ``slots`` the slots it needs (``Blocks``): ``get_num_blocks_to_allocate``,
+    ``allocate_new_blocks``."""
 
-    return wrapped
+    def wrap(orig):
+        signature = inspect.signature(orig)
+
+        @functools.wraps(orig)
+        def wrapped(self, *args, **kwargs):
+            s = getattr(self, "_restkv", None)
+            if s is None:
+                return orig(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            a = bound.arguments
+            for name in held:
+                a[name] = s.held(a["request_id"], a[name])
+            for name in slots:
+                a[name] = s.slots(a["request_id"], a[name])
+            return orig(*bound.args, **bound.kwargs)
+
+        return wrapped
+
+    return wrap
 
 
-def allocate_new_blocks(orig):
-    @functools.wraps(orig)
-    def wrapped(self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens=0):
-        s = getattr(self, "_restkv", None)
-        if s is not None:
-            num_tokens = s.slots(request_id, num_tokens)
-            num_tokens_main_model = s.slots(request_id, num_tokens_main_model)
-        return orig(self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens)
-
-    return wrapped
+get_num_blocks_to_allocate = counted(
+    held=("total_computed_tokens", "num_local_computed_tokens"),
+    slots=("num_tokens", "num_tokens_main_model"),
+)
+allocate_new_blocks = counted(held=(), slots=("num_tokens", "num_tokens_main_model"))
 
 
 def forget(orig):
