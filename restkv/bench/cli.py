@@ -477,6 +477,34 @@ def check_common(args):
             "--use_cache: restkv always decodes on the KV cache (the one it evicts); "
             "only --use_cache (true) is accepted"
         )
+    if getattr(args, "save_dir", None):
+        check_save_dir(args)
+
+
+def check_save_dir(args):
+    """Raise ``ValueError`` naming ``--save_dir`` when the run's folder (``<save_dir>/<model>``, or
+    ``<model_version>``) cannot be made: it, ``--save_dir`` or a folder above is a file, or the nearest
+    existing folder is not writable."""
+    import os
+    from pathlib import Path
+
+    from .models import model_name
+
+    given = Path(os.path.abspath(args.save_dir))
+    name = getattr(args, "model_version", None) or model_name(args.model_path)
+    out = given / name
+    for folder in (out, *out.parents):
+        if not folder.exists():
+            continue
+        if folder == out and not folder.is_dir():
+            raise ValueError(f"--save_dir: {out} (the run's folder) is a file; give another --save_dir")
+        if folder == given and not folder.is_dir():
+            raise ValueError(f"--save_dir: {args.save_dir} is a file, not a folder")
+        if not folder.is_dir():
+            raise ValueError(f"--save_dir: {args.save_dir} lies under {folder}, a file, not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"--save_dir: {args.save_dir} cannot be written: {folder} is not writable")
+        return
 
 
 def add_dataset_args(parser):
