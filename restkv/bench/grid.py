@@ -349,9 +349,9 @@ def announce(name, counts, configs, file=None):
 
 
 def preset_overrides(configs) -> str:
-    """One line naming, per config given a ``preset``, the knobs whose resolved value is not the preset's
-    (``--preset paper --kernel_size 21``: ``kernel_size=21 (preset paper: 5) in restkv_1024-kernel_size=21``);
-    ``""`` when every such config runs its preset's knobs."""
+    """One line naming, per config given a ``preset``, the knobs whose resolved value is not the
+    preset's (``--preset paper --kernel_size 21``: ``kernel_size=21 (preset paper: 5) in
+    restkv_1024-kernel_size=21``); ``""`` when every such config runs its preset's knobs."""
     found = {}
     for run in map(run_config, configs):
         preset = run.kwargs.get("preset")

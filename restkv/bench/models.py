@@ -91,10 +91,10 @@ def context_limit(name_or_path):
 
 
 def hub_unreachable(timeout=3.0):
-    """Why the model hub cannot be reached (offline mode, or the connection's error), or None when it answers.
+    """Why the model hub cannot be reached (offline mode, or the connection's error), or None.
 
-    One request of ``timeout`` seconds to the hub's endpoint, through huggingface_hub's own session (its
-    proxies and endpoint); any HTTP answer counts as reachable.
+    One request of ``timeout`` seconds to the hub's endpoint, through huggingface_hub's own session
+    (its proxies and endpoint); any HTTP answer counts as reachable.
     """
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
@@ -115,8 +115,9 @@ def hub_config(repo):
     Raises
     ------
     ValueError
-        One line naming ``--model_path``: ``repo`` is not cached and the hub cannot be reached (checked
-        in seconds, before transformers' own retries), or the hub refused it (unknown, gated).
+        One line naming ``--model_path``: ``repo`` is not cached and the hub cannot be reached
+        (checked in seconds, before transformers' own retries), or the hub refused it (unknown,
+        gated).
     """
     from huggingface_hub import constants
 
@@ -127,8 +128,8 @@ def hub_config(repo):
     reason = hub_unreachable()
     if reason is not None:
         raise ValueError(
-            f"--model_path {repo}: not in the local hub cache ({constants.HF_HUB_CACHE}) and the hub is "
-            f"unreachable ({reason}); give a local folder of the model: "
+            f"--model_path {repo}: not in the local hub cache ({constants.HF_HUB_CACHE}) and "
+            f"the hub is unreachable ({reason}); give a local folder of the model: "
             f"--model_path /path/to/{model_name(repo)}"
         )
     try:
