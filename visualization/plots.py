@@ -87,8 +87,8 @@ def needle_heatmaps(records, path, metric="score", name=None, order=None, column
     per_needle = -(-len(labels) // ncols)
     nrows = per_needle * len(needles)
     width, height = 1.0 + 0.7 * len(lengths), 0.9 + 0.32 * len(depths)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols + 1.2, height * nrows + 0.6),
-                             squeeze=False, sharex=True, sharey=True)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols + 1.2, (height + 0.45) * nrows + 0.5),
+                             squeeze=False, sharex=True, sharey=True, layout="constrained")
     numbers = len(lengths) * len(depths) <= 60
     im = None
     for n, needle in enumerate(needles):
@@ -110,7 +110,7 @@ def needle_heatmaps(records, path, metric="score", name=None, order=None, column
         ax.set_ylabel("needle depth (%)", fontsize=8)
     fig.suptitle(f"mean {name} per needle depth and context length, each config", fontsize=10)
     if im is not None:
-        fig.colorbar(im, ax=axes, label=name, shrink=0.8)
+        fig.colorbar(im, ax=axes, label=name, shrink=min(1.0, 0.5 + 0.25 * nrows))
     return _save(fig, path)
 
 
