@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from helpers import prompt, tiny_model, write_fixture, write_passkey
 
 import run_infinite_bench
 import run_longbench
 import run_needle_in_haystack
 import run_ruler
-from helpers import prompt, tiny_model, write_fixture, write_passkey
 from restkv import CompressionConfig, configure, detach, kept_positions
 from restkv.bench import loop
 from restkv.strategies.budgets import keeps_prompt
