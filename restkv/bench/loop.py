@@ -40,7 +40,7 @@ def unevicted_line(whole):
     """The run's last line when a budget held prompts whole (``whole``: ``{label: [whole, run]}``):
     ``budget >= prompt length, nothing evicted at prefill (...): snapkv_4096 6 of 6 prompts, ...``;
     ``""`` when every prompt was evicted."""
-    shown = [f"{label} {n} of {total} prompts" for label, (n, total) in whole.items() if n]
+    shown = [f"{label} {n} of {total} prompt{'s' * (total != 1)}" for label, (n, total) in whole.items() if n]
     if not shown:
         return ""
     return (

@@ -68,7 +68,7 @@ def summary_table(records, metric="score"):
     each cell holds."""
     lengths, rows = table_rows(records, metric)
     width = max([len("method")] + [len(label) for label, _ in rows])
-    lines = [f"{'method':<{width}} " + " ".join(f"{L:>13}" for L in lengths) + f" {'all':>13}"]
+    lines = [f"{'method':<{width}} " + " ".join(f" {L:<12}" for L in lengths) + "  all"]  # over each mean
     for label, cells in rows:
         lines.append(f"{label:<{width}} " + " ".join(f"{_cell(*c):<13}" for c in cells).rstrip())
     return "\n".join(lines)
