@@ -5,31 +5,35 @@ hidden 4096, intermediate 14336, vocabulary 128256, llama3 RoPE, bf16) is built 
 and, when a flash kernel is importable (``flash_attn``: flash_attention_2, ``flash_attn_interface``:
 flash_attention_3), for flash, one table row per length and method:
 
-- equal: at the check length (4K), the greedy tokens of the evicted cache against the full cache with
-  every evicted prompt entry masked (``masked_reference``: the same prefill, then at each decoded token
+- greedy = masked full cache: at the check length (4K), the greedy tokens of the evicted cache against the
+  full cache with every evicted prompt entry masked (``masked_reference``: the same prefill, then at each decoded token
   the model's attention with the prompt entries outside ``restkv.kept_positions`` masked, fed the same
   tokens). ``yes`` when every token matches; ``yes, k ties`` when k tokens differ but the reference's
   logit margin between the two is under the dtype's tolerance (bf16 attention over a gathered and over a
-  masked cache round differently); ``NO`` otherwise;
+  masked cache round differently); ``NO`` otherwise. The ``fullkv`` row is the reference
+  (``reference``); the longer lengths are timed only (``-``);
 - prefill: seconds of one forward over the prompt (with the eviction step of every layer), its ratio to
   the full-cache prefill and to SnapKV's;
 - decode: median ms per greedy token after that prefill, on the full cache and on the evicted ones
   (budget ``--budget`` = 1024 entries per KV head);
 - peak: the peak memory allocated on the model's device during prefill and decode
   (``torch.cuda.max_memory_allocated(device)``; resident set on CPU), and that peak minus the memory
-  held before (the weights).
+  held before (the weights; a resident set that shrank reads 0.00).
 
-Every method is warmed up first (CUDA initialisation, kernel selection, ReST-KV's W_O factorisation are not
-timed); clocks are read after ``torch.cuda.synchronize(device)``.
+Every method is warmed up first at the first row's length (CUDA initialisation, kernel selection, ReST-KV's
+W_O factorisation are not timed), and each length's rows follow one untimed full-cache prefill of that length
+(the allocator's pools and the kernels for its shapes); clocks are read after
+``torch.cuda.synchronize(device)``.
 
 Usage::
 
     python benchmarks/gpu_check.py                      # cuda, the 8B shape, 4K check, 32K and 128K
     python benchmarks/gpu_check.py --device cpu --tiny  # the same code on a small model (the test suite runs it)
 
-Needs only torch and transformers (no accelerate, no flash_attn, no network: the model is random, the prompts
-random ids). Timed on the 8B shape: about 4 prefills of 128K and 4 of 32K per backend, well under 8 minutes
-on one H200 by estimate (not yet run on a GPU).
+Needs restkv installed first (``pip install -e .`` in the clone: torch, transformers, accelerate and the rest
+of requirements.txt; restkv imports accelerate) and nothing else: no flash_attn (used when importable), no
+network (the model is random, the prompts random ids). What a run should take on one H200 is in README's
+"On a GPU" section (estimates from the model's sizes: not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -78,12 +82,16 @@ SHAPES = {
         vocab_size=256,
     ),
 }
-RUNS = {  # check length, timed lengths, budget, greedy tokens checked, decode steps timed, warm-up length
-    "llama3.1-8b": dict(
-        check=4096, lengths=(32768, 131072), budget=1024, new_tokens=16, steps=32, warm=2048
-    ),
-    "tiny": dict(check=256, lengths=(512, 1024), budget=64, new_tokens=8, steps=4, warm=160),
+RUNS = {  # check length, timed lengths, budget, greedy tokens checked, decode steps timed
+    "llama3.1-8b": dict(check=4096, lengths=(32768, 131072), budget=1024, new_tokens=16, steps=32),
+    "tiny": dict(check=256, lengths=(512, 1024), budget=64, new_tokens=8, steps=4),
 }
+LEGEND = (
+    "greedy = masked full cache: at L={check}, the evicted run's greedy tokens against the full cache with the "
+    "evicted entries masked (yes; yes, k ties: k tokens within the dtype's rounding; NO: a real difference); "
+    "reference: the full cache itself; -: a timed-only length. / full, / SnapKV: prefill time ratios; "
+    "speed-up vs full: full-cache decode time / this row's. Memory in GiB on the model's device."
+)
 TIE = {torch.float32: 1e-4, torch.float16: 0.05, torch.bfloat16: 0.25}  # logit margin read as a tie
 REFERENCE = "restkv_masked_reference"
 
@@ -266,12 +274,20 @@ def timed(model, ids, method: str, budget: int, steps: int) -> dict:
 
 
 def warm_up(model, length: int, budget: int, vocab: int) -> None:
-    """Every method once on a short prompt (CUDA initialisation, kernel choice, ReST-KV's W_O factors)."""
+    """Every method once on a prompt of ``length`` (CUDA initialisation, kernel choice, ReST-KV's W_O
+    factors)."""
     ids = torch.randint(0, vocab, (1, length), device=device_of(model))
     for method in ("fullkv", *METHODS):
         restkv.configure(model, method=method, max_capacity_prompt=min(budget, length // 2))
         greedy(model, ids, 3)
         restkv.detach(model)
+    sync(device_of(model))
+
+
+def settle(model, ids) -> None:
+    """One untimed full-cache prefill of ``ids`` (the allocator's pools and the kernels for this length)."""
+    cache, _ = prefill(model, ids)
+    del cache
     sync(device_of(model))
 
 
@@ -281,17 +297,22 @@ def table(model, attn: str, run: dict, dtype, seed: int = 0):
     vocab = model.config.vocab_size
     device = device_of(model)
     gen = torch.Generator().manual_seed(seed)
-    warm_up(model, run["warm"], run["budget"], vocab)
+    warm_up(model, run["check"], run["budget"], vocab)
     rows = []
     for length in (run["check"], *run["lengths"]):
         ids = torch.randint(0, vocab, (1, length), generator=gen).to(device)
+        settle(model, ids)
         results = {
             m: timed(model, ids, m, run["budget"], run["steps"]) for m in ("fullkv", *METHODS)
         }
         for method, r in results.items():
             equal = "-"
-            if length == run["check"] and method != "fullkv":
-                equal = check(model, ids, method, run["budget"], run["new_tokens"], attn, dtype)
+            if length == run["check"]:
+                equal = (
+                    "reference"
+                    if method == "fullkv"
+                    else check(model, ids, method, run["budget"], run["new_tokens"], attn, dtype)
+                )
             rows.append(
                 (
                     attn,
@@ -310,7 +331,12 @@ def table(model, attn: str, run: dict, dtype, seed: int = 0):
     return rows
 
 
-def print_table(rows) -> None:
+def gib(nbytes: float) -> str:
+    """Bytes in GiB to 2 decimals; a negative amount (a resident set that shrank) reads 0.00, never -0.00."""
+    return f"{max(nbytes, 0) / 2**30:.2f}"
+
+
+def print_table(rows, check: int) -> None:
     print(
         "| backend | L | method | greedy = masked full cache | prefill (s) | / full | / SnapKV | "
         "decode (ms/token) | speed-up vs full | peak memory (GiB) | peak over weights (GiB) |"
@@ -319,9 +345,10 @@ def print_table(rows) -> None:
     for attn, length, method, equal, s, x_full, x_snap, ms, speed, peak, extra in rows:
         print(
             f"| {attn} | {length} | {method} | {equal} | {s:.3f} | {x_full:.3f} | {x_snap:.3f} | {ms:.2f} | "
-            f"{speed:.2f} | {peak / 2**30:.2f} | {extra / 2**30:.2f} |",
+            f"{speed:.2f} | {gib(peak)} | {gib(extra)} |",
             flush=True,
         )
+    print("\n" + LEGEND.format(check=check))
 
 
 def versions(device) -> str:
@@ -383,7 +410,7 @@ def main(argv=None):
     rows = []
     for attn in attns:
         rows += table(model, attn, run, dtype)
-    print_table(rows)
+    print_table(rows, run["check"])
     return rows
 
 

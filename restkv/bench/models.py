@@ -82,15 +82,60 @@ def context_limit(name_or_path):
     elif os.path.exists(path):
         raise ValueError(f"model_path: {path} holds no config.json")
     else:  # a hub id
-        found, where = (
-            _length_field(transformers.AutoConfig.from_pretrained(path)),
-            f"the config of {path}",
-        )
+        found, where = _length_field(hub_config(path)), f"the config of {path}"
     if found is None:
         raise ValueError(
             f"model_path: {where} has no max length field ({', '.join(LENGTH_FIELDS)})"
         )
     return found[1], f"{found[0]} of {where}"
+
+
+def hub_unreachable(timeout=3.0):
+    """Why the model hub cannot be reached (offline mode, or the connection's error), or None.
+
+    One request of ``timeout`` seconds to the hub's endpoint, through huggingface_hub's own session
+    (its proxies and endpoint); any HTTP answer counts as reachable.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as err:  # noqa: BLE001 (any transport error: DNS, refused, timeout, proxy)
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return f"{constants.ENDPOINT}: {reason}"
+    return None
+
+
+def hub_config(repo):
+    """The config of hub model ``repo``: from the local hub cache, else fetched from the hub.
+
+    Raises
+    ------
+    ValueError
+        One line naming ``--model_path``: ``repo`` is not cached and the hub cannot be reached
+        (checked in seconds, before transformers' own retries), or the hub refused it (unknown,
+        gated).
+    """
+    from huggingface_hub import constants
+
+    try:
+        return transformers.AutoConfig.from_pretrained(repo, local_files_only=True)
+    except OSError:
+        pass
+    reason = hub_unreachable()
+    if reason is not None:
+        raise ValueError(
+            f"--model_path {repo}: not in the local hub cache ({constants.HF_HUB_CACHE}) and "
+            f"the hub is unreachable ({reason}); give a local folder of the model: "
+            f"--model_path /path/to/{model_name(repo)}"
+        )
+    try:
+        return transformers.AutoConfig.from_pretrained(repo)
+    except OSError as err:
+        raise ValueError(f"--model_path {repo}: {str(err).splitlines()[0]}") from None
 
 
 def check_context(model_path, sizes):

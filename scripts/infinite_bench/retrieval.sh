@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TASKS="passkey number_string kv_retrieval" SAVE_DIR=${SAVE_DIR:-results/infinite_bench_retrieval} \
-    bash scripts/infinite_bench/eval.sh
+    bash scripts/infinite_bench/sweep.sh

@@ -27,11 +27,32 @@ use_gpu() {
     fi
 }
 
-# need_model: refuse the placeholder model path (one line, before any work).
+# need_model EXAMPLE: refuse the placeholder model path (one line, before any work), naming an example model.
 need_model() {
     if [[ -z "${MODEL_PATH:-}" || "$MODEL_PATH" == "<path_to_model>" ]]; then
-        echo "$(basename "$0"): set MODEL_PATH, e.g. MODEL_PATH=meta-llama/Llama-3.1-8B-Instruct bash $0" >&2
+        echo "$(basename "$0"): set MODEL_PATH, e.g. MODEL_PATH=$1 bash $0" >&2
         exit 2
+    fi
+}
+
+# paper_knobs METHOD: the flags that give METHOD the knobs the original's runners ran it with, where restkv's
+# defaults differ (printed one per line). ReST-KV: the paper's knobs (--preset paper: kernel 5, EMA with
+# alpha 0.3, ...; restkv's default is kernel 7 and the mean); SnapKV, PyramidKV, AdaKV and HeadKV: pooling
+# kernel 5 (the original's --kernel_sizes default; restkv's is 7). A flag the script or the user gives after
+# them wins; the runner then prints one line naming each knob that is not the paper's.
+paper_knobs() {
+    case "${1,,}" in
+        restkv) printf '%s\n' --preset paper ;;
+        snapkv | pyramidkv | adakv | headkv) printf '%s\n' --kernel_size 5 ;;
+    esac
+}
+
+# finish MESSAGE: the original's last line, or, under DRY_RUN=1, that nothing was run.
+finish() {
+    if [[ "${DRY_RUN:-}" == 1 ]]; then
+        echo "DRY_RUN=1: the command lines above were printed, not run"
+    else
+        echo "$1"
     fi
 }
 

@@ -4,13 +4,14 @@
 #   MODEL_PATH=mistralai/Mistral-7B-Instruct-v0.3 bash scripts/needle/run_mistral.sh
 # Lengths 1000-32000 in steps of 200 (--s_len/--e_len/--step); each run prints its table and draws its
 # plots; python -m restkv.bench.needle.report <results.jsonl> tabulates a results file again.
-# One run per GPU of GPUS (default "0 1 2 3") at a time; without CUDA one after another on CPU.
+# ReST-KV runs at the paper's knobs (--preset paper, as the original's needle runner sets them), SnapKV
+# with its pooling kernel 5 (scripts/lib/original.sh). One run per GPU of GPUS (default "0 1 2 3") at a time; without CUDA one after another on CPU.
 set -eo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/lib/original.sh
 MODEL_PATH=${MODEL_PATH:-"<path_to_model>"}  # e.g., mistralai/Mistral-7B-Instruct-v0.3
 SAVE_DIR=${SAVE_DIR:-results_needle}
-need_model
+need_model mistralai/Mistral-7B-Instruct-v0.3
 
 EXPERIMENTS=(
     # method capacity model_provider
@@ -24,8 +25,9 @@ EXPERIMENTS=(
     "restkv 1024 Mistral"
 )
 
-run_one() {  # method capacity provider
-    local method=$1 capacity=$2 provider=$3
+run_one() {  # method capacity provider; the original's knobs (paper_knobs)
+    local method=$1 capacity=$2 provider=$3 knobs
+    mapfile -t knobs < <(paper_knobs "$method")
     "$PY" -u run_needle_in_haystack.py \
         --s_len 1000 --e_len 32001 \
         --model_provider "$provider" \
@@ -35,9 +37,10 @@ run_one() {  # method capacity provider
         --method "$method" \
         --max_capacity_prompt "$capacity" \
         --save_dir "$SAVE_DIR" \
-        --model_version "Mistral_${method}_${capacity}"
+        --model_version "Mistral_${method}_${capacity}" \
+        "${knobs[@]}"
 }
 
 # shellcheck disable=SC2086
 run_experiments ${GPUS:-0 1 2 3}
-echo "All Needle Mistral experiments completed."
+finish "All Needle Mistral experiments completed."

@@ -14,13 +14,32 @@ import gpu_check  # noqa: E402
 import restkv  # noqa: E402
 
 
-def test_tiny_run_prints_equal_rows(capsys):
+def test_tiny_run_prints_equal_rows_with_a_legend_after_a_warm_up_at_each_length(capsys, monkeypatch):
+    order = []
+    for name in ("warm_up", "settle", "timed"):
+        real = getattr(gpu_check, name)
+
+        def spy(model, *a, _real=real, _name=name, **k):
+            length = a[0] if _name == "warm_up" else a[0].shape[1]
+            order.append((_name, length, a[1] if _name == "timed" else None))
+            return _real(model, *a, **k)
+
+        monkeypatch.setattr(gpu_check, name, spy)
     rows = gpu_check.main(["--device", "cpu", "--tiny", "--lengths", "320"])
     checked = {row[2]: row[3] for row in rows if row[1] == gpu_check.RUNS["tiny"]["check"]}
-    assert checked == {"fullkv": "-", "snapkv": "yes", "restkv": "yes", "adakv": "yes"}
-    assert {row[1] for row in rows} == {256, 320}
+    assert checked == {"fullkv": "reference", "snapkv": "yes", "restkv": "yes", "adakv": "yes"}
+    assert {row[1] for row in rows} == {256, 320} and {row[3] for row in rows if row[1] == 320} == {"-"}
+    # every method warmed at the first row's length, then each length's rows after an untimed prefill of it
+    assert order[:2] == [("warm_up", 256, None), ("settle", 256, None)]
+    assert order[2:6] == [("timed", 256, m) for m in ("fullkv", *gpu_check.METHODS)]
+    assert order[6:8] == [("settle", 320, None), ("timed", 320, "fullkv")]
     out = capsys.readouterr().out
-    assert "| sdpa | 256 | adakv | yes |" in out
+    assert "| sdpa | 256 | adakv | yes |" in out and "| sdpa | 256 | fullkv | reference |" in out
+    assert "-0.00" not in out and out.rstrip().splitlines()[-1] == gpu_check.LEGEND.format(check=256)
+
+
+def test_memory_never_reads_minus_zero():
+    assert gpu_check.gib(-2e6) == "0.00" and gpu_check.gib(0) == "0.00" and gpu_check.gib(3 * 2**29) == "1.50"
 
 
 def test_masked_reference_equals_the_suites():

@@ -226,3 +226,80 @@ def test_a_backend_this_machine_cannot_run_is_refused_before_the_plan(capsys, tm
     if not torch.cuda.is_available():
         stops(capsys, run_longbench.main, base + ["--device", "cuda"], "--device cuda: no CUDA device here")
     assert not (tmp_path / "o").exists()
+
+
+# The paper's ReST-KV knobs as the original documents them (its README's defaults; kernel_size: its runners'
+# --kernel_sizes default, which its README gives too), written out here rather than read from restkv.
+PAPER = dict(window_size=32, kernel_size=5, pooling="adaptive", scale=2000.0, temporal="ema", alpha=0.3,
+             metric_mode="after", use_wo=True, tau=1.0, indicator="reconstruction")
+ORIGINAL_KERNEL = 5  # the original's --kernel_sizes default, which its SnapKV/PyramidKV runs used
+# What the original's experiment lines set themselves (RULER and InfiniteBench: --kernel_sizes 21).
+SCRIPT_KNOBS = {"longbench": {}, "needle": {}, "ruler": {"kernel_size": 21}, "infinite_bench": {"kernel_size": 21}}
+
+
+def resolved_configs(argv):
+    """The configs a printed runner command line resolves to: ``[(label, resolved knobs, kwargs)]``."""
+    from restkv.bench import grid
+
+    argv = [a for a in argv[1:] if a != "-u"]
+    configs = grid.method_configs(RUNNERS[argv[0]].parse_args(argv[1:]))
+    return [(run.label, run.cfg.as_dict(), run.kwargs) for run in map(grid.run_config, configs)], configs
+
+
+@pytest.mark.parametrize("path", ["scripts/longbench/run_llama3.sh", "scripts/ruler/run_llama3.sh",
+                                  "scripts/infinite_bench/run_llama3.sh", "scripts/needle/run_mistral.sh"])
+def test_the_paper_scripts_run_the_papers_knobs_and_name_what_differs(path, fake_model, fake_8k):
+    from restkv.bench import grid
+
+    kind = path.split("/")[1]
+    commands = script_runs(path, fake_8k if kind == "needle" else fake_model)
+    seen = set()
+    for argv in commands:
+        configs, raw = resolved_configs(argv)
+        for label, knobs, _ in configs:
+            seen.add(knobs["method"])
+            if knobs["method"] == "restkv":
+                want = {**PAPER, **SCRIPT_KNOBS[kind]}
+                assert {k: knobs[k] for k in want} == want, (path, label)
+            elif "kernel_size" in knobs:
+                assert knobs["kernel_size"] == ORIGINAL_KERNEL and knobs["pooling"] == "avgpool", (path, label)
+        note = grid.preset_overrides(raw)
+        if "restkv" in {k["method"] for _, k, _ in configs} and SCRIPT_KNOBS[kind]:
+            assert note.startswith("not the preset's knobs: kernel_size=21 (preset paper: 5) in restkv_1024"), note
+        else:
+            assert note == "", note
+    assert "restkv" in seen and "snapkv" in seen
+
+
+def test_a_dry_run_says_nothing_ran_and_the_needle_hint_names_a_mistral_model(fake_model):
+    out = run("bash scripts/longbench/run_llama3.sh", MODEL_PATH=fake_model, DRY_RUN="1")
+    assert out.returncode == 0 and "completed" not in out.stdout
+    assert out.stdout.splitlines()[-1] == "DRY_RUN=1: the command lines above were printed, not run"
+    out = run("bash scripts/needle/run_mistral.sh")
+    assert out.returncode == 2 and "e.g. MODEL_PATH=mistralai/Mistral-7B-Instruct-v0.3 bash" in out.stderr
+
+
+@pytest.mark.parametrize("script, default", [("scripts/longbench/eval.sh", "output_dir/results_longbench"),
+                                             ("scripts/infinite_bench/eval.sh", "output_dir/results_infinite_bench"),
+                                             ("scripts/ruler/eval.sh", "output_dir/results_ruler")])
+def test_eval_scripts_only_score_also_without_an_argument(script, default):
+    out = run(f"bash {script}", DRY_RUN="1")  # not a runner: DRY_RUN does not apply; it must score at once
+    one_line(out, f"--results_dir: {default} is not a folder")
+    assert "records" not in out.stderr and not (ROOT / "results").joinpath("longbench").exists()
+
+
+def test_the_minimal_example_records_the_papers_knobs_in_run_meta(tmp_path, monkeypatch):
+    from restkv.bench import loop
+
+    data = write_fixture(tmp_path / "data", ["qasper"], n=1, words=20)
+    out = run(MINIMAL.replace("<path_to_model>", "smollm2-135m"), DRY_RUN="1")
+    (argv,) = [shlex.split(line) for line in out.stdout.splitlines() if line.startswith("python3 ")]
+    monkeypatch.setattr(loop, "decode_configs", lambda model, tok, prompts, configs, n, sweep=True:
+                        [(["x"] * len(prompts), None) for _ in configs])
+    save = tmp_path / "out"
+    argv = argv[2:] + ["--data_dir", data, "--datasets", "qasper", "--save_dir", str(save)]
+    run_longbench.main(argv)
+    meta = json.loads((save / "smollm2-135m" / "run_meta.json").read_text())
+    ((label, config),) = meta["configs"].items()
+    assert label == "restkv_128-kernel_size=5-temporal=ema"
+    assert {k: config["resolved"][k] for k in PAPER} == PAPER and config["configure"]["preset"] == "paper"

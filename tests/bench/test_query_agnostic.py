@@ -171,7 +171,7 @@ def test_the_loop_hands_question_starts_to_the_decoder_and_records_them(tmp_path
     predictor = loop.Predictor(args, [("full", {"method": "fullkv"})])
     predictor.predict([task])
     assert calls == [[1, 3]]
-    settings = {"attn_implementation": "sdpa", "dtype": "float32"}  # in every record
+    settings = {"attn_implementation": "sdpa", "dtype": "float32", "prompt_evicted": False}  # in every record
     assert read(tmp_path / "out" / "full.jsonl") == [
         {"unit": 3, "text": "3", **settings, "query_agnostic": True, "question_start": 1},
         {"unit": 5, "text": "5", **settings, "query_agnostic": True, "question_start": 3}]

