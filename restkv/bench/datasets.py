@@ -30,9 +30,9 @@ class Dataset:
         Folder name of its predictions.
     records : list of dict
         Its records.
-    text : callable
+    text : callable or None
         ``text(record, chat) -> str``: the filled prompt template; ``chat`` tells
-        whether the chat template will wrap it.
+        whether the chat template will wrap it (None with ``turns``).
     output : callable
         ``output(record) -> dict``: the fields stored beside the prediction (key field included).
     max_new_tokens : int

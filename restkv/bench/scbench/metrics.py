@@ -2,8 +2,9 @@
 
 Each takes ``(prediction, reference)``, the reference as :func:`restkv.bench.scbench.tasks.references` gives it,
 and returns a float in [0, 1]. Where SCBench's code iterates over a reference that is a string (so over its
-characters: ``scbench_many_shot`` and ``scbench_qa_chn``, whose answers are strings), the string is scored here
-as one reference (the substring match and the character F1 the scorers are written for).
+characters: ``scbench_many_shot`` and ``scbench_qa_chn``, whose answers are strings, and ``scbench_vt`` if its
+answer is one), the string is scored here as one reference (the substring match and the character F1 the
+scorers are written for).
 """
 
 from __future__ import annotations
