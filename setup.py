@@ -9,7 +9,8 @@ setup(
     install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],
     extras_require={
         "flash": ["flash-attn>=2.5"],
-        "bench": ["matplotlib", "rouge", "rouge-score", "jieba", "fuzzywuzzy", "wonderwords", "nbclient", "nbformat", "ipykernel"],
+        "bench": ["matplotlib", "rouge", "rouge-score", "jieba", "fuzzywuzzy", "wonderwords", "nbclient", "nbformat", "ipykernel",
+                  "datasets"],
         "test": ["pytest"],
         "quant": ["hqq", "optimum-quanto"],
     },

@@ -21,6 +21,7 @@ EXTRAS = {
     "wonderwords": "bench",
     "matplotlib": "bench",
     "nbclient": "bench",
+    "datasets": "bench",
     "hqq": "quant",
     "optimum": "quant",
     "flash_attn": "flash",

@@ -159,6 +159,9 @@ TABULATE = {
     "longbench": "python eval.py --results_dir {path}",
     "longbench_e": "python eval.py --e --results_dir {path}",
     "infinite_bench": "python eval_infinite.py --results_dir {path}",
+    "math": "python eval_math.py --results_dir {path}",
+    "longbench_v2": "python eval_longbench_v2.py --results_dir {path}",
+    "scbench": "python eval_scbench.py --results_dir {path}",
 }
 
 
@@ -592,6 +595,7 @@ def settings_suffix(args):
 
 def prompt_settings(args):
     """The settings besides the labels' that change a record of a run with one file per label (what a
-    rerun into the same folder must match): chat template, prompt cap, new tokens, template set."""
-    names = ("chat_template", "max_length", "max_new_tokens", "template", "context_length")
+    rerun into the same folder must match): chat template, prompt cap, new tokens, template set, questions
+    per context."""
+    names = ("chat_template", "max_length", "max_new_tokens", "template", "context_length", "max_turns")
     return {name: getattr(args, name) for name in names if hasattr(args, name)}

@@ -1,7 +1,10 @@
-"""Prediction runs over datasets of records filled into prompt templates (LongBench, InfiniteBench).
+"""Prediction runs over datasets of records filled into prompt templates (LongBench, LongBench v2,
+InfiniteBench, the math sets, SCBench).
 
 Each config's predictions of a dataset go to ``<save_dir>/<model>/<dataset>/<label>.jsonl``, one
 record per dataset record (keyed by its id field), through the shared loop of :mod:`restkv.bench.loop`.
+A record with several questions on one context (SCBench) is one unit: its context is compressed once per
+config and each question answered on it (``Dataset.turns``); its record holds the list of answers.
 """
 
 import os
@@ -10,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .cli import check_backend, check_common, prompt_settings
+from .generation import answer_questions
 from .grid import announce, configs_meta, method_configs
 from .loop import Predictor, Task, per_label
 from .models import check_context
-from ..data.prompts import has_chat_template, prompt_ids
+from ..data.prompts import context_and_questions, has_chat_template, prompt_ids
 
 
 @dataclass
@@ -26,9 +30,9 @@ class Dataset:
         Folder name of its predictions.
     records : list of dict
         Its records.
-    text : callable
+    text : callable or None
         ``text(record, chat) -> str``: the filled prompt template; ``chat`` tells
-        whether the chat template will wrap it.
+        whether the chat template will wrap it (None with ``turns``).
     output : callable
         ``output(record) -> dict``: the fields stored beside the prediction (key field included).
     max_new_tokens : int
@@ -40,16 +44,21 @@ class Dataset:
     question : callable, optional
         ``question(record, chat) -> str``: the end of ``text`` that is its question (the template's text
         after the context), for ``--query_agnostic``.
+    turns : callable, optional
+        ``turns(record) -> (context, [question, ...])``: a shared context and the questions read after it
+        (:func:`restkv.data.prompts.context_and_questions`), instead of ``text``: the context is compressed
+        once per config and each question answered on it (query-agnostic by construction).
     """
 
     name: str
     records: list
-    text: Callable
+    text: Callable | None
     output: Callable
     max_new_tokens: int
     chat: bool = True
     key: str = "_id"
     question: Callable | None = None
+    turns: Callable | None = None
 
 
 def dataset_task(predictor, dataset):
@@ -65,9 +74,13 @@ def dataset_task(predictor, dataset):
     chat = args.chat_template if dataset.chat else "off"
     wrapped = chat == "on" or (chat == "auto" and has_chat_template(tokenizer))
 
+    shared = dataset.turns is not None
     agnostic = predictor.query_agnostic and dataset.question is not None
 
     def prompt(record):  # (ids, where the question starts: with --query_agnostic only)
+        if shared:  # (context ids, [question ids])
+            context, questions = dataset.turns(record)
+            return context_and_questions(tokenizer, context, questions, predictor.max_length, chat, reserve)
         text = dataset.text(record, wrapped)
         if not agnostic:
             return prompt_ids(tokenizer, text, predictor.max_length, chat, reserve), None
@@ -80,6 +93,7 @@ def dataset_task(predictor, dataset):
             **dataset.output(rec),
             "pred": out.text,
             "prompt_tokens": len(prompt[0]),
+            **({"question_tokens": [len(q) for q in prompt[1]]} if shared else {}),
             "quant": predictor.quant[out.label],
         }
 
@@ -90,8 +104,23 @@ def dataset_task(predictor, dataset):
         record,
         new_tokens,
         per_label(os.path.join(predictor.out_dir, dataset.name), predictor.labels, dataset.key),
-        ids=_first,
-        question_start=_second if agnostic else None,
+        **(
+            {"question_start": _context_length, "decode": decode_turns}  # a context compressed once
+            if shared
+            else {"ids": _first, "question_start": _second if agnostic else None}
+        ),
+    )
+
+
+def _context_length(prompt):
+    return len(prompt[0])
+
+
+def decode_turns(model, tokenizer, prompts, configs, max_new_tokens, sweep=True, question_starts=None):
+    """The loop's decoder of ``(context ids, [question ids])`` prompts: per config, per prompt the answers
+    (:func:`restkv.bench.generation.answer_questions`); ``question_starts`` (the context lengths) is implied."""
+    return answer_questions(
+        model, tokenizer, [p[0] for p in prompts], [p[1] for p in prompts], configs, max_new_tokens, sweep
     )
 
 

@@ -146,6 +146,10 @@ class Task:
     question_start : callable, optional
         ``question_start(prompt) -> int``: the token of ``ids(prompt)`` where its question starts
         (:data:`QUESTION_START`); needed with ``--query_agnostic``.
+    decode : callable, optional
+        Decodes a batch in place of :func:`restkv.bench.generation.decode_configs` (same arguments, the
+        prompts as ``ids`` gives them): e.g. several questions on one compressed context, whose
+        ``Output.text`` is then the list of answers.
     """
 
     name: str
@@ -158,6 +162,7 @@ class Task:
     progress: dict = field(default_factory=lambda: {"leave": False})
     announce: bool = False
     question_start: Callable | None = None
+    decode: Callable | None = None
 
 
 def check_against_model(model, configs):
@@ -272,7 +277,7 @@ class Predictor:
                 prompts = [task.prompt(u) for u in batch]
                 starts = [task.question_start(p) for p in prompts] if agnostic else None
                 t0 = time.time()
-                results = decode_configs(
+                results = (task.decode or decode_configs)(
                     self.model,
                     self.tokenizer,
                     [task.ids(p) for p in prompts],

@@ -91,6 +91,29 @@ def split_prompt(tokenizer, prompt, char):
     return ids, max(1, min(start, len(ids) - 1))
 
 
+def fit_text(tokenizer, text, max_length, chat_template, reserve=0, beside=0):
+    """``text`` middle-truncated (in tokens) so that it, ``beside`` more tokens (a question read after it), the
+    chat template's own tokens and ``reserve`` (new tokens) fit ``max_length``.
+
+    Raises
+    ------
+    ValueError
+        When no room is left for the text.
+    """
+    overhead = len(encode(tokenizer, build_prompt(tokenizer, "", chat_template)))
+    cap = max_length - reserve - overhead - beside
+    if cap < 1:
+        more = f", a question of {beside} tokens" if beside else ""
+        raise ValueError(
+            f"max_length {max_length} leaves no room for the prompt "
+            f"({reserve} new tokens, {overhead} template tokens{more})"
+        )
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) > cap:
+        text = tokenizer.decode(middle_truncate(ids, cap), skip_special_tokens=True)
+    return text
+
+
 def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0, question=None):
     """Token ids of one prompt: middle-truncate ``text``, then apply the chat template.
 
@@ -117,16 +140,7 @@ def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0, question=N
     ValueError
         When no room is left, or the truncated text no longer ends with ``question``.
     """
-    overhead = len(encode(tokenizer, build_prompt(tokenizer, "", chat_template)))
-    cap = max_length - reserve - overhead
-    if cap < 1:
-        raise ValueError(
-            f"max_length {max_length} leaves no room for the prompt "
-            f"({reserve} new tokens, {overhead} template tokens)"
-        )
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    if len(ids) > cap:
-        text = tokenizer.decode(middle_truncate(ids, cap), skip_special_tokens=True)
+    text = fit_text(tokenizer, text, max_length, chat_template, reserve)
     prompt = build_prompt(tokenizer, text, chat_template)
     if question is None:
         return encode(tokenizer, prompt)
@@ -135,3 +149,35 @@ def prompt_ids(tokenizer, text, max_length, chat_template, reserve=0, question=N
             f"the prompt no longer ends with its question after truncation to {max_length} tokens"
         )
     return split_prompt(tokenizer, prompt, prompt.rfind(text) + len(text) - len(question))
+
+
+MARK = "\u2063\u2063restkv-question\u2063\u2063"  # splits a built prompt where the question starts
+
+
+def context_and_questions(tokenizer, context, questions, max_length, chat_template, reserve=0):
+    """Token ids of a context to compress once and of the questions read after it (SCBench's shared context).
+
+    Each question's prompt is ``context + question`` as one user turn of the chat template; the built
+    prompt's text before the question is the context's (the same for every question), the rest (the
+    question, the template's closing tokens) is the question's, encoded without special tokens. The context
+    is middle-truncated so that it, the longest question, the template and ``reserve`` fit ``max_length``.
+
+    Returns
+    -------
+    (list of int, list of list of int)
+        The context's ids and each question's ids.
+
+    Raises
+    ------
+    ValueError
+        When no room is left for the context, or the chat template renders the context differently
+        for different questions.
+    """
+    if not questions:
+        raise ValueError("a shared context needs at least one question")
+    longest = max(len(tokenizer(q, add_special_tokens=False).input_ids) for q in questions)
+    context = fit_text(tokenizer, context, max_length, chat_template, reserve, longest)
+    parts = [build_prompt(tokenizer, context + MARK + q, chat_template).split(MARK) for q in questions]
+    if any(len(p) != 2 or p[0] != parts[0][0] for p in parts):
+        raise ValueError("the chat template renders the shared context differently for different questions")
+    return encode(tokenizer, parts[0][0]), [tokenizer(tail, add_special_tokens=False).input_ids for _, tail in parts]

@@ -16,7 +16,8 @@ from restkv.bench.ggufmeta import gguf_context_length
 from restkv.bench.ranges import parse_range
 
 RUNNERS = ("run_needle_in_haystack.py", "run_ruler.py", "run_longbench.py", "run_infinite_bench.py", "eval.py",
-           "eval_infinite.py", "eval_ruler.py")
+           "eval_infinite.py", "eval_ruler.py", "run_math.py", "eval_math.py", "run_longbench_v2.py",
+           "eval_longbench_v2.py", "run_scbench.py", "eval_scbench.py")
 
 
 def test_a_step_reads_as_python_reads_it_and_stop_is_included_on_the_grid():
@@ -170,7 +171,7 @@ def test_help_and_argument_errors_import_no_torch():
               "        runpy.run_path(NAME, run_name='__main__')\n"
               "    except SystemExit:\n"
               "        pass\n"
-              "heavy = [m for m in ('torch', 'transformers', 'jieba') if m in sys.modules]\n"
+              "heavy = [m for m in ('torch', 'transformers', 'jieba', 'datasets') if m in sys.modules]\n"
               "assert not heavy, heavy\n")
     for runner in RUNNERS:
         out = subprocess.run([sys.executable, "-c", script.replace("NAME", repr(runner))], cwd=ROOT,

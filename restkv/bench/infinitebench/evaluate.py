@@ -1,9 +1,6 @@
 """Scoring InfiniteBench predictions and writing the results table."""
 
-import os
-
-from ..cli import other_results
-from ..evaluation import evaluate_files, percent
+from ..evaluation import evaluate_benchmark, percent
 from .metrics import score_record
 from .tasks import TASKS
 
@@ -28,11 +25,8 @@ def evaluate(root, csv_path=None):
     list of list
         The table, header first.
     """
-    missing = f"no InfiniteBench predictions under {root}{other_results(root, 'infinite_bench')}"
-    csv_path = csv_path or os.path.join(root, "results_infinite.csv")
-    return evaluate_files(
-        root, {t: t for t in TASKS}, score_one, "InfiniteBench", csv_path, ABOUT, missing
-    )
+    return evaluate_benchmark(root, csv_path, "results_infinite.csv", "infinite_bench", "InfiniteBench",
+                              {t: t for t in TASKS}, score_one, ABOUT)
 
 
 def score_one(task, record):
