@@ -68,7 +68,9 @@ def declared(kv_cache: torch.Tensor, head_size: int) -> Paged:
     return Paged(kv_cache, keys, values, kv_cache.shape[2])
 
 
-_PROBED: dict = {}  # (shape of a block, dtype, writer's key) -> (key map, value map), per process
+# (shape of a block, dtype, writer's key, device) -> the key and value maps (their strides, or the
+# element maps), per process
+_PROBED: dict = {}
 
 
 def probed(
@@ -82,14 +84,12 @@ def probed(
     """
     if not kv_cache.is_contiguous():
         raise ValueError("restkv.vllm.paged.probed needs a contiguous cache")
-    found = (tuple(kv_cache.shape[1:]), kv_cache.dtype, key)
+    found = (tuple(kv_cache.shape[1:]), kv_cache.dtype, key, kv_cache.device)
     if found not in _PROBED:
-        _PROBED[found] = _probe(kv_cache, block_size, heads, head_size, writer)
-    key_map, value_map = (m.to(kv_cache.device) for m in _PROBED[found])
-    stride = kv_cache[0].numel()
-    return Paged(
-        kv_cache, *(_as_view(kv_cache, m, stride) for m in (key_map, value_map)), block_size, stride
-    )
+        maps = _probe(kv_cache, block_size, heads, head_size, writer)
+        _PROBED[found] = [_strides(m) or m.to(kv_cache.device) for m in maps]
+    keys, values = (_view(kv_cache, m, block_size, heads, head_size) for m in _PROBED[found])
+    return Paged(kv_cache, keys, values, block_size, kv_cache[0].numel())
 
 
 def _probe(kv_cache, block_size: int, heads: int, head_size: int, writer):
@@ -130,23 +130,23 @@ def _digits(count: int) -> int:
     return digits
 
 
-def _as_view(kv_cache: torch.Tensor, element: torch.Tensor, block_stride: int) -> torch.Tensor:
-    """[blocks, block_size, Hkv, d] strided view of ``kv_cache`` when the map is strided, else the map."""
+def _strides(element: torch.Tensor) -> tuple | None:
+    """(first element, strides of offset, head, channel) when the map [block_size, Hkv, d] is
+    strided, else None."""
     base = int(element[0, 0, 0])
-    strides = []
-    for axis in range(3):
-        step = (
-            element.narrow(axis, 1, 1) - element.narrow(axis, 0, 1)
-            if element.shape[axis] > 1
-            else None
-        )
-        strides.append(0 if step is None else int(step.flatten()[0]))
+    strides = [
+        int((element.narrow(axis, 1, 1) - element.narrow(axis, 0, 1)).flatten()[0]) if n > 1 else 0
+        for axis, n in enumerate(element.shape)
+    ]
     grid = [torch.arange(n) * s for n, s in zip(element.shape, strides)]
     affine = base + grid[0][:, None, None] + grid[1][None, :, None] + grid[2][None, None, :]
-    if not torch.equal(affine.to(element.device), element):
-        return element
-    return kv_cache.as_strided(
-        (kv_cache.shape[0], *element.shape),
-        (block_stride, *strides),
-        kv_cache.storage_offset() + base,
-    )
+    return (base, *strides) if torch.equal(affine, element) else None
+
+
+def _view(kv_cache: torch.Tensor, found, block_size: int, heads: int, head_size: int) -> torch.Tensor:
+    """A strided map as a [blocks, block_size, Hkv, d] view of ``kv_cache``; an element map as is."""
+    if isinstance(found, torch.Tensor):
+        return found
+    base, *strides = found
+    size = (kv_cache.shape[0], block_size, heads, head_size)
+    return kv_cache.as_strided(size, (kv_cache[0].numel(), *strides), kv_cache.storage_offset() + base)
