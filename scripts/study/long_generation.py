@@ -2,7 +2,9 @@
 
 From a short prompt (the first ``--prompt`` tokens of an essay window; the windows of a set are disjoint,
 and the held-out set overlaps none of the choice set's first 32, as the prompt arms' sets), the
-full-cache model writes its own greedy continuation of ``--tokens`` tokens (end-of-sequence suppressed).
+full-cache model writes its own continuation of ``--tokens`` tokens (end-of-sequence suppressed): greedy,
+or sampled with ``--temperature`` and ``--top_p`` (seeded by the window's start), as R-KV and TriAttention
+evaluate (0.6, 0.95); the greedy continuations of the packaged models fall into loops.
 Every config then reads that continuation teacher-forced on its own cache, evicting while decoding
 (``decode_interval``) with budget B: at every generated position, KL(full || config) of the next-token
 distributions and whether both rank the same token first, averaged in bins of ``--bin`` positions.
@@ -48,16 +50,18 @@ from restkv.bench.models import load_model  # noqa: E402
 from restkv.compat import cache_argument  # noqa: E402
 from restkv.config import CompressionConfig  # noqa: E402
 
-# every method that can evict while decoding and reads no more than the prefill's tensors, at its defaults
-METHODS = ["restkv", "rkv", "triattention", "snapkv", "h2o", "tova", "streamingllm", "adakv", "criticalkv",
-           "defensivekv", "keydiff", "l2norm", "expected_attention", "qfilter", "cur", "lagkv", "random"]
-# ReST-KV's knobs that act while decoding (its window: the queries observed and the entries always kept;
-# the smoothing over the window's queries and over the cache's order; per-head budgets; refinement), and
-# R-KV's and TriAttention's at ReST-KV's window of 32
-VARIANTS = ["restkv_w8=restkv:window_size=8", "restkv_w64=restkv:window_size=64", "restkv_nopool=restkv:pooling=none",
-            "restkv_paper=restkv:preset=paper", "restkv_adakv=restkv:head_budget=adakv",
-            "restkv_refine2=restkv:refine_rounds=2,refine_pool=16", "rkv_w32=rkv:window_size=32",
-            "triattention_w32=triattention:window_size=32"]
+# methods that evict while decoding, at their defaults: ReST-KV, the two made for long generations, the window
+# attention (SnapKV), accumulated attention (H2O), the last query's (TOVA), recency (StreamingLLM), keys only
+# (KeyDiff), the expected future attention (Expected Attention), a precomputed query direction (Q-Filters), the
+# worst case over the window (DefensiveKV) and random eviction
+METHODS = ["restkv", "rkv", "triattention", "snapkv", "h2o", "tova", "streamingllm", "keydiff",
+           "expected_attention", "qfilter", "defensivekv", "random"]
+# ReST-KV's knobs that act while decoding (its window: the queries observed and the entries always kept; the
+# smoothing over the window's queries and over the cache's order; per-head budgets; refinement), and R-KV's
+# and TriAttention's at ReST-KV's window of 32
+VARIANTS = ["restkv_w8=restkv:window_size=8", "restkv_nopool=restkv:pooling=none", "restkv_paper=restkv:preset=paper",
+            "restkv_adakv=restkv:head_budget=adakv", "restkv_refine2=restkv:refine_rounds=2,refine_pool=16",
+            "rkv_w32=rkv:window_size=32", "triattention_w32=triattention:window_size=32"]
 SETS = {"choice": dict(seed=1, held_out_from=None), "held_out": dict(seed=2, held_out_from=1)}
 
 
@@ -80,19 +84,32 @@ def grid(specs: list[str], budgets: list[int], intervals: list[int]) -> list[tup
 
 
 @torch.no_grad()
-def continuation(model, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
-    """[tokens] the full-cache model's greedy continuation of ``prompt`` [L], end-of-sequence suppressed."""
+def continuation(model, prompt: torch.Tensor, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> torch.Tensor:
+    """[tokens] the full-cache model's continuation of ``prompt`` [L], end-of-sequence suppressed: greedy
+    (``temperature`` 0), or sampled at ``temperature`` from the smallest set of tokens whose probability
+    reaches ``top_p`` (transformers' top-p), with a generator seeded by ``seed``."""
     restkv.detach(model)
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    generator = torch.Generator().manual_seed(seed)
     out = model(prompt[None], use_cache=True)
     cache, ids = out.cache if getattr(out, "cache", None) is not None else out.past_key_values, []
     for _ in range(tokens):
-        logits = out.logits[0, -1].float()
+        logits = out.logits[0, -1].float().cpu()
         logits[eos] = float("-inf")
-        ids.append(int(logits.argmax()))
+        ids.append(int(logits.argmax()) if temperature == 0 else _top_p_draw(logits / temperature, top_p, generator))
         out = model(torch.tensor([ids[-1:]]), use_cache=True, **{cache_argument(model): cache})
     return torch.tensor(ids)
+
+
+def _top_p_draw(logits: torch.Tensor, top_p: float, generator) -> int:
+    """A token drawn from softmax(``logits``) [V] restricted to the smallest most-probable set whose mass
+    reaches ``top_p``."""
+    probs, order = logits.softmax(-1).sort(descending=True)
+    outside = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches top_p
+    probs = probs.masked_fill(outside, 0.0)
+    return int(order[torch.multinomial(probs, 1, generator=generator)])
 
 
 def _kl_top1(reference: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +175,7 @@ def run(model, tokenizer, args, configs: list[tuple[str, dict]]) -> dict:
     """Every sample of ``args``' set into ``args.output`` (resumed), or the cost (``args.cost``)."""
     record = json.loads(Path(args.output).read_text()) if os.path.exists(args.output) else {}
     earlier = record.get("args") or record.get("cost_args")
-    same = ("model_path", "set", "prompt", "tokens")
+    same = ("model_path", "set", "prompt", "tokens", "temperature", "top_p")
     if earlier and any(earlier[k] != getattr(args, k) for k in same):
         raise ValueError(f"--output {args.output} holds a run with other {', '.join(same)}")
     record["cost_args" if args.cost else "args"] = vars(args)
@@ -167,7 +184,7 @@ def run(model, tokenizer, args, configs: list[tuple[str, dict]]) -> dict:
     conts, results = record.setdefault("continuations", []), record.setdefault("results", {})
     for i, prompt in enumerate(prompts):
         if len(conts) <= i:
-            conts.append(continuation(model, prompt, args.tokens).tolist())
+            conts.append(continuation(model, prompt, args.tokens, args.temperature, args.top_p, starts[i]).tolist())
             save(args.output, record)
         cont = torch.tensor(conts[i])
         if args.cost:
@@ -191,6 +208,9 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     p.add_argument("--tokens", type=int, default=2048, help="generated tokens")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: the greedy continuation; else sampled (R-KV and TriAttention evaluate at 0.6)")
+    p.add_argument("--top_p", type=float, default=1.0, help="with --temperature: top-p (theirs: 0.95)")
     p.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
     p.add_argument("--intervals", type=int, nargs="+", default=[32, 128])
     p.add_argument("--chunk", type=int, default=None, help="tokens fed at a time (default: the intervals' gcd)")

@@ -67,6 +67,22 @@ def test_the_continuation_is_the_full_caches_greedy_one():
     assert torch.equal(logits.argmax(-1), cont) and 5 not in cont.tolist()
 
 
+def test_a_sampled_continuation_draws_from_the_top_p_set_and_is_seeded():
+    model = tiny_model("llama", "sdpa", seed=2)
+    model.generation_config.eos_token_id = 5
+    prompt = torch.randint(3, 97, (10,), generator=torch.Generator().manual_seed(1))
+    cont = long_generation.continuation(model, prompt, 40, temperature=0.6, top_p=0.2, seed=3)
+    assert torch.equal(cont, long_generation.continuation(model, prompt, 40, temperature=0.6, top_p=0.2, seed=3))
+    assert not torch.equal(cont, long_generation.continuation(model, prompt, 40, temperature=0.6, top_p=0.2, seed=4))
+    with torch.no_grad():
+        logits = model(torch.cat([prompt, cont])[None]).logits[0, 9:-1].double()
+    logits[:, 5] = float("-inf")
+    probs = (logits / 0.6).softmax(-1)
+    for p, token in zip(probs, cont.tolist()):  # the tokens more probable than it hold less than top_p
+        assert p[p > p[token]].sum() < 0.2
+    assert 5 not in cont.tolist()
+
+
 def test_labels_name_the_config_and_a_bad_one_is_refused():
     labels = [label for label, _ in long_generation.grid(["snapkv", "x=rkv:mix_lambda=0.5"], [64, 128], [32])]
     assert labels == ["snapkv|64|32", "snapkv|128|32", "x|64|32", "x|128|32"]
@@ -80,7 +96,7 @@ def test_a_run_resumes_and_extends(tmp_path, monkeypatch):
     model = tiny_model("llama", "sdpa", seed=2)
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer())
     output = str(tmp_path / "run.json")
-    args = SimpleNamespace(model_path="tiny", set="choice", samples=1, prompt=16, tokens=48, chunk=8, bin=16,
+    args = SimpleNamespace(model_path="tiny", set="choice", samples=1, prompt=16, tokens=48, temperature=0.0, top_p=1.0, chunk=8, bin=16,
                            cost=False, cost_tokens=10, output=output)
     first = long_generation.run(model, tokenizer, args, long_generation.grid(["snapkv"], [40], [8]))
     assert len(first["continuations"]) == 1 and len(first["results"]["snapkv|40|8"]) == 1
