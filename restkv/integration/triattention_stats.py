@@ -18,13 +18,11 @@ import math
 import os
 import re
 
-from ..config import CompressionConfig
-from ..eviction.plans import attention_modules, evicted_layers, plan_layers
+from ..eviction.plans import attention_modules, evicted_layers
 from ..lazy import torch
 from ..scoring.rope import rotary_module
-from .attachment import attached
 from .computed import computed_once, model_tokenizer
-from .qfilters import calibration_ids
+from .qfilters import calibration_ids, prefill_rows
 
 VERSION = "t1"  # in the cache file name: a change of recipe gets a new name
 WINDOW = 4096  # tokens prefilled at a time
@@ -63,11 +61,7 @@ def compute(model, tokenizer, length: int) -> dict:
         acc[1] = acc[1] + q.sum(1)
         acc[2] = acc[2] + modulus.sum(1)
 
-    device = model.get_input_embeddings().weight.device
-    plans = plan_layers(model, CompressionConfig(method="fullkv"))
-    with torch.no_grad(), attached(model, plans, capture):
-        for row in ids:
-            model(input_ids=row[None].to(device), use_cache=True, logits_to_keep=1)
+    prefill_rows(model, ids, capture)
     modules = attention_modules(model)
     d = modules[0].head_dim
     hq = config.num_attention_heads

@@ -116,3 +116,26 @@ def test_a_run_resumes_and_extends(tmp_path, monkeypatch):
     args.prompt = 20
     with pytest.raises(ValueError, match="--output .* holds a run with other"):
         long_generation.run(model, tokenizer, args, [])
+
+
+def test_the_tables_by_hand(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("study_long_generation_table",
+                                                  ROOT / "scripts" / "study" / "long_generation_table.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    sample = lambda kl, top1: {"kl": kl, "top1": top1, "seconds": 1.0}  # noqa: E731
+    results = {"restkv|128|128": [sample([0.1, 0.3], [1.0, 0.5]), sample([0.2, 0.2], [1.0, 1.0])],
+               "snapkv|128|128": [sample([0.3, 0.5], [0.5, 0.5]), sample([0.2, 0.4], [1.0, 0.0])],
+               "snapkv|128|32": [sample([0.1, 0.1], [1.0, 1.0]), sample([0.1, 0.1], [1.0, 1.0]),
+                                 sample([9.0, 9.0], [0.0, 0.0])]}  # a third sample the others lack: left out
+    record = {"args": {"model_path": "m", "prompt": 4, "tokens": 4, "bin": 2, "temperature": 0.6, "top_p": 0.95},
+              "results": results, "cost": {"fullkv": 0.010, "snapkv|128|32": 0.012}, "cost_args": {"cost_tokens": 8}}
+    (tmp_path / "run.json").write_text(__import__("json").dumps(record))
+    tables.main([str(tmp_path / "run.json"), "--position_budget", "128", "--group", "1"])
+    out = capsys.readouterr().out
+    # restkv: per-sample means 0.2, 0.2; snapkv 0.4, 0.3 -> mean 0.35, s.e. 0.05; paired +0.2, +0.1 -> 0.15 ± 0.05
+    assert "| restkv | 0.2000 ± 0.0000 | 0.875 ± 0.125 |  |" in out
+    assert "| snapkv | 0.3500 ± 0.0500 | 0.500 ± 0.000 | **+0.1500 ± 0.0500** |" in out
+    assert "| snapkv | 0.1000 ± 0.0000 | 0.3500 ± 0.0500 | **-0.2500 ± 0.0500** |" in out  # interval 32 vs 128
+    assert "| snapkv | 0.2500 | 0.4500 |" in out and "tokens 1-2 | tokens 3-4" in out
+    assert "| snapkv|128|32 | 12.0 | 1.20 |" in out
