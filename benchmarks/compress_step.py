@@ -56,7 +56,7 @@ DEFAULT_METHODS = ["snapkv", "restkv", "restkv:use_wo=False", "restkv:metric_mod
                    "noncausal:head_budget=threshold,threshold=0.0", "qfilter",
                    "finch", "entropy_gated_chunkkv", "cap", "snapkv:merge=value",
                    "expected_attention_stats", "duo_attention",
-                   "kvzap", "kvzap:kvzap_type=linear", "fastkvzip"]
+                   "kvzap", "kvzap:kvzap_type=linear", "fastkvzip", "rkv", "triattention"]
 
 
 def _value(text: str):
@@ -202,7 +202,8 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
 
     def constants(cfg):
         """A method's per-layer constants, computed once per model (random here): Q-Filters' filters,
-        the query statistics, DuoAttention's streaming heads, a trained method's weights."""
+        the query statistics (Expected Attention's, TriAttention's), DuoAttention's streaming heads, a trained
+        method's weights."""
         from restkv.integration import trained
 
         name = cfg.scorer.name
@@ -218,6 +219,8 @@ def step_calls(specs: list[str], length: int, budget: int, window: int, dtype: s
             return torch.randn(hq, D, device=device), torch.eye(D, device=device).expand(hq, D, D)
         if name == "duo_attention":
             return torch.arange(hkv, device=device) < hkv // 2
+        if name == "triattention":
+            return torch.randn(hq, D, device=device), torch.rand(hq, D // 2, device=device)
         return None
 
     def curve(cfg):

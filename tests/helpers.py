@@ -88,7 +88,8 @@ SMALL_MODEL = {"lacache": dict(span=2), "kvzip": dict(tokenizer=tiny_tokenizer()
                                      duo_samples=2, duo_length=128, sink_size=4, recent_size=8),
                "kvzap": dict(tokenizer=tiny_tokenizer(), train_windows=2, train_length=128),
                "fastkvzip": dict(tokenizer=tiny_tokenizer(), train_windows=2, train_length=128),
-               "lukv": dict(lukv_curve=tiny_lukv_curve())}
+               "lukv": dict(lukv_curve=tiny_lukv_curve()),
+               "triattention": dict(tokenizer=tiny_tokenizer(), triattention_length=256)}
 
 
 def random_weights(cfg, d: int, hkv: int, groups: int, seed: int = 0):

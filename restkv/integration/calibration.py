@@ -8,8 +8,8 @@ computed once per model and cached (``restkv.integration.headkv``, ``restkv.inte
 from __future__ import annotations
 
 from ..eviction.plans import plan_layers
-from ..methods import duo_attention, expected_attention_stats, fastkvzip, kvzap, qfilter
-from . import duo_heads, qfilters, query_stats, trained
+from ..methods import duo_attention, expected_attention_stats, fastkvzip, kvzap, qfilter, triattention
+from . import duo_heads, qfilters, query_stats, trained, triattention_stats
 from .headkv import cached_head_importance
 
 # a scorer module -> ``layer_data(cfg, model) -> {layer index: constants}``; a method that reads constants
@@ -20,6 +20,7 @@ LAYER_DATA = {
     duo_attention: duo_heads.layer_data,
     kvzap: trained.kvzap_data,
     fastkvzip: trained.fastkvzip_data,
+    triattention: triattention_stats.layer_data,
 }
 
 

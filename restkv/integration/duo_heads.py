@@ -17,13 +17,11 @@ import os
 
 import numpy as np
 
-from ..config import CompressionConfig
-from ..eviction.plans import attention_modules, evicted_layers, plan_layers
+from ..eviction.plans import attention_modules, evicted_layers
 from ..lazy import torch
 from ..methods.duo_attention import head_scores, streaming_heads
-from .attachment import attached
 from .computed import computed_once, model_tokenizer
-from .qfilters import calibration_ids
+from .qfilters import calibration_ids, prefill_rows
 
 VERSION = "d1"  # in the cache file name: a change of recipe gets a new name
 
@@ -43,11 +41,7 @@ def compute(model, tokenizer, samples: int, length: int) -> "torch.Tensor":
         s = head_scores(q_mean, k_mean, state.embed, module.head_dim**-0.5)
         totals[module.layer_idx] = totals.get(module.layer_idx, 0.0) + s.double().cpu()
 
-    device = model.get_input_embeddings().weight.device
-    plans = plan_layers(model, CompressionConfig(method="fullkv"))
-    with torch.no_grad(), attached(model, plans, capture):
-        for row in ids:
-            model(input_ids=row[None].to(device), use_cache=True, logits_to_keep=1)
+    prefill_rows(model, ids, capture)
     modules = attention_modules(model)
     out = torch.zeros(len(modules), config.num_key_value_heads)
     for i, m in enumerate(modules):

@@ -44,6 +44,16 @@ def calibration_ids(tokenizer, context: int, sequences: int, length: int) -> "to
     return ids[: n * m].view(n, m)
 
 
+def prefill_rows(model, ids: "torch.Tensor", capture) -> None:
+    """Prefill each row of ``ids`` [n, m] on its own with the full cache, ``capture(state, module, query,
+    key, value, attention_mask, kwargs)`` called at every layer's prefill (``attached``)."""
+    device = model.get_input_embeddings().weight.device
+    plans = plan_layers(model, CompressionConfig(method="fullkv"))
+    with torch.no_grad(), attached(model, plans, capture):
+        for row in ids:
+            model(input_ids=row[None].to(device), use_cache=True, logits_to_keep=1)
+
+
 def compute(model, tokenizer, sequences: int, length: int, seed: int = 0) -> "torch.Tensor":
     """The Q-Filters [layers, Hkv, d] of ``model`` on the essays (zeros for unevicted layers)."""
     config = model.config.get_text_config()

@@ -54,10 +54,12 @@ from . import (
     random,
     restkv,
     restkv_repeat,
+    rkv,
     simlayerkv,
     snapkv,
     streamingllm,
     tova,
+    triattention,
 )
 
 
@@ -150,6 +152,16 @@ _DMS = {
 _LUKV = {"head_budget": "lukv", "epsilon": 0.02, "window_size": 1}
 
 
+# R-KV as its code runs (``R1KV``, ``run_math.py``): a budget of 128 entries, 8 observed (and always kept)
+# queries, compressed again every 128 generated tokens.
+_RKV = {"max_capacity_prompt": 128, "window_size": 8, "decode_interval": 128}
+
+
+# TriAttention as the authors' runs: a budget of 2048, pruned every 128 generated tokens, no recent window
+# (1 here), each query head's z-scores reduced over its group by the maximum.
+_TRIATTENTION = {"max_capacity_prompt": 2048, "window_size": 1, "decode_interval": 128, "gqa_agg": "max"}
+
+
 def _register(*methods: Method) -> dict:
     return {m.name: m for m in methods}
 
@@ -203,5 +215,7 @@ REGISTRY = _register(
     Method("kvzap", kvzap),
     Method("fastkvzip", fastkvzip, {"layer_budget": "global"}),
     Method("lukv", expected_attention, _LUKV),
+    Method("rkv", rkv, _RKV),
+    Method("triattention", triattention, _TRIATTENTION),
 )
 METHODS = tuple(REGISTRY)

@@ -10,7 +10,7 @@ BUDGETS=${BUDGETS:-"128 256 512"}
 OUT=${OUT:-results/study/fidelity/$MODEL}
 PY=${PY:-python}
 METHODS=${METHODS:-"restkv snapkv pyramidkv h2o streamingllm adakv headkv cam l2norm tova lacache random
-  expected_attention keydiff criticalkv critical_adakv chunkkv defensivekv"}
+  expected_attention keydiff criticalkv critical_adakv chunkkv defensivekv rkv triattention"}
 mkdir -p "$OUT"
 "$PY" benchmarks/fidelity.py --model_path "$MODEL" --samples "$SAMPLES" --length "$LENGTH" \
   --max_capacity_prompts $BUDGETS --output "$OUT/study.json" \

@@ -17,7 +17,7 @@ VARIANTS=${VARIANTS-"--variant restkv_paper preset=paper --variant restkv_both q
 EXTRA=${EXTRA:-}  # more runner flags, e.g. EXTRA="--seed 7"
 DATA_DIR=${DATA_DIR:-data/ruler/$MODEL}
 METHODS=${METHODS:-"fullkv restkv snapkv pyramidkv h2o streamingllm cam l2norm adakv headkv random tova lacache
-  expected_attention keydiff criticalkv critical_adakv chunkkv defensivekv layer_defensivekv kvzip"}
+  expected_attention keydiff criticalkv critical_adakv chunkkv defensivekv layer_defensivekv kvzip rkv triattention"}
 MODEL="$MODEL" LENGTHS="$LENGTH" TASKS="$TASKS" NUM_SAMPLES="$NUM_SAMPLES" DATA_DIR="$DATA_DIR" PY="$PY" \
   bash "$(dirname "$0")/../ruler/generate.sh"
 RUN_TASKS=()
