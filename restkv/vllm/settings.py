@@ -50,6 +50,7 @@ _NEEDS = {
     "expected_attention_stats": "the model's query statistics, computed before RoPE",
     "duo_attention": "the queries and keys before RoPE",
     "leverage": "the keys before RoPE",
+    "triattention": "the queries and keys before RoPE",
 }
 
 # Methods whose score is a sum over the queries it is given: over a prompt computed in chunks it is

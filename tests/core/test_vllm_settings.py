@@ -33,6 +33,7 @@ def test_config_from_the_environment(monkeypatch):
         ({"method": "expected_attention"}, "RoPE"),
         ({"method": "kvzap"}, "hidden states"),
         ({"method": "leverage"}, "before RoPE"),
+        ({"method": "triattention"}, "before RoPE"),
         ({"method": "qfilter"}, "Q-Filters"),
         ({**SNAPKV, "rerotate_keys": "end"}, "rerotate_keys"),
         ({"method": "snapkv", "bogus": 1}, "bogus"),
