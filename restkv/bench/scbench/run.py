@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ..cli import add_tasks_arg
 from ..datasets import Dataset, prepare_datasets, run_datasets
 from ..hubdata import add_data_dir, load_records
 from .tasks import MAX_NEW_TOKENS, SOURCES, TASKS, references, turns
@@ -53,16 +54,8 @@ def add_scbench_args(parser):
     """Flags of the SCBench data (besides :func:`restkv.bench.cli.add_dataset_args`)."""
     add_data_dir(parser, "SCBench's data folder (<task>.jsonl files) or a snapshot of the hub repository",
                  DEFAULT_DIR, "microsoft/SCBench, config <task>, split test")
-    parser.add_argument(
-        "--tasks",
-        nargs="+",
-        default=TASKS,
-        choices=TASKS,
-        metavar="TASK",
-        help=f"tasks to run (default: all {len(TASKS)}): {' '.join(TASKS)}; not run: scbench_repoqa, "
-        "scbench_repoqa_and_kv (RepoQA's code-similarity scorer), scbench_summary_with_needles (two "
-        "generation lengths in one task)",
-    )
+    add_tasks_arg(parser, TASKS, "; not run: scbench_repoqa, scbench_repoqa_and_kv (RepoQA's code-similarity "
+                  "scorer), scbench_summary_with_needles (two generation lengths in one task)")
     parser.add_argument(
         "--max_turns", type=int, default=None, help="the first N questions of each context only (SCBench's flag)"
     )
