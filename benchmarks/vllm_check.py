@@ -201,7 +201,8 @@ def main(argv=None) -> int:
         "max_tokens": args.new_tokens,
         "dtype": dtype,
         "max_model_len": args.prompt_len + args.new_tokens + 64,
-        **(gpu if torch.cuda.is_available() else {}),
+        # on CPU a pool of 8 requests: vLLM's own sizing there reserves 92% of the machine's memory
+        **(gpu if torch.cuda.is_available() else {"kv_tokens": 8 * (args.prompt_len + args.new_tokens + 64)}),
         **json.loads(args.engine),
     }
     plain = run_in_subprocess(spec, None)

@@ -105,7 +105,7 @@ def run_arm(args) -> dict:
         dtype=args.dtype,
         max_model_len=length,
         block_size=args.block_size,
-        kv_cache_memory_bytes=args.pool_requests * -(-length // args.block_size) * _block_bytes(model, args),
+        kv_cache_memory_bytes=(args.pool_requests * -(-length // args.block_size) + 1) * _block_bytes(model, args),
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enforce_eager=args.enforce_eager,
@@ -219,7 +219,7 @@ def report(args, argv, results: dict) -> None:
     print(
         f"{args.workload}: {args.requests} requests of {args.prompt_len} prompt + {args.new_tokens} new tokens; "
         f"KV pool for {args.pool_requests} full-length requests ({results['full']['pool blocks']} blocks "
-        f"of {args.block_size}); budget {args.max_capacity_prompt}, window {args.window_size}, "
+        f"of {args.block_size}, vLLM's null block one of them); budget {args.max_capacity_prompt}, window {args.window_size}, "
         f"decode_interval {args.decode_interval}; prefix caching {'off' if args.no_prefix_caching else 'on'}, "
         f"chunked prefill {'off' if args.no_chunked_prefill else 'on'}{', eager' if args.enforce_eager else ''}"
     )
