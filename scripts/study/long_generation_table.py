@@ -26,15 +26,18 @@ from held_out_table import mean_se  # noqa: E402
 
 
 def read(path: Path) -> tuple[dict, dict]:
-    """``({(name, budget, interval): [per-sample {"kl": bins, "top1": bins}]}, the whole record)``, cut to
-    the samples every config has."""
+    """``({(name, budget, interval): [per-sample {"kl": bins, "top1": bins}]}, the whole record)``, each
+    interval's configs cut to the samples all of them have (sample i is the same prompt in every config)."""
     record = json.loads(path.read_text())
-    results = record.get("results", {})
-    n = min((len(v) for v in results.values()), default=0)
     table = {}
-    for label, samples in results.items():
+    for label, samples in record.get("results", {}).items():
         name, budget, interval = label.rsplit("|", 2)
-        table[name, int(budget), int(interval)] = samples[:n]
+        table[name, int(budget), int(interval)] = samples
+    for interval in {i for _, _, i in table}:
+        keys = [k for k in table if k[2] == interval]
+        n = min(len(table[k]) for k in keys)
+        for k in keys:
+            table[k] = table[k][:n]
     return table, record
 
 
@@ -61,32 +64,35 @@ def names_budgets(table: dict, interval: int) -> tuple[list, list]:
 
 
 def main_table(table: dict, interval: int, ref: str) -> list[str]:
-    """KL and top-1 per config and budget at ``interval``, sorted by the mean KL over the budgets, and the
-    paired difference to ``ref``."""
+    """KL and top-1 per config and budget at ``interval`` (a budget a config was not run at left blank),
+    sorted by the KL at the smallest budget each has, and the paired difference to ``ref``."""
     names, budgets = names_budgets(table, interval)
-    names = [n for n in names if all((n, b, interval) in table for b in budgets)]
-    mean_kl = {n: sum(sum(overall(table[n, b, interval])) for b in budgets) for n in names}
-    names.sort(key=mean_kl.get)
+    first = {n: next(b for b in budgets if (n, b, interval) in table) for n in names}
+    names.sort(key=lambda n: (first[n], sum(overall(table[n, first[n], interval]))))
     head = " | ".join(f"KL, B={b}" for b in budgets) + " | " + " | ".join(f"top-1, B={b}" for b in budgets)
     diff = " | ".join(f"- {ref}, B={b}" for b in budgets)
     lines = [f"| config | {head} | {diff} |", "|---" * (1 + 3 * len(budgets)) + "|"]
     for n in names:
-        kl = [cell(overall(table[n, b, interval])) for b in budgets]
-        top1 = [cell(overall(table[n, b, interval], "top1"), 3) for b in budgets]
-        d = ["" if n == ref or (ref, b, interval) not in table
-             else paired(overall(table[n, b, interval]), overall(table[ref, b, interval])) for b in budgets]
+        has = [(n, b, interval) in table for b in budgets]
+        kl = [cell(overall(table[n, b, interval])) if h else "" for b, h in zip(budgets, has)]
+        top1 = [cell(overall(table[n, b, interval], "top1"), 3) if h else "" for b, h in zip(budgets, has)]
+        d = ["" if n == ref or not h or (ref, b, interval) not in table
+             else paired(overall(table[n, b, interval]), overall(table[ref, b, interval]))
+             for b, h in zip(budgets, has)]
         lines.append(f"| {n} | {' | '.join(kl + top1 + d)} |")
     return lines
 
 
 def interval_table(table: dict, budget: int, intervals: list[int]) -> list[str]:
-    """KL per config at ``budget`` for each interval, and the paired difference of the first to the last."""
+    """KL per config at ``budget`` for each interval, on the samples every interval has, and the paired
+    difference of the first to the last."""
     names = [n for n in dict.fromkeys(n for n, _, _ in table) if all((n, budget, i) in table for i in intervals)]
     cols = " | ".join(f"KL, interval {i}" for i in intervals)
     lines = [f"| config (B={budget}) | {cols} | interval {intervals[0]} - {intervals[-1]} |",
              "|---" * (2 + len(intervals)) + "|"]
     for n in sorted(names, key=lambda n: sum(overall(table[n, budget, intervals[-1]]))):
         values = [overall(table[n, budget, i]) for i in intervals]
+        values = [v[: min(map(len, values))] for v in values]
         lines.append(f"| {n} | {' | '.join(cell(v) for v in values)} | {paired(values[0], values[-1])} |")
     return lines
 
@@ -155,15 +161,16 @@ def main(argv=None):
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
     table, record = read(args.run)
-    n = len(next(iter(table.values()), []))
+    n = len(next((v for (_, _, i), v in table.items() if i == args.interval), []))
     a = record.get("args", {})
     print(f"{a.get('model_path')}, {args.run.stem} set: {n} prompts of {a.get('prompt')} tokens, "
           f"{a.get('tokens')} generated tokens (temperature {a.get('temperature')}, top-p {a.get('top_p')})\n")
     if args.rule:
         _, budgets = names_budgets(table, args.interval)
-        ranked = sorted((sum(sum(overall(table[r, b, args.interval])) / n for b in budgets) / len(budgets), r)
-                        for r in args.rule if all((r, b, args.interval) in table for b in budgets))
-        print("Rule (mean KL over the budgets, interval %d): " % args.interval
+        budgets = [b for b in budgets if all((r, b, args.interval) in table for r in args.rule)]
+        ranked = sorted((sum(sum(overall(table[r, b, args.interval])) / len(table[r, b, args.interval])
+                             for b in budgets) / len(budgets), r) for r in args.rule)
+        print(f"Rule (mean KL over the budgets {', '.join(map(str, budgets))}, interval {args.interval}): "
               + ", ".join(f"{r} {v:.4f}" for v, r in ranked) + "\n")
     print("\n".join(main_table(table, args.interval, args.ref)) + "\n")
     intervals = sorted({i for _, b, i in table if b == args.position_budget})

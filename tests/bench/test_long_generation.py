@@ -127,7 +127,7 @@ def test_the_tables_by_hand(tmp_path, capsys):
     results = {"restkv|128|128": [sample([0.1, 0.3], [1.0, 0.5]), sample([0.2, 0.2], [1.0, 1.0])],
                "snapkv|128|128": [sample([0.3, 0.5], [0.5, 0.5]), sample([0.2, 0.4], [1.0, 0.0])],
                "snapkv|128|32": [sample([0.1, 0.1], [1.0, 1.0]), sample([0.1, 0.1], [1.0, 1.0]),
-                                 sample([9.0, 9.0], [0.0, 0.0])]}  # a third sample the others lack: left out
+                                 sample([9.0, 9.0], [0.0, 0.0])]}  # a third sample: left out of the paired comparison
     record = {"args": {"model_path": "m", "prompt": 4, "tokens": 4, "bin": 2, "temperature": 0.6, "top_p": 0.95},
               "results": results, "cost": {"fullkv": 0.010, "snapkv|128|32": 0.012}, "cost_args": {"cost_tokens": 8}}
     (tmp_path / "run.json").write_text(__import__("json").dumps(record))
