@@ -180,7 +180,8 @@ def run(model, tokenizer, args, configs: list[tuple[str, dict]]) -> dict:
         raise ValueError(f"--output {args.output} holds a run with other {', '.join(same)}")
     record["cost_args" if args.cost else "args"] = vars(args)
     prompts, starts = held_out_samples(tokenizer, args.samples, args.prompt, 0, reserve=32, **SETS[args.set])
-    record["starts"] = starts
+    if len(starts) > len(record.get("starts", [])):  # a cost run (one sample) keeps the set's starts
+        record["starts"] = starts
     conts, results = record.setdefault("continuations", []), record.setdefault("results", {})
     for i, prompt in enumerate(prompts):
         if len(conts) <= i:

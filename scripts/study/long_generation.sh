@@ -25,7 +25,7 @@ MAIN=${MAIN-restkv rkv triattention snapkv h2o tova streamingllm keydiff expecte
 KNOBS=${KNOBS-restkv_w8=restkv:window_size=8 restkv_nopool=restkv:pooling=none restkv_paper=restkv:preset=paper
   rkv_w32=rkv:window_size=32 triattention_w32=triattention:window_size=32}
 SHORT=${SHORT-restkv rkv snapkv h2o}
-HELD=${HELD-restkv rkv triattention snapkv h2o tova}
+HELD=${HELD-restkv rkv triattention snapkv h2o tova defensivekv}
 run() { nice -n 10 "$PY" scripts/study/long_generation.py --model_path "$MODEL" "$@"; }
 mkdir -p "$OUT"
 case "$STEP" in

@@ -118,9 +118,10 @@ def cost_table(record: dict) -> list[str]:
     if not full:
         return []
     args = record.get("cost_args", {})
-    lines = [f"| config | ms per generated token | x full cache |", "|---|---|---|"]
+    lines = ["| config | B | every N tokens | ms per generated token | x full cache |", "|---|---|---|---|---|"]
     for label, seconds in sorted(cost.items(), key=lambda kv: kv[1]):
-        lines.append(f"| {label} | {seconds * 1e3:.1f} | {seconds / full:.2f} |")
+        name, budget, interval = (label.split("|") + ["", ""])[:3]
+        lines.append(f"| {name} | {budget} | {interval} | {seconds * 1e3:.1f} | {seconds / full:.2f} |")
     lines.insert(0, f"Cost: {args.get('cost_tokens')} tokens decoded one at a time after the first prompt, "
                     f"{args.get('threads')} thread, CPU time of the process.\n")
     return lines

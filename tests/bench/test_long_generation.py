@@ -138,4 +138,4 @@ def test_the_tables_by_hand(tmp_path, capsys):
     assert "| snapkv | 0.3500 ± 0.0500 | 0.500 ± 0.000 | **+0.1500 ± 0.0500** |" in out
     assert "| snapkv | 0.1000 ± 0.0000 | 0.3500 ± 0.0500 | **-0.2500 ± 0.0500** |" in out  # interval 32 vs 128
     assert "| snapkv | 0.2500 | 0.4500 |" in out and "tokens 1-2 | tokens 3-4" in out
-    assert "| snapkv|128|32 | 12.0 | 1.20 |" in out
+    assert "| snapkv | 128 | 32 | 12.0 | 1.20 |" in out and "| fullkv |  |  | 10.0 | 1.00 |" in out
