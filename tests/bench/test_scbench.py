@@ -190,3 +190,27 @@ def test_end_to_end_on_smollm2(tmp_path, smollm2):
     assert eval_scbench.main(["--results_dir", str(tmp_path)]) == table
     with pytest.raises(ValueError, match="max_turns"):  # a rerun with other questions per context: refused
         run_scbench.main(argv + ["--max_turns", "1"])
+
+
+@pytest.mark.parametrize("task, change, named", [
+    ("scbench_kv", lambda turn: turn.pop("answer"), "record 2, turn 1 lacks fields ['answer']"),
+    ("scbench_kv", lambda turn: turn.pop("input"), "record 2, turn 1 lacks fields ['input']"),
+    ("scbench_choice_eng", lambda turn: turn.update(answer="nobody"), "its answer is none of its options"),
+    ("scbench_mf", lambda turn: turn.update(input="no sentence here"), "its questions cannot be built"),
+])
+def test_a_record_missing_a_field_is_refused_in_one_line_before_the_model_loads(
+        tmp_path, monkeypatch, capsys, task, change, named):
+    from restkv.bench import loop
+
+    records = read(f"{DATA}/{task}.jsonl")
+    records = (records * 2)[:2]
+    change(records[1]["multi_turns"][0])
+    (tmp_path / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setattr(loop, "load_from_args", lambda *a: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as exit_:
+        run_scbench.main(["--data_dir", str(tmp_path), "--tasks", task, "--method", "fullkv",
+                          "--save_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after datasets' own progress lines
+    assert exit_.value.code == 2 and "Traceback" not in err and named in last and task in last, err
+    assert not (tmp_path / "out").exists()

@@ -29,6 +29,25 @@ def make_task(task, records, max_turns=None):
     )
 
 
+def check_record(task, record, name):
+    """Raise ``ValueError`` starting with ``name`` unless ``record`` holds all a run and its scoring read: a
+    context, its ``multi_turns``, each turn's ``input`` and ``answer`` (scbench_choice_eng: ``options`` holding
+    the answer), and questions its template can be filled with."""
+    if not record.get("multi_turns") or ("context" not in record and "input" not in record):
+        raise ValueError(f"{name} lacks a context or its multi_turns")
+    fields = ("input", "answer", "options") if task == "scbench_choice_eng" else ("input", "answer")
+    for j, turn in enumerate(record["multi_turns"]):
+        missing = [f for f in fields if not isinstance(turn, dict) or f not in turn]
+        if missing:
+            raise ValueError(f"{name}, turn {j + 1} lacks fields {missing}")
+        if "options" in fields and turn["answer"] not in list(turn["options"]):
+            raise ValueError(f"{name}, turn {j + 1}: its answer is none of its options")
+    try:
+        turns(task, record)
+    except (ValueError, KeyError) as err:  # a template field the record lacks: KeyError
+        raise ValueError(f"{name}: its questions cannot be built ({type(err).__name__}: {err})") from None
+
+
 def load(task, data_dir, limit=None):
     """The records of ``task`` (``--data_dir`` first, then the hub); ids from the data when unique, else the
     records' positions.
@@ -36,13 +55,12 @@ def load(task, data_dir, limit=None):
     Raises
     ------
     ValueError
-        A record without a context or questions.
+        A record that lacks a field a run or its scoring reads (:func:`check_record`).
     """
 
     def convert(rows, where):
         for i, r in enumerate(rows):
-            if not r.get("multi_turns") or ("context" not in r and "input" not in r):
-                raise ValueError(f"{where}: {task} record {i + 1} lacks a context or its multi_turns")
+            check_record(task, r, f"{where}: {task} record {i + 1}")
         ids = [r.get("id") for r in rows]
         unique = None not in ids and len(set(ids)) == len(ids)
         return [{**r, "id": r["id"] if unique else i} for i, r in enumerate(rows)]
