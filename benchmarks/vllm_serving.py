@@ -14,8 +14,10 @@ tokens/s, output tokens per CPU second of the engine's process (the engine runs 
 that other jobs on the machine disturb less than wall time), the peak number of running requests,
 preemptions, and the peak of blocks held (pool blocks minus free ones); for the evicting arms the time spent evicting, split into reading the
 held entries back from the paged cache, selecting (scoring included) and writing the kept entries,
-as seconds and as a share of the arm's wall time. Run in the vLLM environment (``make
-vllm-install``), on an otherwise idle machine; README gives the commands of its figures.
+as seconds and as a share of the arm's wall time. On CUDA every clock is read after
+``torch.cuda.synchronize()`` (the eviction's parts too), so a part counts the kernels it launched.
+Run in the vLLM environment (``make vllm-install``), on an otherwise idle machine; README gives the
+commands of its figures.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def run_arm(args) -> dict:
 
     from restkv.integration.models import cache_dir
 
-    timers = _time_eviction() if args.arm != "full" else None
+    now = clock()
+    timers = _time_eviction(now) if args.arm != "full" else None
     model = args.model or str(cache_dir("smollm2-135m"))
     length = args.prompt_len + args.new_tokens
     chunk = args.max_num_batched_tokens or (length if args.no_chunked_prefill else None)
@@ -123,9 +126,9 @@ def run_arm(args) -> dict:
         for _ in range(args.requests)
     ]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu = now(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    seconds, cpu = now() - start, time.process_time() - cpu
     new = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "requests/s": len(outs) / seconds,
@@ -139,8 +142,23 @@ def run_arm(args) -> dict:
     }
 
 
-def _time_eviction() -> dict:
-    """Accumulate the worker's eviction time in its three parts (wall seconds)."""
+def clock():
+    """The wall clock in seconds: on CUDA read after ``torch.cuda.synchronize()`` (the GPU's queued
+    work counted), on CPU ``time.perf_counter`` itself."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    return now
+
+
+def _time_eviction(now) -> dict:
+    """Accumulate the worker's eviction time in its three parts (seconds of ``now``)."""
     from restkv.vllm import paged, worker
 
     timers = dict.fromkeys(PARTS, 0.0)
@@ -149,11 +167,11 @@ def _time_eviction() -> dict:
         orig = getattr(owner, name)
 
         def run(*a, **k):
-            t = time.perf_counter()
+            t = now()
             try:
                 return orig(*a, **k)
             finally:
-                timers[part] += time.perf_counter() - t
+                timers[part] += now() - t
 
         setattr(owner, name, run)
 
