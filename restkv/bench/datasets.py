@@ -16,6 +16,7 @@ from .cli import check_backend, check_common, prompt_settings
 from .generation import answer_questions
 from .grid import announce, configs_meta, method_configs
 from .loop import Predictor, Task, per_label
+from .meta import check_args_rerun
 from .models import check_context
 from ..data.prompts import context_and_questions, has_chat_template, prompt_ids
 
@@ -153,14 +154,16 @@ def prepare_datasets(args, name, load, meta=None):
     Raises
     ------
     ValueError
-        Naming the flag (a config, ``--max_length`` beyond the model's context), or the file and line of
-        malformed data.
+        Naming the flag (a config, ``--max_length`` beyond the model's context), the file and line of
+        malformed data, or the run folder's ``run_meta.json`` when its results were made with other knobs or
+        settings (:func:`restkv.bench.meta.check_rerun`).
     FileNotFoundError
         A missing data file (with where to get it) or a registry model that is not installed.
     """
     check_common(args)
     configs = method_configs(args)
     check_context(args.model_path, [("--max_length", args.max_length, 0)])
+    check_args_rerun(args, configs, prompt_settings(args))
     datasets = load()
     check_backend(args)
     print(f"{name}: {', '.join(f'{d.name} ({len(d.records)})' for d in datasets)}", file=sys.stderr)

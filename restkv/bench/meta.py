@@ -48,24 +48,9 @@ def write_metadata(save_dir, args, extra=None):
     config = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     path = os.path.join(save_dir, "run_meta.json")
     extra = dict(extra or {})
-    before = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            before = json.load(fh)
+    before = check_rerun(save_dir, extra)
     if "configs" in extra and before:
-        previous = before.get("configs") or {}
-        check_same_configs(path, previous, extra["configs"])
-        check_same_settings(path, before, extra, set(previous) & set(extra["configs"]))
-        then, now = (
-            bool(before.get("query_agnostic", False)),
-            bool(extra.get("query_agnostic", False)),
-        )
-        if then != now:
-            raise ValueError(
-                f"{path}: the results there were made {'with' if then else 'without'} --query_agnostic; "
-                "rerunning into this folder would mix the two modes: use another --save_dir"
-            )
-        extra["configs"] = {**previous, **extra["configs"]}  # labels of earlier runs stay on record
+        extra["configs"] = {**(before.get("configs") or {}), **extra["configs"]}  # earlier labels stay on record
     meta = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
@@ -83,6 +68,55 @@ def write_metadata(save_dir, args, extra=None):
     meta["runs"] = _runs(before) + [_run_summary(meta)]
     atomic_write(path, json.dumps(meta, indent=2, default=str))
     return path
+
+
+def check_rerun(save_dir, extra):
+    """The checks :func:`write_metadata` makes of a run into a folder that holds one (``ValueError`` naming
+    ``save_dir/run_meta.json`` and what differs), made by each runner before its model loads too; returns the
+    earlier ``run_meta.json`` (``{}``: none).
+
+    ``extra`` holds this run's ``configs`` (``configs_meta``), and optionally its ``settings`` and
+    ``query_agnostic``.
+    """
+    path = os.path.join(save_dir, "run_meta.json")
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            before = json.load(fh)
+    except ValueError as err:
+        raise ValueError(f"{path}: not JSON ({err}); move it away or use another --save_dir") from None
+    if "configs" in extra and before:
+        previous = before.get("configs") or {}
+        check_same_configs(path, previous, extra["configs"])
+        check_same_settings(path, before, extra, set(previous) & set(extra["configs"]))
+        then, now = (
+            bool(before.get("query_agnostic", False)),
+            bool(extra.get("query_agnostic", False)),
+        )
+        if then != now:
+            raise ValueError(
+                f"{path}: the results there were made {'with' if then else 'without'} --query_agnostic; "
+                "rerunning into this folder would mix the two modes: use another --save_dir"
+            )
+    return before
+
+
+def run_folder(args):
+    """The folder of a run's results and ``run_meta.json``: ``<save_dir>/<model>`` (``<save_dir>/<model_version>``
+    with the needle runner's ``--model_version``)."""
+    from .models import model_name
+
+    return os.path.join(args.save_dir, getattr(args, "model_version", None) or model_name(args.model_path))
+
+
+def check_args_rerun(args, configs, settings=None):
+    """:func:`check_rerun` of the run of ``args`` with ``configs`` (``(label, kwargs)``) and its prompt
+    ``settings``, before any model work."""
+    from .grid import configs_meta
+
+    extra = {"configs": configs_meta(configs), "query_agnostic": bool(getattr(args, "query_agnostic", False))}
+    check_rerun(run_folder(args), {**extra, **({"settings": settings} if settings is not None else {})})
 
 
 _SUMMARY = ("time", "argv", "git_sha", "versions", "settings", "query_agnostic")

@@ -159,3 +159,19 @@ def test_quantized_records_and_metadata(tmp_path):
     meta = json.load(open(os.path.join(os.path.dirname(path), "run_meta.json")))
     assert meta["configs"]["snapkv_64-quant_method=hqq"]["quant"] == quant
     assert meta["config"]["quant_method"] == "hqq"
+
+
+def test_a_rerun_with_other_settings_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    argv = ["--method", "fullkv", "--needles", "passkey", "--context_lengths", "300", "--depth_percents", "50",
+            "--max_new_tokens", "4", "--no_plots", "--save_dir", str(tmp_path)]
+    path, records, _ = cli.main(argv)
+    before = open(path).read()
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    capsys.readouterr()
+    for other, what in ((["--max_new_tokens", "8"], "max_new_tokens=4 then, 8 now"),
+                        (["--seed", "1"], "seed=42 then, 1 now")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv + other)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and what in err[0] and "run_meta.json" in err[0], err
+    assert open(path).read() == before

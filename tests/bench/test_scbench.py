@@ -188,7 +188,7 @@ def test_end_to_end_on_smollm2(tmp_path, smollm2):
     table = evaluate(str(tmp_path))
     assert [row[0] for row in table[1:]] == ["smollm2-135m/fullkv", "smollm2-135m/snapkv_48-window_size=8"]
     assert eval_scbench.main(["--results_dir", str(tmp_path)]) == table
-    with pytest.raises(ValueError, match="max_turns"):  # a rerun with other questions per context: refused
+    with pytest.raises(SystemExit):  # a rerun with other questions per context: refused
         run_scbench.main(argv + ["--max_turns", "1"])
 
 
@@ -214,3 +214,24 @@ def test_a_record_missing_a_field_is_refused_in_one_line_before_the_model_loads(
     last = err.strip().splitlines()[-1]  # after datasets' own progress lines
     assert exit_.value.code == 2 and "Traceback" not in err and named in last and task in last, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rerun_with_other_settings_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from restkv.bench import datasets as runs
+    from restkv.bench import models
+
+    def fake(model, tokenizer, prompts, configs, max_new_tokens, sweep=True, question_starts=None):
+        return [([["a"] * len(p[1]) for p in prompts], None) for _ in configs]
+
+    monkeypatch.setattr(runs, "decode_turns", fake)
+    argv = ["--data_dir", DATA, "--tasks", "scbench_kv", "--method", "fullkv", "--max_new_tokens", "2",
+            "--save_dir", str(tmp_path)]
+    run_scbench.main(argv)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    capsys.readouterr()
+    for other, what in ((["--max_new_tokens", "3"], "max_new_tokens=2 then, 3 now"),
+                        (["--max_turns", "1"], "max_turns=None then, 1 now")):
+        with pytest.raises(SystemExit) as exit_:
+            run_scbench.main(argv + other)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and what in err[0] and "run_meta.json" in err[0], err

@@ -11,7 +11,8 @@ from ...lazy import NotInstalled, require
 from ..cli import check_backend, check_common
 from ..grid import announce, configs_meta, method_configs
 from ..loop import Predictor, Store, Task
-from ..models import check_context, essays_dir
+from ..meta import check_args_rerun
+from ..models import check_context, essays_dir, model_name
 from ..ranges import SYNTAX, parse_range, shown
 from ..results import read_jsonl
 from ...data.needles import NEEDLES, PROMPT, Haystack, Needle, make_case
@@ -200,13 +201,14 @@ def prepare(args):
         raise NotInstalled(f"{err} (or give --haystack_dir, a folder of .txt files)") from None
     if not haystack_dir.is_dir():
         raise FileNotFoundError(f"--haystack_dir: haystack folder {haystack_dir} does not exist")
-    check_context(
+    limit = check_context(
         args.model_path,
         [
             (flag, max(lengths), args.max_new_tokens),
             ("--max_length", args.max_length, args.max_new_tokens),
         ],
     )
+    check_args_rerun(args, configs, record_settings(args, haystack_dir, limit))
     check_backend(args)
     plan = NeedlePlan(configs, needles, lengths, depths, haystack_dir)
     print(f"needle: context lengths {shown(lengths)}; depths (%) {shown(depths)}", file=sys.stderr)
@@ -218,12 +220,31 @@ def prepare(args):
     return plan
 
 
+def record_settings(args, haystack_dir, context):
+    """Everything besides a config's knobs and (needle, length, depth) that changes a record (in its
+    :func:`config_id`), ``context`` being the model's max context: a rerun into a folder must match them."""
+    settings = {
+        "model": model_name(args.model_path),
+        "chat_template": args.chat_template,
+        "max_length": args.max_length or context - args.max_new_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "haystack": str(haystack_dir),
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "attn_implementation": args.attn_implementation,
+        "prompt": PROMPT,
+    }
+    if getattr(args, "query_agnostic", False):
+        settings["query_agnostic"] = True  # records of the two modes never share a config_id
+    return settings
+
+
 def run(args, plan=None):
     """Run every (method x budget, needle, length, depth) record not yet in the results file.
 
     The records of all configs go to one file, ``<save_dir>/<model>/results.jsonl``, cell by cell
-    in config order; a record is keyed by its config's :func:`config_id` too, so a rerun with other
-    settings adds records instead of resuming into them.
+    in config order; a record is keyed by its config's :func:`config_id` too. A rerun into a folder whose
+    results were made with other settings (:func:`record_settings`) is refused by :func:`prepare`.
 
     Parameters
     ----------
@@ -250,24 +271,13 @@ def run(args, plan=None):
     model = predictor.name
     cap = args.max_length or predictor.max_length - args.max_new_tokens
     haystack = Haystack(tokenizer, haystack_dir)
-    settings = {
-        "model": model,
-        "chat_template": args.chat_template,
-        "max_length": cap,
-        "max_new_tokens": args.max_new_tokens,
-        "haystack": str(haystack_dir),
-        "seed": args.seed,
-        "dtype": args.dtype,
-        "attn_implementation": args.attn_implementation,
-        "prompt": PROMPT,
-    }
-    if predictor.query_agnostic:
-        settings["query_agnostic"] = True  # records of the two modes never share a config_id
+    settings = record_settings(args, haystack_dir, predictor.max_length)
     ids = {label: config_id(kw, settings) for label, kw in configs}
     predictor.write_metadata(
         {
             "benchmark": "needle",
             "labels": ids,
+            "settings": settings,
             "configs": configs_meta(configs),
             "max_length": cap,
             "lengths": lengths,

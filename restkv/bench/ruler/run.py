@@ -12,6 +12,7 @@ from restkv.bench.cli import check_backend, check_common, prompt_settings
 from restkv.bench.grid import announce, configs_meta, method_configs
 from restkv.bench.loop import Predictor, Task, per_label
 from restkv.bench.models import check_context
+from restkv.bench.meta import check_args_rerun
 from restkv.data.prompts import build_prompt, encode, middle_truncate, split_prompt
 from restkv.bench.ruler.data import GENERATE, find_tasks, load_task
 from restkv.bench.ruler.tasks import FAMILIES, family_of, question_offset
@@ -183,6 +184,7 @@ def prepare(args):
     """
     check_common(args)
     configs = method_configs(args)
+    check_args_rerun(args, configs, prompt_settings(args))
     data = load_data(args.data_dir, args.tasks, args.num_samples, args.context_length)
     length, task = max((r["max_seq_length"], task) for task, records in data for r in records)
     check_context(
