@@ -18,7 +18,7 @@ from .grid import announce, configs_meta, method_configs
 from .loop import Predictor, Task, per_label
 from .meta import check_args_rerun
 from .models import check_context
-from ..data.prompts import context_and_questions, has_chat_template, prompt_ids
+from ..data.prompts import build_prompt, context_and_questions, encode, has_chat_template, prompt_ids
 
 
 @dataclass
@@ -69,25 +69,10 @@ def dataset_task(predictor, dataset):
     length); otherwise prompt plus generation are capped at the model's max context.
     """
     args = predictor.args
-    tokenizer = predictor.tokenizer
     new_tokens = args.max_new_tokens or dataset.max_new_tokens
-    reserve = 0 if args.max_length else new_tokens
-    chat = args.chat_template if dataset.chat else "off"
-    wrapped = chat == "on" or (chat == "auto" and has_chat_template(tokenizer))
-
     shared = dataset.turns is not None
     agnostic = predictor.query_agnostic and dataset.question is not None
-
-    def prompt(record):  # (ids, where the question starts: with --query_agnostic only)
-        if shared:  # (context ids, [question ids])
-            context, questions = dataset.turns(record)
-            return context_and_questions(tokenizer, context, questions, predictor.max_length, chat, reserve)
-        text = dataset.text(record, wrapped)
-        if not agnostic:
-            return prompt_ids(tokenizer, text, predictor.max_length, chat, reserve), None
-        return prompt_ids(
-            tokenizer, text, predictor.max_length, chat, reserve, dataset.question(record, wrapped)
-        )
+    prompt = prompt_builder(args, dataset, predictor.tokenizer, predictor.max_length, agnostic)
 
     def record(rec, prompt, out):
         return {
@@ -111,6 +96,50 @@ def dataset_task(predictor, dataset):
             else {"ids": _first, "question_start": _second if agnostic else None}
         ),
     )
+
+
+def prompt_builder(args, dataset, tokenizer, max_length, agnostic):
+    """``prompt(record)``: the token ids of a record of ``dataset`` (``(ids, where the question starts)``, the
+    start with ``agnostic`` only; with ``dataset.turns``: ``(context ids, [question ids])``), capped at
+    ``max_length`` (generation included unless ``--max_length`` is given)."""
+    new_tokens = args.max_new_tokens or dataset.max_new_tokens
+    reserve = 0 if args.max_length else new_tokens
+    chat = args.chat_template if dataset.chat else "off"
+    wrapped = chat == "on" or (chat == "auto" and has_chat_template(tokenizer))
+
+    def prompt(record):
+        if dataset.turns is not None:
+            context, questions = dataset.turns(record)
+            return context_and_questions(tokenizer, context, questions, max_length, chat, reserve)
+        text = dataset.text(record, wrapped)
+        if not agnostic:
+            return prompt_ids(tokenizer, text, max_length, chat, reserve), None
+        return prompt_ids(tokenizer, text, max_length, chat, reserve, dataset.question(record, wrapped))
+
+    return prompt
+
+
+def check_max_length(args, datasets):
+    """With ``--max_length``: build the first prompt of each data set (the model's tokenizer, no model) and
+    raise ``ValueError`` naming the flag when it leaves no room for them."""
+    if not args.max_length:
+        return
+    from .ruler.generate import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model_path)
+    for dataset in datasets:
+        if not dataset.records:
+            continue
+        agnostic = bool(getattr(args, "query_agnostic", False)) and dataset.question is not None
+        try:
+            prompt_builder(args, dataset, tokenizer, args.max_length, agnostic)(dataset.records[0])
+        except ValueError:
+            chat = args.chat_template if dataset.chat else "off"
+            shell = len(encode(tokenizer, build_prompt(tokenizer, "", chat)))
+            raise ValueError(
+                f"--max_length {args.max_length} leaves no room for {dataset.name}'s prompts (its first "
+                f"one: the chat template alone takes {shell} tokens, then its question and some context)"
+            ) from None
 
 
 def _context_length(prompt):
@@ -165,6 +194,7 @@ def prepare_datasets(args, name, load, meta=None):
     check_context(args.model_path, [("--max_length", args.max_length, 0)])
     check_args_rerun(args, configs, prompt_settings(args))
     datasets = load()
+    check_max_length(args, datasets)
     check_backend(args)
     print(f"{name}: {', '.join(f'{d.name} ({len(d.records)})' for d in datasets)}", file=sys.stderr)
     announce(name, [("records", sum(len(d.records) for d in datasets))], configs)

@@ -102,3 +102,17 @@ def test_end_to_end_on_smollm2(tmp_path):
                for r in read(agnostic[("longbench_v2", "snapkv_64-window_size=8")]))
     table = evaluate(str(tmp_path))
     assert len(table) == 5 and all(0.0 <= row[1] <= 100.0 for row in table[1:])
+
+
+def test_a_max_length_too_short_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from restkv.bench import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["--data_dir", DATA, "--method", "fullkv", "--save_dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        run_longbench_v2.main(argv + ["--max_length", "10"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "Traceback" not in err and "new tokens" not in last, err
+    assert "--max_length 10 leaves no room for longbench_v2's prompts" in last and "chat template alone" in last
+    assert not (tmp_path / "smollm2-135m").exists()

@@ -175,3 +175,15 @@ def test_a_rerun_with_other_settings_is_refused_before_the_model_loads(tmp_path,
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1 and what in err[0] and "run_meta.json" in err[0], err
     assert open(path).read() == before
+
+
+def test_an_empty_haystack_or_a_length_too_short_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "empty").mkdir()
+    for argv, what in ((["--haystack_dir", str(tmp_path / "empty")], r"--haystack_dir: .* holds no \.txt file"),
+                       (["--context_lengths", "64"], "--context_lengths: context length 64 leaves no room")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv + ["--save_dir", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and re.search(what, err[0]), err
+    assert not (tmp_path / "out").exists()

@@ -201,6 +201,8 @@ def prepare(args):
         raise NotInstalled(f"{err} (or give --haystack_dir, a folder of .txt files)") from None
     if not haystack_dir.is_dir():
         raise FileNotFoundError(f"--haystack_dir: haystack folder {haystack_dir} does not exist")
+    if next(haystack_dir.glob("*.txt"), None) is None:
+        raise FileNotFoundError(f"--haystack_dir: haystack folder {haystack_dir} holds no .txt file")
     limit = check_context(
         args.model_path,
         [
@@ -209,6 +211,7 @@ def prepare(args):
         ],
     )
     check_args_rerun(args, configs, record_settings(args, haystack_dir, limit))
+    check_shortest(args, needles, min(lengths), flag, haystack_dir)
     check_backend(args)
     plan = NeedlePlan(configs, needles, lengths, depths, haystack_dir)
     print(f"needle: context lengths {shown(lengths)}; depths (%) {shown(depths)}", file=sys.stderr)
@@ -218,6 +221,21 @@ def prepare(args):
         configs,
     )
     return plan
+
+
+def check_shortest(args, needles, length, flag, haystack_dir):
+    """Build each needle's prompt of the shortest ``length`` (the model's tokenizer, no model): ``ValueError``
+    naming ``flag`` when it leaves no room for the haystack."""
+    from ..ruler.generate import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model_path)
+    haystack = Haystack(tokenizer, haystack_dir)
+    for needle in needles:
+        try:
+            make_case(tokenizer, haystack, needle, length, 0, args.chat_template, None, args.seed)
+        except ValueError as err:
+            raise ValueError(f"{flag}: {err} (the {needle.name} needle's prompt: template, question "
+                             "and needle)") from None
 
 
 def record_settings(args, haystack_dir, context):
