@@ -7,7 +7,7 @@ file stems it may have in a local folder. :func:`load_rows` looks in ``--data_di
 1. ``<data_dir>/<stem>.jsonl`` / ``.json`` / ``.parquet`` for each stem (one file per data set);
 2. ``<data_dir>/<name>/``: a folder ``datasets`` reads (a hub snapshot of that data set, or its split files);
 3. ``<data_dir>`` itself when its ``README.md`` declares the data set's config (a snapshot of a hub
-   repository with one config per task, e.g. ``huggingface-cli download microsoft/SCBench --repo-type dataset
+   repository with one config per task, e.g. ``hf download microsoft/SCBench --repo-type dataset
    --local-dir data/scbench``); ``--data_dir`` may also be the data file itself;
 
 and otherwise loads the hub id. When neither is reachable it raises one line naming ``--data_dir``, where it
@@ -126,6 +126,22 @@ def _short(err: Exception) -> str:
     return f"{type(err).__name__}: {text[:200]}"
 
 
+def _load_hub(source: Source, offline):
+    """``source``'s hub copy through ``datasets``; with ``offline`` (the hub unreachable) its cached copy
+    only, at once, instead of the retries of each request."""
+    import datasets
+
+    args = (source.hub, source.config) if source.config else (source.hub,)
+    if not offline:
+        return datasets.load_dataset(*args)
+    before = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        return datasets.load_dataset(*args)
+    finally:
+        datasets.config.HF_HUB_OFFLINE = before
+
+
 def load_rows(source: Source, data_dir: str | None, default_dir: str = "data", flag: str = "--data_dir") -> list:
     """The records of ``source`` as dicts: from ``data_dir`` (module docstring) or from the hub.
 
@@ -149,11 +165,14 @@ def load_rows(source: Source, data_dir: str | None, default_dir: str = "data", f
         except Exception as err:  # datasets' own errors: one line naming the file
             raise ValueError(f"{flag}: {path} is not a data set datasets can read ({_short(err)})") from None
         return [dict(r) for r in _split(data, source, path)]
-    try:
-        from datasets import load_dataset
+    from .models import hub_unreachable
 
-        data = load_dataset(source.hub, source.config) if source.config else load_dataset(source.hub)
+    offline = hub_unreachable()
+    try:
+        data = _load_hub(source, offline)
     except Exception as err:  # offline, unknown id, gated: one line with what to do
+        if offline:
+            err = f"the hub is unreachable ({offline}) and datasets' cache has no copy"
         folder = data_dir or default_dir
         snapshot = os.path.join(folder, source.name) if source.own_folder else folder
         looked = (
@@ -162,7 +181,7 @@ def load_rows(source: Source, data_dir: str | None, default_dir: str = "data", f
         )
         raise FileNotFoundError(
             f"{flag}: {source.name} not found ({looked}) and the hub copy {source.hub} could not be loaded "
-            f"({_short(err)}); download it with: huggingface-cli download {source.hub} --repo-type dataset "
+            f"({err if offline else _short(err)}); download it with: hf download {source.hub} --repo-type dataset "
             f"--local-dir {snapshot}"
         ) from None
     print(f"{source.name}: not in {data_dir or '(no --data_dir)'}, loaded {source.hub} from the hub",

@@ -6,7 +6,7 @@ import json
 import datasets
 import pytest
 
-from restkv.bench import hubdata
+from restkv.bench import hubdata, models
 from restkv.bench.hubdata import Source, load_rows
 
 ROWS = [{"id": 0, "q": "a"}, {"id": 1, "q": "b"}]
@@ -51,6 +51,7 @@ def test_a_hub_snapshot_with_one_config_per_task(tmp_path):
 
 def test_the_hub_when_the_folder_lacks_it(tmp_path, monkeypatch, capsys):
     calls = []
+    monkeypatch.setattr(models, "hub_unreachable", lambda: None)
 
     def hub(path, name=None, **kw):
         calls.append((path, name))
@@ -69,17 +70,37 @@ def test_nothing_reachable_is_one_line_with_the_download_command(tmp_path, monke
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'owner/sets' on the Hub (LocalEntryNotFoundError)")
 
+    monkeypatch.setattr(models, "hub_unreachable", lambda: None)
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(FileNotFoundError) as err:
         load_rows(SOURCE, str(tmp_path), flag="--data_dir")
     text = str(err.value)
     assert "\n" not in text and text.startswith("--data_dir: sets not found")
-    assert f"huggingface-cli download owner/sets --repo-type dataset --local-dir {tmp_path / 'sets'}" in text
+    assert f"; download it with: hf download owner/sets --repo-type dataset --local-dir {tmp_path / 'sets'}" in text
     with pytest.raises(FileNotFoundError, match="--data_dir: .*nowhere does not exist"):
         load_rows(SOURCE, str(tmp_path / "nowhere"))
     shared = Source("t", "owner/all", config="t", own_folder=False)
     with pytest.raises(FileNotFoundError, match=f"--local-dir {tmp_path}$"):
         load_rows(shared, str(tmp_path))
+
+
+def test_an_unreachable_hub_reads_datasets_cache_only_at_once(tmp_path, monkeypatch):
+    offline = []
+
+    def cached(*args, **kw):  # datasets' own offline switch is on for the call
+        offline.append(datasets.config.HF_HUB_OFFLINE)
+        if args[0] == "owner/cached":
+            return datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)})
+        raise ConnectionError(f"Couldn't reach '{args[0]}' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "https://huggingface.co: Name or service not known")
+    monkeypatch.setattr(datasets, "load_dataset", cached)
+    assert load_rows(Source("sets", "owner/cached"), str(tmp_path)) == ROWS
+    with pytest.raises(FileNotFoundError) as err:
+        load_rows(SOURCE, str(tmp_path))
+    assert offline == [True, True] and datasets.config.HF_HUB_OFFLINE is False
+    assert "the hub is unreachable (https://huggingface.co: Name or service not known) and datasets' cache has " \
+           "no copy); download it with: hf download owner/sets" in str(err.value)
 
 
 def test_unreadable_data_and_missing_splits_name_the_file(tmp_path):

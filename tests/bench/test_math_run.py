@@ -90,8 +90,12 @@ def test_startup_errors_are_one_line_before_the_model(tmp_path, capsys, monkeypa
         raise ConnectionError("no network")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(models, "hub_unreachable", lambda: None)
     _fails(capsys, ["--data_dir", str(tmp_path), "--datasets", "aime25", "--max_new_tokens", "64"] + save,
-           "--data_dir: aime25 not found", "huggingface-cli download math-ai/aime25")
+           "--data_dir: aime25 not found", "(ConnectionError: no network)", "hf download math-ai/aime25")
+    monkeypatch.setattr(models, "hub_unreachable", lambda: "HF_HUB_OFFLINE is set")  # cache only, no retries
+    _fails(capsys, ["--datasets", "gsm8k", "--max_new_tokens", "64"] + save,
+           "gsm8k not found", "the hub is unreachable (HF_HUB_OFFLINE is set)", "hf download openai/gsm8k")
     assert not (tmp_path / "out").exists()
 
 
