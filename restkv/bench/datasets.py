@@ -231,4 +231,5 @@ def run_datasets(args, plan):
     )
     tasks = [dataset_task(predictor, d) for d in datasets]
     predictor.predict(tasks)
+    predictor.say_where(plan.meta.get("benchmark"))
     return {(t.name, label): path for t in tasks for label, path in t.store.paths.items()}

@@ -23,7 +23,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..strategies.budgets import keeps_prompt
-from .cli import run_settings
+from .cli import TABULATE, run_settings
 from .generation import decode_configs
 from .grid import quant_of, run_config
 from .meta import write_metadata
@@ -231,6 +231,13 @@ class Predictor:
             mode["question_start"] = QUESTION_START
         if self.shard.main:
             write_metadata(self.out_dir, self.args, {**extra, **mode})
+
+    def say_where(self, benchmark):
+        """Print (main process) where the run's results are and the command that scores them
+        (:data:`restkv.bench.cli.TABULATE`)."""
+        if self.shard.main and benchmark in TABULATE:
+            score = TABULATE[benchmark].format(path=self.args.save_dir)
+            print(f"\nresults: {self.out_dir}\nscore them with: {score}")
 
     def predict(self, tasks):
         """Write every missing record of ``tasks``, then merge the processes' parts of every file."""

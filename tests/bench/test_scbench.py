@@ -235,3 +235,19 @@ def test_a_rerun_with_other_settings_is_refused_before_the_model_loads(tmp_path,
             run_scbench.main(argv + other)
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1 and what in err[0] and "run_meta.json" in err[0], err
+
+
+def test_the_run_ends_saying_where_its_results_are_and_how_to_score_them(tmp_path, monkeypatch, capsys):
+    from restkv.bench import datasets as runs
+
+    def fake(model, tokenizer, prompts, configs, max_new_tokens, sweep=True, question_starts=None):
+        return [([["a"] * len(p[1]) for p in prompts], None) for _ in configs]
+
+    monkeypatch.setattr(runs, "decode_turns", fake)
+    save = tmp_path / "res"
+    run_scbench.main(["--data_dir", DATA, "--tasks", "scbench_kv", "--method", "fullkv", "--max_new_tokens", "2",
+                      "--save_dir", str(save)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2:] == [f"results: {save / 'smollm2-135m'}",
+                        f"score them with: python eval_scbench.py --results_dir {save}"]
+    assert eval_scbench.main(["--results_dir", str(save)])[1][0] == "smollm2-135m/fullkv"

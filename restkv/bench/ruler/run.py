@@ -230,6 +230,7 @@ def run(args, plan=None):
         for task, records in data
     }
     predictor.predict(list(tasks.values()))
+    predictor.say_where("ruler")
     return {
         (length, task, label): path
         for (length, task), t in tasks.items()
