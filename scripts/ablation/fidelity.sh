@@ -9,7 +9,7 @@ SAMPLES=${SAMPLES:-16}
 LENGTH=${LENGTH:-2048}
 BUDGET=${BUDGET:-128}
 OUT=${OUT:-results/ablation/fidelity/$MODEL}
-PY=${PY:-python}
+source scripts/lib/python.sh
 mkdir -p "$OUT"
 eval "set -- $("$PY" scripts/ablation/table.py variants)"
 "$PY" benchmarks/fidelity.py --model_path "$MODEL" --samples "$SAMPLES" --length "$LENGTH" \

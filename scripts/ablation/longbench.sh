@@ -8,7 +8,7 @@ MODEL=${MODEL:-smollm2-135m}
 DATA_DIR=${DATA_DIR:-data/longbench}
 BUDGET=${BUDGET:-128}
 OUT=${OUT:-results/ablation/longbench}
-PY=${PY:-python}
+source scripts/lib/python.sh
 eval "set -- $("$PY" scripts/ablation/table.py variants)"
 "$PY" run_longbench.py --model_path "$MODEL" --data_dir "$DATA_DIR" --save_dir "$OUT" \
   --max_capacity_prompts "$BUDGET" --method fullkv "$@" ${EXTRA:-}

@@ -4,6 +4,6 @@
 # A run and its table in one command: bash scripts/infinite_bench/sweep.sh
 set -eo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PY:-python3}
+source scripts/lib/python.sh
 results_dir=${1:-output_dir/results_infinite_bench}
 "$PY" eval_infinite.py --results_dir "${results_dir}"

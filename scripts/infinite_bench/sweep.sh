@@ -5,6 +5,7 @@
 # Scoring a results folder alone: bash scripts/infinite_bench/eval.sh <results_dir>
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/lib/python.sh
 
 MODEL=${MODEL:-smollm2-135m}
 DATA_DIR=${DATA_DIR:-data/infinite_bench}
@@ -16,7 +17,7 @@ ATTN=${ATTN:-sdpa}
 BATCH=${BATCH:-1}
 EXTRA=${EXTRA:-}
 
-python run_infinite_bench.py --model_path "$MODEL" --data_dir "$DATA_DIR" --save_dir "$SAVE_DIR" \
+"$PY" run_infinite_bench.py --model_path "$MODEL" --data_dir "$DATA_DIR" --save_dir "$SAVE_DIR" \
     --tasks $TASKS --method $METHODS --max_capacity_prompts $BUDGETS --attn_implementation "$ATTN" \
     --batch_size "$BATCH" $EXTRA
-python eval_infinite.py --results_dir "$SAVE_DIR"
+"$PY" eval_infinite.py --results_dir "$SAVE_DIR"

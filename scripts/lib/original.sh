@@ -1,8 +1,8 @@
 # Shared by the scripts that keep the original ReST-KV scripts' names and arguments (sourced, not run).
-# PY: the python to run (default python3); DEVICE=cpu: run on CPU even with a GPU;
+# PY: the python to run (default: scripts/lib/python.sh's choice); DEVICE=cpu: run on CPU even with a GPU;
 # DRY_RUN=1: print each run's command line (shell-quoted) instead of running it.
 
-PY=${PY:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/python.sh"
 
 dry_run() {
     printf '%q ' python3 "$@"

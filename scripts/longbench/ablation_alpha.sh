@@ -8,4 +8,4 @@ for alpha in $ALPHAS; do
   run "alpha_${alpha}" --use_ema true --alpha "$alpha"
 done
 run mean --use_ema false
-python eval.py --results_dir "$ROOT"
+"$PY" eval.py --results_dir "$ROOT"

@@ -3,6 +3,7 @@
 # Set ROOT before sourcing; MODEL, DATA_DIR, BUDGETS, DATASETS, EXTRA may be set in the environment.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+source scripts/lib/python.sh
 
 MODEL=${MODEL:-smollm2-135m}
 DATA_DIR=${DATA_DIR:-data/longbench}
@@ -12,6 +13,6 @@ EXTRA=${EXTRA:-}
 
 run() {  # run <folder> <flags...>
   local folder=$1; shift
-  python run_longbench.py --model_path "$MODEL" --data_dir "$DATA_DIR" --save_dir "$ROOT/$folder" \
+  "$PY" run_longbench.py --model_path "$MODEL" --data_dir "$DATA_DIR" --save_dir "$ROOT/$folder" \
       --method restkv --preset paper --max_capacity_prompts $BUDGETS "$@" ${DATASETS:+--datasets $DATASETS} $EXTRA
 }

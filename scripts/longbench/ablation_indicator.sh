@@ -8,4 +8,4 @@ for use_wo in true false; do
     run "wo_${use_wo}_${mode}" --use_wo "$use_wo" --metric_mode "$mode"
   done
 done
-python eval.py --results_dir "$ROOT"
+"$PY" eval.py --results_dir "$ROOT"

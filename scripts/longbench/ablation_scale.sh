@@ -10,4 +10,4 @@ done
 for pooling in avgpool maxpool none; do
   run "$pooling" --pooling "$pooling"
 done
-python eval.py --results_dir "$ROOT"
+"$PY" eval.py --results_dir "$ROOT"

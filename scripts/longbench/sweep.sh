@@ -7,6 +7,7 @@
 # Scoring a results folder alone: bash scripts/longbench/eval.sh <results_dir>
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/lib/python.sh
 
 E=${E:-}
 MODEL=${MODEL:-smollm2-135m}
@@ -19,7 +20,7 @@ BATCH=${BATCH:-1}
 DATASETS=${DATASETS:-}
 EXTRA=${EXTRA:-}
 
-python run_longbench.py ${E:+--e} --model_path "$MODEL" --data_dir "$DATA_DIR" --save_dir "$SAVE_DIR" \
+"$PY" run_longbench.py ${E:+--e} --model_path "$MODEL" --data_dir "$DATA_DIR" --save_dir "$SAVE_DIR" \
     --method $METHODS --max_capacity_prompts $BUDGETS --attn_implementation "$ATTN" \
     --batch_size "$BATCH" ${DATASETS:+--datasets $DATASETS} $EXTRA
-python eval.py ${E:+--e} --results_dir "$SAVE_DIR"
+"$PY" eval.py ${E:+--e} --results_dir "$SAVE_DIR"

@@ -5,6 +5,7 @@
 # Data: data/longbench_v2/data.json (the official release; DATA_DIR=... for another place), else the hub.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/lib/python.sh
 MODEL=${MODEL:-smollm2-135m}
 METHODS=${METHODS:-restkv snapkv pyramidkv streamingllm fullkv}
 BUDGETS=${BUDGETS:-1024 2048}
@@ -12,7 +13,7 @@ DATA_DIR=${DATA_DIR:-}
 SAVE_DIR=${SAVE_DIR:-results/longbench_v2}
 EXTRA=${EXTRA:-}  # e.g. "--max_num_examples 50 --query_agnostic"
 
-python run_longbench_v2.py --model_path "$MODEL" ${DATA_DIR:+--data_dir "$DATA_DIR"} --method $METHODS \
+"$PY" run_longbench_v2.py --model_path "$MODEL" ${DATA_DIR:+--data_dir "$DATA_DIR"} --method $METHODS \
     --max_capacity_prompts $BUDGETS \
     --save_dir "$SAVE_DIR" $EXTRA
-python eval_longbench_v2.py --results_dir "$SAVE_DIR"
+"$PY" eval_longbench_v2.py --results_dir "$SAVE_DIR"

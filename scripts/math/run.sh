@@ -5,6 +5,7 @@
 # Data: data/math/<dataset>.jsonl or a hub snapshot per data set (DATA_DIR=... for another folder), else the hub.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/lib/python.sh
 MODEL=${MODEL:-smollm2-135m}
 DATASETS=${DATASETS:-math500 aime24 aime25 gsm8k}
 METHODS=${METHODS:-restkv snapkv streamingllm fullkv}
@@ -15,7 +16,7 @@ DATA_DIR=${DATA_DIR:-}
 SAVE_DIR=${SAVE_DIR:-results/math}
 EXTRA=${EXTRA:-}
 
-python run_math.py --model_path "$MODEL" --datasets $DATASETS ${DATA_DIR:+--data_dir "$DATA_DIR"} \
+"$PY" run_math.py --model_path "$MODEL" --datasets $DATASETS ${DATA_DIR:+--data_dir "$DATA_DIR"} \
     --method $METHODS --max_capacity_prompts $BUDGETS \
     --decode_interval "$DECODE_INTERVAL" --max_new_tokens "$MAX_NEW_TOKENS" --save_dir "$SAVE_DIR" $EXTRA
-python eval_math.py --results_dir "$SAVE_DIR"
+"$PY" eval_math.py --results_dir "$SAVE_DIR"

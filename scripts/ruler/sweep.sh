@@ -3,6 +3,7 @@
 # Resumable: rerun the same command after an interruption.
 # Usage: MODEL=smollm2-135m LENGTHS="4096 8192" BUDGETS="128 256 512" bash scripts/ruler/sweep.sh
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/python.sh"
 MODEL=${MODEL:-smollm2-135m}
 LENGTHS=${LENGTHS:-4096}
 METHODS=${METHODS:-fullkv restkv snapkv pyramidkv streamingllm}
@@ -14,6 +15,6 @@ EXTRA=${EXTRA:-}  # e.g. "--window_size 32 --attn_implementation eager"
 
 DIRS=()
 for length in $LENGTHS; do DIRS+=("$DATA_DIR/$length"); done
-python run_ruler.py --model_path "$MODEL" --data_dir "${DIRS[@]}" --method $METHODS \
+"$PY" run_ruler.py --model_path "$MODEL" --data_dir "${DIRS[@]}" --method $METHODS \
     --max_capacity_prompts $BUDGETS --num_samples "$NUM_SAMPLES" --save_dir "$SAVE_DIR" $EXTRA
-python eval_ruler.py --results_dir "$SAVE_DIR"
+"$PY" eval_ruler.py --results_dir "$SAVE_DIR"

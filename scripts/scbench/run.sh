@@ -5,6 +5,7 @@
 # Data: data/scbench/<task>.jsonl or a snapshot of microsoft/SCBench (DATA_DIR=... for another folder), else the hub.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/lib/python.sh
 MODEL=${MODEL:-smollm2-135m}
 TASKS=${TASKS:-}  # default: every task run here
 METHODS=${METHODS:-restkv snapkv streamingllm fullkv}
@@ -13,6 +14,6 @@ DATA_DIR=${DATA_DIR:-}
 SAVE_DIR=${SAVE_DIR:-results/scbench}
 EXTRA=${EXTRA:-}  # e.g. "--max_turns 2 --max_num_examples 20"
 
-python run_scbench.py --model_path "$MODEL" ${TASKS:+--tasks $TASKS} ${DATA_DIR:+--data_dir "$DATA_DIR"} \
+"$PY" run_scbench.py --model_path "$MODEL" ${TASKS:+--tasks $TASKS} ${DATA_DIR:+--data_dir "$DATA_DIR"} \
     --method $METHODS --max_capacity_prompts $BUDGETS --save_dir "$SAVE_DIR" $EXTRA
-python eval_scbench.py --results_dir "$SAVE_DIR"
+"$PY" eval_scbench.py --results_dir "$SAVE_DIR"

@@ -8,7 +8,7 @@ SAMPLES=${SAMPLES:-16}
 LENGTH=${LENGTH:-2048}
 BUDGETS=${BUDGETS:-"128 256 512"}
 OUT=${OUT:-results/study/fidelity/$MODEL}
-PY=${PY:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/python.sh"
 METHODS=${METHODS:-"restkv snapkv pyramidkv h2o streamingllm adakv headkv cam l2norm tova lacache random
   expected_attention keydiff criticalkv critical_adakv chunkkv defensivekv rkv triattention"}
 mkdir -p "$OUT"

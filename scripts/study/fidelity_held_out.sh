@@ -21,7 +21,7 @@ LENGTH=${LENGTH:-1024}
 BUDGETS=${BUDGETS:-"128 256 512"}
 CONFIGS=${CONFIGS:-all}
 OUT=${OUT:-results/study/fidelity_held_out/$MODEL}
-PY=${PY:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/python.sh"
 if [ "$SET" = choice ]; then
   sets=(--seed "$SEED_A")
 else

@@ -7,7 +7,7 @@
 #   bash scripts/study/frontier_costs.sh       (OUT=results/study/frontier by default)
 set -euo pipefail
 OUT=${OUT:-results/study/frontier}
-PY=${PY:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/python.sh"
 LENGTH=${LENGTH:-4096}
 PASS_LENGTH=${PASS_LENGTH:-2048}
 PASS_REPS=${PASS_REPS:-2}

@@ -19,7 +19,7 @@ MODEL=${MODEL:-smollm2-135m}
 STEP=${STEP:-choice}
 SAMPLES=${SAMPLES:-3}
 OUT=${OUT:-results/study/long_generation/$MODEL}
-PY=${PY:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/python.sh"
 SAMPLED=(--temperature 0.6 --top_p 0.95)
 MAIN=${MAIN-restkv rkv triattention snapkv h2o tova streamingllm keydiff expected_attention qfilter defensivekv random}
 KNOBS=${KNOBS-restkv_w8=restkv:window_size=8 restkv_nopool=restkv:pooling=none restkv_paper=restkv:preset=paper

@@ -8,7 +8,7 @@ LENGTHS=${LENGTHS:-2048}
 DEPTHS=${DEPTHS:-0:100/41}
 BUDGETS=${BUDGETS:-"128 256 512"}
 OUT=${OUT:-results/study/needle}
-PY=${PY:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/python.sh"
 "$PY" run_needle_in_haystack.py --model_path "$MODEL" --needles passkey --context_lengths $LENGTHS \
   --depth_percents $DEPTHS --max_capacity_prompts $BUDGETS --save_dir "$OUT" --no_plots \
   --method fullkv restkv snapkv adakv pyramidkv streamingllm h2o \

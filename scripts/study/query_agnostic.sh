@@ -9,7 +9,7 @@ LENGTHS=${LENGTHS:-2048}
 DEPTHS=${DEPTHS:-0:100/3}
 BUDGETS=${BUDGETS:-"128 256"}
 OUT=${OUT:-results/study}
-PY=${PY:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/python.sh"
 MODES=${MODES:-"question_aware query_agnostic"}  # MODES=query_agnostic: that mode alone
 VARIANTS=${VARIANTS-"--variant restkv_paper preset=paper --variant restkv_both query_proxy=both"}
 EXTRA=${EXTRA:-}  # more runner flags, e.g. EXTRA="--seed 7"

@@ -5,7 +5,7 @@
 # (benchmarks/ceiling.py); the long-generation arm (scripts/study/long_generation.sh) as written from its tables.
 # Arms without results are left out.
 set -euo pipefail
-PY=${PY:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/python.sh"
 STUDY=${STUDY:-results/study}
 shopt -s nullglob
 mkdir -p docs

@@ -11,7 +11,7 @@ NUM_SAMPLES=${NUM_SAMPLES:-3}
 BUDGETS=${BUDGETS:-256}
 NEW_TOKENS=${NEW_TOKENS:-48}  # RULER asks 128 for niah; every synthetic answer here fits 48 (stated on the page)
 OUT=${OUT:-results/study}
-PY=${PY:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/python.sh"
 MODES=${MODES:-"question_aware query_agnostic"}  # MODES=query_agnostic: that mode alone
 VARIANTS=${VARIANTS-"--variant restkv_paper preset=paper --variant restkv_both query_proxy=both"}
 EXTRA=${EXTRA:-}  # more runner flags, e.g. EXTRA="--seed 7"
