@@ -17,7 +17,7 @@ $(STAMP): setup.py requirements.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python run_needle_in_haystack.py
+	$(BIN)/python run_needle_in_haystack.py --threads $(or $(THREADS),1)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests

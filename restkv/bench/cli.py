@@ -297,6 +297,14 @@ def add_common_args(parser):
         "--batch_size", "--eval_batch_size", type=int, default=1, help="prompts per forward"
     )
     g.add_argument("--seed", type=int, default=42)
+    threads = g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of torch's operators (torch.set_num_threads; default: torch's own, one per core): "
+        "1 on a machine other jobs share is often several times faster; scores do not change",
+    )
+    threads.example = "1"
     g.add_argument(
         "--save_dir", default="results", help="results folder (records of other settings never mix)"
     )
@@ -478,7 +486,7 @@ def parse_methods(values):
 
 def check_common(args):
     """The checks of the shared flags that argparse does not make (``ValueError`` naming the flag)."""
-    for flag in ("batch_size", "max_length", "max_new_tokens", "max_num_examples"):
+    for flag in ("batch_size", "max_length", "max_new_tokens", "max_num_examples", "threads"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")

@@ -185,7 +185,8 @@ def model_from_flags(args):
 
 
 def load_from_args(args, shard=None):
-    """Seed, then load ``args.model_path`` with the dtype/device/backend flags.
+    """Set torch's CPU threads (``--threads``, when given) and the seed, then load ``args.model_path`` with the
+    dtype/device/backend flags.
 
     Under a multi-process launch ``--device cuda`` means this process's own GPU. With
     ``--device_map`` the model is spread by accelerate (``--offload_folder`` for disk offload).
@@ -195,6 +196,8 @@ def load_from_args(args, shard=None):
     (model, tokenizer, max_length)
         ``max_length`` is ``args.max_length`` or the model's max context.
     """
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = args.device
     if shard is not None and shard.size > 1 and device == "cuda":
