@@ -4,8 +4,10 @@ A slot is ``block * block_size + offset``. Every layout is a pair of index maps 
 KV head, channel) to an element of the cache tensor, one for the keys and one for the values:
 
 - ``declared``: the GPU backends of vLLM (FlashAttention, FlashInfer, Triton) hold a layer as a
-  logical ``[blocks, KV heads, block_size, 2 d]`` tensor whose last axis is the key then the value
-  (whatever its physical stride order): the keys and values are strided views of it.
+  logical ``[blocks, H, N, C]`` page view (``vllm.v1.kv_cache_interface.create_kv_cache_views``,
+  in any ``KVCacheLayout`` stride order), K and V on its last axis (``[B, Hkv, N, 2 d]``) or, where
+  the backend declares ``2 Hkv`` head slots, on its head axis (``[B, 2 Hkv, N, d]``): the keys and
+  values are strided views of it, checked against the layer's spec before any read.
 - ``probed``: vLLM's CPU backend packs each block for its ISA (the keys of a block and head as
   ``[d, block_size]`` on AVX-512, tiles on AMX), which no shape declares: the map is read off the
   backend's own cache writer, by writing known values into a scratch block and finding where each
@@ -60,12 +62,48 @@ class Paged:
             self.cache.view(-1)[index] = x.to(self.cache.dtype)
 
 
-def declared(kv_cache: torch.Tensor, head_size: int) -> Paged:
-    """A GPU backend's layer: ``kv_cache`` logical [blocks, Hkv, block_size, 2 d], keys then values on
-    the last axis."""
-    keys = kv_cache[..., :head_size].transpose(1, 2)
-    values = kv_cache[..., head_size:].transpose(1, 2)
-    return Paged(kv_cache, keys, values, kv_cache.shape[2])
+def declared(
+    kv_cache: torch.Tensor,
+    backend: str,
+    heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    head_slots: int | None = None,
+) -> Paged:
+    """A GPU backend's layer: ``kv_cache`` [B, H, N, C] as vLLM hands it to ``backend``.
+
+    ``heads`` (Hkv), ``head_size`` (d): the layer's; ``block_size``: the engine's (N, a kernel
+    block, divides it: a block split into kernel blocks numbers its slots alike); ``dtype``: the
+    model's; ``head_slots``: H as the backend declares it (vLLM's ``AttentionSpec.num_head_slots``
+    after its ``customize_spec``; None: one slot per KV head). The K/V axis:
+
+    - ``head_slots`` None: the last axis, [B, Hkv, N, 2 d], keys ``[..., :d]`` (every backend at
+      the model's dtype);
+    - ``head_slots`` 2 Hkv: the head axis, [B, 2 Hkv, N, d], keys ``[:, :Hkv]`` (vLLM's
+      convention: FlashInfer's NVFP4 page, ``split(num_kv_heads)``, the keys' heads first).
+
+    The two never fit one shape (H = Hkv or 2 Hkv). vLLM's third packing, K and V as two planes of
+    Hkv d each (ROCm, b12x: 2 head slots, packed within), has the last-axis shape at Hkv = 2 (told
+    apart by its declaration: refused) and the head-axis declaration at Hkv = 1 (ambiguous:
+    refused). Anything else, or another dtype (a quantized cache), is refused in one line.
+    """
+    where = f"restkv.vllm: {backend}'s KV cache {tuple(kv_cache.shape)} {kv_cache.dtype}"
+    if kv_cache.dtype != dtype:
+        raise ValueError(f"{where}: not the model's {dtype} (a quantized KV cache is not read)")
+    if head_slots is not None and head_slots == 2 * heads == 2:
+        raise ValueError(f"{where}: 2 head slots for 1 KV head are ambiguous (K/V heads or planes)")
+    if head_slots not in (None, 2 * heads):
+        raise ValueError(f"{where}: {head_slots} head slots for {heads} KV heads are not read")
+    axis, page = (3, (heads, 2 * head_size)) if head_slots is None else (1, (2 * heads, head_size))
+    shape = tuple(kv_cache.shape)
+    if len(shape) != 4 or (shape[1], shape[3]) != page or block_size % shape[2]:
+        raise ValueError(
+            f"{where}: not [blocks, {page[0]}, a divisor of the block size {block_size}, "
+            f"{page[1]}] ({heads} KV heads of size {head_size})"
+        )
+    keys, values = (x.transpose(1, 2) for x in kv_cache.chunk(2, dim=axis))
+    return Paged(kv_cache, keys, values, shape[2])
 
 
 # (shape of a block, dtype, writer's key, device) -> the key and value maps (their strides, or the
