@@ -254,6 +254,14 @@ def _unalias(kwargs: dict) -> tuple[dict, dict]:
     return out, given_as
 
 
+def _unknown(name: str) -> str:
+    """``unknown knob NAME`` with the nearest known names (``; did you mean max_capacity_prompt?``)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(_known()), n=3, cutoff=0.75)
+    return f"unknown knob {name}" + (f"; did you mean {' or '.join(close)}?" if close else "")
+
+
 def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> dict:
     """The validated values of every knob a config reads (see ``CompressionConfig``).
 
@@ -264,9 +272,7 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
     preset = given.pop("preset", None) if preset is None else preset
     unknown = sorted(set(given) - _known()) + sorted(set(defaults) - _known())
     if unknown:
-        raise ValueError(
-            f"unknown knob(s) {', '.join(unknown)}; known knobs: {', '.join(sorted(_known()))}"
-        )
+        raise ValueError(f"{'; '.join(map(_unknown, unknown))} (restkv.knob_table() lists every knob)")
     for name in filter(None, (preset, default_preset)):
         _check_choice("preset", name, tuple(PRESETS))
     method = given.get(

@@ -76,9 +76,12 @@ class Knob:
         )
 
     def validate(self, value):
-        """The value, checked (ints accepted for floats); raises ``ValueError`` naming the knob."""
+        """The value, checked (ints accepted for floats, NumPy scalars and 0-d tensors as their Python
+        numbers); raises ``ValueError`` naming the knob."""
         if value is None and (self.nullable or self.default is None):
             return None
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+            value = value.item()  # a NumPy scalar or a 0-d tensor: its Python number
         kind = self.kind
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)

@@ -21,6 +21,7 @@ __all__ = [
     "FAMILIES",
     "Attachment",
     "attached",
+    "check_family",
     "compressing",
     "configure",
     "detach",
@@ -61,12 +62,26 @@ replace_gemma2 = _replace("gemma2")
 replace_gemma3 = _replace("gemma3")
 
 
+def check_family(model: nn.Module) -> None:
+    """Raise ``ValueError`` naming the model's family when it has no attention module restkv can evict in
+    (one with ``layer_idx`` and ``o_proj``: the Llama, Mistral, Qwen2 and Gemma families)."""
+    if attention_modules(model):
+        return
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    raise ValueError(
+        f"{type(model).__name__}{f' ({kind})' if kind else ''} is not a supported family: restkv evicts in "
+        "the attention modules of the Llama, Mistral, Qwen2 and Gemma families (modules with layer_idx and "
+        "o_proj; this model has none)"
+    )
+
+
 def configure(model: nn.Module, **knobs) -> CompressionConfig:
     """Set the eviction method and knobs of ``model`` (see ``CompressionConfig``) until the next call.
 
     Every knob is validated before anything changes; the next prefill (a fresh ``generate()``) uses it.
     """
     cfg = CompressionConfig.from_kwargs(**knobs)
+    check_family(model)
     plans = layer_plans(model, cfg)
     detach(model)
     Attachment(model, plans).attach()
@@ -81,6 +96,7 @@ def compressing(model: nn.Module, **knobs):
     earlier ``configure`` comes back).
     """
     cfg = CompressionConfig.from_kwargs(**knobs)
+    check_family(model)
     with attached(model, layer_plans(model, cfg)):
         yield cfg
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache
 
 from ..compat import cache_argument
-from .attach import configure
+from .attach import check_family, configure
 from .attachment import attached
 from .generation import ABSENT, eos_and_pad, full_plans, greedy_decode
 from .sweeps import prefill_caches
@@ -46,6 +46,8 @@ class ContextCache(DynamicCache):
         Tokens of the context (padding included): the position after it is where a question starts.
     logits : Tensor
         [b, vocab] the model's next-token logits after the context.
+    batch : int
+        ``b``: the contexts; a question of another batch is refused (``ValueError``).
     kept : list
         Per layer, the kept context positions (as ``restkv.kept_positions``).
     """
@@ -56,7 +58,17 @@ class ContextCache(DynamicCache):
         self.context_length = cache.get_seq_length()
         self.logits = logits
         self.kept = kept
+        self.batch = logits.shape[0]
         self.rewind()
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        """``DynamicCache.update``, refusing questions of another batch than the contexts' (ValueError)."""
+        if key_states.shape[0] != self.batch:
+            raise ValueError(
+                f"this compressed context holds a batch of {self.batch}; its questions must come as a batch "
+                f"of {self.batch} too (row i reads context i), got {key_states.shape[0]}"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def rewind(self) -> "ContextCache":
         """Back to the compressed context: drop whatever was appended (and evicted) since."""
@@ -84,7 +96,9 @@ def compress_context(
     model : nn.Module
         A causal LM of a supported family and backend.
     context_ids : Tensor
-        [b, n] the context, left padded when ``attention_mask`` [b, n] marks padding.
+        [b, n] the context, left padded when ``attention_mask`` [b, n] marks padding: ``b`` contexts, each
+        compressed on its own, and every question then a batch of ``b`` (row i reads context i; another
+        batch is refused).
     **knobs
         As ``restkv.configure`` takes them (validated before any work); the observation window is the
         context's last ``window_size`` tokens.
@@ -107,6 +121,7 @@ def compress_context(
             f"attention_mask must match context_ids {tuple(context_ids.shape)}, "
             f"got {tuple(attention_mask.shape)}"
         )
+    check_family(model)
     pre = prefill_caches(model, context_ids, attention_mask, [knobs])
     if getattr(model, "_restkv", None) is None:
         configure(model, method="fullkv")
@@ -131,6 +146,10 @@ def answer(
     """
     if question_ids.shape[1] < 1:
         raise ValueError("question_ids must hold at least one token")
+    if question_ids.shape[0] != cache.batch:
+        raise ValueError(
+            f"question_ids: a batch of {question_ids.shape[0]} on a compressed context of {cache.batch}"
+        )
     eos, pad = eos_and_pad(model, eos_token_id, pad_token_id, question_ids.device)
     b, m = question_ids.shape
     context = (

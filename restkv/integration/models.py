@@ -110,6 +110,11 @@ def load_model(
 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     path = resolve(name_or_path)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"{name_or_path}: the folder holds no config.json (a checkpoint folder holds config.json, the "
+            "weights and the tokenizer: save_pretrained's output)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = (

@@ -1,0 +1,65 @@
+"""What a first use of ``configure()`` and friends gets wrong, refused in one line naming it: NumPy and 0-d tensor
+numbers taken as numbers, a misspelt knob with its nearest names, an unsupported family by name, a folder that is
+no checkpoint, questions of another batch than a compressed context's."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import restkv
+from restkv.config import CompressionConfig
+from helpers import CACHE, prompt, tiny_model
+
+
+def test_numpy_scalars_and_0d_tensors_are_numbers():
+    for budget in (np.int64(64), np.int32(64), torch.tensor(64)):
+        cfg = CompressionConfig.from_kwargs(method="snapkv", max_capacity_prompt=budget)
+        assert cfg.max_capacity_prompt == 64 and type(cfg.max_capacity_prompt) is int
+    cfg = CompressionConfig.from_kwargs(method="restkv", temporal="ema", alpha=np.float32(0.5))
+    assert cfg.alpha == 0.5 and type(cfg.alpha) is float
+    with pytest.raises(ValueError, match="max_capacity_prompt must be an int"):
+        CompressionConfig.from_kwargs(max_capacity_prompt=torch.tensor([64]))
+    with pytest.raises(ValueError, match="max_capacity_prompt must be an int"):
+        CompressionConfig.from_kwargs(max_capacity_prompt=np.float64(64.5))
+
+
+def test_a_misspelt_knob_names_the_nearest_ones_in_a_short_line():
+    with pytest.raises(ValueError) as err:
+        CompressionConfig.from_kwargs(max_capacity_prompts=64)
+    text = str(err.value)
+    assert text.startswith("unknown knob max_capacity_prompts; did you mean max_capacity_prompt")
+    assert len(text) < 200 and "restkv.knob_table()" in text
+    with pytest.raises(ValueError, match=r"^unknown knob window_sise; did you mean window_size\?"):
+        CompressionConfig.from_kwargs(window_sise=8)
+    with pytest.raises(ValueError, match=r"^unknown knob qqq \(restkv.knob_table"):
+        CompressionConfig.from_kwargs(qqq=8)
+
+
+def test_an_unsupported_family_is_named():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64)).eval()
+    for call in (lambda: restkv.configure(model, method="snapkv"),
+                 lambda: restkv.compressing(model, method="snapkv").__enter__(),
+                 lambda: restkv.compress_context(model, torch.ones(1, 8, dtype=torch.long), method="snapkv")):
+        with pytest.raises(ValueError, match=r"^GPT2LMHeadModel \(gpt2\) is not a supported family: .*Llama"):
+            call()
+    assert getattr(model, "_restkv", None) is None
+
+
+def test_load_of_a_folder_without_config_json(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"the folder holds no config.json"):
+        restkv.load(str(tmp_path))
+
+
+def test_questions_of_another_batch_than_the_compressed_contexts_are_refused():
+    model = tiny_model("llama", "sdpa")
+    context = torch.cat([prompt(30, seed=1), prompt(30, seed=2)])
+    cache = restkv.compress_context(model, context, method="snapkv", max_capacity_prompt=16, window_size=4)
+    assert cache.batch == 2
+    one = torch.cat([context[:1], prompt(5, seed=3)], 1)
+    with pytest.raises(ValueError, match="holds a batch of 2; its questions must come as a batch of 2 too"):
+        model.generate(one, **{CACHE(model): cache}, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    both = torch.cat([context, prompt(5, batch=2, seed=3)], 1)
+    out = model.generate(both, **{CACHE(model): cache}, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 38)
