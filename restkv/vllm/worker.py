@@ -114,6 +114,8 @@ class Worker:
         self.blocks: dict = {}  # request id -> its block ids (the scheduler's, as the steps give them)
         self.pending: dict = {}  # request id -> (first kept block, kept blocks): to cut before the next step
         self.held_lengths = None  # the step's sequence lengths of the entries held, where a runner needs them
+        self.backends: dict = {}  # attention layer name -> its backend's name (for errors)
+        self.done: set = set()  # the layers whose attention called ``layer`` in this step
 
     # ---- the model's layers ----
 
@@ -227,6 +229,7 @@ class Worker:
     def layer(self, name: str, query: torch.Tensor, paged, scale: float, softcap) -> None:
         """After layer ``name``'s attention: its queries [T, Hq, d] of the step to the ring, then each
         request's summed chunk scores and evictions, on ``paged`` (``restkv.vllm.paged.Paged``)."""
+        self.done.add(name)
         self.ring.write(name, query, self.ring_tokens, self.ring_index)
         for s in self.step:
             if s.sums:
@@ -280,9 +283,24 @@ class Worker:
         if s.held.offset == 0:
             self._record(s.req_id, name, kept.positions[0])
 
-    def end(self) -> None:
+    def end(self, scheduled: int | None = None) -> None:
         """After the step: each evicting request's new offset, and its blocks to cut before the next
-        step (``pending``, ``cut``)."""
+        step (``pending``, ``cut``). A step the plugin did not see whole raises instead, since the
+        scheduler would free blocks still read: ``scheduled`` tokens ran without ``begin``, or an
+        attention layer did not call ``layer`` (its queries not in the ring, its eviction not run)."""
+        if scheduled and not self.step:
+            raise RuntimeError(
+                f"restkv.vllm: the model runner ran a step of {scheduled} tokens without the plugin's batch "
+                "hook; stopping before its blocks are freed"
+            )
+        missed = sorted(self.rank.keys() - self.done, key=self.rank.get) if self.step else []
+        self.done = set()
+        if missed:
+            name = missed[0]
+            raise RuntimeError(
+                f"restkv.vllm: layer {name} ({self.backends.get(name, 'an unknown backend')}) ran its attention "
+                "without the plugin in this step; stopping before its blocks are freed"
+            )
         for s in self.step:
             if s.eviction is not None:
                 s.held.offset = s.end - s.eviction.budget

@@ -218,3 +218,41 @@ def test_no_host_read_in_the_workers_steps(method):
         counted(name)
     eng.generate(prompt(80)[0].tolist(), 30)
     assert len(counts) > 100 and sum(counts) == 0
+
+
+def test_a_layer_that_runs_without_the_plugin_stops_the_step():
+    """A layer whose attention does not call ``Worker.layer`` (a backend the wrappers miss): the
+    step's ``end`` raises, naming the layer and its backend, before any eviction is recorded (its
+    blocks are not cut)."""
+    knobs = {"method": "snapkv", **BUDGET}
+    eng = engine(knobs)
+    skipped = eng.names[1]
+    eng.worker.backends = {skipped: "SOME_BACKEND"}
+    layer = eng.worker.layer
+
+    def layer_but_one(name, *args):
+        if name != skipped:
+            layer(name, *args)
+
+    eng.worker.layer = layer_but_one
+    with pytest.raises(RuntimeError, match=f"layer {skipped} \\(SOME_BACKEND\\) ran its attention without"):
+        eng.generate(prompt(80)[0].tolist(), 2)
+    assert eng.worker.pending == {}
+
+
+def test_every_layer_through_the_plugin_passes_the_check():
+    """The same engine with every layer calling ``Worker.layer``: steps end without an error and the
+    check is reset each step (a second request runs too)."""
+    eng = engine({"method": "snapkv", **BUDGET})
+    ids = prompt(80)[0].tolist()
+    assert eng.generate(ids, 2) == eng.generate(ids, 2)
+    assert eng.worker.done == set()
+
+
+def test_a_step_the_batch_hook_did_not_see_stops():
+    """A runner step of scheduled tokens without ``begin`` (a runner whose batch hook did not run)
+    raises at ``end``; an empty step (nothing scheduled) does not."""
+    eng = engine({"method": "snapkv", **BUDGET})
+    eng.worker.end(0)
+    with pytest.raises(RuntimeError, match="ran a step of 7 tokens without the plugin's batch hook"):
+        eng.worker.end(7)

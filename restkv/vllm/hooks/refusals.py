@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 from .. import settings
+
+BACKEND_FLAG = (
+    "attention_config={'backend': 'FLASH_ATTN'} (vllm serve: --attention-backend FLASH_ATTN), or another "
+    "backend the plugin hooks"
+)
 
 
 def refusals(vllm_config, cfg) -> list[str]:
@@ -45,6 +51,11 @@ def refusals(vllm_config, cfg) -> list[str]:
             "(vllm serve: --tensor-parallel-size 1) or another method",
         ),
         (
+            getattr(parallel, "prefill_context_parallel_size", 1) > 1,
+            "prefill context parallelism: prefill_context_parallel_size=1 "
+            "(vllm serve: --prefill-context-parallel-size 1)",
+        ),
+        (
             getattr(parallel, "decode_context_parallel_size", 1) > 1,
             "decode context parallelism: decode_context_parallel_size=1 "
             "(vllm serve: --decode-context-parallel-size 1)",
@@ -57,23 +68,56 @@ def refusals(vllm_config, cfg) -> list[str]:
     return [f"{settings.ENV}: {why}" for refused, why in causes if refused]
 
 
-def check_config(vllm_config):
+def unreached(vllm_config, backends) -> list[str]:
+    """Why the engine's path would leave the plugin's wrappers: a worker class that overrides
+    ``initialize_from_config`` (where the model runner is checked), an attention backend asked for
+    that is not one of ``backends``."""
+    lines = []
+    module, _, name = vllm_config.parallel_config.worker_cls.rpartition(".")
+    worker = getattr(importlib.import_module(module), name)
+    if not getattr(worker.initialize_from_config, "_restkv", False):
+        lines.append(
+            f"vLLM's worker {worker.__qualname__} is not one the plugin hooks (vllm.v1.worker.gpu_worker.Worker "
+            "and its subclasses that keep its initialize_from_config)"
+        )
+    chosen = getattr(vllm_config.attention_config, "backend", None)
+    if chosen is not None and chosen.name not in backends:
+        lines.append(f"attention backend {chosen.name} is not one the plugin hooks ({', '.join(backends)}): {BACKEND_FLAG}")
+    return lines
+
+
+def check_config(vllm_config, unhooked=lambda config: ()):
     """The plugin's config for this engine (None: off); a ValueError, one line per cause, for what
-    it cannot run with."""
+    it cannot run with. ``unhooked(vllm_config)``: what of vLLM the plugin's wrappers do not reach."""
     cfg = settings.from_env(vllm_config.additional_config)
     if cfg is None:
         return None
     lines = refusals(vllm_config, cfg)
+    lines += [f"{settings.ENV}: {why}" for why in unhooked(vllm_config)]
     if lines:
         raise ValueError("\n".join(lines))
     return cfg
 
 
-def create_engine_config(orig):
+def configured(vllm_config) -> bool:
+    """Whether the plugin runs in this engine."""
+    return settings.from_env(vllm_config.additional_config) is not None
+
+
+def attention_layers(vllm_config) -> dict:
+    """{layer name: attention layer} of the model built under ``vllm_config`` (those with a backend
+    ``impl``)."""
+    context = vllm_config.compilation_config.static_forward_context
+    return {name: layer for name, layer in context.items() if hasattr(layer, "impl")}
+
+
+def create_engine_config(orig, unhooked):
+    """``EngineArgs.create_engine_config``, then ``check_config`` with ``unhooked``."""
+
     @functools.wraps(orig)
     def wrapped(self, *args, **kwargs):
         config = orig(self, *args, **kwargs)
-        check_config(config)
+        check_config(config, unhooked)
         return config
 
     return wrapped

@@ -55,19 +55,23 @@ def runner_init(orig):
     return init
 
 
-def widened(orig, argument: str):
-    """A constructor whose per-group row widths ``argument`` get ``_WIDER`` more blocks."""
-    signature = inspect.signature(orig)
+def widened(argument: str):
+    """A wrapper of a constructor whose per-group row widths ``argument`` get ``_WIDER`` more blocks."""
 
-    @functools.wraps(orig)
-    def init(self, *args, **kwargs):
-        if not _WIDER[0]:
-            return orig(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.arguments[argument] = [n + _WIDER[0] for n in bound.arguments[argument]]
-        return orig(*bound.args, **bound.kwargs)
+    def wrap(orig):
+        signature = inspect.signature(orig)
 
-    return init
+        @functools.wraps(orig)
+        def init(self, *args, **kwargs):
+            if not _WIDER[0]:
+                return orig(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            bound.arguments[argument] = [n + _WIDER[0] for n in bound.arguments[argument]]
+            return orig(*bound.args, **bound.kwargs)
+
+        return init
+
+    return wrap
 
 
 def load_model(orig):
@@ -107,7 +111,8 @@ def o_proj_weight(o_proj) -> torch.Tensor:
 
 
 def execute_model(orig):
-    """Around the original: the step's Worker for the attention layers; then its cuts."""
+    """Around the original: the step's Worker for the attention layers; then, once the step has
+    run, its cuts (``Worker.end``, which raises if a layer's attention ran without the plugin)."""
     signature = inspect.signature(orig)
 
     @functools.wraps(orig)
@@ -117,10 +122,12 @@ def execute_model(orig):
             return orig(self, *args, **kwargs)
         CURRENT[0] = worker
         try:
-            return orig(self, *args, **kwargs)
+            out = orig(self, *args, **kwargs)
         finally:
             CURRENT[0] = None
-            worker.end()
+        step = signature.bind(self, *args, **kwargs).arguments["scheduler_output"]
+        worker.end(step.total_num_scheduled_tokens)
+        return out
 
     return wrapped
 
