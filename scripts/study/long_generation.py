@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -85,17 +86,17 @@ def grid(specs: list[str], budgets: list[int], intervals: list[int]) -> list[tup
 
 @torch.no_grad()
 def continuation(model, prompt: torch.Tensor, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0) -> torch.Tensor:
+                 seed: int = 0, desc: str | None = None) -> torch.Tensor:
     """[tokens] the full-cache model's continuation of ``prompt`` [L], end-of-sequence suppressed: greedy
     (``temperature`` 0), or sampled at ``temperature`` from the smallest set of tokens whose probability
-    reaches ``top_p`` (transformers' top-p), with a generator seeded by ``seed``."""
+    reaches ``top_p`` (transformers' top-p), with a generator seeded by ``seed``; ``desc``: a progress bar's."""
     restkv.detach(model)
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     generator = torch.Generator().manual_seed(seed)
     out = model(prompt[None], use_cache=True)
     cache, ids = out.cache if getattr(out, "cache", None) is not None else out.past_key_values, []
-    for _ in range(tokens):
+    for _ in tqdm(range(tokens), desc=desc, unit="token", leave=False, disable=desc is None):
         logits = out.logits[0, -1].float().cpu()
         logits[eos] = float("-inf")
         ids.append(int(logits.argmax()) if temperature == 0 else _top_p_draw(logits / temperature, top_p, generator))
@@ -122,9 +123,10 @@ def _kl_top1(reference: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tenso
 
 @torch.no_grad()
 def evaluate(model, prompt: torch.Tensor, cont: torch.Tensor, configs: list[tuple[str, dict]], chunk: int,
-             bin_size: int) -> dict:
+             bin_size: int, desc: str | None = None) -> dict:
     """``{label: {"kl": [bins], "top1": [bins], "seconds": s}}``: each config's KL to the full cache and
-    top-1 agreement at every continuation position (after each fed token), in bins of ``bin_size``."""
+    top-1 agreement at every continuation position (after each fed token), in bins of ``bin_size``; ``desc``:
+    a progress bar's."""
     pre = restkv.sweep_caches(model, prompt[None], None, [{"method": "fullkv"}] + [k for _, k in configs])
     restkv.configure(model, method="fullkv")  # decoding reads each cache's own layers
     full, caches = pre.caches[0], pre.caches[1:]
@@ -132,7 +134,7 @@ def evaluate(model, prompt: torch.Tensor, cont: torch.Tensor, configs: list[tupl
     top1 = torch.zeros(len(configs), cont.numel())
     seconds = [0.0] * len(configs)
     arg = cache_argument(model)
-    for start in range(0, cont.numel(), chunk):
+    for start in tqdm(range(0, cont.numel(), chunk), desc=desc, unit="chunk", leave=False, disable=desc is None):
         ids = cont[None, start: start + chunk]
         reference = model(ids, use_cache=True, **{arg: full}).logits[0].float().log_softmax(-1)
         for i, cache in enumerate(caches):
@@ -156,7 +158,7 @@ def cost(model, prompt: torch.Tensor, cont: torch.Tensor, configs: list[tuple[st
     restkv.configure(model, method="fullkv")
     seconds = [0.0] * len(configs)
     arg = cache_argument(model)
-    for t in cont.tolist():
+    for t in tqdm(cont.tolist(), desc="cost", unit="token", leave=False):
         for i, cache in enumerate(pre.caches):
             t0 = time.process_time()
             model(torch.tensor([[t]]), use_cache=True, **{arg: cache})
@@ -171,21 +173,30 @@ def save(path: str, record: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def run(model, tokenizer, args, configs: list[tuple[str, dict]]) -> dict:
-    """Every sample of ``args``' set into ``args.output`` (resumed), or the cost (``args.cost``)."""
+def earlier_run(args) -> dict:
+    """The record in ``args.output`` (``{}``: none); ``ValueError`` naming ``--output`` when it holds a run of
+    other settings."""
     record = json.loads(Path(args.output).read_text()) if os.path.exists(args.output) else {}
     earlier = record.get("args") or record.get("cost_args")
     same = ("model_path", "set", "prompt", "tokens", "temperature", "top_p")
     if earlier and any(earlier[k] != getattr(args, k) for k in same):
         raise ValueError(f"--output {args.output} holds a run with other {', '.join(same)}")
+    return record
+
+
+def run(model, tokenizer, args, configs: list[tuple[str, dict]]) -> dict:
+    """Every sample of ``args``' set into ``args.output`` (resumed), or the cost (``args.cost``)."""
+    record = earlier_run(args)
     record["cost_args" if args.cost else "args"] = vars(args)
     prompts, starts = held_out_samples(tokenizer, args.samples, args.prompt, 0, reserve=32, **SETS[args.set])
     if len(starts) > len(record.get("starts", [])):  # a cost run (one sample) keeps the set's starts
         record["starts"] = starts
     conts, results = record.setdefault("continuations", []), record.setdefault("results", {})
     for i, prompt in enumerate(prompts):
+        where = f"sample {i + 1}/{len(prompts)}"
         if len(conts) <= i:
-            conts.append(continuation(model, prompt, args.tokens, args.temperature, args.top_p, starts[i]).tolist())
+            conts.append(continuation(model, prompt, args.tokens, args.temperature, args.top_p, starts[i],
+                                      desc=f"{where}: continuation").tolist())
             save(args.output, record)
         cont = torch.tensor(conts[i])
         if args.cost:
@@ -195,10 +206,11 @@ def run(model, tokenizer, args, configs: list[tuple[str, dict]]) -> dict:
             return record
         todo = [(label, k) for label, k in configs if len(results.get(label, [])) <= i]
         if todo:
-            for label, value in evaluate(model, prompt, cont, todo, args.chunk, args.bin).items():
+            for label, value in evaluate(model, prompt, cont, todo, args.chunk, args.bin,
+                                         desc=f"{where}: {len(todo)} configs").items():
                 results.setdefault(label, []).append(value)
             save(args.output, record)
-        print(f"sample {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+        print(f"{where} done", file=sys.stderr, flush=True)
     return record
 
 
@@ -221,16 +233,42 @@ def main(argv=None):
     p.add_argument("--cost_budget", type=int, default=256)
     p.add_argument("--cost_tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--output", required=True)
+    p.add_argument("--output", required=True, help="the run's JSON file (resumed when it exists)")
     args = p.parse_args(argv)
     args.chunk = args.chunk or math.gcd(*args.intervals)
     if any(i % args.chunk for i in args.intervals):
         p.error(f"--chunk {args.chunk}: every interval must be a multiple of it")
+    small = [f"--{k} {getattr(args, k)}" for k in ("samples", "prompt", "tokens", "bin", "threads", "cost_tokens")
+             if getattr(args, k) < 1]
+    if small:
+        p.error(f"{small[0]}: must be >= 1")
     budgets = [args.cost_budget] if args.cost else args.budgets
-    configs = grid(args.methods, budgets, args.intervals)
+    try:
+        configs = grid(args.methods, budgets, args.intervals)
+        earlier_run(args)
+    except ValueError as err:
+        p.error(str(err))
+    print(plan_line(args, configs), file=sys.stderr, flush=True)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model_path)
-    run(model, tokenizer, args, configs)
+    try:
+        run(model, tokenizer, args, configs)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the finished samples are in {args.output}; rerun the same command to resume",
+              file=sys.stderr)
+        raise SystemExit(130) from None
+    print(f"results: {args.output}\ntabulate them with: python scripts/study/long_generation_table.py "
+          f"{args.output}")
+
+
+def plan_line(args, configs: list) -> str:
+    """The run's size and output, printed before the model loads."""
+    if args.cost:
+        return (f"long generation, cost: {args.cost_tokens} tokens one at a time on the first sample, "
+                f"{len(configs)} configs and the full cache -> {args.output}")
+    return (f"long generation: {args.samples} samples ({args.set} set) of {args.prompt} prompt tokens, "
+            f"{args.tokens} generated tokens each, {len(configs)} configs ({len(args.methods)} methods x "
+            f"{len(args.budgets)} budgets x {len(args.intervals)} intervals) -> {args.output}")
 
 
 if __name__ == "__main__":

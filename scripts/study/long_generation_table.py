@@ -149,19 +149,39 @@ def plot(table: dict, budget: int, interval: int, names: list[str], bin_size: in
     fig.savefig(path, dpi=110)
 
 
+def pick(parser, flag: str, value, usual: int, held: set) -> int:
+    """``value`` when the run holds it (else a one-line error naming ``flag`` and what it holds); unset:
+    ``usual`` when held, else the largest held."""
+    if value is None:
+        return usual if usual in held else max(held)
+    if value not in held:
+        parser.error(f"{flag} {value}: the run has {', '.join(map(str, sorted(held)))}")
+    return value
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run", type=Path)
     p.add_argument("--ref", default="restkv")
-    p.add_argument("--interval", type=int, default=128, help="the interval of the main table")
-    p.add_argument("--position_budget", type=int, default=256)
+    p.add_argument("--interval", type=int, default=None,
+                   help="the interval of the main table (default: 128 when the run has it, else its largest)")
+    p.add_argument("--position_budget", type=int, default=None,
+                   help="the budget of the position and interval tables (default: 256 when the run has it at "
+                        "--interval, else its largest there)")
     p.add_argument("--positions", nargs="+", default=["restkv", "rkv", "triattention", "snapkv", "h2o", "tova",
                                                       "streamingllm", "random"])
     p.add_argument("--group", type=int, default=4, help="bins per column of the position table")
     p.add_argument("--rule", nargs="+", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
+    if not args.run.is_file():
+        p.error(f"{args.run}: no such file (a run's --output of scripts/study/long_generation.py)")
     table, record = read(args.run)
+    if not table:
+        p.error(f"{args.run}: no results yet (a cost run alone, or no sample finished)")
+    args.interval = pick(p, "--interval", args.interval, 128, {i for _, _, i in table})
+    args.position_budget = pick(p, "--position_budget", args.position_budget, 256,
+                                {b for _, b, i in table if i == args.interval})
     n = len(next((v for (_, _, i), v in table.items() if i == args.interval), []))
     a = record.get("args", {})
     print(f"{a.get('model_path')}, {args.run.stem} set: {n} prompts of {a.get('prompt')} tokens, "
@@ -177,9 +197,10 @@ def main(argv=None):
     intervals = sorted({i for _, b, i in table if b == args.position_budget})
     if len(intervals) > 1:
         print("\n".join(interval_table(table, args.position_budget, intervals)) + "\n")
-    lines = position_table(table, args.position_budget, args.interval, args.positions, args.group,
-                           a.get("bin", 128))
-    print("\n".join(lines) + "\n")
+    if any((n, args.position_budget, args.interval) in table for n in args.positions):
+        lines = position_table(table, args.position_budget, args.interval, args.positions, args.group,
+                               a.get("bin", 128))
+        print("\n".join(lines) + "\n")
     print("\n".join(cost_table(record)))
     if args.plot:
         title = f"{a.get('model_path')}, B={args.position_budget}, interval {args.interval} ({args.run.stem})"

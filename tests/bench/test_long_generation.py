@@ -4,6 +4,7 @@ time under eviction, the continuation is the full cache's greedy one, and a run 
 from __future__ import annotations
 
 import importlib.util
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -103,7 +104,7 @@ def test_a_run_resumes_and_extends(tmp_path, monkeypatch):
     assert len(first["results"]["snapkv|40|8"][0]["kl"]) == 3  # 48 positions in bins of 16
     calls = []
     monkeypatch.setattr(long_generation, "continuation",
-                        lambda *a, f=long_generation.continuation: calls.append(1) or f(*a))
+                        lambda *a, f=long_generation.continuation, **k: calls.append(1) or f(*a, **k))
     args.samples = 2
     more = long_generation.run(model, tokenizer, args, long_generation.grid(["snapkv", "tova"], [40], [8]))
     assert len(calls) == 1  # the first sample's continuation is read back
@@ -139,3 +140,53 @@ def test_the_tables_by_hand(tmp_path, capsys):
     assert "| snapkv | 0.1000 ± 0.0000 | 0.3500 ± 0.0500 | **-0.2500 ± 0.0500** |" in out  # interval 32 vs 128
     assert "| snapkv | 0.2500 | 0.4500 |" in out and "tokens 1-2 | tokens 3-4" in out
     assert "| snapkv | 128 | 32 | 12.0 | 1.20 |" in out and "| fullkv |  |  | 10.0 | 1.00 |" in out
+
+
+def _tables():
+    spec = importlib.util.spec_from_file_location("study_long_generation_table",
+                                                  ROOT / "scripts" / "study" / "long_generation_table.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    return tables
+
+
+def test_the_arm_says_its_plan_first_refuses_in_one_line_and_ends_saying_where(tmp_path, monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    output = tmp_path / "run.json"
+    argv = ["--methods", "snapkv", "--budgets", "40", "--intervals", "8", "--samples", "1", "--prompt", "16",
+            "--tokens", "32", "--bin", "16", "--output", str(output)]
+    loaded = []
+    monkeypatch.setattr(long_generation, "load_model", lambda path: loaded.append(path) or (
+        tiny_model("llama", "sdpa", seed=2), AutoTokenizer.from_pretrained(tiny_tokenizer())))
+    long_generation.main(argv)
+    captured = capsys.readouterr()
+    assert captured.err.startswith("long generation: 1 samples (choice set) of 16 prompt tokens, 32 generated "
+                                   f"tokens each, 1 configs (1 methods x 1 budgets x 1 intervals) -> {output}")
+    assert captured.out.splitlines()[-2:] == [
+        f"results: {output}", f"tabulate them with: python scripts/study/long_generation_table.py {output}"]
+    for bad, what in ((["--prompt", "20"], "--output .* holds a run with other"),
+                      (["--methods", "rkv:mix_lambda=2.0"], r"rkv:mix_lambda=2.0\|40\|8: mix_lambda"),
+                      (["--tokens", "0"], "--tokens 0: must be >= 1")):
+        with pytest.raises(SystemExit) as exit_:
+            long_generation.main(argv + bad)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and re.search(what, err[-1]) and "Traceback" not in "".join(err), err
+    assert loaded == ["smollm2-135m"]  # refused before the model loads
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(long_generation, "run", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        long_generation.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 130 and err[-1] == (
+        f"interrupted: the finished samples are in {output}; rerun the same command to resume")
+    # the tables of this small run at their defaults: its only interval and budget
+    _tables().main([str(output)])
+    out = capsys.readouterr().out
+    assert "1 prompts of 16 tokens" in out and "| snapkv |" in out and "KL, B=40" in out
+    with pytest.raises(SystemExit) as exit_:
+        _tables().main([str(output), "--interval", "128"])
+    assert exit_.value.code == 2 and "--interval 128: the run has 8" in capsys.readouterr().err
