@@ -2,9 +2,9 @@
 
 vLLM writes a step's keys and values (``do_kv_cache_update``) before the backend's ``forward``, so
 after it the cache holds every entry of the step. The layer's cache is read through its layout
-(``restkv.vllm.paged``): the GPU backends' declared one (FlashAttention, FlashInfer, Triton: a
-logical ``[blocks, KV heads, block_size, 2 d]`` tensor, keys then values), the CPU backend's probed
-from its own writer.
+(``restkv.vllm.paged``): the GPU backends' declared one (FlashAttention, FlashInfer, Triton: the
+page view vLLM builds for the spec the backend's ``customize_spec`` declares, K and V found on its
+last or head axis, checked against the layer), the CPU backend's probed from its own writer.
 """
 
 from __future__ import annotations
@@ -37,9 +37,27 @@ def forward(layout):
 
 
 def declared(impl, layer, kv_cache) -> paged.Paged:
-    """FlashAttention, FlashInfer, Triton: keys ``[..., :d]``, values ``[..., d:]`` of the logical
-    ``[blocks, KV heads, block_size, 2 d]`` cache, in any physical order."""
-    return paged.declared(kv_cache, impl.head_size)
+    """FlashAttention, FlashInfer, Triton: the cache as the backend declares it, checked against the
+    layer's KV heads and head size, the engine's block size and the model's dtype."""
+    backend, block_size = layer.attn_backend, CURRENT[0].block_size
+    key = (backend, impl.num_kv_heads, impl.head_size, layer.kv_cache_dtype, block_size)
+    if key not in _HEAD_SLOTS:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=impl.num_kv_heads, head_size=impl.head_size,
+            dtype=layer.kv_cache_torch_dtype, kv_quant_mode=get_kv_quant_mode(layer.kv_cache_dtype),
+        )  # fmt: skip
+        _HEAD_SLOTS[key] = backend.customize_spec(spec).num_head_slots
+    return paged.declared(
+        kv_cache, backend.get_name(), impl.num_kv_heads, impl.head_size, block_size, layer.dtype,
+        _HEAD_SLOTS[key],
+    )  # fmt: skip
+
+
+# (backend, KV heads, head size, cache dtype, block size) -> the head slots of its page as the
+# backend's ``customize_spec`` declares them (vLLM's ``AttentionSpec.num_head_slots``), per process
+_HEAD_SLOTS: dict = {}
 
 
 def cpu(impl, layer, kv_cache) -> paged.Paged:

@@ -1,0 +1,248 @@
+"""The GPU backends' paged KV cache built and written by vLLM's own code, read and written by the
+plugin (``restkv.vllm.hooks.attention.declared``, then ``restkv.vllm.paged``).
+
+For each backend the plugin reads through ``declared`` (``hooks.BACKENDS``), each ``KVCacheLayout``
+it takes and each dtype it supports: its spec from its own ``customize_spec``
+(``customize_attention_spec``), three layers' pages allocated as vLLM's model runner allocates them
+(``get_kv_cache_config_from_groups`` then ``allocate_kv_cache``: ``create_kv_cache_views``, kernel
+blocks from ``select_common_block_size``), and keys and values written by the backend's own
+``do_kv_cache_update`` through vLLM's cache writer: the reference of vLLM's kernel test
+(tests/kernels/attention/test_cache.py, ``test_reshape_and_cache_flash``) and, where vLLM's Triton
+runs on CPU (0.33's CUDA build under ``CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1``), its Triton writer
+``triton_reshape_and_cache_flash``. The plugin must read the entries back, and its writes must
+leave the whole buffer as the writer leaves it. Runs in .venv-vllm (0.32.0) and .venv-vllm033
+(0.33.0); a backend whose module does not import (FlashInfer without its package) is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, get_kv_quant_mode
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import (
+    allocate_kv_cache,
+    customize_attention_spec,
+    select_common_block_size,
+)
+
+from restkv.vllm import hooks, paged
+from restkv.vllm.hooks import attention
+
+GPU = [name for name, (_, _, layout) in hooks.BACKENDS.items() if layout is attention.declared]
+LAYERS, BLOCKS = ["l0", "l1", "l2"], 10
+# (engine block size, kernel block: None for the backend's own choice, Hkv, d)
+CASES = [(16, None, 1, 64), (32, None, 2, 128), (16, None, 8, 64), (64, 16, 2, 64)]
+
+
+def planner():
+    """vLLM's ``get_kv_cache_config_from_groups`` (0.32: kv_cache_utils; 0.33: kv_cache_planning)."""
+    for module in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+        try:
+            return importlib.import_module(module).get_kv_cache_config_from_groups
+        except (ImportError, AttributeError):
+            continue
+    raise AssertionError("vLLM's get_kv_cache_config_from_groups is not found")
+
+
+def declaration(name: str):
+    """(module, backend class, implementation class) of the plugin's backend ``name``: skipped where
+    its module does not import; a failure where vLLM's declaration of it is not found."""
+    module_name, impl_name, _ = hooks.BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        pytest.skip(f"{module_name} does not import here ({e}): vLLM cannot select it either")
+    impl = getattr(module, impl_name)
+    backends = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, AttentionBackend) and c.__module__ == module_name
+        and c.get_name() == name and c.get_impl_cls() is impl
+    ]  # fmt: skip
+    assert len(backends) == 1, f"{module_name}: no backend {name} declares {impl_name}"
+    return module, backends[0], impl
+
+
+@functools.cache
+def vllm_config(block_size: int, layout: str) -> VllmConfig:
+    from vllm.platforms import current_platform
+
+    # 0.33's CUDA build without a GPU detects no platform and refuses "auto"; nothing here reads it
+    device = "auto" if current_platform.device_type else "cpu"
+    config = VllmConfig(
+        cache_config=CacheConfig(block_size=block_size), device_config=DeviceConfig(device=device)
+    )
+    config.cache_config.kv_cache_layout = layout
+    return config
+
+
+def pages(backend, spec, block_size: int, layout: str, kernel: int | None):
+    """(the raw buffer, each layer's page) as vLLM's model runner allocates them for ``spec``."""
+    config = vllm_config(block_size, layout)
+    groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+    kv_cache_config = planner()(config, groups, BLOCKS * len(LAYERS) * spec.page_size_bytes)
+    kernel = kernel or select_common_block_size(block_size, [backend], [spec])
+    try:
+        caches = allocate_kv_cache(
+            kv_cache_config, torch.device("cpu"), KVCacheLayout[layout], [kernel]
+        )
+    except ValueError as e:  # a layout vLLM cannot split into kernel blocks
+        pytest.skip(f"vLLM: {e}")
+    raw = caches[LAYERS[0]]
+    return torch.tensor([], dtype=torch.int8).set_(raw.untyped_storage()), caches, kv_cache_config
+
+
+def kernel_test_writer(key, value, key_cache, value_cache, slot_mapping, *args):
+    """vLLM's reference for its cache writer (tests/kernels/attention/test_cache.py,
+    ``test_reshape_and_cache_flash``, NHC): token i's key and value at ``[block, offset]`` of the
+    key and value caches the backend hands it."""
+    block_size = key_cache.shape[1]
+    for i, slot in enumerate(slot_mapping.tolist()):
+        key_cache[slot // block_size, slot % block_size] = key[i]
+        value_cache[slot // block_size, slot % block_size] = value[i]
+
+
+def triton_writer(monkeypatch):
+    """vLLM's Triton cache writer, run by Triton's interpreter on CPU tensors."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip(
+            "vLLM's Triton runs on CPU with CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 (0.33)"
+        )
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+
+    # the wrapper sizes its tiles by the device's capability (a tuning choice); CPU tensors have none
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    return triton_reshape_and_cache_flash
+
+
+WRITERS = {"kernel_test": lambda monkeypatch: kernel_test_writer, "triton": triton_writer}
+
+
+def layer_of(backend, spec, model_dtype, kv_cache_dtype="auto"):
+    """The attention layer's attributes the plugin and ``do_kv_cache_update`` read."""
+    one = torch.tensor(1.0)
+    return SimpleNamespace(
+        attn_backend=backend, kv_cache_dtype=kv_cache_dtype, kv_cache_torch_dtype=spec.dtype,
+        dtype=model_dtype, _k_scale=one, _v_scale=one,
+    )  # fmt: skip
+
+
+def engine(monkeypatch, block_size: int):
+    """A step in flight on an engine of ``block_size``-token blocks (what the plugin's worker
+    tells ``declared``)."""
+    monkeypatch.setattr(attention, "CURRENT", [SimpleNamespace(block_size=block_size)])
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+@pytest.mark.parametrize("block_size, kernel, heads, d", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", [layout.name for layout in KVCacheLayout])
+@pytest.mark.parametrize("name", GPU)
+def test_the_plugin_reads_and_writes_each_entry_where_vllm_writes_it(
+    monkeypatch, name, layout, dtype, block_size, kernel, heads, d, writer
+):
+    module, backend, impl_cls = declaration(name)
+    taken = backend.supported_kv_cache_layouts() or tuple(KVCacheLayout)
+    if KVCacheLayout[layout] not in taken:
+        pytest.skip(f"{name} does not take {layout}")
+    if dtype not in backend.supported_dtypes:
+        pytest.skip(f"{name} does not run {dtype}")
+    write = WRITERS[writer](monkeypatch)
+    # the writer each backend calls (FlashAttention's is absent where vLLM's CUDA ops are)
+    for writer_name in ("reshape_and_cache_flash", "triton_reshape_and_cache_flash"):
+        monkeypatch.setattr(module, writer_name, write, raising=False)
+    monkeypatch.setattr(torch.ops, "_C_cache_ops", SimpleNamespace(reshape_and_cache_flash=write))
+    engine(monkeypatch, block_size)
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=d, dtype=dtype)
+    spec = customize_attention_spec(backend, spec)
+    with_vllm = functools.partial(pages, backend, spec, block_size, layout, kernel)
+    written, caches, kv_cache_config = with_vllm()
+    impl = impl_cls(
+        num_heads=2 * heads, head_size=d, scale=d**-0.5, num_kv_heads=heads, alibi_slopes=None,
+        sliding_window=None, kv_cache_dtype="auto",
+    )  # fmt: skip
+    layer = layer_of(backend, spec, dtype)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(kv_cache_config.num_blocks * block_size, generator=g)[:40]
+    keys, values = (torch.randn(len(slots), heads, d, generator=g).to(dtype) for _ in range(2))
+    impl.do_kv_cache_update(layer, keys, values, caches["l1"], slots)  # the middle layer of three
+    assert written.any()
+
+    read_keys, read_values = attention.declared(impl, layer, caches["l1"]).read(slots)
+    assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+    blank, blank_caches, _ = with_vllm()
+    attention.declared(impl, layer, blank_caches["l1"]).write(slots, keys, values)
+    assert torch.equal(blank, written)  # the writer's elements, and no other (nor another layer's)
+
+
+@pytest.mark.parametrize("name", GPU)
+def test_a_quantized_page_is_refused_naming_the_backend(monkeypatch, name):
+    """An fp8 cache as vLLM allocates it for the backend: not the model's dtype."""
+    _, backend, _ = declaration(name)
+    engine(monkeypatch, 16)
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+        kv_quant_mode=get_kv_quant_mode("fp8"),
+    )  # fmt: skip
+    spec = customize_attention_spec(backend, spec)
+    _, caches, _ = pages(backend, spec, 16, "LBHNC", None)
+    impl = SimpleNamespace(num_kv_heads=2, head_size=64)
+    with pytest.raises(ValueError, match=f"{name}'s KV cache .* not the model's torch.bfloat16"):
+        attention.declared(impl, layer_of(backend, spec, torch.bfloat16, "fp8"), caches["l1"])
+
+
+@pytest.mark.parametrize("heads, refused", [(2, "2 head slots for 2 KV heads"), (1, "ambiguous")])
+def test_two_packed_planes_are_refused(monkeypatch, heads, refused):
+    """vLLM's two-plane page (ROCm's ``customize_spec``: K and V as 2 head slots of Hkv d each,
+    packed within) has the last-axis page's shape at Hkv = 2 and the head-axis page's declaration at
+    Hkv = 1: the plugin refuses both."""
+    from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend
+
+    engine(monkeypatch, 16)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16)
+    spec = RocmAttentionBackend.customize_spec(spec)
+    assert spec.num_head_slots == 2
+    _, caches, _ = pages(RocmAttentionBackend, spec, 16, "LHBNC", 16)
+    assert caches["l1"].shape[1] == 2 and caches["l1"].shape[3] == heads * 64
+    impl = SimpleNamespace(num_kv_heads=heads, head_size=64)
+    layer = layer_of(RocmAttentionBackend, spec, torch.bfloat16)
+    with pytest.raises(ValueError, match=refused):
+        attention.declared(impl, layer, caches["l1"])
+
+
+def test_the_core_tests_copy_of_the_layouts_is_vllms():
+    """tests/core/test_vllm_layouts.py runs without vLLM on a copy of ``KVCacheLayout``."""
+    path = Path(__file__).parents[1] / "core" / "test_vllm_layouts.py"
+    spec = importlib.util.spec_from_file_location("core_layouts", path)
+    core = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(core)
+    assert core.LAYOUTS == {layout.name: layout.value for layout in KVCacheLayout}
+
+
+def test_the_head_axis_page_is_the_one_vllm_allocates_for_2_hkv_head_slots(monkeypatch):
+    """FlashInfer's NVFP4 declaration (2 Hkv head slots of one head's content each) at the model's
+    dtype: vLLM's page is [B, 2 Hkv, N, d], which the plugin reads on its head axis."""
+    engine(monkeypatch, 16)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    spec = dataclasses.replace(spec, num_head_slots=4, state_content_bytes=64 * 2)
+    _, caches, _ = pages(None, spec, 16, "LBHNC", 16)
+    assert tuple(caches["l1"].shape[1:]) == (4, 16, 64)
+    page = paged.declared(caches["l1"], "TEST", 2, 64, 16, torch.bfloat16, 4)
+    assert page.keys.shape == page.values.shape == (caches["l1"].shape[0], 16, 2, 64)
