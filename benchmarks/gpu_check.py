@@ -33,7 +33,8 @@ Usage::
 Needs restkv installed first (``pip install -e .`` in the clone: torch, transformers, accelerate and the rest
 of requirements.txt; restkv imports accelerate) and nothing else: no flash_attn (used when importable), no
 network (the model is random, the prompts random ids). What a run should take on one H200 is in README's
-"On a GPU" section (estimates from the model's sizes: not yet run on a GPU).
+"On a GPU" section (estimates from the model's sizes: not yet run on a GPU). Exit status 1 when a greedy
+row reads ``NO`` (one ``FAIL greedy:`` line each), else 0.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import argparse
 import importlib.util
 import inspect
 import statistics
+import sys
 import time
 
 import torch
@@ -415,4 +417,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    wrong = [row for row in main() if row[3].startswith("NO")]
+    for attn, length, method, equal, *_ in wrong:
+        print(f"FAIL greedy: {attn}, {method} at {length}: {equal}")
+    sys.exit(1 if wrong else 0)

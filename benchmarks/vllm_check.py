@@ -1,16 +1,26 @@
 """Check the vLLM plugin where vLLM runs (any device, any backend vLLM picks): one prompt served with
 and without the plugin, greedy; prints both token lists, the blocks the request held at every step
-and the pool's free blocks, and the positions the first layer kept.
+and the pool's free blocks, and the positions the first layer kept; then checks them and exits 1 on
+any failure, one ``FAIL <check>: <why>`` line each.
 
     .venv-vllm/bin/python benchmarks/vllm_check.py                    # the packaged SmolLM2, CPU
     python benchmarks/vllm_check.py --model /models/Llama-3.1-8B-Instruct --prompt_len 4000 \\
         --knobs '{"method": "restkv", "max_capacity_prompt": 1024, "decode_interval": 128}'
 
-Passing means: the plugin's run holds the prompt's blocks during the step that evicts (plus the kept
-ones' with prefix caching), then about ``max_capacity_prompt / block_size`` blocks; its free blocks
-come back; its tokens are greedy text (they may differ from the full cache's: the cache is evicted).
-With ``--reference PYTHON`` (restkv's own environment) the plugin's tokens and the first layer's kept
-positions are compared with ``restkv.configure`` on the same prompt (a model transformers loads).
+The checks (``failures``): the plugin evicted; in each run the pool's free blocks at the end are
+those at the start; at every step the request held the blocks ``restkv.vllm.settings`` gives (the
+entries it holds, plus the kept ones' fresh blocks in a first eviction under prefix caching; the
+full cache: every token's); with ``--reference PYTHON`` (restkv's own environment) the plugin's
+greedy tokens and every layer's and KV head's kept positions are those of ``restkv.configure`` on
+the same prompt (a model transformers loads, float32): the tokens equal up to the first difference,
+which passes only as a tie (the reference's token within ``gpu_check.TIE`` of vLLM's by vLLM's
+logprobs), the kept positions equal in float32 and at least ``--kept_share`` of them shared in a
+reduced precision (the reference is float32). ``--reference_json FILE`` keeps the reference's
+result (computed once, read by later runs with the same model, knobs and lengths).
+
+Exit status: 0 every check passed; 1 a check failed or an engine failed; 3 vLLM itself refused the
+configuration where it runs (``not run: <vLLM's reason>``, e.g. an attention backend the GPU or the
+installation cannot run).
 
 Each engine runs in a subprocess (``--spec``: one engine from a JSON spec, printing ``RESULT
 {...}``, which tests/vllm_plugin runs too). vLLM's own flags pass through ``--engine '{...}'``
@@ -23,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +48,10 @@ ENGINE_KEYS = (
     "tensor_parallel_size",
     "compilation_config",
     "async_scheduling",
+    "attention_config",
 )
+NOT_RUN = 3  # exit status: vLLM refused the configuration here, nothing was checked
+VLLM_REFUSAL = re.compile(r"Selected backend \S+ is not valid for this configuration\..*")
 
 
 def engine(spec: dict):
@@ -61,18 +75,22 @@ def engine(spec: dict):
     )
 
 
-def watch_blocks(scheduler, steps: list, held: dict) -> None:
+def watch_blocks(scheduler, steps: list, held: dict, trace: dict | None = None) -> None:
     """Record the pool's free blocks around each ``update_from_output`` (after scheduling, after the
-    step) and the most blocks each request held after scheduling."""
+    step), the most blocks each request held after scheduling and, in ``trace``, each request's
+    ``[tokens computed by the step's end, tokens scheduled, blocks held]`` per step."""
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
     update = scheduler.update_from_output
 
     def recorded(*args, **kwargs):
         before = pool.get_num_free_blocks()
-        for req_id in args[0].num_scheduled_tokens:
+        for req_id, scheduled in args[0].num_scheduled_tokens.items():
             blocks = manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id, [])
             held[req_id] = max(held.get(req_id, 0), len(blocks))
+            if trace is not None:
+                end = scheduler.requests[req_id].num_computed_tokens  # advanced when scheduled
+                trace.setdefault(req_id, []).append([end, scheduled, len(blocks)])
         out = update(*args, **kwargs)
         steps.append([before, pool.get_num_free_blocks()])
         return out
@@ -95,9 +113,12 @@ def run_spec(spec: dict) -> dict:
     """One engine (engine core in this process). ``prompts``: lists of token ids, or ``{"ids": [...]}``
     to submit once the ones before have finished. Returns per prompt its ``tokens``, ``kept`` (per
     tensor-parallel rank, per layer, per KV head: the positions its first eviction kept; empty
-    without eviction), ``held`` (the most blocks it held at once) and ``cached`` (prompt tokens a
-    prefix-cache hit gave it); ``steps`` (free blocks [after scheduling, after the step] per step)
-    and ``free_at_start``."""
+    without eviction), ``held`` (the most blocks it held at once), ``cached`` (prompt tokens a
+    prefix-cache hit gave it), ``trace`` (per step it ran in: [tokens computed by the step's end,
+    tokens scheduled, blocks held]) and with ``spec["logprobs"]`` = k its ``logprobs`` (per token,
+    {token id: logprob} of vLLM's top k and its own); ``steps`` (free blocks [after scheduling,
+    after the step] per step), ``free_at_start``, ``block_size`` and ``caching`` (prefix caching
+    on)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
@@ -105,9 +126,12 @@ def run_spec(spec: dict) -> dict:
     core = llm.llm_engine.engine_core.engine_core
     steps: list = []
     held: dict = {}
-    watch_blocks(core.scheduler, steps, held)
+    trace: dict = {}
+    watch_blocks(core.scheduler, steps, held, trace)
     free_at_start = core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, logprobs=spec.get("logprobs")
+    )
     waves: list = [[]]
     for p in spec["prompts"]:
         if isinstance(p, dict):
@@ -126,14 +150,23 @@ def run_spec(spec: dict) -> dict:
     for o in outs:
         per_rank = [own(r, o.request_id, {}) for r in ranks]
         kept.append([[r[i] for i in sorted(r)] for r in per_rank] if per_rank[0] else [])
-    return {
+    result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "kept": kept,
         "steps": steps,
         "free_at_start": free_at_start,
         "held": [own(held, o.request_id, 0) for o in outs],
         "cached": [o.num_cached_tokens or 0 for o in outs],
+        "trace": [own(trace, o.request_id, []) for o in outs],
+        "block_size": core.scheduler.cache_config.block_size,
+        "caching": bool(core.scheduler.kv_cache_manager.enable_caching),
     }
+    if spec.get("logprobs"):
+        result["logprobs"] = [
+            [{int(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]
+            for o in outs
+        ]
+    return result
 
 
 def run_in_subprocess(spec: dict, knobs: dict | None, env: dict | None = None) -> dict:
@@ -167,11 +200,122 @@ def _prompt(model: str, length: int) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
-def _reference(python: str, model: str, knobs: dict, prompt: list[int], new_tokens: int) -> dict:
+def reference(python: str | None, saved: str | None, model: str, knobs: dict, prompt: list[int], new_tokens: int):
+    """``restkv.configure``'s tokens and kept positions (``tests/vllm_plugin/reference.py`` in
+    ``python``), read from ``saved`` when it holds this model's, knobs', prompt's and length's, else
+    computed (and written to ``saved``); None without either."""
+    key = {"model": model, "knobs": knobs, "prompt": prompt, "new_tokens": new_tokens}
+    if saved and Path(saved).exists():
+        data = json.loads(Path(saved).read_text())
+        if {k: data.get(k) for k in key} == key:
+            return data
+        if not python:
+            raise ValueError(f"--reference_json {saved} holds another model, knobs, prompt or length")
+    if not python:
+        return None
     script = ROOT / "tests" / "vllm_plugin" / "reference.py"
     cmd = [python, str(script), json.dumps(knobs), str(new_tokens), json.dumps(prompt), model]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    data = {**key, **json.loads(out.strip().splitlines()[-1])}
+    if saved:
+        Path(saved).write_text(json.dumps(data))
+    return data
+
+
+def expected_blocks(cfg, trace: list, prompt_len: int, block_size: int, caching: bool) -> list[int]:
+    """Blocks the request holds after scheduling at each step of ``trace`` ([end, scheduled, _]) by
+    ``restkv.vllm.settings``: the entries it holds (logical tokens minus those evicted before), or
+    during an eviction's step the held ones plus, in a first eviction under prefix caching, the
+    kept ones' fresh blocks. ``cfg`` None: the full cache, every token's."""
+    from restkv.vllm import settings
+
+    offset, out = 0, []
+    for end, scheduled, _ in trace:
+        e = None if cfg is None else settings.eviction(
+            cfg, end - scheduled, scheduled, prompt_len, offset, caching, block_size
+        )  # fmt: skip
+        out.append(-(-(end - offset) // block_size) if e is None else e.slots // block_size)
+        if e is not None:
+            offset += e.held - e.budget
+    return out
+
+
+def _blocks(name: str, run: dict, cfg, prompt_len: int) -> list[str]:
+    """The pool's blocks all back at the end; the request's blocks at every step as the rules give."""
+    fails = []
+    start, end = run["free_at_start"], run["steps"][-1][1]
+    if end != start:
+        fails.append(f"blocks given back: {name}: {end} free blocks at the end, {start} at the start")
+    trace = run["trace"][0]
+    want = expected_blocks(cfg, trace, prompt_len, run["block_size"], run["caching"])
+    for step, ((tokens, scheduled, got), expected) in enumerate(zip(trace, want)):
+        if got != expected:
+            fails.append(
+                f"blocks held: {name}: step {step} ({scheduled} tokens scheduled, {tokens} computed): the "
+                f"request held {got} blocks, restkv.vllm.settings gives {expected}"
+            )
+            break
+    return fails
+
+
+def _tokens(got: list[int], ref: list[int], logprobs: list[dict] | None, tie: float) -> str | None:
+    """Why vLLM's tokens are not the reference's, or None: equal up to the first difference, which
+    is a tie when the reference's token is within ``tie`` of vLLM's in vLLM's logprobs (none: no
+    tie)."""
+    t = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    if t is None:
+        return None if len(got) == len(ref) else f"{len(got)} tokens, the reference {len(ref)}"
+    if logprobs is None:
+        return f"token {t}: vLLM {got[t]}, the reference {ref[t]} (no logprobs to read a tie)"
+    top = {int(k): v for k, v in logprobs[t].items()}  # JSON's keys are strings
+    margin = top[got[t]] - top.get(ref[t], float("-inf"))
+    if margin <= tie:
+        return None
+    return f"token {t}: vLLM {got[t]}, the reference {ref[t]} (margin {margin:.3g} > the tie {tie})"
+
+
+def kept_share(kept: list, ref: list) -> tuple[float, str | None]:
+    """The least share, over layers and KV heads, of the reference's kept positions the plugin kept
+    (``kept``: per rank, per layer, [Hkv][B]; ``ref``: per layer [Hkv][B]), and a mismatch of
+    layers, heads or counts (None when the shapes agree)."""
+    layers = [[h for rank in kept for h in rank[i]] for i in range(len(kept[0]))]  # ranks' heads joined
+    ref = [layer for layer in ref if layer is not None]
+    if [len(x) for x in layers] != [len(x) for x in ref]:
+        return 0.0, f"{[len(x) for x in layers]} heads per layer, the reference {[len(x) for x in ref]}"
+    pairs = [(set(a), set(b), len(a), len(b)) for la, lb in zip(layers, ref) for a, b in zip(la, lb)]
+    if any(na != nb for _, _, na, nb in pairs):
+        return 0.0, "a head kept another number of positions than the reference's"
+    return min(len(a & b) / len(b) for a, b, _, _ in pairs), None
+
+
+def failures(plain: dict, evicted: dict, cfg, prompt_len: int, ref=None, tie=0.0, share=1.0) -> list[str]:
+    """Every check that fails, one line each (empty: all pass); see the module's docstring."""
+    fails = _blocks("full cache", plain, None, prompt_len) + _blocks("plugin", evicted, cfg, prompt_len)
+    if not evicted["kept"][0]:
+        fails.append("eviction: the plugin evicted nothing (the prompt fits the budget?)")
+    if ref is None:
+        return fails
+    why = _tokens(evicted["tokens"][0], ref["tokens"], evicted.get("logprobs", [None])[0], tie)
+    if why:
+        fails.append(f"tokens differ from configure()'s: {why}")
+    if evicted["kept"][0]:
+        least, shape = kept_share(evicted["kept"][0], ref["kept"])
+        if shape or least < share:
+            fails.append(
+                f"kept positions differ from configure()'s: {shape or f'{least:.1%} shared in the worst layer and head'}"
+                f" (needed: {share:.0%})"
+            )
+    return fails
+
+
+def _engine_error(error: RuntimeError) -> tuple[bool, str]:
+    """(whether vLLM refused the configuration here, its one line) from a failed engine's stderr."""
+    text = str(error)
+    refused = VLLM_REFUSAL.search(text)
+    if refused:
+        return True, refused.group(0)
+    lines = [x for x in text.splitlines() if x.strip()]
+    return False, lines[-1] if lines else "no error output"
 
 
 def main(argv=None) -> int:
@@ -183,6 +327,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 otherwise")
     p.add_argument("--engine", default="{}", help="more vLLM keywords, JSON")
     p.add_argument("--reference", default=None, help="restkv's own Python, to compare with configure()")
+    p.add_argument("--reference_json", default=None, help="the reference's result, kept in this file")
+    p.add_argument(
+        "--kept_share", type=float, default=None,
+        help="least share of configure()'s kept positions kept, per layer and head (default 1 in float32, 0.9 otherwise)",
+    )  # fmt: skip
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.spec:
@@ -190,9 +339,18 @@ def main(argv=None) -> int:
         return 0
     import torch
 
+    sys.path.insert(0, str(ROOT))
+    from gpu_check import TIE
+
+    from restkv.vllm import settings
+
     model = args.model or str(Path.home() / ".cache" / "restkv" / "models" / "smollm2-135m")
     knobs = json.loads(args.knobs)
+    cfg = settings.from_env({"restkv": knobs})  # a bad knob: one line, before any engine
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    if getattr(torch, dtype, None) not in TIE:
+        p.error(f"--dtype: one of float32, float16, bfloat16; got {dtype}")
+    share = args.kept_share if args.kept_share is not None else (1.0 if dtype == "float32" else 0.9)
     prompt = _prompt(model, args.prompt_len)
     gpu = {"async_scheduling": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}}
     spec = {
@@ -200,13 +358,24 @@ def main(argv=None) -> int:
         "prompts": [prompt],
         "max_tokens": args.new_tokens,
         "dtype": dtype,
+        "logprobs": 5,
         "max_model_len": args.prompt_len + args.new_tokens + 64,
         # on CPU a pool of 8 requests: vLLM's own sizing there reserves 92% of the machine's memory
         **(gpu if torch.cuda.is_available() else {"kv_tokens": 8 * (args.prompt_len + args.new_tokens + 64)}),
         **json.loads(args.engine),
     }
-    plain = run_in_subprocess(spec, None)
-    evicted = run_in_subprocess(spec, knobs)
+    runs = {}
+    for name, arm in (("full cache", None), ("plugin", knobs)):
+        try:
+            runs[name] = run_in_subprocess(spec, arm)
+        except RuntimeError as e:
+            refused, line = _engine_error(e)
+            if refused and arm is None:
+                print(f"not run: {line}")
+                return NOT_RUN
+            print(f"FAIL engine: {name}: {line}")
+            return 1
+    plain, evicted = runs["full cache"], runs["plugin"]
     print(f"model {model}, {args.prompt_len}-token prompt, {args.new_tokens} new tokens, {dtype}, knobs {knobs}")
     print(f"tokens, full cache: {plain['tokens'][0]}")
     print(f"tokens, plugin:     {evicted['tokens'][0]}")
@@ -216,16 +385,19 @@ def main(argv=None) -> int:
     print(f"  plugin:     {evicted['steps'][:6]}")
     print(f"free blocks at the start {evicted['free_at_start']}, at the end {evicted['steps'][-1][1]}")
     kept = evicted["kept"][0]
-    if not kept:
-        print("the plugin evicted nothing (the prompt fits the budget?)")
-        return 1
-    print(f"layer 0, KV head 0 of rank 0 kept {len(kept[0][0][0])} positions: {kept[0][0][0][:12]} ...")
-    if args.reference:
-        ref = _reference(args.reference, model, knobs, prompt, args.new_tokens)
-        same_kept = [layer[0] for layer in kept[0]] == [layer[0] for layer in ref["kept"]]
-        print(f"configure(): the same tokens: {ref['tokens'] == evicted['tokens'][0]}, "
-              f"the same kept positions in every layer's first head: {same_kept}")
-    return 0
+    if kept:
+        print(f"layer 0, KV head 0 of rank 0 kept {len(kept[0][0][0])} positions: {kept[0][0][0][:12]} ...")
+    ref = reference(args.reference, args.reference_json, model, knobs, prompt, args.new_tokens)
+    if ref is not None:
+        print(f"configure()'s tokens: {ref['tokens']}")
+        if kept:
+            print(f"kept positions shared with configure()'s, worst layer and head: {kept_share(kept, ref['kept'])[0]:.1%}")
+    fails = failures(plain, evicted, cfg, args.prompt_len, ref, TIE[getattr(torch, dtype)], share)
+    for line in fails:
+        print(f"FAIL {line}")
+    checked = "blocks, eviction" + (", tokens and kept positions against configure()" if ref else "")
+    print(f"{'all checks passed' if not fails else f'{len(fails)} checks failed'} ({checked})")
+    return 1 if fails else 0
 
 
 if __name__ == "__main__":

@@ -1,26 +1,30 @@
 """The vLLM benchmarks run end to end on the packaged SmolLM2 (small sizes): the serving table with
-its ratios, and the check a GPU user runs."""
+its ratios, and the check a GPU user runs (its checks on the harness's runs, its exit status on a
+reference that differs)."""
 
 from __future__ import annotations
 
+import copy
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from harness import ROOT  # noqa: E402
+from harness import PROMPT_LEN, ROOT, SNAPKV, engine_run, reference  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, status: int = 0) -> str:
     done = subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=1800, check=False,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(__import__("pathlib").Path.home())},
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == status, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
 
 
@@ -38,7 +42,55 @@ def test_serving_table(model_dir):
     assert evicting[3] > 0 and abs(sum(evicting[:3]) - evicting[3]) < 0.02
 
 
-def test_check_prints_both_runs(model_dir):
-    out = _run("benchmarks/vllm_check.py", "--prompt_len", "300", "--new_tokens", "8", "--engine", '{"enforce_eager": true}')
+def test_check_passes_the_plugin_and_names_each_failure(model_dir, prompt):
+    """``vllm_check.failures`` on the harness's runs and configure()'s reference: none; each part
+    spoiled in turn (a token, a kept position, a block held, a block not given back, no eviction)
+    gives its own line."""
+    from vllm_check import failures
+
+    from restkv.vllm import settings
+
+    cfg = settings.from_env({"restkv": SNAPKV})
+    plain, evicted = engine_run(model_dir, [prompt], None), engine_run(model_dir, [prompt], SNAPKV)
+    ref = reference(prompt, SNAPKV)
+    assert failures(plain, evicted, cfg, PROMPT_LEN, ref) == []
+
+    def spoiled(run: dict, change) -> dict:
+        run = copy.deepcopy(run)
+        change(run)
+        return run
+
+    def first_word(fails: list[str]) -> list[str]:
+        return [f.split(":")[0] for f in fails]
+
+    token = spoiled(ref, lambda r: r["tokens"].__setitem__(3, r["tokens"][3] + 1))
+    assert first_word(failures(plain, evicted, cfg, PROMPT_LEN, token)) == ["tokens differ from configure()'s"]
+    dropped = next(i for i in range(PROMPT_LEN) if i not in ref["kept"][5][1])
+    moved = spoiled(ref, lambda r: r["kept"][5][1].__setitem__(0, dropped))  # one position not kept
+    assert first_word(failures(plain, evicted, cfg, PROMPT_LEN, moved)) == ["kept positions differ from configure()'s"]
+    assert failures(plain, evicted, cfg, PROMPT_LEN, moved, share=0.99) == []  # 127 of 128 shared
+    grown = spoiled(evicted, lambda r: r["trace"][0][-1].__setitem__(2, r["trace"][0][-1][2] + 1))
+    assert first_word(failures(plain, grown, cfg, PROMPT_LEN)) == ["blocks held"]
+    kept = spoiled(evicted, lambda r: r["steps"][-1].__setitem__(1, r["steps"][-1][1] - 1))
+    assert first_word(failures(plain, kept, cfg, PROMPT_LEN)) == ["blocks given back"]
+    assert first_word(failures(plain, plain, cfg, PROMPT_LEN)) == ["blocks held", "eviction"]
+
+
+def test_check_exits_1_on_a_reference_that_differs(model_dir, tmp_path):
+    """The command a GPU user runs: both runs printed, the blocks and the eviction pass, the tokens
+    and kept positions of a reference that differs fail, one line each, exit status 1."""
+    from vllm_check import _prompt
+
+    knobs = {"method": "snapkv", "max_capacity_prompt": 128}
+    saved = tmp_path / "reference.json"
+    key = {"model": model_dir, "knobs": knobs, "prompt": _prompt(model_dir, 300), "new_tokens": 8}
+    saved.write_text(json.dumps({**key, "tokens": [0] * 8, "kept": [[list(range(128))] * 3] * 30}))
+    out = _run(
+        "benchmarks/vllm_check.py", "--model", model_dir, "--prompt_len", "300", "--new_tokens", "8",
+        "--knobs", json.dumps(knobs), "--engine", '{"enforce_eager": true}', "--reference_json", str(saved),
+        status=1,
+    )  # fmt: skip
     assert "tokens, full cache:" in out and "tokens, plugin:" in out
     assert "kept 128 positions" in out
+    fails = [line.split(":")[0] for line in out.splitlines() if line.startswith("FAIL ")]
+    assert fails == ["FAIL tokens differ from configure()'s", "FAIL kept positions differ from configure()'s"]

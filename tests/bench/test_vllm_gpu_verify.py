@@ -1,0 +1,88 @@
+"""benchmarks/vllm_gpu_verify.py without a GPU: its plan (every backend x runner x graph mode, then
+gpu_check.py), the keywords of each arm as vLLM's own config classes read them (where vLLM is
+installed), how an arm's exit status and output read, and its one line and exit status 2 without
+CUDA."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import vllm_check  # noqa: E402
+import vllm_gpu_verify as verify  # noqa: E402
+
+
+def _plan(*flags: str) -> list:
+    return verify.arms(argparse.Namespace(
+        model="M", reference="/r/python", out=ROOT / "r.md", knobs=verify.KNOBS, prompt_len=4000, new_tokens=160,
+        gpu_check=" ".join(flags),
+    ))  # fmt: skip
+
+
+def test_plan_covers_every_backend_runner_and_graph_mode():
+    plan = _plan("--lengths", "32768")
+    wanted = set(itertools.product(verify.BACKENDS.values(), verify.RUNNERS.values(), ("graphs", "eager")))
+    seen = set()
+    for _, cmd, env in plan[:-1]:
+        engine = json.loads(cmd[cmd.index("--engine") + 1])
+        assert set(engine) <= set(vllm_check.ENGINE_KEYS)  # vllm_check passes each on to LLM(...)
+        graphs = "eager" if engine.get("enforce_eager") else engine["compilation_config"]["cudagraph_mode"]
+        seen.add((engine["attention_config"]["backend"], env["VLLM_USE_V2_MODEL_RUNNER"], graphs))
+        assert cmd[cmd.index("--reference") + 1] == "/r/python" and cmd[cmd.index("--model") + 1] == "M"
+    assert seen == {(b, r, "eager" if g == "eager" else "PIECEWISE") for b, r, g in wanted}
+    assert len(plan) == len(wanted) + 1
+    assert plan[-1][1] == ["/r/python", str(ROOT / "benchmarks" / "gpu_check.py"), "--lengths", "32768"]
+
+
+def test_each_arm_reads_as_vllm_reads_it():
+    """The backend names, the runner's variable and the graph mode are vLLM's own."""
+    pytest.importorskip("vllm")
+    from vllm import envs
+    from vllm.config import AttentionConfig, CompilationConfig
+    from vllm.config.compilation import CUDAGraphMode
+
+    assert "VLLM_USE_V2_MODEL_RUNNER" in envs.environment_variables
+    for _, cmd, _ in _plan()[:-1]:
+        engine = json.loads(cmd[cmd.index("--engine") + 1])
+        backend = AttentionConfig(**engine["attention_config"]).backend
+        assert backend.name == engine["attention_config"]["backend"]
+        if "compilation_config" in engine:
+            mode = CompilationConfig(**engine["compilation_config"]).cudagraph_mode
+            assert mode == CUDAGraphMode.PIECEWISE
+
+
+def test_an_arm_reads_pass_fail_or_not_run():
+    assert verify.outcome(0, "all checks passed\n", "") == (verify.PASSED, "")
+    refused = "not run: Selected backend FLASHINFER is not valid for this configuration. Reason: [...]"
+    assert verify.outcome(vllm_check.NOT_RUN, f"{refused}\n", "") == (verify.NOT_RUN, refused[9:])
+    out = "tokens, plugin: [1]\nFAIL blocks held: plugin: step 3\nFAIL eviction: nothing\n1 checks failed\n"
+    assert verify.outcome(1, out, "") == (verify.FAILED, "blocks held: plugin: step 3; eviction: nothing")
+    assert verify.outcome(137, "", "Traceback\nKilled\n") == (verify.FAILED, "exit status 137: Killed")
+
+
+def test_without_cuda_one_line_and_status_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "vllm_gpu_verify.py"), "--model", "M", "--out", str(tmp_path / "r.md")],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout.startswith("no CUDA device") and len(done.stdout.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_check_reads_a_differing_token_as_a_tie_by_vllms_margin():
+    """``vllm_check``: the first differing token passes when the reference's token is within the
+    tie of vLLM's own by vLLM's logprobs (keys as JSON gives them), and nothing after it counts."""
+    logprobs = [{"5": -0.1}, {"6": -0.5, "7": -0.6}, {"8": -0.1}]
+    assert vllm_check._tokens([5, 6, 8], [5, 7, 9], logprobs, tie=0.25) is None
+    assert "token 1" in vllm_check._tokens([5, 6, 8], [5, 7, 9], logprobs, tie=0.05)
+    assert "token 1" in vllm_check._tokens([5, 6, 8], [5, 4, 8], logprobs, tie=0.25)  # not in vLLM's top
+    assert "token 1" in vllm_check._tokens([5, 6, 8], [5, 7, 8], None, tie=1.0)
+    assert vllm_check._tokens([5, 6, 8], [5, 6, 8], None, tie=0.0) is None
