@@ -40,23 +40,23 @@ def declared(impl, layer, kv_cache) -> paged.Paged:
     """FlashAttention, FlashInfer, Triton: the cache as the backend declares it, checked against the
     layer's KV heads and head size, the engine's block size and the model's dtype."""
     backend, block_size = layer.attn_backend, CURRENT[0].block_size
-    key = (backend, impl.num_kv_heads, impl.head_size, layer.kv_cache_dtype, block_size)
+    heads, d = impl.num_kv_heads, impl.head_size
+    key = (backend, heads, d, layer.kv_cache_dtype, layer.dtype, block_size)
     if key not in _HEAD_SLOTS:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
+        quant = get_kv_quant_mode(layer.kv_cache_dtype)
         spec = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=impl.num_kv_heads, head_size=impl.head_size,
-            dtype=layer.kv_cache_torch_dtype, kv_quant_mode=get_kv_quant_mode(layer.kv_cache_dtype),
+            block_size=block_size, num_kv_heads=heads, head_size=d,
+            dtype=layer.kv_cache_torch_dtype, kv_quant_mode=quant,
         )  # fmt: skip
         _HEAD_SLOTS[key] = backend.customize_spec(spec).num_head_slots
-    return paged.declared(
-        kv_cache, backend.get_name(), impl.num_kv_heads, impl.head_size, block_size, layer.dtype,
-        _HEAD_SLOTS[key],
-    )  # fmt: skip
+    name = backend.get_name()
+    return paged.declared(kv_cache, name, heads, d, block_size, layer.dtype, _HEAD_SLOTS[key])
 
 
-# (backend, KV heads, head size, cache dtype, block size) -> the head slots of its page as the
-# backend's ``customize_spec`` declares them (vLLM's ``AttentionSpec.num_head_slots``), per process
+# (backend, KV heads, head size, cache dtype, model dtype, block size) -> the head slots of its
+# page as the backend's ``customize_spec`` declares them (vLLM's ``AttentionSpec.num_head_slots``)
 _HEAD_SLOTS: dict = {}
 
 
