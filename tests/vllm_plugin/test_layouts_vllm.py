@@ -236,13 +236,31 @@ def test_the_core_tests_copy_of_the_layouts_is_vllms():
     assert core.LAYOUTS == {layout.name: layout.value for layout in KVCacheLayout}
 
 
-def test_the_head_axis_page_is_the_one_vllm_allocates_for_2_hkv_head_slots(monkeypatch):
-    """FlashInfer's NVFP4 declaration (2 Hkv head slots of one head's content each) at the model's
-    dtype: vLLM's page is [B, 2 Hkv, N, d], which the plugin reads on its head axis."""
-    engine(monkeypatch, 16)
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    spec = dataclasses.replace(spec, num_head_slots=4, state_content_bytes=64 * 2)
-    _, caches, _ = pages(None, spec, 16, "LBHNC", 16)
-    assert tuple(caches["l1"].shape[1:]) == (4, 16, 64)
-    page = paged.declared(caches["l1"], "TEST", 2, 64, 16, torch.bfloat16, 4)
-    assert page.keys.shape == page.values.shape == (caches["l1"].shape[0], 16, 2, 64)
+@pytest.mark.parametrize("layout", [layout.name for layout in KVCacheLayout])
+def test_a_page_of_2_hkv_head_slots_is_read_on_its_head_axis(monkeypatch, layout):
+    """FlashInfer's NVFP4 declaration (``customize_spec``: 2 Hkv head slots of one head's content)
+    at the model's dtype: vLLM allocates [B, 2 Hkv, N, d]; FlashInfer's ``do_kv_cache_update``
+    splits it into keys and values as quoted below (its module needs the flashinfer package)."""
+    heads, d, block_size = 2, 64, 16
+    engine(monkeypatch, block_size)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=d, dtype=torch.bfloat16
+    )
+    spec = dataclasses.replace(spec, num_head_slots=2 * heads, state_content_bytes=d * 2)
+    written, caches, kv_cache_config = pages(None, spec, block_size, layout, block_size)
+    assert tuple(caches["l1"].shape[1:]) == (2 * heads, block_size, d)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(kv_cache_config.num_blocks * block_size, generator=g)[:40]
+    keys, values = (torch.randn(len(slots), heads, d, generator=g).bfloat16() for _ in range(2))
+    # flashinfer.py, FlashInferImpl.do_kv_cache_update, is_kvcache_nvfp4: "K heads first, then V"
+    k_cache, v_cache = caches["l1"].transpose(1, 2).split(heads, dim=-2)
+    kernel_test_writer(keys, values, k_cache, v_cache, slots)
+
+    def page(c):
+        return paged.declared(c, "FLASHINFER", heads, d, block_size, torch.bfloat16, 2 * heads)
+
+    read_keys, read_values = page(caches["l1"]).read(slots)
+    assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+    blank, blank_caches, _ = pages(None, spec, block_size, layout, block_size)
+    page(blank_caches["l1"]).write(slots, keys, values)
+    assert torch.equal(blank, written)
