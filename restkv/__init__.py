@@ -10,9 +10,16 @@ everything that touches a model is imported on first use.
 
 import importlib
 
-from .config import PRESETS, CompressionConfig, knob_table
+from . import config, methods
+from .config import CompressionConfig, knob_table
 from .lazy import install_excepthook
-from .methods import METHODS
+
+METHODS: tuple[str, ...] = methods.METHODS
+"""Every registered method's name (``configure(model, method=...)``), in the registry's order
+(``restkv.methods.REGISTRY``)."""
+
+PRESETS: dict[str, dict] = config.PRESETS
+"""Named knob sets (``configure(model, preset=...)``): ``"paper"`` is ReST-KV as published."""
 
 install_excepthook()  # a missing package (the packaged model, an extra) is one line, not a traceback
 

@@ -212,10 +212,12 @@ class CompressionConfig(Knobs):
 
     @property
     def evicts(self) -> bool:
+        """Whether the method evicts (``fullkv`` keeps every entry)."""
         return REGISTRY[self.method].evicts
 
     @property
     def pyramid(self) -> bool:
+        """Whether the layers' budgets follow PyramidKV's pyramid (``layer_budget="pyramid"``)."""
         return self.get("layer_budget") == "pyramid"
 
     @property

@@ -68,11 +68,15 @@ class Method:
     """A registered method: its scorer module (``None``: keep everything) and its defaults."""
 
     name: str
+    """Its ``configure(model, method=...)`` name."""
     module: ModuleType | None = None
+    """The module of this folder holding its ``KNOBS`` and ``score`` (``None``: keep everything)."""
     defaults: dict = field(default_factory=dict)
+    """Defaults of this registration, over its knobs' and the strategies' own."""
 
     @property
     def evicts(self) -> bool:
+        """Whether it evicts (``fullkv`` keeps every entry)."""
         return self.module is not None
 
     @property
@@ -90,6 +94,7 @@ class Method:
 
     @property
     def doc(self) -> str:
+        """The first line of its module's docstring: what it keeps."""
         return (
             (self.module.__doc__ or "").strip().split("\n")[0]
             if self.module
@@ -97,23 +102,29 @@ class Method:
         )
 
     def score(self, obs, cfg):
+        """Its module's ``score(obs, cfg)``: float32 scores [b, Hq or Hkv or 1, P], the higher the more
+        worth keeping."""
         return self.module.score(obs, cfg)
 
     def uses_budget(self, cfg) -> bool:
+        """Whether its score under ``cfg`` reads the layer's budget (``obs.budget``)."""
         reads = getattr(self.module, "uses_budget", None)
         return bool(reads and reads(cfg))
 
     def check(self, values: dict) -> None:
+        """Its checks across knobs (``ValueError``), if it has any."""
         check = getattr(self.module, "check", None)
         if check is not None:
             check(values)
 
     def check_layers(self, values, num_layers: int) -> None:
+        """Its checks against the model's number of evicted layers (``ValueError``), if any."""
         check = getattr(self.module, "check_layers", None)
         if check is not None:
             check(values, num_layers)
 
     def check_model(self, values, model) -> None:
+        """Its checks against the model, run by ``configure`` before any work (``ValueError``), if any."""
         check = getattr(self.module, "check_model", None)
         if check is not None:
             check(values, model)
@@ -218,4 +229,7 @@ REGISTRY = _register(
     Method("rkv", rkv, _RKV),
     Method("triattention", triattention, _TRIATTENTION),
 )
+"""Every registered method by name, in registration order."""
+
 METHODS = tuple(REGISTRY)
+"""The registered methods' names, in registration order."""

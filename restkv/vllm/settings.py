@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..config import CompressionConfig
 
 ENV = "RESTKV_VLLM"
+"""The environment variable holding the plugin's knobs as a JSON object."""
 
 # knob -> (whether its value can run, what vLLM needs): vLLM's block table holds one entry count per
 # request
@@ -56,6 +57,7 @@ _NEEDS = {
 # Methods whose score is a sum over the queries it is given: over a prompt computed in chunks it is
 # the sum of the chunks' scores (each chunk's queries over the keys before them).
 SUMMED = ("restkv.methods.h2o",)
+"""Scorer modules whose score is a sum over the queries it is given (so chunked prefill adds up chunks)."""
 
 
 
@@ -143,16 +145,22 @@ class Eviction:
     """
 
     held: int
+    """Entries in the request's blocks once the step's tokens are written."""
     budget: int
+    """Entries it keeps."""
     fresh: bool
+    """The kept entries go to new blocks after the held ones (else over its first blocks)."""
     block_size: int
+    """Entries per block."""
 
     @property
     def held_blocks(self) -> int:
+        """Blocks the held entries fill."""
         return -(-self.held // self.block_size)
 
     @property
     def kept_blocks(self) -> int:
+        """Blocks the kept entries fill."""
         return -(-self.budget // self.block_size)
 
     @property
