@@ -25,6 +25,7 @@ import torch
 
 from ..scoring.observe import wo_factor
 from . import settings
+from .memory import reads_factor
 from .scoring import chunk_score, kept_entries, observation, slot_rows
 
 _LAYER = re.compile(r"\.(\d+)\.")
@@ -65,11 +66,11 @@ class Scheduled:
 class QueryRing:
     """The most recent queries of every request, per layer: [slots, rows, Hq, d], the query of
     position p in row ``p % rows`` (allocated on a layer's first step, on its queries' device, for
-    as many slots as requests have run at once; grown, never per token, when more do)."""
+    all ``slots`` at once: its size is known before any request, ``restkv.vllm.memory``)."""
 
-    def __init__(self, rows: int):
+    def __init__(self, rows: int, slots: int = 1):
         self.rows = rows
-        self.slots = 1
+        self.slots = slots
         self.buffers: dict = {}
 
     def write(self, layer: str, query: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor) -> None:
@@ -98,7 +99,7 @@ class Worker:
         self.cfg = cfg
         self.caching = caching
         self.block_size = block_size
-        self.ring = QueryRing(settings.query_rows(cfg))
+        self.ring = QueryRing(settings.query_rows(cfg), slots)
         self.free_slots = list(range(slots - 1, -1, -1))
         self.requests: dict = {}  # request id -> Held
         self.step: list = []  # Scheduled, this step's
@@ -119,9 +120,15 @@ class Worker:
 
     # ---- the model's layers ----
 
-    def index_layers(self, names_to_o_proj: dict) -> None:
-        """``{attention layer name: a function returning its o_proj weight, or None}``."""
+    def index_layers(self, names_to_o_proj: dict, heads: int | None = None) -> None:
+        """``{attention layer name: a function returning its o_proj weight, or None}`` (read again
+        when a selection needs the weight itself); with ``heads`` (Hq) each layer's W_O factor is
+        computed now when the config reads it, so the weight is never held."""
         self.o_proj.update({n: f for n, f in names_to_o_proj.items() if f is not None})
+        if heads and reads_factor(self.cfg):
+            for name in names_to_o_proj:
+                if name in self.o_proj:
+                    self._factor(name, heads)
         names = sorted(
             names_to_o_proj, key=lambda n: int(m.group(1)) if (m := _LAYER.search(n)) else 0
         )

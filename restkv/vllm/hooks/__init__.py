@@ -25,7 +25,7 @@ import functools
 import importlib
 import inspect
 
-from . import attention, refusals, runner, scheduler
+from . import attention, memory, refusals, runner, scheduler
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
@@ -93,7 +93,12 @@ TARGETS = {
         }
     },
     # the worker: its model runner is checked once the KV cache exists (``covered``)
-    "vllm.v1.worker.gpu_worker": {"Worker": {"initialize_from_config": _covering}},
+    "vllm.v1.worker.gpu_worker": {
+        "Worker": {
+            "initialize_from_config": _covering,
+            "determine_available_memory": memory.determine_available_memory(resident=False),
+        }
+    },
     # the V1 model runner
     "vllm.v1.worker.gpu_input_batch": {
         "InputBatch": {"__init__": (runner.widened("max_num_blocks_per_req"), ("max_num_blocks_per_req",))}
@@ -125,6 +130,10 @@ TARGETS = {
     },
     "vllm.v1.worker.gpu.model_states.default": {
         "DefaultModelState": {"prepare_attn": (runner.v2_model_state_prepare_attn, ("input_batch",))}
+    },
+    # the KV pool sized without the plugin's own memory (``memory``; the GPU worker's above)
+    "vllm.v1.worker.cpu_worker": {
+        "CPUWorker": {"determine_available_memory": memory.determine_available_memory(resident=True)}
     },
     # the attention backends
     **{

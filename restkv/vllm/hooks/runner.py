@@ -5,7 +5,8 @@ and V2 (``vllm.v1.worker.gpu.model_runner``, the CUDA default):
 
 - ``__init__``: the ``Worker``; block-table rows widened for the fresh blocks of a first eviction
   (V1 ``InputBatch.__init__``, V2 ``BlockTables.__init__``);
-- ``load_model``: each layer's o_proj, read on its own device;
+- ``load_model``: each layer's o_proj reader (on its own device) and, where the config reads
+  it, its W_O factor;
 - ``execute_model``: the step's ``Worker`` visible to the attention layers, its cuts kept for the
   next step (V2: not for its dummy runs).
 
@@ -80,7 +81,9 @@ def load_model(orig):
         out = orig(self, *args, **kwargs)
         worker = getattr(self, "_restkv", None)
         if worker is not None:
-            worker.index_layers(o_proj_readers(self.model))
+            layers = [m.attn for m in self.model.modules() if hasattr(getattr(m, "attn", None), "layer_name")]
+            heads = {getattr(a, "num_heads", None) for a in layers}  # this rank's Hq, one for all layers
+            worker.index_layers(o_proj_readers(self.model), heads.pop() if len(heads) == 1 else None)
         return out
 
     return wrapped
@@ -88,14 +91,15 @@ def load_model(orig):
 
 def o_proj_readers(model) -> dict:
     """{attention layer name: a function returning its o_proj weight W_O [hidden, Hq d] on this
-    worker (its own heads' columns), read once}."""
+    worker (its own heads' columns), read at each call and not kept: the W_O factor is computed from
+    it once (``Worker.index_layers``), a selection that reads the weight itself reads it for its
+    step (``restkv.vllm.memory``)}."""
     readers = {}
     for module in model.modules():
         attn, o_proj = getattr(module, "attn", None), getattr(module, "o_proj", None)
         name = getattr(attn, "layer_name", None)
         if name is not None:
-            read = None if o_proj is None else functools.partial(o_proj_weight, o_proj)
-            readers[name] = None if read is None else functools.lru_cache(maxsize=1)(read)
+            readers[name] = None if o_proj is None else functools.partial(o_proj_weight, o_proj)
     return readers
 
 

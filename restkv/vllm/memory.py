@@ -1,0 +1,255 @@
+"""The vLLM plugin's own memory on one worker, term by term (no vLLM import): what vLLM's profiling
+run never sees, so that the KV pool can be sized without it (``restkv.vllm.hooks.memory``).
+
+Sizes are one tensor-parallel rank's (``Model.per_rank``): ``layers`` attention layers, ``Hq`` /
+``Hkv`` query / KV heads, head size ``d``, ``hidden`` (o_proj's rows), ``es`` bytes per element of
+the model's dtype (its queries and its KV cache). ``L`` is ``max_model_len`` (the most entries a
+request holds in a layer), ``S`` ``max_num_seqs``, ``r`` the queries an eviction reads
+(``settings.query_rows``), ``B`` ``max_capacity_prompt``. "K+V" is one request's held entries of
+one layer, ``2 L Hkv d es`` bytes.
+
+Held for the worker's life (``fixed``):
+
+- query ring: ``layers S r Hq d es``, allocated for every slot on a layer's first step
+  (``worker.QueryRing``);
+- W_O factors: ``layers Hq d d`` float32, computed when the model is loaded and kept, for a config
+  that reads them (``reads_factor``: ReST-KV's reconstruction with ``use_wo``, CriticalKV's
+  ``value_norm="l2"``); the o_proj weight itself is not kept;
+- kept positions of the last 8 requests' first evictions: ``8 layers Hkv B`` int64.
+
+During one eviction (one request in one layer at a time: the worker evicts them in turn):
+
+- the held entries read back: 1 x K+V;
+- the observed queries' attention ``[Hq, r, L]`` float32, for a method that reads it (``ATTENDS``;
+  with low-precision keys also one KV head's product and keys in float32);
+- the selection's own scratch (``SCRATCH``): a multiple of the K+V in float32, plus one of a block
+  of ``observe.VALUE_BLOCK`` entries' K+V in float32 for the scorers that work a block at a time,
+  plus fixed blocks (R-KV's key similarities, CriticalKV's W_O-projected values); the multiples
+  bound what ``tests/core/test_vllm_memory.py`` measures, op by op, for every method the plugin runs;
+- the kept entries and their rows as vLLM writes them: ``4 Hkv B d es``;
+- for a config that reads the o_proj weight itself (``reads_weight``: CriticalKV's L1 norms, set-level
+  refinement) the weight read back for the step: ``((Hq d)^2 + 2 Hq d hidden) es`` and one float32
+  copy.
+
+Per token a request holds (``per_token``, taken from the pool in proportion: ``fraction``): an H2O
+prompt computed in chunks keeps ``[Hq, n]`` float32 summed scores per layer for its n tokens until
+its last chunk (``layers Hq 4`` bytes per token), and an evicting step stages the slots of the
+entries held and kept (16 bytes per token). These grow with the tokens the pool holds, not with
+``max_num_seqs``: a pool of N token slots needs ``N per_token`` bytes more at most.
+
+``python -m restkv.vllm.memory --model llama-3.1-8b --max-model-len 131072 --knobs '{...}'`` prints
+the terms (a built-in name or a folder with a ``config.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, replace
+
+from ..config import CompressionConfig
+from . import settings
+
+RECORDED = 8  # requests whose first eviction's kept positions the worker keeps (``Worker._record``)
+VALUE_BLOCK = 4096  # restkv.scoring.observe.VALUE_BLOCK
+SIMILARITY_BLOCK = 1 << 22  # restkv.methods.rkv.SIMILARITY_BLOCK
+PROJECTION_BLOCK = 1 << 22  # restkv.scoring.observe.PROJECTION_BLOCK
+
+# scorer -> (whether it reads the observed queries' attention, multiple of the K+V in float32, of a
+# VALUE_BLOCK's K+V in float32)
+SCRATCH = {
+    "snapkv": (True, 0.1, 0.0),
+    "tova": (True, 0.1, 0.0),
+    "finch": (True, 0.8, 0.0),
+    "cam": (True, 3.25, 0.0),
+    "restkv": (True, 0.35, 0.75),
+    "rkv": (True, 1.1, 0.0),
+    "h2o": (False, 1.25, 0.0),
+    "streamingllm": (False, 0.1, 0.0),
+    "random": (False, 0.15, 0.0),
+    "cur": (False, 0.15, 0.0),
+    "lacache": (False, 0.3, 0.0),
+    "l2norm": (False, 0.55, 0.0),
+    "keydiff": (False, 0.35, 0.25),
+    "lagkv": (False, 0.5, 0.9),
+}
+UNLISTED = (True, 3.25, 1.0)  # a scorer not measured: the largest of each
+
+MODELS = {  # per the models' config.json
+    "smollm2-135m": dict(layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, dtype="bfloat16"),
+    "llama-3.1-8b": dict(layers=32, heads=32, kv_heads=8, head_dim=128, hidden=4096, dtype="bfloat16"),
+}
+_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    heads: int  # Hq
+    kv_heads: int  # Hkv
+    head_dim: int
+    hidden: int
+    dtype_bytes: int
+
+    def per_rank(self, tensor_parallel: int) -> Model:
+        """One rank's heads (KV heads replicated when fewer than the ranks, as vLLM does)."""
+        return replace(
+            self,
+            heads=self.heads // tensor_parallel,
+            kv_heads=max(1, self.kv_heads // tensor_parallel),
+        )
+
+    def kv_bytes(self, entries: int, element: int | None = None) -> int:
+        """K+V of ``entries`` entries of one layer."""
+        return 2 * entries * self.kv_heads * self.head_dim * (element or self.dtype_bytes)
+
+
+def model_of(name_or_folder: str, dtype: str | None = None) -> Model:
+    """A built-in model (``MODELS``) or a folder's ``config.json``; ``dtype`` overrides its dtype."""
+    if name_or_folder in MODELS:
+        c = dict(MODELS[name_or_folder])
+    else:
+        path = os.path.join(name_or_folder, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--model: {name_or_folder!r} is neither {' nor '.join(MODELS)} nor a folder with a config.json")
+        with open(path) as f:
+            raw = json.load(f)
+        raw = raw.get("text_config", raw)
+        heads = raw["num_attention_heads"]
+        c = dict(
+            layers=raw["num_hidden_layers"],
+            heads=heads,
+            kv_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            hidden=raw["hidden_size"],
+            dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
+        )
+    dtype = dtype or c.pop("dtype")
+    c.pop("dtype", None)
+    if dtype not in _BYTES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(_BYTES)}")
+    return Model(**c, dtype_bytes=_BYTES[dtype])
+
+
+def reads_factor(cfg: CompressionConfig) -> bool:
+    """The score reads the W_O factor R [Hq, d, d] (``Observation.wo``)."""
+    if cfg.get("critical") and cfg.get("value_norm") == "l2":
+        return True
+    return (
+        cfg.scorer.scorer == "restkv.methods.restkv"
+        and cfg.get("indicator") == "reconstruction"
+        and bool(cfg.get("use_wo"))
+    )
+
+
+def reads_weight(cfg: CompressionConfig) -> bool:
+    """The selection reads the o_proj weight itself [hidden, Hq d] (``Observation.o_proj``)."""
+    return bool(cfg.get("critical") and cfg.get("value_norm") == "l1") or bool(cfg.get("refine_rounds"))
+
+
+def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
+    """The peak of one request's eviction (or H2O chunk score) in one layer holding ``held``
+    entries, term by term (bytes)."""
+    m, rows, budget = model, settings.query_rows(cfg), cfg.max_capacity_prompt
+    scorer = cfg.scorer.scorer.rsplit(".", 1)[-1]
+    attends, multiple, block_multiple = SCRATCH.get(scorer, UNLISTED)
+    fixed = 0  # float32 elements of blocks of a fixed size (at most the whole)
+    if scorer == "rkv":  # its key similarities [Hkv, rows, L], a few at once
+        fixed += 4 * min(SIMILARITY_BLOCK + m.kv_heads * held, m.kv_heads * held * held)
+    if cfg.get("critical"):
+        multiple += 0.75
+        if cfg.get("value_norm") == "l1":  # W_O-projected values [Hkv, n, hidden], and their norms
+            fixed += 2 * min(PROJECTION_BLOCK + m.kv_heads * m.hidden, m.kv_heads * held * m.hidden)
+        else:  # R-projected values [Hq, VALUE_BLOCK / g, d], a block at a time
+            block_multiple += 1.25
+    if cfg.get("chunk_size"):
+        multiple += 0.1
+    if cfg.get("refine_rounds"):
+        multiple += 6.0
+    attention = 0
+    if attends:
+        attention = m.heads * rows * held * 4
+        if m.dtype_bytes < 4:  # one KV head's product and keys in float32 (Observation.attention)
+            attention += attention // m.kv_heads + held * m.head_dim * 4
+    weight = 0
+    if reads_weight(cfg):
+        width = m.heads * m.head_dim
+        weight = (width * width + 2 * width * m.hidden) * m.dtype_bytes + width * m.hidden * 4
+    if cfg.get("refine_rounds"):
+        g = m.heads // m.kv_heads
+        weight += m.kv_heads * g * g * m.head_dim**2 * 4  # M_ac
+    return {
+        "read back (1 x K+V)": m.kv_bytes(held),
+        "observed queries' attention": attention,
+        "selection scratch": int(
+            multiple * m.kv_bytes(held, 4)
+            + block_multiple * m.kv_bytes(min(held, VALUE_BLOCK), 4)
+            + fixed * 4
+        ),
+        "kept entries and their rows": 2 * m.kv_bytes(budget),
+        "o_proj weight read": weight,
+    }
+
+
+def fixed_bytes(cfg: CompressionConfig, model: Model, max_num_seqs: int, max_model_len: int) -> dict:
+    """Every term that does not grow with the pool (bytes), the eviction's as one."""
+    m = model
+    return {
+        "query ring": m.layers * max_num_seqs * settings.query_rows(cfg) * m.heads * m.head_dim * m.dtype_bytes,
+        "W_O factors": m.layers * m.heads * m.head_dim**2 * 4 if reads_factor(cfg) else 0,
+        "kept positions": RECORDED * m.layers * m.kv_heads * cfg.max_capacity_prompt * 8,
+        "one eviction": sum(eviction_bytes(cfg, m, max_model_len).values()),
+    }
+
+
+def per_token(cfg: CompressionConfig, model: Model) -> int:
+    """Bytes per token held in the pool: H2O's chunk sums (every layer) and the staged slots."""
+    sums = model.layers * model.heads * 4 if settings.summed(cfg) else 0
+    return sums + 16
+
+
+def fraction(cfg: CompressionConfig, model: Model) -> float:
+    """``per_token`` over the pool's bytes per token (every layer's K+V of one token)."""
+    return per_token(cfg, model) / (model.layers * model.kv_bytes(1))
+
+
+def reserved(cfg: CompressionConfig, model: Model, max_num_seqs: int, max_model_len: int, available: int) -> int:
+    """Bytes to leave out of ``available`` so that the pool of what is left, plus the plugin at its
+    peak, fits: ``fixed + (available - fixed) f / (1 + f)``."""
+    fixed = sum(fixed_bytes(cfg, model, max_num_seqs, max_model_len).values())
+    f = fraction(cfg, model)
+    return fixed + max(0, int((available - fixed) * f / (1 + f)))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help=f"{', '.join(MODELS)}, or a folder with a config.json")
+    p.add_argument("--dtype", default=None, help="the model's dtype (default: its config's)")
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--knobs", default='{"method": "snapkv"}', help="the plugin's knobs (JSON)")
+    a = p.parse_args(argv)
+    try:
+        knobs = json.loads(a.knobs)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--knobs must be a JSON object of restkv knobs: {e}") from None
+    cfg = settings.from_env({"restkv": knobs})
+    model = model_of(a.model, a.dtype).per_rank(a.tensor_parallel_size)
+    print(f"{a.model}, per rank: {model}; max_model_len {a.max_model_len}, max_num_seqs {a.max_num_seqs}")
+    for name, n in fixed_bytes(cfg, model, a.max_num_seqs, a.max_model_len).items():
+        print(f"  {name}: {_gib(n)}")
+    for name, n in eviction_bytes(cfg, model, a.max_model_len).items():
+        print(f"    {name}: {_gib(n)}")
+    layer_kv = model.kv_bytes(a.max_model_len)
+    print(f"  (one layer's K+V at max_model_len: {_gib(layer_kv)})")
+    print(f"  per token held: {per_token(cfg, model)} B, {fraction(cfg, model):.2%} of the pool")
+
+
+if __name__ == "__main__":
+    main()

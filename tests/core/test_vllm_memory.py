@@ -1,0 +1,161 @@
+"""``restkv.vllm.memory``'s estimate of the plugin's memory against what the worker allocates on CPU:
+every tensor created during an eviction, op by op (``Tracked``), and the tensors the worker holds
+after a paged engine in plain torch (``tests/vllm_sim.py``) has served requests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import prompt, small, tiny_model
+from test_vllm_worker import VLLM_METHODS
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from vllm_sim import PagedEngine
+
+from restkv.config import CompressionConfig
+from restkv.vllm import memory, paged, settings
+from restkv.vllm.worker import Worker
+
+FACTOR = 2.0  # the estimate is at most this multiple of the measured peak
+EXTRA = [  # configs whose selection reads W_O otherwise
+    {"method": "criticalkv", "value_norm": "l2"},
+    {"method": "snapkv", "refine_rounds": 1},
+]
+
+
+class Tracked(TorchDispatchMode):
+    """``peak``: the most bytes of storages created inside the block alive at once, after each op
+    (an op's output that is not one of its inputs' storages is a new allocation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s.data_ptr() not in inputs and s.data_ptr() not in self.live:
+                    self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self.live = {p: v for p, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def _knobs(case) -> dict:
+    return small(case) if isinstance(case, str) else dict(case)
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [(8, 2, 128, torch.bfloat16, 4096), (9, 3, 64, torch.float32, 2048)],
+    ids=["8-2-d128-bf16-L4096", "9-3-d64-fp32-L2048"],
+)
+@pytest.mark.parametrize("case", VLLM_METHODS + EXTRA, ids=lambda c: c if isinstance(c, str) else json.dumps(c))
+def test_eviction_peak_within_the_estimate(case, geometry):
+    """One request holding L entries evicts in one layer of a paged cache (its prompt in one step):
+    the peak of what ``Worker.layer`` allocates is at most ``memory.eviction_bytes`` (plus, for H2O,
+    the layer's summed scores it counts per token) and at least 1 / FACTOR of it. The W_O factor is
+    computed when the layers are indexed exactly when ``memory.reads_factor`` says so, and the step
+    reads the o_proj weight exactly when ``memory.reads_weight`` does."""
+    hq, hkv, d, dtype, L = geometry
+    hidden, block_size, budget = 4 * d, 16, 256
+    cfg = CompressionConfig.from_kwargs(**{**_knobs(case), "max_capacity_prompt": budget, "window_size": 32})
+    settings.check(cfg)
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(hidden, hq * d, generator=g).to(dtype)
+    reads = []
+
+    def o_proj():
+        reads.append(1)
+        return weight.clone()  # a read makes the weight anew, as vLLM's reader does
+
+    worker = Worker(cfg, slots=2, caching=False, block_size=block_size)
+    blocks = -(-L // block_size)
+    others = {f"model.layers.{i}.attn": None for i in (1, 2, 3)}  # the first of 4 layers (LaCache's ladder)
+    worker.index_layers({"model.layers.0.attn": o_proj, **others}, heads=hq)
+    assert bool(worker.factors) == memory.reads_factor(cfg) == bool(reads)
+    reads.clear()
+    cache = torch.randn(blocks, hkv, block_size, 2 * d, generator=g).to(dtype)
+    layer = paged.Paged(cache, cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2), block_size)
+    worker.blocks["r"] = list(range(blocks))
+    worker.begin(["r"], [0], [L], [L], "cpu")
+    query = torch.randn(L, hq, d, generator=g).to(dtype)
+    with Tracked() as t:
+        worker.layer("model.layers.0.attn", query, layer, d**-0.5, None)
+    ring = worker.ring.buffers["model.layers.0.attn"].nbytes  # allocated on the layer's first step
+    peak = t.peak - ring
+    assert bool(reads) == memory.reads_weight(cfg)
+    model = memory.Model(1, hq, hkv, d, hidden, torch.empty(0, dtype=dtype).element_size())
+    estimate = sum(memory.eviction_bytes(cfg, model, L).values())
+    if settings.summed(cfg):
+        estimate += (memory.per_token(cfg, model) - 16) * L  # the layer's [Hq, L] float32 sums
+    assert peak <= estimate, f"measured {peak / 2**20:.2f} MiB over the estimate {estimate / 2**20:.2f} MiB"
+    assert estimate <= FACTOR * peak, f"estimate {estimate / 2**20:.2f} MiB, measured {peak / 2**20:.2f} MiB"
+
+
+@pytest.mark.parametrize("method", ["snapkv", "restkv", "h2o"])
+def test_held_tensors_are_the_estimates(method):
+    """After a paged engine (4 slots) has served two prompts in chunks, evicting while decoding,
+    the worker holds its query ring (as counted), the W_O factors (as counted, and only where the
+    config reads them), the kept positions recorded (at most as counted) and nothing else: no o_proj
+    weight, no summed scores."""
+    knobs = {**small(method), "max_capacity_prompt": 40, "window_size": 8, "decode_interval": 10}
+    eng = PagedEngine(tiny_model(attn_implementation="restkv_paged_sim"), knobs, chunk=13)
+    for seed in (1, 2):
+        eng.generate(prompt(80, seed=seed)[0].tolist(), 25)
+    c = eng.model.config
+    model = memory.Model(
+        c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size, 4
+    )
+    terms = memory.fixed_bytes(eng.cfg, model, max_num_seqs=4, max_model_len=80 + 25)
+    w = eng.worker
+    assert sum(b.nbytes for b in w.ring.buffers.values()) == terms["query ring"]
+    assert sum(f.nbytes for f in w.factors.values()) == terms["W_O factors"]
+    kept = sum(p.nbytes for layers in w.kept.values() for p in layers.values())
+    assert 0 < kept <= terms["kept positions"]
+    assert not any(h.sums for h in w.requests.values())
+
+
+def test_reserved_fits_the_pool_and_the_plugin():
+    """Of ``available`` bytes, the pool left after ``reserved`` plus the plugin's fixed bytes and its
+    bytes per pooled token fit, with less than one pool token to spare."""
+    model = memory.model_of("llama-3.1-8b")
+    for knobs in ({"method": "snapkv"}, {"method": "h2o"}):
+        cfg = CompressionConfig.from_kwargs(**knobs)
+        for available in (40 * 2**30, 100 * 2**30):
+            pool = available - memory.reserved(cfg, model, 256, 32768, available)
+            tokens = pool / (model.layers * model.kv_bytes(1))
+            fixed = sum(memory.fixed_bytes(cfg, model, 256, 32768).values())
+            used = pool + fixed + tokens * memory.per_token(cfg, model)
+            assert available - model.layers * model.kv_bytes(1) < used <= available + 1
+
+
+def test_config_folder_equals_built_in(tmp_path, capsys):
+    """A folder's config.json reads as the built-in sizes; the command prints every term."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "hidden_size": 4096, "torch_dtype": "bfloat16",
+            }
+        )
+    )
+    assert memory.model_of(str(tmp_path)) == memory.model_of("llama-3.1-8b")
+    assert memory.model_of("llama-3.1-8b").per_rank(4).kv_heads == 2
+    memory.main(["--model", str(tmp_path), "--max-model-len", "32768", "--knobs", '{"method": "restkv"}'])
+    out = capsys.readouterr().out
+    for term in ("query ring", "W_O factors", "one eviction", "read back", "per token held"):
+        assert term in out
+    with pytest.raises(ValueError, match="--model"):
+        memory.model_of(str(tmp_path / "absent"))
