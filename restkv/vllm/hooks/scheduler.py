@@ -9,19 +9,25 @@
   eviction under prefix caching; ``free`` / ``pop_blocks_for_free`` forget it.
 - ``Scheduler.update_from_output``: after the step, the blocks past the kept ones go back to the
   pool (a block other requests share keeps its other references, a cached one its hash: it was not
-  written), and an evicted request's blocks are never cached.
+  written), and an evicted request's blocks are never cached; a preempted request that generated
+  tokens and evicted, or holds more than the budget (its recomputation evicts), is named in one
+  log line: computed again from its tokens, it evicts again at another point, so its tokens from
+  there on can differ from a run without preemption (one preempted before is computed again as
+  it was).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from dataclasses import dataclass, field
 
 from .. import settings
 from .refusals import check_config
 
 NEVER_CACHED = 1 << 62  # an evicted request's count of cached blocks: none of its blocks is hashed again
+logger = logging.getLogger("vllm.restkv")  # under vLLM's logger: its handler and level
 
 
 @dataclass
@@ -33,6 +39,7 @@ class Blocks:
     block_size: int
     offsets: dict = field(default_factory=dict)  # request id -> logical - held entries
     due: dict = field(default_factory=dict)  # request id -> settings.Eviction, this step's
+    freed: dict = field(default_factory=dict)  # request id -> its offset when freed, this step
 
     def held(self, request_id: str, tokens: int) -> int:
         return tokens - self.offsets.get(request_id, 0)
@@ -44,7 +51,7 @@ class Blocks:
         return e.slots if e is not None and e.fresh else self.held(request_id, tokens)
 
     def forget(self, request_id: str) -> None:
-        self.offsets.pop(request_id, None)
+        self.freed[request_id] = self.offsets.pop(request_id, 0)
         self.due.pop(request_id, None)
 
 
@@ -171,6 +178,20 @@ def update_from_output(orig):
             for manager in self.kv_cache_manager.coordinator.single_type_managers:
                 keep_evicted(manager, req_id, e, state.caching)
             state.offsets[req_id] = state.offsets.get(req_id, 0) + e.held - e.budget
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            request, evicted = self.requests.get(req_id), state.freed.get(req_id, 0)
+            if request is None or not request.num_output_tokens:
+                continue  # computed again as it was: its prompt's eviction at the same point
+            if evicted or request.num_tokens > state.cfg.max_capacity_prompt:
+                logger.info(
+                    "restkv: request %s preempted after %d generated tokens (%d entries evicted): "
+                    "computed again from its tokens, it evicts again; its later tokens can differ "
+                    "from a run without preemption",
+                    req_id,
+                    request.num_output_tokens,
+                    evicted,
+                )
+        state.freed.clear()
         return out
 
     return wrapped

@@ -1,0 +1,200 @@
+"""``restkv-vllm serve`` under bounded bursts of concurrent HTTP requests on 127.0.0.1, with the
+plugin on (SnapKV, B=128, window 32, evicting every 32 generated tokens) and a KV pool of 32 blocks
+of 32 tokens, so that requests queue and are preempted.
+
+Each burst sends at once (the second staggered, in reverse order) long prompts (450 and 500
+tokens), prompts sharing their first 256 tokens, short ones that never exceed the budget, a long
+generation evicting while it decodes, two streamed requests whose client closes the connection
+after 3 chunks and a prompt over ``--max-model-len`` (HTTP 400). After each burst vLLM's own
+``/metrics`` say that nothing runs or waits and no KV block is in use; after both, that the pool
+preempted requests.
+
+What is compared: every request that completes is sent again alone to the same server, and its
+greedy tokens must equal the burst's, all of them, unless the server logged it as preempted after
+it evicted or while holding more than the budget (the plugin's ``restkv: request ... preempted
+after k generated tokens`` line): such a request is computed again from its tokens and evicts
+again at another point, so only its first k tokens must equal. A request preempted before its
+first token, or before evicting while it held at most B entries, is computed again exactly as
+before (its prompt's eviction at the same point) and is compared whole.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_serve import _free_port, _wait, serve
+
+pytestmark = pytest.mark.vllm
+
+KNOBS = {"method": "snapkv", "max_capacity_prompt": 128, "window_size": 32, "decode_interval": 32}
+MAX_LEN, BLOCK, POOL_BLOCKS = 640, 32, 32
+PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2's K and V bytes per token in float32
+PREEMPTED = re.compile(r"restkv: request (\S+) preempted after (\d+) generated tokens")
+
+
+def requests(ids: list[int]) -> dict:
+    """name -> (prompt, max_tokens, kind): ``complete``, ``drop`` (streamed, closed after 3 chunks)
+    or ``too_long``."""
+    shared = ids[:256]
+    return {
+        "long-500": (ids[:500], 48, "complete"),
+        "long-450": (ids[200:650], 40, "complete"),
+        "shared-296": (shared + ids[300:340], 40, "complete"),
+        "shared-316": (shared + ids[500:560], 40, "complete"),
+        "shared-356": (shared + ids[600:700], 40, "complete"),
+        "short-60": (ids[700:760], 40, "complete"),  # 100 entries at most: never evicts
+        "short-50": (ids[100:150], 64, "complete"),
+        "generation": (ids[400:460], 120, "complete"),  # evicts at 156, 188
+        "drop-400": (ids[50:450], 200, "drop"),
+        "drop-shared": (shared + ids[260:300], 200, "drop"),
+        "too-long": (ids[:MAX_LEN] + ids[:8], 8, "too_long"),
+    }
+
+
+class Client:
+    def __init__(self, port: int, model: str):
+        self.port, self.model = port, model
+
+    def body(self, prompt: list[int], max_tokens: int, **more) -> dict:
+        return {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **more,
+        }
+
+    def complete(self, prompt, max_tokens, request_id: str) -> tuple[int, list[int] | None]:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            json.dumps(self.body(prompt, max_tokens)).encode(),
+            {"Content-Type": "application/json", "X-Request-Id": request_id},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                return response.status, json.loads(response.read())["choices"][0]["token_ids"]
+        except urllib.error.HTTPError as e:
+            return e.code, None
+
+    def drop(self, prompt, max_tokens, request_id: str, chunks: int = 3) -> tuple[int, int]:
+        """A streamed request whose connection is closed after ``chunks`` chunks."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        body = json.dumps(self.body(prompt, max_tokens, stream=True))
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        conn.request("POST", "/v1/completions", body, headers)
+        response = conn.getresponse()
+        seen = 0
+        while seen < chunks:
+            line = response.readline()
+            if not line:
+                break
+            seen += line.startswith(b"data: {")
+        conn.sock.close()
+        conn.close()
+        return response.status, seen
+
+    def metrics(self) -> dict:
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+        values: dict = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:"):
+                name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+                values[name] = values.get(name, 0.0) + value
+        return values
+
+    def idle(self, seconds: int = 120) -> dict:
+        """``/metrics`` once nothing runs or waits (an aborted stream leaves within a step)."""
+        deadline = time.time() + seconds
+        while True:
+            m = self.metrics()
+            if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0:
+                return m
+            assert time.time() < deadline, f"requests still running or waiting: {m}"
+            time.sleep(1)
+
+
+def burst(client: Client, reqs: dict, tag: str, stagger: float) -> dict:
+    """Each request of ``reqs`` from its own thread, ``stagger`` seconds apart -> name -> result."""
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        futures = {}
+        for name, (prompt, max_tokens, kind) in reqs.items():
+            call = client.drop if kind == "drop" else client.complete
+            futures[name] = pool.submit(call, prompt, max_tokens, f"{tag}-{name}")
+            time.sleep(stagger)
+        return {name: f.result(timeout=600) for name, f in futures.items()}
+
+
+def test_bursts_over_http_give_each_completed_request_its_tokens(model_dir, text_ids, tmp_path):
+    reqs = requests(text_ids)
+    port = _free_port()
+    flags = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
+    pool = POOL_BLOCKS * BLOCK * PER_TOKEN
+    flags += ["--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(pool)]
+    flags += ["--max-num-batched-tokens", "256", "--max-num-seqs", "8"]
+    command = serve(model_dir, KNOBS, *flags)
+    command[command.index("--max-model-len") + 1] = str(MAX_LEN)
+    env = {k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    client = Client(port, model_dir)
+    try:
+        _wait(f"http://127.0.0.1:{port}/health", server)
+        results = {}
+        for tag, order, stagger in [("b1", list(reqs), 0.0), ("b2", list(reqs)[::-1], 0.3)]:
+            results[tag] = burst(client, {n: reqs[n] for n in order}, tag, stagger)
+            after = client.idle()
+            assert after["vllm:kv_cache_usage_perc"] == 0.0, f"{tag}: blocks still held: {after}"
+        preemptions = after["vllm:num_preemptions_total"]
+        alone = {
+            name: client.complete(prompt, max_tokens, f"alone-{name}")
+            for name, (prompt, max_tokens, kind) in reqs.items()
+            if kind == "complete"
+        }
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    text = log.read_text()
+    assert preemptions > 0, "the pool never preempted a request: make it tighter"
+    first_preempted: dict = {}
+    for request_id, k in PREEMPTED.findall(text):
+        tag_name = request_id.removeprefix("cmpl-").rsplit("-", 2)[0]
+        first_preempted[tag_name] = min(int(k), first_preempted.get(tag_name, 1 << 30))
+    compared_whole = 0
+    for tag, got in results.items():
+        for name, (prompt, max_tokens, kind) in reqs.items():
+            status, out = got[name]
+            if kind == "too_long":
+                assert status == 400, f"{tag} {name}"
+            elif kind == "drop":
+                assert status == 200 and 0 < out, f"{tag} {name}: {out} chunks"
+            else:
+                assert status == 200 and alone[name][0] == 200, f"{tag} {name}"
+                assert len(out) == max_tokens
+                k = first_preempted.get(f"{tag}-{name}", max_tokens)
+                assert out[:k] == alone[name][1][:k], f"{tag} {name} (first preempted at {k})"
+                compared_whole += k == max_tokens
+    print(
+        f"preemptions {preemptions:.0f}; preempted after evicting or past the budget: "
+        f"{first_preempted}; completed requests compared whole: {compared_whole} of 16"
+    )
+    assert compared_whole >= 8, f"only {compared_whole} requests compared whole"
