@@ -78,7 +78,8 @@ $(VLLM033_STAMP):
 	touch $(VLLM033_STAMP)
 
 vllm033-test: $(VLLM033_STAMP)
-	PYTHONPATH=$(CURDIR) $(VLLM033_VENV)/bin/python -m pytest -q tests/vllm_plugin/test_scheduler_side.py \
+	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(VLLM033_VENV)/bin/python -m pytest -q \
+		tests/vllm_plugin/test_scheduler_side.py tests/vllm_plugin/test_layouts_vllm.py \
 		tests/vllm_plugin/test_hooks_vllm.py
 
 # The quick suite on the lowest transformers requirements.txt allows: a venv that installs only that version

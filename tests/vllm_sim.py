@@ -69,7 +69,7 @@ class PagedEngine:
             for _ in range(cfg.num_hidden_layers)
         ]
         if layout == "declared":
-            self.paged = [paged.declared(c, d) for c in self.caches]
+            self.paged = [paged.declared(c, "SIM", hkv, d, block_size, model.dtype) for c in self.caches]
         else:
             self.paged = [
                 paged.probed(c, block_size, hkv, d, scrambled_writer, "scrambled")

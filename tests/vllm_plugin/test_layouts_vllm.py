@@ -143,12 +143,6 @@ def layer_of(backend, spec, model_dtype, kv_cache_dtype="auto"):
     )  # fmt: skip
 
 
-def engine(monkeypatch, block_size: int):
-    """A step in flight on an engine of ``block_size``-token blocks (what the plugin's worker
-    tells ``declared``)."""
-    monkeypatch.setattr(attention, "CURRENT", [SimpleNamespace(block_size=block_size)])
-
-
 @pytest.mark.parametrize("writer", list(WRITERS))
 @pytest.mark.parametrize("block_size, kernel, heads, d", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -168,7 +162,6 @@ def test_the_plugin_reads_and_writes_each_entry_where_vllm_writes_it(
     for writer_name in ("reshape_and_cache_flash", "triton_reshape_and_cache_flash"):
         monkeypatch.setattr(module, writer_name, write, raising=False)
     monkeypatch.setattr(torch.ops, "_C_cache_ops", SimpleNamespace(reshape_and_cache_flash=write))
-    engine(monkeypatch, block_size)
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=d, dtype=dtype)
     spec = customize_attention_spec(backend, spec)
@@ -185,10 +178,10 @@ def test_the_plugin_reads_and_writes_each_entry_where_vllm_writes_it(
     impl.do_kv_cache_update(layer, keys, values, caches["l1"], slots)  # the middle layer of three
     assert written.any()
 
-    read_keys, read_values = attention.declared(impl, layer, caches["l1"]).read(slots)
+    read_keys, read_values = attention.declared(impl, layer, caches["l1"], block_size).read(slots)
     assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
     blank, blank_caches, _ = with_vllm()
-    attention.declared(impl, layer, blank_caches["l1"]).write(slots, keys, values)
+    attention.declared(impl, layer, blank_caches["l1"], block_size).write(slots, keys, values)
     assert torch.equal(blank, written)  # the writer's elements, and no other (nor another layer's)
 
 
@@ -196,7 +189,6 @@ def test_the_plugin_reads_and_writes_each_entry_where_vllm_writes_it(
 def test_a_quantized_page_is_refused_naming_the_backend(monkeypatch, name):
     """An fp8 cache as vLLM allocates it for the backend: not the model's dtype."""
     _, backend, _ = declaration(name)
-    engine(monkeypatch, 16)
     spec = FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
         kv_quant_mode=get_kv_quant_mode("fp8"),
@@ -205,7 +197,7 @@ def test_a_quantized_page_is_refused_naming_the_backend(monkeypatch, name):
     _, caches, _ = pages(backend, spec, 16, "LBHNC", None)
     impl = SimpleNamespace(num_kv_heads=2, head_size=64)
     with pytest.raises(ValueError, match=f"{name}'s KV cache .* not the model's torch.bfloat16"):
-        attention.declared(impl, layer_of(backend, spec, torch.bfloat16, "fp8"), caches["l1"])
+        attention.declared(impl, layer_of(backend, spec, torch.bfloat16, "fp8"), caches["l1"], 16)
 
 
 @pytest.mark.parametrize("heads, refused", [(2, "2 head slots for 2 KV heads"), (1, "ambiguous")])
@@ -215,7 +207,6 @@ def test_two_packed_planes_are_refused(monkeypatch, heads, refused):
     Hkv = 1: the plugin refuses both."""
     from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend
 
-    engine(monkeypatch, 16)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16)
     spec = RocmAttentionBackend.customize_spec(spec)
     assert spec.num_head_slots == 2
@@ -224,7 +215,7 @@ def test_two_packed_planes_are_refused(monkeypatch, heads, refused):
     impl = SimpleNamespace(num_kv_heads=heads, head_size=64)
     layer = layer_of(RocmAttentionBackend, spec, torch.bfloat16)
     with pytest.raises(ValueError, match=refused):
-        attention.declared(impl, layer, caches["l1"])
+        attention.declared(impl, layer, caches["l1"], 16)
 
 
 def test_the_core_tests_copy_of_the_layouts_is_vllms():
@@ -242,7 +233,6 @@ def test_a_page_of_2_hkv_head_slots_is_read_on_its_head_axis(monkeypatch, layout
     at the model's dtype: vLLM allocates [B, 2 Hkv, N, d]; FlashInfer's ``do_kv_cache_update``
     splits it into keys and values as quoted below (its module needs the flashinfer package)."""
     heads, d, block_size = 2, 64, 16
-    engine(monkeypatch, block_size)
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=heads, head_size=d, dtype=torch.bfloat16
     )

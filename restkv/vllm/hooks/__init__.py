@@ -174,6 +174,9 @@ READS = {
     "vllm.v1.worker.block_table.MultiGroupBlockTable": ("block_tables", "compute_slot_mapping"),
     "vllm.v1.worker.block_table.BlockTable": ("block_table", "num_blocks_per_row"),
     "vllm.v1.worker.gpu_worker.Worker": ("model_runner",),
+    "vllm.model_executor.layers.attention.attention.Attention": (
+        "layer_name", "impl", "kv_cache", "attn_backend", "kv_cache_dtype", "kv_cache_torch_dtype", "dtype",
+    ),
     "vllm.v1.core.sched.output.SchedulerOutput": (
         "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens",
         "finished_req_ids",
@@ -304,5 +307,5 @@ def covered(model_runner) -> None:
                 f"restkv.vllm: layer {layer_name}'s attention backend {type(layer.impl).__qualname__} is not one "
                 f"the plugin hooks ({', '.join(BACKENDS)}): {refusals.BACKEND_FLAG}"
             )
-        layouts[backend][1](layer.impl, layer, layer.kv_cache)
+        layouts[backend][1](layer.impl, layer, layer.kv_cache, worker.block_size)
         worker.backends[layer_name] = backend

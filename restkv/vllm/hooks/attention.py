@@ -17,7 +17,7 @@ from .runner import CURRENT
 
 def forward(layout):
     """A backend's ``forward`` followed by ``Worker.layer`` on the cache as ``layout(impl, layer,
-    kv_cache)`` reads it."""
+    kv_cache, block_size)`` reads it (``block_size``: the engine's)."""
 
     def wrap(orig):
         @functools.wraps(orig)
@@ -28,7 +28,8 @@ def forward(layout):
                 tokens = attn_metadata.num_actual_tokens
                 q = query[:tokens].view(tokens, self.num_heads, self.head_size)
                 softcap = getattr(self, "logits_soft_cap", None) or None  # 0: none
-                worker.layer(layer.layer_name, q, layout(self, layer, kv_cache), self.scale, softcap)
+                paged_cache = layout(self, layer, kv_cache, worker.block_size)
+                worker.layer(layer.layer_name, q, paged_cache, self.scale, softcap)
             return out
 
         return wrapped
@@ -36,10 +37,10 @@ def forward(layout):
     return wrap
 
 
-def declared(impl, layer, kv_cache) -> paged.Paged:
+def declared(impl, layer, kv_cache, block_size: int) -> paged.Paged:
     """FlashAttention, FlashInfer, Triton: the cache as the backend declares it, checked against the
-    layer's KV heads and head size, the engine's block size and the model's dtype."""
-    backend, block_size = layer.attn_backend, CURRENT[0].block_size
+    layer's KV heads and head size, the engine's ``block_size`` and the model's dtype."""
+    backend = layer.attn_backend
     heads, d = impl.num_kv_heads, impl.head_size
     key = (backend, heads, d, layer.kv_cache_dtype, layer.dtype, block_size)
     if key not in _HEAD_SLOTS:
@@ -60,7 +61,7 @@ def declared(impl, layer, kv_cache) -> paged.Paged:
 _HEAD_SLOTS: dict = {}
 
 
-def cpu(impl, layer, kv_cache) -> paged.Paged:
+def cpu(impl, layer, kv_cache, block_size: int) -> paged.Paged:
     """vLLM's CPU backend: [blocks, Hkv, block_size, 2 d], each block packed for its ISA by
     ``cpu_attn_reshape_and_cache`` (probed once per block shape, dtype and ISA)."""
     from vllm import _custom_ops as ops
@@ -73,5 +74,4 @@ def cpu(impl, layer, kv_cache) -> paged.Paged:
             k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
         )  # fmt: skip
 
-    _, heads, size, _ = kv_cache.shape
-    return paged.probed(kv_cache, size, heads, impl.head_size, writer, layer.isa)
+    return paged.probed(kv_cache, block_size, kv_cache.shape[1], impl.head_size, writer, layer.isa)
