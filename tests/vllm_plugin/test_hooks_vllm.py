@@ -14,13 +14,14 @@ import importlib
 import importlib.util
 import inspect
 import textwrap
+from pathlib import Path
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from restkv.vllm import SUPPORTED, hooks  # noqa: E402
-from restkv.vllm.hooks import refusals  # noqa: E402
+from restkv.vllm import SUPPORTED, hooks
+from restkv.vllm.hooks import refusals
 
 pytestmark = [pytest.mark.vllm, pytest.mark.quick]
 
@@ -36,7 +37,7 @@ def test_every_target_and_parameter_exists_in_this_vllm():
 def _source_class(module: str, owner: str) -> ast.ClassDef:
     """The class ``owner`` of ``module``'s source file, without importing the module."""
     origin = importlib.util.find_spec(module).origin
-    tree = ast.parse(open(origin).read())
+    tree = ast.parse(Path(origin).read_text())
     found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner]
     assert found, f"{module} has no class {owner}"
     return found[0]
