@@ -178,9 +178,9 @@ def test_training_brings_the_scores_closer_to_kvzip_on_held_out_windows(monkeypa
     """On a tiny random model (KVzip's scores of 8 essay windows, one held out), each training lowers its
     held-out loss, and KVzap's raises the rank correlation with KVzip's scores (a random model's KVzip
     scores are nearly flat: the gate learns their level first; its ranks are checked on SmolLM2 below)."""
-    monkeypatch.setattr(trained, "MLP_EPOCHS", 60)
-    monkeypatch.setattr(trained, "GATE_STEPS", 150)
-    monkeypatch.setattr(trained, "GATE_EPOCHS", 100)
+    monkeypatch.setattr(trained.training, "MLP_EPOCHS", 60)
+    monkeypatch.setattr(trained.training, "GATE_STEPS", 150)
+    monkeypatch.setattr(trained.training, "GATE_EPOCHS", 100)
     model = tiny_model("llama")
     data = trained.examples(model, tiny_tokenizer(), 8, 256)
     drawn = 8 * (256 - 4)  # every position after the 4 sinks (fewer than POSITIONS)
