@@ -1,9 +1,10 @@
 """The vLLM benchmarks run end to end on the packaged SmolLM2 (small sizes): the serving table with
 its ratios, and the check a GPU user runs (its checks on the harness's runs, its exit status on a
-reference that differs)."""
+reference that differs), and the GPU verification's arms as vLLM's own config classes read them."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import subprocess
@@ -15,8 +16,16 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness import PROMPT_LEN, ROOT, SNAPKV, engine_run, reference  # noqa: E402
+from vllm_gpu_verify import arms  # noqa: E402
 
 pytestmark = pytest.mark.vllm
+
+
+def plan() -> list:
+    """vllm_gpu_verify.py's arms for a model M."""
+    return arms(argparse.Namespace(
+        model="M", reference=None, out=ROOT / "r.md", knobs="{}", prompt_len=4000, new_tokens=160, gpu_check="",
+    ))  # fmt: skip
 
 
 def _run(*args: str, status: int = 0) -> str:
@@ -40,6 +49,22 @@ def test_serving_table(model_dir):
     assert running[1] >= running[0]  # requests held under the budget: at least as many run at once
     evicting = [float(x.split("(")[0]) for x in rows["snapkv"].split("|")[2:6]]
     assert evicting[3] > 0 and abs(sum(evicting[:3]) - evicting[3]) < 0.02
+
+
+def test_each_arm_reads_as_vllm_reads_it():
+    """The backend names, the runner's variable and the graph mode are vLLM's own."""
+    from vllm import envs
+    from vllm.config import AttentionConfig, CompilationConfig
+    from vllm.config.compilation import CUDAGraphMode
+
+    assert "VLLM_USE_V2_MODEL_RUNNER" in envs.environment_variables
+    for _, cmd, _ in plan()[:-1]:
+        engine = json.loads(cmd[cmd.index("--engine") + 1])
+        backend = AttentionConfig(**engine["attention_config"]).backend
+        assert backend.name == engine["attention_config"]["backend"]
+        if "compilation_config" in engine:
+            mode = CompilationConfig(**engine["compilation_config"]).cudagraph_mode
+            assert mode == CUDAGraphMode.PIECEWISE
 
 
 def test_check_passes_the_plugin_and_names_each_failure(model_dir, prompt):
