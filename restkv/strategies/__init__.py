@@ -9,8 +9,8 @@ A strategy is one module of this package with
   ======================  =========================================================  ======================
   stage                   hook                                                       modules
   ======================  =========================================================  ======================
-  budget                  ``sample_budgets``, ``layer_budgets``, ``head_sizes``,      ``budgets``
-                          ``global_sizes`` (per sample, layer, head, across layers)
+  budget                  ``sample_budgets``, ``layer_budgets``, ``head_sizes``,      ``budgets``,
+                          ``global_sizes`` (per sample, layer, head, across layers)  ``head_budgets``
   ranking                 ``applies(cfg)`` and ``rank(obs, cfg, scores, key, keep)``  ``RANKINGS``, in order
   kept entries            ``merge(cfg, obs, scores, idx, keys, values)``              ``merge``
   kept keys' positions    ``packed_positions``, ``rerotated``                         ``rerotate``
