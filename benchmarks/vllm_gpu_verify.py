@@ -31,6 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vllm_check import NOT_RUN as REFUSED  # vllm_check's exit status when vLLM refused the engine
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BACKENDS = {"FlashAttention": "FLASH_ATTN", "FlashInfer": "FLASHINFER"}  # vLLM's AttentionBackendEnum
@@ -69,7 +71,7 @@ def outcome(status: int, stdout: str, stderr: str) -> tuple[str, str]:
     if status == 0:
         return PASSED, ""
     not_run = [x for x in lines if x.startswith("not run: ")]
-    if status == 3 and not_run:
+    if status == REFUSED and not_run:
         return NOT_RUN, not_run[0][len("not run: ") :]
     fails = [x[len("FAIL ") :] for x in lines if x.startswith("FAIL ")]
     last = [x for x in stderr.splitlines() if x.strip()]
@@ -104,6 +106,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=3600, help="seconds per arm")
     p.add_argument("--plan", action="store_true", help="print the arms and their commands; run nothing")
     args = p.parse_args(argv)
+    for name in ("prompt_len", "new_tokens", "timeout"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    sys.path.insert(0, str(ROOT))
+    from restkv.vllm import settings
+
+    try:
+        settings.from_env({"restkv": json.loads(args.knobs)})
+    except ValueError as e:  # JSONDecodeError included
+        p.error(f"--knobs: {e}")
     args.out = args.out.resolve()  # the arms run in the repository's root
     if args.reference and Path(args.reference).exists():
         args.reference = os.path.abspath(args.reference)  # a venv's python: its link kept
@@ -118,8 +130,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: vllm_gpu_verify.py checks the plugin on a GPU (vllm_check.py runs on CPU)")
         return 2
-    if not args.model:
-        p.error("--model is needed (a HF-format model folder)")
+    if not args.model or not (Path(args.model) / "config.json").exists():
+        p.error(f"--model: a HF-format model folder (with config.json) is needed; got {args.model}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows, logs = [], []
     for name, cmd, env in plan:
