@@ -69,3 +69,30 @@ def test_check_reads_a_differing_token_as_a_tie_by_vllms_margin():
     assert "token 1" in vllm_check._tokens([5, 6, 8], [5, 4, 8], logprobs, tie=0.25)  # not in vLLM's top
     assert "token 1" in vllm_check._tokens([5, 6, 8], [5, 7, 8], None, tie=1.0)
     assert vllm_check._tokens([5, 6, 8], [5, 6, 8], None, tie=0.0) is None
+
+
+def test_report_holds_each_arm_and_the_status_reads_the_worst(tmp_path, monkeypatch):
+    """The run loop on stand-in arms (CUDA said present): one table row each, the report written,
+    exit status 1 with a failure, 3 with only a not-run arm besides passes."""
+    import torch
+
+    def arm(name: str, printed: str, status: int):
+        return (name, [sys.executable, "-c", f"print({printed!r}); raise SystemExit({status})"], {})
+
+    passed = arm("a", "all checks passed", 0)
+    refused = arm("b", "not run: Selected backend X is not valid for this configuration. Reason: [none]", 3)
+    failed = arm("c", "FAIL tokens differ: token 2", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(verify, "versions", lambda: "a GPU")
+    (tmp_path / "config.json").write_text("{}")
+    for plan, status in (([passed, refused, failed], 1), ([passed, refused], 3), ([passed], 0)):
+        monkeypatch.setattr(verify, "arms", lambda args, plan=plan: plan)
+        assert verify.main(["--model", str(tmp_path), "--out", str(tmp_path / "r.md")]) == status
+    monkeypatch.setattr(verify, "arms", lambda args: [passed, refused, failed])
+    verify.main(["--model", str(tmp_path), "--out", str(tmp_path / "r.md")])
+    rows = [x for x in (tmp_path / "r.md").read_text().splitlines() if x.startswith("| ") and "result" not in x]
+    assert rows == [
+        "| a | pass |  |",
+        "| b | not run | Selected backend X is not valid for this configuration. Reason: [none] |",
+        "| c | FAIL | tokens differ: token 2 |",
+    ]
