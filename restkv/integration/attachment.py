@@ -14,7 +14,8 @@ An attachment is one ``LayerState`` per attention module (``module._restkv``), t
 ``model._restkv``, two hooks per module that hand the state the forward's cache and RoPE, and one on
 the decoder that finishes deferred selections once the prefill forward has returned (``restkv.eviction.deferred``:
 a cross-layer budget, passes after the prefill); ``detach`` removes all of it. ``restkv.integration.attach``
-builds the public calls on it.
+builds the public calls on it. The wrapped functions are in ``dispatch``, the checks of the cache a forward is
+given in ``cache_checks``.
 """
 
 from __future__ import annotations
@@ -27,161 +28,16 @@ from typing import Callable
 
 import torch
 from torch import nn
-import transformers.cache_utils as cache_utils
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
-from transformers.modeling_utils import AttentionInterface
 
-from ..cache import KeptLayer, VarlenLayer, masked_attention
 from ..eviction import decode
 from ..eviction.deferred import decoder_of, finish
 from ..eviction.step import evict_layer
-from ..eviction.plans import LayerPlan, attention_modules, backend_kind
+from ..eviction.plans import LayerPlan, attention_modules
 from ..scoring.rope import Rope, capture, rotary_function, rotary_module
 from ..strategies import rerotate
 from . import chunked, modes
-
-# transformers' quantized cache layers (transformers 5.17 has no Fp8QuantizedLayer)
-QUANTIZED_LAYERS = tuple(
-    getattr(cache_utils, name)
-    for name in ("QuantizedLayer", "Fp8QuantizedLayer")
-    if hasattr(cache_utils, name)
-)
-# The cache layers a prefill is evicted from: the model's own dynamic layers.
-PREFILL_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
-
-
-def _attention_with_eviction(backend, kind, module, query, key, value, attention_mask, **kwargs):
-    state: LayerState | None = getattr(module, "_restkv", None)
-    if (
-        state is not None and state.replay is not None
-    ):  # a pass after the prefill that a deferred selection reads
-        out = backend(module, query, key, value, attention_mask, **kwargs)
-        state.replay(query, key, value)
-        return out
-    if state is None or state.cache is None or not state.plan.evicts:
-        return backend(module, query, key, value, attention_mask, **kwargs)
-    layer = state.cache.layers[module.layer_idx]
-    if isinstance(layer, (VarlenLayer, KeptLayer)):
-        out = _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs)
-        if (
-            getattr(layer, "policy", None) is not None
-        ):  # eviction while decoding (``decode_interval``), in place after the decoder's forward
-            shrunk = decode.decode_step(state.cache, module, query, kwargs)
-            if shrunk is not None:
-                state.shrinks.append(shrunk)
-        return out
-    out = backend(module, query, key, value, attention_mask, **kwargs)
-    if type(layer) not in PREFILL_LAYERS:
-        return out
-    if state.chunks is not None:  # a chunk of a chunked prefill: evicted after the last one
-        chunked.record(state, query, key, attention_mask, kwargs)
-    elif query.shape[2] == key.shape[2]:  # prefill of a fresh cache
-        prompt = state.prompt_length or query.shape[2]
-        if (
-            prompt < query.shape[2]
-        ):  # more tokens in the prompt's forward (an assistant's candidates)
-            return _prefill_then_decode(
-                out, prompt, backend, kind, state, module, query, key, value, attention_mask, kwargs
-            )
-        state.on_prefill(state, module, query, key, value, attention_mask, kwargs)
-    return out
-
-
-def _attend_kept(layer, backend, kind, state, module, query, key, value, kwargs):
-    """The attention of ``query`` [b, Hq, q, d] over a layer holding kept entries (``key``, ``value``
-    what its update returned): the packed layout attends itself, the dense one through the backend
-    with its mask (on flash, sdpa where one padding mask per sample cannot express it)."""
-    scaling = kwargs.get("scaling") or module.head_dim**-0.5
-    if isinstance(layer, VarlenLayer):
-        return layer.attend(query, scaling, kwargs.get("softcap")), None
-    groups = query.shape[1] // key.shape[1]
-    mask = layer.attention_mask(query.shape[2], kind, query.dtype, groups, state.plan.window)
-    if kind == "flash" and mask is not None and mask.dim() == 4:  # heads or a window differ: sdpa
-        out = masked_attention(query, key, value, mask, scaling, kwargs.get("softcap"))
-        return out.transpose(1, 2).contiguous(), None
-    return backend(module, query, key, value, mask, **kwargs)
-
-
-def _prefill_then_decode(
-    out, prompt, backend, kind, state, module, query, key, value, attention_mask, kwargs
-):
-    """A fresh cache given the ``prompt`` and more tokens in one forward: evict over the prompt (whose
-    outputs the full forward ``out`` holds), then the rest are decoded tokens attending the kept
-    entries, as if fed one forward later."""
-    if state.plan.deferred:
-        raise ValueError(
-            f"method={state.plan.cfg.method!r}: a selection deferred after the prefill "
-            "cannot take tokens in the prefill's forward (assisted decoding); "
-            "generate without an assistant"
-        )
-    if attention_mask is not None and attention_mask.dim() == 2:
-        attention_mask = attention_mask[:, :prompt]
-    elif attention_mask is not None:
-        attention_mask = attention_mask[..., :prompt, :prompt]
-    rope = state.rope
-    if rope is not None:
-        after = rope.next_position - (query.shape[2] - prompt)
-        state.rope = Rope(rope.cos[:, :prompt], rope.sin[:, :prompt], after, rope.embed)
-    hidden = state.hidden
-    state.hidden = None if hidden is None else hidden[:, :prompt]
-    head = (x[:, :, :prompt] for x in (query, key, value))
-    state.on_prefill(state, module, *head, attention_mask, kwargs)
-    state.rope = rope
-    state.hidden = hidden
-    layer = state.cache.layers[module.layer_idx]
-    if not isinstance(layer, (VarlenLayer, KeptLayer)):  # nothing evicted: the full forward stands
-        return out
-    keys, values = layer.update(key[:, :, prompt:], value[:, :, prompt:])
-    queries = query[:, :, prompt:]
-    tail, _ = _attend_kept(layer, backend, kind, state, module, queries, keys, values, kwargs)
-    return torch.cat([out[0][:, :prompt], tail], 1), None
-
-
-def check_cache(state: "LayerState", cache, layer_idx: int) -> None:
-    """Before a layer's forward: raise if eviction cannot go into the ``cache`` the caller passed (a static,
-    quantized or offloaded cache), so that no full cache is used silently; a fresh cache clears the kept positions."""
-    if cache is None or not state.plan.evicts:
-        return
-    if cache.get_seq_length(layer_idx) == 0:
-        state.kept = None  # a new prefill
-    if not state.plan.cfg.evicts:
-        return
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"past_key_values: restkv evicts into the model's DynamicCache, not a {type(cache).__name__}: "
-            "pass no cache or a DynamicCache"
-        )
-    layer = layers[layer_idx] if layer_idx < len(layers) else None
-    kind = type(layer) if layer is not None else getattr(cache, "layer_class_to_replicate", None)
-    if getattr(cache, "offloading", False) or not (
-        kind in PREFILL_LAYERS or isinstance(layer, (KeptLayer, VarlenLayer))
-    ):
-        raise ValueError(unsupported_cache(cache, kind))
-
-
-def unsupported_cache(cache, kind) -> str:
-    """Why eviction cannot go into ``cache`` (layers of type ``kind``), and what to do instead."""
-    offloaded = bool(getattr(cache, "offloading", False))
-    what = f"{type(cache).__name__} ({getattr(kind, '__name__', kind)} layers{', offloaded' if offloaded else ''})"
-    if offloaded:
-        fix = (
-            "the kept entries are few: pass no cache (nor cache_implementation='offloaded'), or offload the "
-            "model's layers instead (--device_map)"
-        )
-    elif isinstance(kind, type) and issubclass(kind, QUANTIZED_LAYERS):
-        fix = (
-            "eviction quantizes the kept entries itself: pass no cache and set quant_method "
-            "(configure(model, ..., quant_method='quanto' or 'hqq', nbits=...))"
-        )
-    elif isinstance(kind, type) and issubclass(kind, StaticLayer):
-        fix = (
-            "a static cache holds a fixed number of entries; pass no cache (or a DynamicCache), "
-            "and do not set cache_implementation='static'"
-        )
-    else:
-        fix = "pass no cache or a DynamicCache"
-    return f"past_key_values: restkv evicts into the model's DynamicCache, not a {what}: {fix}"
+from .cache_checks import PREFILL_LAYERS, check_cache
+from .dispatch import install, wrap_backend
 
 
 def evict_into_cache(state, module, query, key, value, attention_mask, kwargs) -> None:
@@ -235,39 +91,6 @@ class LayerState:
     hidden: torch.Tensor | None = (
         None  # [b, n, D] the prefill forward's attention input, for a method that reads it
     )
-
-
-def _wrap(backend, kind):
-    if getattr(backend, "_restkv_wrapped", False):
-        return backend
-    wrapped = functools.partial(_attention_with_eviction, backend, kind)
-    wrapped = functools.wraps(backend)(wrapped)
-    wrapped._restkv_wrapped = True
-    return wrapped
-
-
-def install(*modeling_modules) -> None:
-    """Route sdpa / flash-attention and the given families' eager attention through restkv.
-
-    Idempotent, and a pass-through for models without an attachment. Every registered backend restkv
-    attends through is wrapped: sdpa and the flash ones, hub kernels' names included (``backend_kind``).
-    """
-    for name in list(AttentionInterface._global_mapping):
-        wrap_backend(name)
-    for mod in modeling_modules:
-        if hasattr(mod, "eager_attention_forward"):
-            mod.eager_attention_forward = _wrap(mod.eager_attention_forward, "eager")
-
-
-def wrap_backend(name: str) -> None:
-    """Wrap the attention function registered as ``name`` (sdpa or a flash kernel), if not yet.
-    transformers registers a hub kernel again when it first loads it, in the first forward: each
-    layer's forward checks."""
-    backend = AttentionInterface._global_mapping.get(name)
-    kind = backend_kind(name)
-    wrapped = getattr(backend, "_restkv_wrapped", False)
-    if backend is not None and kind not in (None, "eager") and not wrapped:
-        AttentionInterface.register(name, _wrap(backend, kind))
 
 
 def _capture(module, args, kwargs):
