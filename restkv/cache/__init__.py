@@ -4,10 +4,11 @@ and quantized layers, ``cache_layer`` (which one holds a selection) and ``memory
 from .dense import CompressedLayer, KeptLayer
 from .kept import HeldSizes, Kept, appended_positions, newest_positions, stack_samples
 from .layers import cache_layer
-from .packed import SegmentIndex, VarlenLayer, masked_attention, varlen_attention
+from .packed import VarlenLayer
 from .pruned import PrunedLayer, PrunedVarlenLayer
 from .quantized import quantized_layer
 from .report import held_bytes, memory_report, tensor_bytes
+from .segments import SegmentIndex, masked_attention, varlen_attention
 
 __all__ = [
     "CompressedLayer",

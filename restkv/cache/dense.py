@@ -125,7 +125,7 @@ class KeptLayer:
         for flash-attention, a bool [b, 1 or Hq, q, n] mask for sdpa, and an additive one for eager.
         Flash-attention takes one padding mask per sample: where heads hold different entries (per-head
         budgets without ``varlen``) or a sliding window bounds the kept entries, it gets the bool mask,
-        and the caller attends with sdpa (``restkv.cache.packed.masked_attention``).
+        and the caller attends with sdpa (``restkv.cache.segments.masked_attention``).
         ``window``: the layer's sliding window W; a query at position t then sees only entries at
         positions > t - W (as the model's sliding-window mask), once the tokens seen exceed W.
         """
