@@ -2,21 +2,29 @@
 non-default knobs; the knob metadata a rerun into the same folder must match.
 
 A grid is a list of ``RunConfig``: each config resolved once, when the grid is built; the loop, sweep mode
-and the run's metadata read that resolution. Imports no torch (``restkv.config`` needs none).
+and the run's metadata read that resolution. Imports no torch (``restkv.config`` needs none). The knobs from
+text and the original's ablation are in ``grid_knobs``, what the configs resolve to in ``grid_resolved``.
 """
 
-import argparse
 import math
 import os
 import re
 import sys
 
 from restkv import METHODS, PRESETS
-from restkv.config import ALIASES, CompressionConfig, declared
+from restkv.config import CompressionConfig
 
-from .cli import knob_flags, parse_methods, settings_suffix, str2bool
-
-QUANT_FIELDS = ("quant_method", "nbits", "residual_length", "q_group_size")
+from .cli import knob_flags, parse_methods, settings_suffix
+from .grid_knobs import ABLATION, ABLATION_FLAGS, ablation_knobs, parse_knobs, read_flags  # noqa: F401
+from .grid_resolved import (  # noqa: F401  (read from here too)
+    QUANT_FIELDS,
+    check_same_configs,
+    knob_diff,
+    quant_of,
+    quant_settings,
+    resolved_diff,
+    resolved_knobs,
+)
 
 
 class RunConfig(tuple):
@@ -158,140 +166,9 @@ def budget_sizes(args):
     ]
 
 
-# The original's `--method ablation`: ReST-KV with its ablation's fixed values, and --indicator / --ts / --ss.
-ABLATION = dict(
-    method="restkv",
-    kernel_size=5,
-    alpha=0.3,
-    scale=2000.0,
-    use_wo=True,
-    metric_mode="after",
-    tau=1.0,
-)
-ABLATION_FLAGS = (
-    "indicator",
-    "ts",
-    "temporal",
-    "use_ema",
-    "ss",
-    "pooling",
-)  # what the ablation config takes
-
-
-def ablation_knobs(flags):
-    """The knobs of the original's ``--method ablation`` under the command line's ``--indicator``, ``--ts``
-    (``--temporal``) and ``--ss`` (``--pooling``); their defaults there: random, none, none.
-
-    As the original: ``attn`` and ``attn-v`` sum the window's rows and average-pool with kernel 5 whatever
-    ``--ts``/``--ss`` say; ``random`` keeps the window (the original draws among all positions).
-    """
-    indicator = flags.get("indicator", "random")
-    own = {**ABLATION, "indicator": indicator}
-    if indicator in ("attn", "attn-v"):
-        own.update(temporal="mean", pooling="avgpool")
-    else:
-        ts = flags.get("ts", "none")
-        temporal = {True: "ema", False: "mean"}.get(
-            flags.get("use_ema"), {"none": "last"}.get(ts, ts)
-        )
-        own.update(
-            temporal=flags.get("temporal", temporal),
-            pooling=flags.get("pooling", flags.get("ss", "none")),
-        )
-    cfg = CompressionConfig.with_defaults(own, method="restkv")
-    return {k: cfg[k] for k in own if k in cfg}
-
-
-def parse_knobs(text):
-    """``"gqa_agg=sum_norm,use_ema=0"`` -> ``{"gqa_agg": "sum_norm", "use_ema": False}`` (types from the
-    config's defaults; ``method`` and ``preset`` allowed too).
-
-    Raises
-    ------
-    ValueError
-        For an item that is not ``knob=value`` with a known knob, or a value of the wrong type.
-    """
-    flags = knob_flags()
-    knobs = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name not in {*flags, "method", "preset"}:
-            raise ValueError(
-                f"knob {item!r}: expected knob=value with a knob of CompressionConfig, method or preset"
-            )
-        versions, alias = flags.get(name, ([], None))
-        try:
-            if alias is not None:
-                knobs[name] = (
-                    str2bool(value) if all(isinstance(v, bool) for v in alias[1]) else value
-                )
-            elif versions:
-                knob = versions[0][1]
-                kind = knob.kind
-                knobs[name] = (
-                    None
-                    if (knob.nullable or knob.default is None) and value.lower() == "none"
-                    else str2bool(value)
-                    if kind is bool
-                    else kind(value)
-                )
-            else:
-                knobs[name] = value
-        except (ValueError, argparse.ArgumentTypeError) as err:
-            raise ValueError(f"knob {item!r}: {err}") from None
-    return knobs
-
-
-def read_flags(flags, kwargs):
-    """The command-line knobs ``flags`` that the config of ``kwargs`` reads (validated with it)."""
-    cfg = CompressionConfig.with_defaults(flags, **kwargs)
-    read = {k: v for k, v in flags.items() if k in cfg}
-    if "preset" in flags and cfg.method == _preset_method(flags["preset"]):
-        read["preset"] = flags["preset"]
-    aliases = ALIASES
-    read.update({k: v for k, v in flags.items() if k in aliases and aliases[k][0] in cfg})
-    return read
-
-
-def _preset_method(name):
-    return PRESETS[name]["method"]
-
-
-def knob_diff(kwargs):
-    """Validate ``kwargs`` and return the resolved knobs that differ from its method and budget alone.
-
-    Raises
-    ------
-    ValueError
-        ``restkv.CompressionConfig.from_kwargs``'s error, naming the field.
-    """
-    return resolved_diff(CompressionConfig.from_kwargs(**kwargs))
-
-
-def resolved_diff(cfg):
-    """The knobs of a resolved config that differ from those of its method and budget alone."""
-    knobs = declared(cfg["method"])  # the method's own defaults (pooling, head_budget, ...)
-    return {
-        k: v
-        for k, v in sorted(cfg.items())
-        if k not in ("method", "max_capacity_prompt", "max_capacity_prompt_ratio")
-        and v != knobs[k].default
-    }
-
-
 def _short(knob, value):
     """``value`` as it appears in a label (a head-importance file by its name)."""
     return os.path.splitext(os.path.basename(value))[0] if knob == "head_importance" else value
-
-
-def quant_settings(kwargs):
-    """The KV quantization of a config: ``None`` (full precision) or a dict of ``QUANT_FIELDS``."""
-    return quant_of(CompressionConfig.from_kwargs(**kwargs))
-
-
-def quant_of(cfg):
-    """The KV quantization of a resolved config (None: full precision)."""
-    return {k: cfg[k] for k in QUANT_FIELDS} if cfg.get("quant_method") else None
 
 
 def configs_meta(configs):
@@ -307,27 +184,6 @@ def configs_meta(configs):
         }
         for run in runs
     }
-
-
-def resolved_knobs(kwargs):
-    """Every knob of ``kwargs`` as ``CompressionConfig`` resolves it (defaults filled in, validated)."""
-    return CompressionConfig.from_kwargs(**kwargs).as_dict()
-
-
-def check_same_configs(path, previous, current):
-    """Raise if a label of ``current`` (``configs_meta``) resolved to other knobs in ``previous`` (same folder):
-    its records would mix two configs (e.g. after a default changed)."""
-    for label, meta in current.items():
-        old = (previous.get(label) or {}).get("resolved")
-        if old is None:
-            continue
-        changed = {k: (old[k], v) for k, v in meta["resolved"].items() if k in old and old[k] != v}
-        if changed:
-            what = ", ".join(f"{k}={a!r} then, {b!r} now" for k, (a, b) in sorted(changed.items()))
-            raise ValueError(
-                f"{path}: results for {label} were made with other knobs ({what}); "
-                "rerunning into this folder would mix them: use another --save_dir"
-            )
 
 
 def announce(name, counts, configs, file=None):
