@@ -222,8 +222,8 @@ def reserved(cfg: CompressionConfig, model: Model, max_num_seqs: int, max_model_
     return fixed + max(0, int((available - fixed) * f / (1 + f)))
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3f} GiB"
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def main(argv=None) -> None:
@@ -243,11 +243,11 @@ def main(argv=None) -> None:
     model = model_of(a.model, a.dtype).per_rank(a.tensor_parallel_size)
     print(f"{a.model}, per rank: {model}; max_model_len {a.max_model_len}, max_num_seqs {a.max_num_seqs}")
     for name, n in fixed_bytes(cfg, model, a.max_num_seqs, a.max_model_len).items():
-        print(f"  {name}: {_gib(n)}")
+        print(f"  {name}: {_mib(n)}")
     for name, n in eviction_bytes(cfg, model, a.max_model_len).items():
-        print(f"    {name}: {_gib(n)}")
+        print(f"    {name}: {_mib(n)}")
     layer_kv = model.kv_bytes(a.max_model_len)
-    print(f"  (one layer's K+V at max_model_len: {_gib(layer_kv)})")
+    print(f"  (one layer's K+V at max_model_len: {_mib(layer_kv)})")
     print(f"  per token held: {per_token(cfg, model)} B, {fraction(cfg, model):.2%} of the pool")
 
 

@@ -65,9 +65,10 @@ def _knobs(case) -> dict:
 def test_eviction_peak_within_the_estimate(case, geometry):
     """One request holding L entries evicts in one layer of a paged cache (its prompt in one step):
     the peak of what ``Worker.layer`` allocates is at most ``memory.eviction_bytes`` (plus, for H2O,
-    the layer's summed scores it counts per token) and at least 1 / FACTOR of it. The W_O factor is
-    computed when the layers are indexed exactly when ``memory.reads_factor`` says so, and the step
-    reads the o_proj weight exactly when ``memory.reads_weight`` does."""
+    the layer's summed scores it counts per token) and, but for set-level refinement, at least
+    1 / FACTOR of it. The W_O factor is computed when the layers are indexed exactly when
+    ``memory.reads_factor`` says so, and the step reads the o_proj weight exactly when
+    ``memory.reads_weight`` does."""
     hq, hkv, d, dtype, L = geometry
     hidden, block_size, budget = 4 * d, 16, 256
     cfg = CompressionConfig.from_kwargs(**{**_knobs(case), "max_capacity_prompt": budget, "window_size": 32})
@@ -101,7 +102,8 @@ def test_eviction_peak_within_the_estimate(case, geometry):
     if settings.summed(cfg):
         estimate += (memory.per_token(cfg, model) - 16) * L  # the layer's [Hq, L] float32 sums
     assert peak <= estimate, f"measured {peak / 2**20:.2f} MiB over the estimate {estimate / 2**20:.2f} MiB"
-    assert estimate <= FACTOR * peak, f"estimate {estimate / 2**20:.2f} MiB, measured {peak / 2**20:.2f} MiB"
+    if not cfg.get("refine_rounds"):  # refinement's own scratch is counted as a coarse bound
+        assert estimate <= FACTOR * peak, f"estimate {estimate / 2**20:.2f} MiB, measured {peak / 2**20:.2f} MiB"
 
 
 @pytest.mark.parametrize("method", ["snapkv", "restkv", "h2o"])
