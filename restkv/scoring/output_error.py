@@ -16,19 +16,22 @@ from ..lazy import F, torch
 from .observe import group_view, weighted_values
 
 TERMS_BLOCK = (
-    None  # float32 elements of a block of per-entry terms (None: about the layer's K+V elements)
+    None  # float32 elements of a block of per-entry terms (None: a share of the layer's K+V, below)
 )
+TERMS_SHARE = 16  # a block's float32 term holds at most 1 / TERMS_SHARE of the bytes of the layer's K+V
 MIN_BLOCK = 64  # entries
 
 
 def entries_per_block(per_entry: int, values: "torch.Tensor", prefix: int) -> int:
-    """Prefix entries per block of a term of ``per_entry`` elements per entry: ``TERMS_BLOCK`` elements when
-    set (tests shrink it), else as many as the layer's K+V (2 b H P d), at least ``MIN_BLOCK``."""
+    """Prefix entries per block of a float32 term of ``per_entry`` elements per entry: ``TERMS_BLOCK``
+    elements when set (tests shrink it), else 1 / ``TERMS_SHARE`` of the bytes of the layer's K+V
+    (2 b H P d as stored), at least ``MIN_BLOCK``: the few such terms alive at once stay under the K+V."""
     forced = globals()["TERMS_BLOCK"]
     if forced:
         return max(1, forced // per_entry)
     b, heads, _, d = values.shape
-    return max(MIN_BLOCK, 2 * b * heads * prefix * d // per_entry)
+    kv_bytes = 2 * b * heads * prefix * d * values.element_size()
+    return max(MIN_BLOCK, kv_bytes // (4 * TERMS_SHARE * per_entry))
 
 
 def kept_keys(keep: "torch.Tensor", n_keys: int, hq: int) -> "torch.Tensor":
@@ -52,12 +55,13 @@ def output_change(attention, values, keep, o_proj_weight):
     (delta [b, r, D] = sum_h W_O^h (o_h - o_h^S), kept outputs o^S [b, Hq, r, d], kept mass z [b, Hq, r]), float32.
     """
     b, hq, r, n = attention.shape
-    kept = attention * kept_keys(keep, n, hq)
+    kept = attention * kept_keys(keep, n, hq)  # one [b, Hq, r, N] buffer, reused in place
     z = kept.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    o_kept = weighted_values(kept / z, values)
+    o_kept = weighted_values(kept.div_(z), values)
     diff = weighted_values(
-        attention - kept / z, values
+        torch.sub(attention, kept, out=kept), values
     )  # o - o^S in one pass (no difference of two outputs)
+    del kept
     delta = diff.transpose(1, 2).reshape(b, r, -1) @ o_proj_weight.float().T
     return delta, o_kept, z[..., 0]
 
@@ -68,21 +72,22 @@ def layer_output_error(attention, values, keep, o_proj_weight) -> "torch.Tensor"
 
 
 def group_weights(o_proj_weight, heads: int, head_dim: int) -> "torch.Tensor":
-    """W_O^h by group [H, g, D, d] float32 (a view when ``o_proj_weight`` [D, Hq d] is float32)."""
+    """W_O^h by group [H, g, D, d]: a view of ``o_proj_weight`` [D, Hq d] as stored (its readers convert it
+    to float32 for one product at a time, so that no float32 copy is held through a search)."""
     g = o_proj_weight.shape[1] // head_dim // heads
-    return o_proj_weight.float().view(-1, heads, g, head_dim).permute(1, 2, 0, 3)
+    return o_proj_weight.view(-1, heads, g, head_dim).permute(1, 2, 0, 3)
 
 
 def wo_gram(o_proj_weight, heads: int, head_dim: int) -> "torch.Tensor":
     """``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d] float32, a and c query heads of one of the ``heads``
     groups. Cost O(H g^2 D d^2): a constant of the layer's weight (``restkv.eviction.observation``
     computes it once per weight)."""
-    W = group_weights(o_proj_weight, heads, head_dim)
+    W = group_weights(o_proj_weight, heads, head_dim).float()
     return torch.einsum("kaex,kcey->kacxy", W, W)
 
 
 def group_terms(values, o_proj_weight, prefix: int, gram=None) -> tuple:
-    """The terms of ``layer_terms`` without the per-entry ones: W_O^h by group [H, g, D, d], ``M_ac``
+    """The terms of ``layer_terms`` without the per-entry ones: W_O^h by group [H, g, D, d] as stored, ``M_ac``
     [H, g, g, d, d] (``gram`` when given, else ``wo_gram``), the prefix values as stored [b, H, P, d] and
     None for ``v_n^T M_ac v_n``, which ``swap_errors_at`` then computes for the pooled entries only."""
     hkv = values.shape[1]
@@ -98,39 +103,57 @@ def entry_quadratic(v, M) -> "torch.Tensor":
 
 
 def layer_terms(values, o_proj_weight, prefix: int, gram=None) -> tuple:
-    """What the swap errors of a layer read that no swap changes: W_O^h by group [H, g, D, d],
-    ``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d], the prefix values v [b, H, P, d] and ``v_n^T M_ac v_n``
-    [g, g, b, H, P] (a, c: query heads of one group), a block of entries at a time. Cost O(b H g^2 P d^2).
-    ``gram``: ``M_ac`` when already computed (``wo_gram``)."""
+    """What the swap errors of a layer read that no swap changes: W_O^h by group [H, g, D, d] as stored,
+    ``M_ac = W_O^a^T W_O^c`` [H, g, g, d, d], the prefix values v [b, H, P, d] as stored and
+    ``v_n^T M_ac v_n`` [g, g, b, H, P] (a, c: query heads of one group), a block of entries at a time
+    (converted to float32 there). Cost O(b H g^2 P d^2). ``gram``: ``M_ac`` when already computed
+    (``wo_gram``)."""
     W, M, v, _ = group_terms(values, o_proj_weight, prefix, gram)
     hkv = values.shape[1]
     d = values.shape[-1]
     g = M.shape[1]
-    v = v.float()
-    vMv = v.new_empty(g, g, v.shape[0], hkv, prefix)
-    block = entries_per_block(
-        g * g * v.shape[0] * hkv * d, v, prefix
-    )  # no [g, g, b, H, P, d] whole
+    vMv = torch.empty(g, g, v.shape[0], hkv, prefix, device=v.device)
+    block = entries_per_block(g * g * v.shape[0] * hkv * d, v, prefix)  # no [g, g, b, H, P, d] whole
     for s in range(0, prefix, block):
-        vMv[..., s : s + block] = entry_quadratic(v[:, :, s : s + block], M)
+        vMv[..., s : s + block] = entry_quadratic(v[:, :, s : s + block].float(), M)
     return W, M, v, vMv
+
+
+def state_products(layer: tuple, delta, o_kept, z) -> tuple:
+    """What every entry's terms read of the current set (``output_change``'s delta, o^S = u, z), once per
+    set: ``t_a = W_O^a^T delta`` [g, b, H, r, d], ``<t_a, u_a>`` [g, b, H, r, 1], ``u_a^T M_ac``
+    [g, g, b, H, r, d], ``u_a^T M_ac u_c`` [g, g, b, H, r, 1] and z [g, b, H, r, 1].
+    Cost O(b r D Hq d + b H g^2 r d^2); W_O is converted to float32 for the product only."""
+    W, M, _, _ = layer
+    hkv, g, hidden, d = W.shape
+    u = group_view(o_kept, hkv).movedim(2, 0)  # [g, b, H, r, d]
+    w_o = W.permute(2, 0, 1, 3).reshape(hidden, -1).float()  # o_proj [D, Hq d], converted for this product
+    t = (delta @ w_o).view(*delta.shape[:2], hkv, g, d).permute(3, 0, 2, 1, 4)  # W_O^a^T delta
+    uM = torch.einsum("abkqx,kacxy->acbkqy", u, M)  # (u_a^T M_ac) [g, g, b, H, r, d]
+    uMu = torch.einsum("acbkqy,cbkqy->acbkq", uM, u)[..., None]
+    return t, (t * u).sum(-1, keepdim=True), uM, uMu, group_view(z, hkv).movedim(2, 0)[..., None]
+
+
+def entry_terms(products: tuple, attention, values) -> tuple:
+    """Per entry n of ``values`` [b, H, n, d] (any dtype), with its attention [b, Hq, r, n], over the group's
+    heads: a [g, b, H, r, n], ``c = <delta, W_O^a (v_n - u_a)>`` [g, b, H, r, n], ``u_a^T M_ac v_n``
+    [g, g, b, H, r, n], then ``u_a^T M_ac u_c`` and z (``state_products``). Cost O(b H g^2 r n d)."""
+    t, tu, uM, uMu, z = products
+    hkv = values.shape[1]
+    v = values.float()
+    a = group_view(attention, hkv).movedim(2, 0)
+    c = torch.einsum("abkqx,bknx->abkqn", t, v) - tu
+    uMv = torch.einsum("acbkqy,bkny->acbkqn", uM, v)
+    return a, c, uMv, uMu, z
 
 
 def state_terms(attention, layer: tuple, delta, o_kept, z) -> tuple:
     """Per prefix entry n of the current set (``output_change``'s delta, o^S = u, z), over the group's heads:
     attention a [g, b, H, r, P], ``c = <delta, W_O^a (v_n - u_a)>`` [g, b, H, r, P], ``u_a^T M_ac v_n``
     [g, g, b, H, r, P], ``u_a^T M_ac u_c`` [g, g, b, H, r, 1] and z [g, b, H, r, 1]. Cost O(b H g^2 r P d)."""
-    W, M, v, _ = layer
-    hkv = v.shape[1]
-    prefix = v.shape[2]
-    a = group_view(attention[..., :prefix], hkv).movedim(2, 0)
-    u = group_view(o_kept, hkv).movedim(2, 0)  # [g, b, H, r, d]
-    t = torch.einsum("bqe,kaex->abkqx", delta, W)  # W_O^a^T delta
-    c = torch.einsum("abkqx,bknx->abkqn", t, v) - (t * u).sum(-1, keepdim=True)
-    uM = torch.einsum("abkqx,kacxy->acbkqy", u, M)  # (u_a^T M_ac) [g, g, b, H, r, d]
-    uMv = torch.einsum("acbkqy,bkny->acbkqn", uM, v)
-    uMu = torch.einsum("acbkqy,cbkqy->acbkq", uM, u)[..., None]
-    return a, c, uMv, uMu, group_view(z, hkv).movedim(2, 0)[..., None]
+    v = layer[2]
+    products = state_products(layer, delta, o_kept, z)
+    return entry_terms(products, attention[..., : v.shape[2]], v)
 
 
 def _take(x, idx, rows: bool = True):
@@ -156,8 +179,10 @@ def single_errors(terms: tuple, layer: tuple, delta, keep) -> "torch.Tensor":
     a, c, uMv, uMu, z = terms
     side = torch.where(keep, 1.0, -1.0)[:, :, None]  # [b, H, 1, P]
     coef = side * a / (z - side * a)
-    K = layer[3][..., None, :] - uMv.transpose(0, 1) - uMv + uMu  # (v_n - u_a)^T M_ac (v_n - u_c)
-    return _quadratic(delta, 2 * (coef * c).sum(0) + (coef[:, None] * coef * K).sum((0, 1)))
+    K = layer[3][..., None, :] - uMv.transpose(0, 1)  # (v_n - u_a)^T M_ac (v_n - u_c), in place:
+    K.sub_(uMv).add_(uMu)  # one [g, g, b, H, r, P] term at a time
+    pairs = (coef[:, None] * coef).mul_(K)
+    return _quadratic(delta, 2 * (coef * c).sum(0) + pairs.sum((0, 1)))
 
 
 def swap_errors(terms: tuple, layer: tuple, delta, removals, additions) -> "torch.Tensor":
@@ -178,49 +203,54 @@ def swap_errors(terms: tuple, layer: tuple, delta, removals, additions) -> "torc
     )
     K_i = _take(vMv, removals, rows=False)[..., None, :] - uMv_i.transpose(0, 1) - uMv_i + uMu
     K_j = _take(vMv, additions, rows=False)[..., None, :] - uMv_j.transpose(0, 1) - uMv_j + uMu
-    v_i, v_j = (v.gather(2, idx[..., None].expand(-1, -1, -1, d)) for idx in (removals, additions))
+    v_i, v_j = (
+        v.gather(2, idx[..., None].expand(-1, -1, -1, d)).float() for idx in (removals, additions)
+    )
     K_ij = (
         torch.einsum("bkix,kacxy,bkjy->acbkij", v_i, M, v_j)[..., None, :, :]
         - uMv_i.transpose(0, 1)[..., None]
-        - uMv_j[..., None, :]
-        + uMu[..., None]
-    )  # [g, g, b, H, r, R, A]
+    )  # [g, g, b, H, r, R, A], completed in place (as are the quadratic's terms below)
+    K_ij.sub_(uMv_j[..., None, :]).add_(uMu[..., None])
     z_new = z[..., None] - a_i[..., None] + a_j[..., None, :]
     x = a_i[..., None] / z_new  # [g, b, H, r, R, A]
     y = a_j[..., None, :] / z_new
     linear = (x * c_i[..., None] - y * c_j[..., None, :]).sum(0)
-    quad = (
-        x[:, None] * x * K_i[..., None]
-        + y[:, None] * y * K_j[..., None, :]
-        - 2 * x[:, None] * y * K_ij
-    ).sum((0, 1))
-    return _quadratic(delta, 2 * linear + quad)
+    quad = (x[:, None] * x).mul_(K_i[..., None])
+    quad.add_((y[:, None] * y).mul_(K_j[..., None, :]))
+    quad.sub_((2 * x[:, None] * y).mul_(K_ij))
+    return _quadratic(delta, 2 * linear + quad.sum((0, 1)))
 
 
-def single_errors_blocked(attention, layer: tuple, state: tuple, keep) -> "torch.Tensor":
+def single_errors_blocked(
+    attention, layer: tuple, state: tuple, keep, products: tuple | None = None
+) -> "torch.Tensor":
     """``single_errors(state_terms(...))`` [b, H, P] a block of prefix entries at a time, so that no [g, g, b, H,
     r, P] term is formed whole (``entries_per_block``). ``state``: (delta, o^S, z) of
-    ``output_change``."""
-    delta, o_kept, z = state
+    ``output_change``; ``products``: its ``state_products`` when already computed."""
+    delta = state[0]
     W, M, v, vMv = layer
     b, heads, P = keep.shape
     g = M.shape[1]
     r = attention.shape[2]
+    products = state_products(layer, *state) if products is None else products
     block = entries_per_block(g * g * b * heads * r, v, P)
     out = torch.empty(b, heads, P, device=keep.device)
     for s in range(0, P, block):
         e = min(P, s + block)
         part = (W, M, v[:, :, s:e], vMv[..., s:e])
-        terms = state_terms(attention[..., s:e], part, delta, o_kept, z)
+        terms = entry_terms(products, attention[..., s:e], part[2])
         out[..., s:e] = single_errors(terms, part, delta, keep[..., s:e])
     return out
 
 
-def swap_errors_at(attention, layer: tuple, state: tuple, removals, additions) -> "torch.Tensor":
+def swap_errors_at(
+    attention, layer: tuple, state: tuple, removals, additions, products: tuple | None = None
+) -> "torch.Tensor":
     """``swap_errors`` [b, H, R, A] from the terms of the pooled entries only (``removals`` [b, H, R],
     ``additions`` [b, H, A]): O(b H g^2 r (R + A)) memory, whatever the prompt length. ``layer``: as
-    ``layer_terms``, or ``group_terms`` (the pooled entries' ``v_n^T M_ac v_n`` computed here)."""
-    delta, o_kept, z = state
+    ``layer_terms``, or ``group_terms`` (the pooled entries' ``v_n^T M_ac v_n`` computed here);
+    ``products``: the state's ``state_products`` when already computed."""
+    delta = state[0]
     W, M, v, vMv = layer
     b, heads, n_out = removals.shape
     g = M.shape[1]
@@ -235,6 +265,7 @@ def swap_errors_at(attention, layer: tuple, state: tuple, removals, additions) -
     else:
         vMv_cols = vMv.gather(-1, cols.expand(g, g, -1, -1, -1))
     part = (W, M, v_cols, vMv_cols)
-    terms = state_terms(a.flatten(1, 2), part, delta, o_kept, z)
+    products = state_products(layer, *state) if products is None else products
+    terms = entry_terms(products, a.flatten(1, 2), v_cols)
     at = torch.arange(m, device=cols.device).expand(b, heads, m)
     return swap_errors(terms, part, delta, at[..., :n_out], at[..., n_out:])

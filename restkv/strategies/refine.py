@@ -21,8 +21,10 @@ every round runs (a round that finds no improving swap changes nothing). With
 by the ranking key (the top-B boundary), and only their terms are computed: no O(b H g^2 P d^2) or
 O(b H g^2 r P d) term, per round O(b H g^2 r R d + b H g^2 R d^2) for the pools' terms.
 ``M_ac = W_O^a^T W_O^c`` (O(H g^2 D d^2), H g^2 d^2 float32 numbers) is computed once per layer weight and
-kept with it (``restkv.eviction.observation``); the search converts ``o_proj`` to float32 once per layer
-and step (D Hq d numbers held during the step).
+kept with it (``restkv.eviction.observation``); ``o_proj`` is read as stored and converted to float32 for
+one product at a time (D Hq d numbers held while it runs, never through the search). Memory: the window
+attention, one such copy and blocks of per-entry terms of at most 1/16 of the layer's K+V each
+(``output_error.TERMS_SHARE``), under 4x the layer's K+V at 8K (``tests/core/test_cost_refine.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..scoring.output_error import (
     layer_terms,
     output_change,
     single_errors_blocked,
+    state_products,
     swap_errors_at,
 )
 
@@ -100,7 +103,7 @@ def refined(obs, cfg, key: "torch.Tensor", keep) -> "torch.Tensor":
     values = per_head(obs.values)
     boundary = cfg.refine_candidates == "boundary"
     terms = group_terms if boundary else layer_terms
-    w_o = obs.shared("o_proj_float32", lambda: obs.o_proj.float())  # one copy for the whole search
+    w_o = obs.o_proj  # as stored: each product converts it to float32 while it runs
     gram = None
     if obs.wo_gram is not None:  # M_ac, a constant of the layer's weight
         gram = obs.shared(f"wo_gram_{heads}", lambda: obs.wo_gram(heads))
@@ -243,7 +246,12 @@ def swap_search(
     for _ in range(rounds):
         error = delta.norm(dim=-1).mean(-1)  # [b]
         state = (delta, o_kept, z)
-        rank = single_errors_blocked(attention, layer, state, keep) if pool_by == "effect" else None
+        products = state_products(layer, *state)  # shared by the pools and the swaps
+        rank = (
+            single_errors_blocked(attention, layer, state, keep, products)
+            if pool_by == "effect"
+            else None
+        )
         addable = ~keep if allowed is None else ~keep & allowed
         out_rank, in_rank = (scores, -scores) if rank is None else (rank, rank)  # lowest first
         removals = out_rank.masked_fill(~keep, float("inf")).topk(n, largest=False).indices
@@ -252,7 +260,7 @@ def swap_search(
             keep.gather(-1, removals)[..., :, None] & addable.gather(-1, additions)[..., None, :]
         )
         gain = error[:, None, None, None] - swap_errors_at(
-            attention, layer, state, removals, additions
+            attention, layer, state, removals, additions, products
         )
         i, j, best = _disjoint_best(gain.masked_fill(~eligible, float("-inf")), batch)
         ok = best > 1e-6 * error[:, None, None]

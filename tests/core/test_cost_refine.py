@@ -1,0 +1,119 @@
+"""Set-level refinement's step memory: the float32 tensors a refined selection holds at once stay within 4x
+the layer's K+V (``benchmarks/scaling.py``'s bar at 8K) for every refine configuration README names,
+counted exactly (every tensor the step allocates, at its peak), on a layer whose o_proj is to its K+V as
+Llama-3-8B's at 8K; and the blocked terms give the same kept sets and errors as one block."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from restkv.config import CompressionConfig
+from restkv.eviction.select import select
+from restkv.scoring import output_error as oe
+from restkv.scoring.observe import Observation, wo_factor
+
+REFINE_CONFIGS = [
+    "refine_rounds=2",
+    "refine_rounds=2,refine_pool=16",
+    "refine_rounds=8",
+    "refine_rounds=1,refine_candidates=boundary",
+    "refine_rounds=4,refine_candidates=boundary",
+]
+
+
+class PeakBytes(TorchDispatchMode):
+    """The peak bytes of the storages allocated inside the block and still referenced (views and in-place
+    results of an input count nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = {}  # storage address -> [tensors referencing it, bytes]
+        self.held = self.peak = 0
+
+    def _release(self, ptr):
+        entry = self.live[ptr]
+        entry[0] -= 1
+        if not entry[0]:
+            self.held -= entry[1]
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.live:
+                if not ptr or ptr in inputs or func.is_view:
+                    continue
+                self.live[ptr] = [0, t.untyped_storage().nbytes()]
+                self.held += self.live[ptr][1]
+                self.peak = max(self.peak, self.held)
+            self.live[ptr][0] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out
+
+
+def layer(n=4096, hq=4, hkv=1, d=64, hidden=2048, window=8, budget=512, seed=0):
+    """A bf16 layer in the proportions of ``benchmarks/scaling.py``'s at 8K (8 query / 2 KV heads, hidden
+    4096, window 32, budget 1024): o_proj's float32 copy twice the K+V, the window attention and the
+    swap terms of a pool of 32 half of it each."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, d, generator=g).bfloat16() for h in (hq, hkv, hkv))
+    o_proj = (torch.randn(hidden, hq * d, generator=g) / hidden**0.5).bfloat16()
+    obs = Observation(q, k, v, torch.ones(1, n, dtype=torch.bool), window=window, budget=budget,
+                      scaling=d**-0.5, wo_weight=o_proj, wo_factor=wo_factor(o_proj, hq))
+    return obs, 2 * k.numel() * k.element_size()
+
+
+def knobs(spec: str) -> dict:
+    return {key: (int(value) if value.isdigit() else value)
+            for key, value in (item.split("=") for item in spec.split(","))}
+
+
+@pytest.mark.parametrize("spec", REFINE_CONFIGS)
+def test_refined_step_holds_at_most_4x_the_layer_kv(spec):
+    obs, kv_bytes = layer()
+    cfg = CompressionConfig(method="snapkv", max_capacity_prompt=512, window_size=8, **knobs(spec))
+    select(obs, cfg)  # the shared window attention, as SnapKV's step computes it
+    obs.memo = {}
+    with torch.no_grad(), PeakBytes() as mem:
+        kept = select(obs, cfg)
+    assert mem.peak <= 4 * kv_bytes, (spec, mem.peak / kv_bytes)
+    assert mem.peak > kv_bytes  # it does count the step's own float32 work (the window attention)
+    del kept
+
+
+def test_peak_bytes_counts_what_is_held_at_once():
+    with PeakBytes() as mem:
+        a = torch.zeros(1000)  # 4000 bytes, held
+        b = a.view(10, 100)  # a view: nothing
+        c = torch.ones(500) + 1  # 2000 (the temporary freed before the sum is kept)
+        del c
+        d = torch.ones(250)  # 1000 more while a is held
+    assert mem.peak == 4000 + 2000 + 2000  # a, the ones and their sum
+    assert mem.held == 4000 + 1000
+    del a, b, d
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_blocked_terms_give_the_one_block_kept_set(seed, monkeypatch):
+    obs, _ = layer(n=192, hq=4, hkv=2, d=16, hidden=64, seed=seed)
+    cfg = CompressionConfig(method="restkv", max_capacity_prompt=48, window_size=8, refine_rounds=3,
+                            refine_pool=8)
+    monkeypatch.setattr(oe, "TERMS_BLOCK", 1 << 40)  # one block
+    whole = select(obs, cfg)
+    obs.memo = {}
+    monkeypatch.setattr(oe, "TERMS_BLOCK", 4 * 4 * 2 * 8 * 5)  # blocks of 5 entries
+    blocked = select(obs, cfg)
+    assert torch.equal(whole.index, blocked.index)
