@@ -1,5 +1,5 @@
 """``restkv-vllm serve`` under bounded bursts of concurrent HTTP requests on 127.0.0.1, with the
-plugin on (SnapKV, B=128, window 32, evicting every 32 generated tokens) and a KV pool of 32 blocks
+plugin on (SnapKV, B=128, window 32, evicting every 32 generated tokens) and a KV pool of 24 blocks
 of 32 tokens, so that requests queue and are preempted.
 
 Each burst sends at once (the second staggered, in reverse order) long prompts (450 and 500
@@ -39,7 +39,7 @@ from test_serve import _free_port, _wait, serve
 pytestmark = pytest.mark.vllm
 
 KNOBS = {"method": "snapkv", "max_capacity_prompt": 128, "window_size": 32, "decode_interval": 32}
-MAX_LEN, BLOCK, POOL_BLOCKS = 640, 32, 32
+MAX_LEN, BLOCK, POOL_BLOCKS = 640, 32, 24
 PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2's K and V bytes per token in float32
 PREEMPTED = re.compile(r"restkv: request (\S+) preempted after (\d+) generated tokens")
 
@@ -56,7 +56,7 @@ def requests(ids: list[int]) -> dict:
         "shared-356": (shared + ids[600:700], 40, "complete"),
         "short-60": (ids[700:760], 40, "complete"),  # 100 entries at most: never evicts
         "short-50": (ids[100:150], 64, "complete"),
-        "generation": (ids[400:460], 120, "complete"),  # evicts at 156, 188
+        "generation": (ids[400:520], 120, "complete"),  # evicts at 152, 184, 216
         "drop-400": (ids[50:450], 200, "drop"),
         "drop-shared": (shared + ids[260:300], 200, "drop"),
         "too-long": (ids[:MAX_LEN] + ids[:8], 8, "too_long"),
@@ -179,7 +179,7 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(model_dir, text
     for request_id, k in PREEMPTED.findall(text):
         tag_name = request_id.removeprefix("cmpl-").rsplit("-", 2)[0]
         first_preempted[tag_name] = min(int(k), first_preempted.get(tag_name, 1 << 30))
-    compared_whole = 0
+    compared_whole, later_differ = 0, []
     for tag, got in results.items():
         for name, (prompt, max_tokens, kind) in reqs.items():
             status, out = got[name]
@@ -193,8 +193,51 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(model_dir, text
                 k = first_preempted.get(f"{tag}-{name}", max_tokens)
                 assert out[:k] == alone[name][1][:k], f"{tag} {name} (first preempted at {k})"
                 compared_whole += k == max_tokens
+                if out != alone[name][1]:
+                    later_differ.append(f"{tag}-{name}")
     print(
         f"preemptions {preemptions:.0f}; preempted after evicting or past the budget: "
-        f"{first_preempted}; completed requests compared whole: {compared_whole} of 16"
+        f"{first_preempted} (later tokens differ: {later_differ}); completed requests compared "
+        f"whole: {compared_whole} of 16"
     )
     assert compared_whole >= 8, f"only {compared_whole} requests compared whole"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "steps, named", [(1, None), (8, 6)], ids=["in-its-prompt", "after-evicting"]
+)
+def test_the_log_names_a_preempted_request_that_evicts_again(steps, named):
+    """What the comparison above reads, in vLLM's own scheduler stepped with made-up outputs
+    (``test_scheduler_side``): a 300-token prompt preempted after its first chunk is not named
+    (computed again as it was); preempted after its eviction (3 chunks) and 6 tokens, it is,
+    with 6."""
+    import logging
+
+    from test_scheduler_side import MODEL, PROMPT, SNAPKV, finish, request, run, scheduler
+
+    from restkv.vllm import hooks
+
+    if not (MODEL / "config.json").is_file():
+        pytest.skip(f"the packaged model's folder is needed for vLLM's ModelConfig: {MODEL}")
+    hooks.install()
+    lines: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("vllm.restkv")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        sched = scheduler(SNAPKV)
+        req = request(sched, "a", PROMPT, max_tokens=12)
+        for _ in range(steps):
+            finish(sched, sched.schedule())
+        sched.running.remove(req)
+        sched._preempt_request(req, time.monotonic())
+        run(sched)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    found = [(r, int(k)) for r, k in PREEMPTED.findall("\n".join(lines))]
+    assert found == ([] if named is None else [("a", named)])
+    assert req.num_output_tokens == 12

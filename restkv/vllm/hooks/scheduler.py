@@ -162,14 +162,21 @@ def forget(orig):
 
 
 def update_from_output(orig):
-    """After the original: each request that evicted in the step keeps its kept blocks only."""
+    """After the original: each request that evicted in the step keeps its kept blocks only; a
+    preempted request that will evict at another point is logged (``log_preempted``)."""
 
     @functools.wraps(orig)
     def wrapped(self, scheduler_output, model_runner_output):
-        out = orig(self, scheduler_output, model_runner_output)
         state = getattr(self.kv_cache_manager, "_restkv", None)
         if state is None:
-            return out
+            return orig(self, scheduler_output, model_runner_output)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        counts = {  # as they were when preempted: this step may resume them
+            r: (self.requests[r].num_output_tokens, self.requests[r].num_tokens)
+            for r in preempted
+            if r in self.requests
+        }
+        out = orig(self, scheduler_output, model_runner_output)
         for req_id in scheduler_output.num_scheduled_tokens:
             e = state.due.pop(req_id, None)
             request = self.requests.get(req_id)
@@ -178,23 +185,29 @@ def update_from_output(orig):
             for manager in self.kv_cache_manager.coordinator.single_type_managers:
                 keep_evicted(manager, req_id, e, state.caching)
             state.offsets[req_id] = state.offsets.get(req_id, 0) + e.held - e.budget
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            request, evicted = self.requests.get(req_id), state.freed.get(req_id, 0)
-            if request is None or not request.num_output_tokens:
-                continue  # computed again as it was: its prompt's eviction at the same point
-            if evicted or request.num_tokens > state.cfg.max_capacity_prompt:
-                logger.info(
-                    "restkv: request %s preempted after %d generated tokens (%d entries evicted): "
-                    "computed again from its tokens, it evicts again; its later tokens can differ "
-                    "from a run without preemption",
-                    req_id,
-                    request.num_output_tokens,
-                    evicted,
-                )
+        for req_id, (generated, tokens) in counts.items():
+            log_preempted(state, req_id, generated, tokens)
         state.freed.clear()
         return out
 
     return wrapped
+
+
+def log_preempted(state: Blocks, req_id: str, generated: int, tokens: int) -> None:
+    """One line for a request preempted after ``generated`` tokens (``tokens`` in all) whose
+    recomputation evicts at another point than its run did: it evicted, or holds more than the
+    budget. One preempted before its first token is computed again as it was (its prompt's
+    eviction at the same point)."""
+    evicted = state.freed.get(req_id, 0)
+    if generated and (evicted or tokens > state.cfg.max_capacity_prompt):
+        logger.info(
+            "restkv: request %s preempted after %d generated tokens (%d entries evicted): computed "
+            "again from its tokens, it evicts again; its later tokens can differ from a run "
+            "without preemption",
+            req_id,
+            generated,
+            evicted,
+        )
 
 
 def keep_evicted(manager, req_id: str, e: settings.Eviction, caching: bool) -> None:
