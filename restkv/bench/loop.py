@@ -11,14 +11,13 @@ prompt), and a run where a budget held prompts whole ends with one line counting
 With ``--query_agnostic`` each prompt's context is compressed before its question is read (each task
 says where its question starts: ``Task.question_start``); the mode is in the run metadata and every
 record. Under ``accelerate launch`` the units, numbered over all tasks, are sharded over the
-processes and the main process merges their parts (see :mod:`restkv.bench.shard`).
+processes and the main process merges their parts (see :mod:`restkv.bench.shard`). A task and its outputs
+are declared in :mod:`restkv.bench.task`, its records' files in :mod:`restkv.bench.store`.
 """
 
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 from tqdm import tqdm
 
@@ -28,12 +27,9 @@ from .generation import decode_configs
 from .grid import quant_of, run_config
 from .meta import write_metadata
 from .models import load_from_args, model_name
-from .shard import ResultFile, current
-
-QUESTION_START = (
-    "the token holding the first character of the prompt template's text after its context "
-    "(the chat template's closing tokens included), at most the prompt's last token"
-)
+from .shard import current
+from .store import Store, per_label  # noqa: F401  (read from here too)
+from .task import QUESTION_START, Output, Task  # noqa: F401
 
 
 def unevicted_line(whole):
@@ -47,122 +43,6 @@ def unevicted_line(whole):
         "budget >= prompt length, nothing evicted at prefill (these records are the full cache's): "
         + ", ".join(shown)
     )
-
-
-class Store:
-    """Where the records of a task go: a results file per label (labels may share one).
-
-    Parameters
-    ----------
-    paths : dict
-        ``{label: results file}``.
-    key_fields : sequence of str
-        Record fields that identify a record in its file.
-    key : callable
-        ``key(unit, label) -> tuple``: the key values of the record of ``unit`` under ``label``.
-    """
-
-    def __init__(self, paths, key_fields, key):
-        self.paths = dict(paths)
-        self.key_fields = tuple(key_fields)
-        self.key = key
-        self._files = {}
-
-    def plan(self, units):
-        """``{file: keys}``: the keys of every record of ``units`` in each file, unit by unit, in label order."""
-        plan = {path: [] for path in self.paths.values()}
-        for unit in units:
-            for label, path in self.paths.items():
-                plan[path].append(self.key(unit, label))
-        return plan
-
-    def open(self, units, shard):
-        """Open every file (or this process's part of it) for the records of ``units``."""
-        self._files = {
-            path: ResultFile(path, self.key_fields, keys, shard)
-            for path, keys in self.plan(units).items()
-        }
-
-    def done(self, unit, label):
-        """Whether the record of ``unit`` under ``label`` is already written."""
-        return self._files[self.paths[label]].done(self.key(unit, label))
-
-    def write(self, label, record):
-        self._files[self.paths[label]].write(record)
-
-    def close(self):
-        for f in self._files.values():
-            f.close()
-        self._files = {}
-
-
-def per_label(folder, labels, field):
-    """The :class:`Store` of ``<folder>/<label>.jsonl`` files, a record keyed by its unit's ``field``."""
-    return Store(
-        {label: os.path.join(folder, f"{label}.jsonl") for label in labels},
-        (field,),
-        lambda unit, label: (unit[field],),
-    )
-
-
-@dataclass
-class Output:
-    """What one config generated for one prompt of a batch."""
-
-    label: str
-    kwargs: dict  # the config's ``restkv.configure`` kwargs
-    text: str  # the continuation
-    kept: list  # per layer, kept positions of the whole batch: LongTensor [batch, kv_heads, kept] or None
-    row: int  # the prompt's row in the batch (in ``kept``)
-    seconds: float  # decoding time of the batch per prompt and config
-
-
-def _ids(prompt):
-    return prompt
-
-
-@dataclass
-class Task:
-    """One block of units to predict.
-
-    Parameters
-    ----------
-    name : str
-        Shown on its progress bar.
-    units : list
-        Its units of work, in the run's fixed order.
-    prompt : callable
-        ``prompt(unit)``: the built prompt, handed back to ``record``.
-    record : callable
-        ``record(unit, prompt, output) -> dict``: the record of one unit under one config (:class:`Output`).
-    max_new_tokens : int
-    store : Store
-    ids : callable
-        ``ids(prompt) -> list of int``: the token ids of a built prompt (default: the prompt itself).
-    progress : dict
-        Keyword arguments of its ``tqdm`` bar, besides ``desc``.
-    announce : bool
-        Print the number of records to run on stderr.
-    question_start : callable, optional
-        ``question_start(prompt) -> int``: the token of ``ids(prompt)`` where its question starts
-        (:data:`QUESTION_START`); needed with ``--query_agnostic``.
-    decode : callable, optional
-        Decodes a batch in place of :func:`restkv.bench.generation.decode_configs` (same arguments, the
-        prompts as ``ids`` gives them): e.g. several questions on one compressed context, whose
-        ``Output.text`` is then the list of answers.
-    """
-
-    name: str
-    units: list
-    prompt: Callable
-    record: Callable
-    max_new_tokens: int
-    store: Store
-    ids: Callable = _ids
-    progress: dict = field(default_factory=lambda: {"leave": False})
-    announce: bool = False
-    question_start: Callable | None = None
-    decode: Callable | None = None
 
 
 def check_against_model(model, configs):
