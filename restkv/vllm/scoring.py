@@ -14,6 +14,7 @@ import torch
 from ..cache import Kept
 from ..config import CompressionConfig
 from ..eviction.select import head_scores, select
+from ..methods import h2o
 from ..scoring.observe import Observation, wo_factor
 from ..scoring.output_error import wo_gram
 from ..scoring.precision import float32_scoring
@@ -84,10 +85,16 @@ def kept_entries(
 
 
 @torch.no_grad()
-def chunk_score(obs: Observation, cfg: CompressionConfig) -> torch.Tensor:
+def chunk_score(
+    obs: Observation, cfg: CompressionConfig, lse: torch.Tensor | None = None
+) -> torch.Tensor:
     """A ``SUMMED`` method's score of every entry held from the queries ``obs`` holds (a chunk of
-    the prompt; ``obs.window`` 0) -> [Hq or Hkv, H] float32."""
+    the prompt; ``obs.window`` 0) -> [Hq or Hkv, H] float32. ``lse`` [Hq, r]: each query's log-sum-exp
+    as the attention backend returned it; H2O's sums are then formed from it (``h2o.column_sums``: one
+    product and one exponential, no second softmax), else recomputed (``h2o.score``)."""
     with float32_scoring(obs.keys.device.type):
+        if lse is not None and cfg.scorer.module is h2o:
+            return h2o.column_sums(obs, lse.float()[None])[0]
         return cfg.scorer.score(obs, cfg.score_knobs())[0]
 
 
