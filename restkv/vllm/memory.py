@@ -15,7 +15,10 @@ Held for the worker's life (``fixed``):
 - W_O factors: ``layers Hq d d`` float32, computed when the model is loaded and kept, for a config
   that reads them (``reads_factor``: ReST-KV's reconstruction with ``use_wo``, CriticalKV's
   ``value_norm="l2"``); the o_proj weight itself is not kept;
-- kept positions of the last 8 requests' first evictions: ``8 layers Hkv B`` int64.
+- kept positions of the last 8 requests' first evictions: ``8 layers Hkv B`` int64;
+- a step's indices staged for the device (``Worker.begin``), int64: the queries the ring keeps (at
+  most ``r`` per request, ``max_num_batched_tokens`` ``T`` in all) and their rows, an offset per
+  token and per request: ``8 (T + 2 min(T, r S) + S)``.
 
 During one eviction (one request in one layer at a time: the worker evicts them in turn):
 
@@ -192,11 +195,15 @@ def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
     }
 
 
-def fixed_bytes(cfg: CompressionConfig, model: Model, max_num_seqs: int, max_model_len: int) -> dict:
+def fixed_bytes(
+    cfg: CompressionConfig, model: Model, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0
+) -> dict:
     """Every term that does not grow with the pool (bytes), the eviction's as one."""
-    m = model
+    m, tokens = model, max_num_batched_tokens
+    rows = settings.query_rows(cfg)
     return {
-        "query ring": m.layers * max_num_seqs * settings.query_rows(cfg) * m.heads * m.head_dim * m.dtype_bytes,
+        "step's staged indices": 8 * (tokens + 2 * min(tokens, rows * max_num_seqs) + max_num_seqs),
+        "query ring": m.layers * max_num_seqs * rows * m.heads * m.head_dim * m.dtype_bytes,
         "W_O factors": m.layers * m.heads * m.head_dim**2 * 4 if reads_factor(cfg) else 0,
         "kept positions": RECORDED * m.layers * m.kv_heads * cfg.max_capacity_prompt * 8,
         "one eviction": sum(eviction_bytes(cfg, m, max_model_len).values()),
@@ -214,10 +221,17 @@ def fraction(cfg: CompressionConfig, model: Model) -> float:
     return per_token(cfg, model) / (model.layers * model.kv_bytes(1))
 
 
-def reserved(cfg: CompressionConfig, model: Model, max_num_seqs: int, max_model_len: int, available: int) -> int:
+def reserved(
+    cfg: CompressionConfig,
+    model: Model,
+    max_num_seqs: int,
+    max_model_len: int,
+    available: int,
+    max_num_batched_tokens: int = 0,
+) -> int:
     """Bytes to leave out of ``available`` so that the pool of what is left, plus the plugin at its
     peak, fits: ``fixed + (available - fixed) f / (1 + f)``."""
-    fixed = sum(fixed_bytes(cfg, model, max_num_seqs, max_model_len).values())
+    fixed = sum(fixed_bytes(cfg, model, max_num_seqs, max_model_len, max_num_batched_tokens).values())
     f = fraction(cfg, model)
     return fixed + max(0, int((available - fixed) * f / (1 + f)))
 
@@ -232,6 +246,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default=None, help="the model's dtype (default: its config's)")
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=0, help="tokens per step (0: not counted)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--knobs", default='{"method": "snapkv"}', help="the plugin's knobs (JSON)")
     a = p.parse_args(argv)
@@ -242,7 +257,7 @@ def main(argv=None) -> None:
     cfg = settings.from_env({"restkv": knobs})
     model = model_of(a.model, a.dtype).per_rank(a.tensor_parallel_size)
     print(f"{a.model}, per rank: {model}; max_model_len {a.max_model_len}, max_num_seqs {a.max_num_seqs}")
-    for name, n in fixed_bytes(cfg, model, a.max_num_seqs, a.max_model_len).items():
+    for name, n in fixed_bytes(cfg, model, a.max_num_seqs, a.max_model_len, a.max_num_batched_tokens).items():
         print(f"  {name}: {_mib(n)}")
     for name, n in eviction_bytes(cfg, model, a.max_model_len).items():
         print(f"    {name}: {_mib(n)}")
