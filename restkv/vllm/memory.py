@@ -23,12 +23,14 @@ Held for the worker's life (``fixed``):
 During one eviction (one request in one layer at a time: the worker evicts them in turn):
 
 - the held entries read back: 1 x K+V;
-- the observed queries' attention ``[Hq, r, L]`` float32, for a method that reads it (``ATTENDS``;
-  with low-precision keys also one KV head's product and keys in float32);
-- the selection's own scratch (``SCRATCH``): a multiple of the K+V in float32, plus one of a block
-  of ``observe.VALUE_BLOCK`` entries' K+V in float32 for the scorers that work a block at a time,
-  plus fixed blocks (R-KV's key similarities, CriticalKV's W_O-projected values); the multiples
-  bound what ``tests/core/test_vllm_memory.py`` measures, op by op, for every method the plugin runs;
+- the observed queries' attention ``[Hq, r, L]`` float32, for a method that reads it (``SCRATCH``'s
+  first column; with low-precision keys also one KV head's product and keys in float32);
+- the selection's own scratch (``SCRATCH``, per scorer; strategies add theirs): a multiple of the
+  K+V in float32, plus one of a block of ``observe.VALUE_BLOCK`` entries' K+V in float32 for the
+  scorers that work a block at a time, plus blocks of a fixed size (R-KV's key similarities,
+  CriticalKV's W_O-projected values). The multiples are what ``tests/core/test_vllm_memory.py``
+  measures, op by op, for every method the plugin runs on two head geometries and dtypes, rounded
+  up: the estimate bounds each and is at most 2x over it;
 - the kept entries and their rows as vLLM writes them: ``4 Hkv B d es``;
 - for a config that reads the o_proj weight itself (``reads_weight``: CriticalKV's L1 norms, set-level
   refinement) the weight read back for the step: ``((Hq d)^2 + 2 Hq d hidden) es`` and one float32
@@ -52,12 +54,11 @@ import os
 from dataclasses import dataclass, replace
 
 from ..config import CompressionConfig
+from ..methods.rkv import SIMILARITY_BLOCK
+from ..scoring.observe import PROJECTION_BLOCK, VALUE_BLOCK
 from . import settings
 
 RECORDED = 8  # requests whose first eviction's kept positions the worker keeps (``Worker._record``)
-VALUE_BLOCK = 4096  # restkv.scoring.observe.VALUE_BLOCK
-SIMILARITY_BLOCK = 1 << 22  # restkv.methods.rkv.SIMILARITY_BLOCK
-PROJECTION_BLOCK = 1 << 22  # restkv.scoring.observe.PROJECTION_BLOCK
 
 # scorer -> (whether it reads the observed queries' attention, multiple of the K+V in float32, of a
 # VALUE_BLOCK's K+V in float32)
