@@ -4,8 +4,9 @@ requests and the blocks they share recorded).
 
 Four prompts share the packaged README's first 256 tokens (8 blocks of 32): T (286 tokens, under
 the budget of 320 for its 24 tokens), S (306: under it at its prompt, over it at its first decoding
-check, 16 tokens later), M (356) and L (506), both over it at their prompt, L again 16 tokens later.
-Each request's greedy tokens are compared with those it gets served alone on an empty prefix cache:
+check, 16 tokens later), M (356) and L (506), both over it at their prompt and 16 tokens later. In
+a pool of 4096 tokens nothing is preempted, so each request's greedy tokens must equal, all of
+them, those it gets served alone on an empty prefix cache:
 by plain vLLM for T (it never evicts), by the plugin alone for the others; the pool's free blocks
 come back to their start value and no request is left in the scheduler.
 """
