@@ -6,9 +6,9 @@ Four prompts share the packaged README's first 256 tokens (8 blocks of 32): T (2
 the budget of 320 for its 24 tokens), S (306: under it at its prompt, over it at its first decoding
 check, 16 tokens later), M (356) and L (506), both over it at their prompt and 16 tokens later. In
 a pool of 4096 tokens nothing is preempted, so each request's greedy tokens must equal, all of
-them, those it gets served alone on an empty prefix cache:
-by plain vLLM for T (it never evicts), by the plugin alone for the others; the pool's free blocks
-come back to their start value and no request is left in the scheduler.
+them, those it gets served alone on an empty prefix cache: by plain vLLM for T (it never evicts),
+by the plugin alone for the others; the pool's free blocks come back to their start value and no
+request is left in the scheduler.
 """
 
 from __future__ import annotations
