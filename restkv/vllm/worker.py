@@ -10,9 +10,10 @@ holds back from the layer's paged cache (``restkv.vllm.paged``), selects, and wr
 entries to the blocks the rule names. ``Worker.end`` records the new offsets and returns the
 block-table edits for the next step.
 
-Memory, per request and layer: the ring's ``query_rows`` queries [rows, Hq, d]; during an eviction
-the entries it holds, read back once (one copy of its K+V) plus the selection's own; a ``SUMMED``
-method's prefill [Hq, L] float32 scores.
+Memory (``restkv.vllm.memory`` counts it, term by term): per layer, the ring's ``query_rows`` queries
+[rows, Hq, d] for every request slot, allocated on the layer's first step; during an eviction the
+entries the request holds, read back once (one copy of its K+V) plus the selection's own; a
+``SUMMED`` method's prefill [Hq, L] float32 scores per request.
 """
 
 from __future__ import annotations

@@ -173,7 +173,10 @@ READS = {
     ),
     "vllm.v1.worker.block_table.MultiGroupBlockTable": ("block_tables", "compute_slot_mapping"),
     "vllm.v1.worker.block_table.BlockTable": ("block_table", "num_blocks_per_row"),
-    "vllm.v1.worker.gpu_worker.Worker": ("model_runner",),
+    "vllm.v1.worker.gpu_worker.Worker": (
+        "model_runner", "model_config", "parallel_config", "scheduler_config", "cache_config",
+        "available_kv_cache_memory_bytes", "peak_activation_memory",
+    ),
     "vllm.model_executor.layers.attention.attention.Attention": (
         "layer_name", "impl", "kv_cache", "attn_backend", "kv_cache_dtype", "kv_cache_torch_dtype", "dtype",
     ),
