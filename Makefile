@@ -80,7 +80,7 @@ $(VLLM033_STAMP):
 vllm033-test: $(VLLM033_STAMP)
 	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(VLLM033_VENV)/bin/python -m pytest -q \
 		tests/vllm_plugin/test_scheduler_side.py tests/vllm_plugin/test_layouts_vllm.py \
-		tests/vllm_plugin/test_hooks_vllm.py
+		tests/vllm_plugin/test_hooks_vllm.py tests/vllm_plugin/test_benchmarks.py::test_each_arm_reads_as_vllm_reads_it
 
 # The quick suite on the lowest transformers requirements.txt allows: a venv that installs only that version
 # and takes everything else from $(VENV) (a .pth file); `make test` covers the highest.
