@@ -236,7 +236,7 @@ def expected_blocks(cfg, trace: list, prompt_len: int, block_size: int, caching:
         )  # fmt: skip
         out.append(-(-(end - offset) // block_size) if e is None else e.slots // block_size)
         if e is not None:
-            offset += e.held - e.budget
+            offset += e.evicted
     return out
 
 

@@ -108,16 +108,12 @@ class PagedEngine:
             self.worker.begin([req], [computed], [n], [len(ids)], "cpu")
             logits = self.forward(seq[computed : computed + n], computed)
             self.worker.end()
-            edit = self.worker.cut(req)
-            if edit is not None:
-                first, kept = edit
-                keep = self.blocks[first : first + kept]
-                gone = self.blocks[:first] + self.blocks[first + kept :]
+            if self.worker.cut(req) is not None:
+                gone = e.cut(self.blocks)
                 if e.fresh:
                     self.released.append((gone, [c[gone].clone() for c in self.caches]))
                 self.free += [b for b in gone if b not in hit_blocks]
-                self.blocks = keep
-                offset = computed + n - e.budget
+                offset += e.evicted
             computed += n
             if computed >= len(ids):
                 token = int(logits.argmax())

@@ -175,6 +175,19 @@ class Eviction:
             self.kept_blocks * self.block_size if self.fresh else 0
         )
 
+    @property
+    def evicted(self) -> int:
+        """Entries it removes: its offset (logical positions - entries held) grows by as many."""
+        return self.held - self.budget
+
+    def cut(self, blocks: list) -> list:
+        """Keep, in place, the ``kept_blocks`` of ``blocks`` (a request's block ids, or a copy of its
+        block-table row) from ``first_kept_block``; return the others, which go back to the pool."""
+        first, count = self.first_kept_block, self.kept_blocks
+        gone = blocks[:first] + blocks[first + count :]
+        blocks[:] = blocks[first : first + count]
+        return gone
+
 
 def eviction(
     cfg: CompressionConfig,

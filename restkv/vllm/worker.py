@@ -114,7 +114,7 @@ class Worker:
         self.rank: dict = {}  # attention layer name -> its index among the attention layers
         self.kept: dict = {}  # request id -> {layer: kept positions [Hkv, B]}, first evictions (recent requests)
         self.blocks: dict = {}  # request id -> its block ids (the scheduler's, as the steps give them)
-        self.pending: dict = {}  # request id -> (first kept block, kept blocks): to cut before the next step
+        self.pending: dict = {}  # request id -> its last step's Eviction: its blocks to cut before the next step
         self.held_lengths = None  # the step's sequence lengths of the entries held, where a runner needs them
         self.backends: dict = {}  # attention layer name -> its backend's name (for errors)
         self.done: set = set()  # the layers whose attention called ``layer`` in this step
@@ -146,14 +146,13 @@ class Worker:
             self.blocks.pop(req_id, None)
             self.pending.pop(req_id, None)
 
-    def cut(self, req_id: str) -> tuple[int, int] | None:
-        """Cut the request's blocks to those its last eviction kept -> (first, count), or None."""
-        edit = self.pending.pop(req_id, None)
-        if edit is not None:
-            first, count = edit
-            ids = self.blocks[req_id]
-            ids[:] = ids[first : first + count]
-        return edit
+    def cut(self, req_id: str):
+        """Cut the request's blocks to those its last eviction kept -> that ``settings.Eviction``, or
+        None."""
+        e = self.pending.pop(req_id, None)
+        if e is not None:
+            e.cut(self.blocks[req_id])
+        return e
 
     def offsets(self, req_ids) -> np.ndarray:
         """Entries evicted by each request (logical positions - held entries)."""
@@ -311,9 +310,9 @@ class Worker:
             )
         for s in self.step:
             if s.eviction is not None:
-                s.held.offset = s.end - s.eviction.budget
+                s.held.offset += s.eviction.evicted
                 s.held.sums.clear()
-                self.pending[s.req_id] = (s.eviction.first_kept_block, s.eviction.kept_blocks)
+                self.pending[s.req_id] = s.eviction
             elif s.sums and s.end >= s.prompt_len:
                 s.held.sums.clear()
         self.step = []

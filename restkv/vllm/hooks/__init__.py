@@ -3,8 +3,9 @@ vLLM's V1 engine, each passing through for an engine without the plugin's config
 
 - ``refusals``: what cannot run, all at once, before any engine starts;
 - ``scheduler``: prefix-cache hits, block allocation, the blocks given back after an eviction;
-- ``runner``: both model runners (V1, the CPU backend's; V2, the CUDA default): the step's batch,
-  held positions in the slot mapping and sequence lengths, block-table rows cut to the kept blocks;
+- ``runner`` (what both model runners share), ``runner_v1`` (the CPU backend's), ``runner_v2`` (the
+  CUDA default): the step's batch, held positions in the slot mapping and sequence lengths,
+  block-table rows cut to the kept blocks;
 - ``attention``: the ``forward`` of each backend of ``BACKENDS``, followed by the layer's eviction
   through its own cache layout.
 
@@ -25,7 +26,7 @@ import functools
 import importlib
 import inspect
 
-from . import attention, memory, refusals, runner, scheduler
+from . import attention, memory, refusals, runner, runner_v1, runner_v2, scheduler
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
@@ -107,8 +108,8 @@ TARGETS = {
         "GPUModelRunner": {
             "__init__": (runner.runner_init, ("vllm_config",)),
             "load_model": runner.load_model,
-            "_update_states": (runner.v1_update_states, _STEP),
-            "_prepare_inputs": (runner.v1_prepare_inputs, (*_STEP, "num_scheduled_tokens")),
+            "_update_states": (runner_v1.update_states, _STEP),
+            "_prepare_inputs": (runner_v1.prepare_inputs, (*_STEP, "num_scheduled_tokens")),
             "execute_model": (runner.execute_model, _STEP),
         }
     },
@@ -121,15 +122,15 @@ TARGETS = {
         "GPUModelRunner": {
             "__init__": (runner.runner_init, ("vllm_config",)),
             "load_model": runner.load_model,
-            "finish_requests": (runner.v2_finish_requests, _STEP),
-            "add_requests": (runner.v2_add_requests, _STEP),
-            "update_requests": (runner.v2_update_requests, _STEP),
-            "prepare_attn": (runner.v2_prepare_attn, ("input_batch",)),
+            "finish_requests": (runner_v2.finish_requests, _STEP),
+            "add_requests": (runner_v2.add_requests, _STEP),
+            "update_requests": (runner_v2.update_requests, _STEP),
+            "prepare_attn": (runner_v2.prepare_attn, ("input_batch",)),
             "execute_model": (runner.execute_model, (*_STEP, "dummy_run")),
         }
     },
     "vllm.v1.worker.gpu.model_states.default": {
-        "DefaultModelState": {"prepare_attn": (runner.v2_model_state_prepare_attn, ("input_batch",))}
+        "DefaultModelState": {"prepare_attn": (runner_v2.model_state_prepare_attn, ("input_batch",))}
     },
     # the KV pool sized without the plugin's own memory (``memory``; the GPU worker's above)
     "vllm.v1.worker.cpu_worker": {
@@ -195,7 +196,7 @@ READS = {
     ),
     "vllm.v1.core.block_pool.BlockPool": ("free_blocks",),
     "vllm.v1.request.Request": (
-        "request_id", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "is_finished",
+        "request_id", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "is_finished",
     ),
 }
 

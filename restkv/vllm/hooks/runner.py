@@ -1,35 +1,20 @@
-"""The model runner's side (each tensor-parallel rank), for both of vLLM's runners.
-
-Common to V1 (``vllm.v1.worker.gpu_model_runner``, the CPU backend's and ``VLLM_USE_V2_MODEL_RUNNER=0``)
-and V2 (``vllm.v1.worker.gpu.model_runner``, the CUDA default):
+"""The model runner's side (each tensor-parallel rank), common to both of vLLM's runners (V1:
+``vllm.v1.worker.gpu_model_runner``, the CPU backend's and ``VLLM_USE_V2_MODEL_RUNNER=0``; V2:
+``vllm.v1.worker.gpu.model_runner``, the CUDA default; each runner's own hooks: ``runner_v1``,
+``runner_v2``):
 
 - ``__init__``: the ``Worker``; block-table rows widened for the fresh blocks of a first eviction
   (V1 ``InputBatch.__init__``, V2 ``BlockTables.__init__``);
-- ``load_model``: each layer's o_proj reader (on its own device) and, where the config reads
-  it, its W_O factor;
+- ``load_model``: each layer's o_proj, read on its own device;
 - ``execute_model``: the step's ``Worker`` visible to the attention layers, its cuts kept for the
   next step (V2: not for its dummy runs).
-
-Then per runner (the same facts from each one's structures):
-
-- V1 ``_update_states``: forget finished, preempted and resumed requests, cut the rows evicted last
-  step (``req_state.block_ids`` and the block table's numpy row), record the step's new block ids;
-  ``_prepare_inputs``: slots and sequence lengths of the entries held (the GPU lengths and the CPU
-  bound FlashInfer reads), the step's batch to the ``Worker``.
-- V2 ``finish_requests`` / ``add_requests``: forget finished, preempted and re-added requests;
-  ``update_requests``: cut the rows evicted last step (a staged write and ``num_blocks``), record
-  the new block ids; ``prepare_attn``: the slot mapping of the entries held, the step's batch to the
-  ``Worker``; ``DefaultModelState.prepare_attn``: the attention metadata's sequence lengths of the
-  entries held (the batch's own stay logical: the sampler reads them).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 
-import numpy as np
 import torch
 
 from .. import settings
@@ -37,9 +22,6 @@ from ..worker import Worker
 
 CURRENT: list = [None]  # the Worker of the step in flight (read by the attention wrapper)
 _WIDER: list = [0]  # blocks added to every block-table row (set while a runner is built)
-
-
-# ---- common ----
 
 
 def runner_init(orig):
@@ -154,174 +136,3 @@ def record_blocks(worker: Worker, scheduler_output, resumed_replace: bool) -> No
             worker.blocks[req_id] = list(ids[0]) if ids is not None else []
         elif ids is not None:
             worker.blocks.setdefault(req_id, []).extend(ids[0])
-
-
-# ---- V1 ----
-
-
-def v1_update_states(orig):
-    """Before the original: forget, cut, record the step's block ids."""
-
-    @functools.wraps(orig)
-    def wrapped(self, scheduler_output):
-        worker = getattr(self, "_restkv", None)
-        if worker is not None:
-            cached = scheduler_output.scheduled_cached_reqs
-            gone = set(scheduler_output.finished_req_ids) | set(cached.resumed_req_ids)
-            gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-            worker.forget(gone)
-            for req_id in list(worker.pending):
-                edit = worker.cut(req_id)
-                _v1_cut_row(self, req_id, *edit)
-            record_blocks(worker, scheduler_output, resumed_replace=True)
-        return orig(self, scheduler_output)
-
-    return wrapped
-
-
-def _v1_cut_row(runner, req_id: str, first: int, count: int) -> None:
-    """Keep blocks ``first`` .. ``first + count - 1`` of the request's block ids and row."""
-    req_state = runner.requests.get(req_id)
-    row = runner.input_batch.req_id_to_index.get(req_id)
-    for group, table in enumerate(runner.input_batch.block_table.block_tables):
-        if req_state is not None:
-            ids = req_state.block_ids[group]
-            ids[:] = ids[first : first + count]
-        if row is not None:
-            held = table.num_blocks_per_row[row]
-            table.block_table.np[row, :count] = table.block_table.np[row, first : first + count]
-            table.block_table.np[row, count:held] = 0
-            table.num_blocks_per_row[row] = count
-
-
-def v1_prepare_inputs(orig):
-    """After the original: the step's batch; slots and sequence lengths of the entries held (the
-    GPU lengths and the CPU bound FlashInfer reads)."""
-
-    @functools.wraps(orig)
-    def wrapped(self, scheduler_output, num_scheduled_tokens):
-        out = orig(self, scheduler_output, num_scheduled_tokens)
-        worker = getattr(self, "_restkv", None)
-        if worker is not None:
-            batch = self.input_batch
-            n = batch.num_reqs
-            computed, prompts = batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n]
-            worker.begin(batch.req_ids[:n], computed, num_scheduled_tokens[:n], prompts, self.device)
-            if worker.request_offsets.any():
-                offsets = worker.request_offsets
-                self.seq_lens[:n] -= worker.request_offsets_device.to(self.seq_lens.dtype)
-                bound = self.optimistic_seq_lens_cpu
-                bound[:n] -= torch.from_numpy(offsets).to(bound.dtype)
-                tokens = len(worker.token_offsets_device)
-                held = self.positions[:tokens] - worker.token_offsets_device
-                batch.block_table.compute_slot_mapping(n, self.query_start_loc.gpu[: n + 1], held)
-        return out
-
-    return wrapped
-
-
-# ---- V2 ----
-
-
-def forgetting(gone):
-    """A V2 function after which the requests ``gone(scheduler_output)`` start afresh:
-    ``finish_requests`` (finished and preempted ones), ``add_requests`` (V2 adds a resumed request
-    again)."""
-
-    def wrap(orig):
-        @functools.wraps(orig)
-        def wrapped(self, scheduler_output):
-            worker = getattr(self, "_restkv", None)
-            if worker is not None:
-                worker.forget(gone(scheduler_output))
-            return orig(self, scheduler_output)
-
-        return wrapped
-
-    return wrap
-
-
-v2_finish_requests = forgetting(
-    lambda out: set(out.finished_req_ids) | set(getattr(out, "preempted_req_ids", None) or ())
-)
-v2_add_requests = forgetting(lambda out: [new.req_id for new in out.scheduled_new_reqs])
-
-
-def v2_update_requests(orig):
-    """Before the original (whose new blocks then go after the kept ones): cut, record."""
-
-    @functools.wraps(orig)
-    def wrapped(self, scheduler_output):
-        worker = getattr(self, "_restkv", None)
-        if worker is not None:
-            tables = self.block_tables
-            for req_id in list(worker.pending):
-                worker.cut(req_id)
-                index = self.req_states.req_id_to_index.get(req_id)
-                if index is None:
-                    continue
-                kept = worker.blocks[req_id]
-                for group, table in enumerate(tables.block_tables):
-                    table.stage_write(index, 0, kept)
-                    tables.num_blocks.np[group, index] = len(kept)
-            record_blocks(worker, scheduler_output, resumed_replace=False)
-        return orig(self, scheduler_output)
-
-    return wrapped
-
-
-def v2_prepare_attn(orig):
-    """After the original: the step's batch to the Worker; the slot mapping of the entries held,
-    and their sequence lengths for the attention metadata (``v2_model_state_prepare_attn``)."""
-
-    @functools.wraps(orig)
-    def wrapped(self, input_batch):
-        block_tables, slot_mappings = orig(self, input_batch)
-        worker = getattr(self, "_restkv", None)
-        if worker is None or CURRENT[0] is not worker:
-            return block_tables, slot_mappings
-        n = input_batch.num_reqs
-        prompts = self.req_states.prompt_len.np[input_batch.idx_mapping_np[:n]]
-        computed, counts = input_batch.num_computed_tokens_np[:n], input_batch.num_scheduled_tokens[:n]
-        worker.begin(input_batch.req_ids[:n], computed, counts, prompts, self.device)
-        worker.held_lengths = None
-        if worker.request_offsets.any():
-            tokens = len(worker.token_offsets_device)
-            held = input_batch.positions[:tokens] - worker.token_offsets_device
-            slot_mappings = self.block_tables.compute_slot_mappings(
-                input_batch.idx_mapping,
-                input_batch.query_start_loc,
-                held,
-                num_tokens_padded=input_batch.num_tokens_after_padding,
-            )
-            lengths = input_batch.seq_lens.clone()
-            lengths[:n] -= worker.request_offsets_device.to(lengths.dtype)
-            worker.held_lengths = (lengths, _minus(input_batch.seq_lens_cpu_upper_bound, worker.request_offsets))
-        return block_tables, slot_mappings
-
-    return wrapped
-
-
-def _minus(bound, offsets: np.ndarray):
-    """A CPU bound (a tensor or an array over the padded batch) minus the requests' offsets."""
-    padded = np.zeros(len(bound), dtype=np.int64)
-    padded[: len(offsets)] = offsets
-    if isinstance(bound, torch.Tensor):
-        return bound - torch.from_numpy(padded).to(bound.dtype)
-    return bound - padded.astype(bound.dtype)
-
-
-def v2_model_state_prepare_attn(orig):
-    """The attention metadata built on the held sequence lengths of this step (the batch's own
-    stay logical)."""
-
-    @functools.wraps(orig)
-    def wrapped(self, input_batch, *args, **kwargs):
-        worker = CURRENT[0]
-        held = None if worker is None else getattr(worker, "held_lengths", None)
-        if held is not None:
-            gpu, cpu = held
-            input_batch = dataclasses.replace(input_batch, seq_lens=gpu, seq_lens_cpu_upper_bound=cpu)
-        return orig(self, input_batch, *args, **kwargs)
-
-    return wrapped

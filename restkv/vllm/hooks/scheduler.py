@@ -184,7 +184,7 @@ def update_from_output(orig):
                 continue
             for manager in self.kv_cache_manager.coordinator.single_type_managers:
                 keep_evicted(manager, req_id, e, state.caching)
-            state.offsets[req_id] = state.offsets.get(req_id, 0) + e.held - e.budget
+            state.offsets[req_id] = state.offsets.get(req_id, 0) + e.evicted
         for req_id, (generated, tokens) in counts.items():
             log_preempted(state, req_id, generated, tokens)
         state.freed.clear()
@@ -215,9 +215,7 @@ def keep_evicted(manager, req_id: str, e: settings.Eviction, caching: bool) -> N
     blocks = manager.req_to_blocks.get(req_id)
     if not blocks:
         return
-    first, count = e.first_kept_block, e.kept_blocks
-    gone = blocks[:first] + blocks[first + count :]
-    blocks[:] = blocks[first : first + count]
+    gone = e.cut(blocks)
     if caching:
         manager.num_cached_block[req_id] = NEVER_CACHED
     manager.block_pool.free_blocks(reversed(gone))
