@@ -2,7 +2,7 @@
 evicts (``concurrent_run.py``: one engine stepped by hand, each step's scheduled requests, evicting
 requests and the blocks they share recorded).
 
-Four prompts share the packaged README's first 256 tokens (8 blocks of 32): T (286 tokens, under
+Four prompts share the first 256 tokens of ``prompt_text.md`` (8 blocks of 32): T (286 tokens, under
 the budget of 320 for its 24 tokens), S (306: under it at its prompt, over it at its first decoding
 check, 16 tokens later), M (356) and L (506), both over it at their prompt and 16 tokens later. In
 a pool of 4096 tokens nothing is preempted, so each request's greedy tokens must equal, all of
