@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import AttentionInterface
 from transformers import (
@@ -303,3 +306,41 @@ def write_passkey(folder, n=2, **kw):
         for i in range(n):
             fh.write(json.dumps(passkey_record(i, **kw)) + "\n")
     return str(folder)
+
+
+class PeakBytes(TorchDispatchMode):
+    """The peak bytes of the storages allocated inside the block and still referenced (views and in-place
+    results of an input count nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = {}  # storage address -> [tensors referencing it, bytes]
+        self.held = self.peak = 0
+
+    def _release(self, ptr):
+        entry = self.live[ptr]
+        entry[0] -= 1
+        if not entry[0]:
+            self.held -= entry[1]
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.live:
+                if not ptr or ptr in inputs or func.is_view:
+                    continue
+                self.live[ptr] = [0, t.untyped_storage().nbytes()]
+                self.held += self.live[ptr][1]
+                self.peak = max(self.peak, self.held)
+            self.live[ptr][0] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out

@@ -5,12 +5,9 @@ Llama-3-8B's at 8K; and the blocked terms give the same kept sets and errors as 
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from helpers import PeakBytes
 
 from restkv.config import CompressionConfig
 from restkv.eviction.select import select
@@ -24,44 +21,6 @@ REFINE_CONFIGS = [
     "refine_rounds=1,refine_candidates=boundary",
     "refine_rounds=4,refine_candidates=boundary",
 ]
-
-
-class PeakBytes(TorchDispatchMode):
-    """The peak bytes of the storages allocated inside the block and still referenced (views and in-place
-    results of an input count nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = {}  # storage address -> [tensors referencing it, bytes]
-        self.held = self.peak = 0
-
-    def _release(self, ptr):
-        entry = self.live[ptr]
-        entry[0] -= 1
-        if not entry[0]:
-            self.held -= entry[1]
-            del self.live[ptr]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.live:
-                if not ptr or ptr in inputs or func.is_view:
-                    continue
-                self.live[ptr] = [0, t.untyped_storage().nbytes()]
-                self.held += self.live[ptr][1]
-                self.peak = max(self.peak, self.held)
-            self.live[ptr][0] += 1
-            weakref.finalize(t, self._release, ptr)
-        return out
 
 
 def layer(n=4096, hq=4, hkv=1, d=64, hidden=2048, window=8, budget=512, seed=0):

@@ -1,5 +1,5 @@
 """``restkv.vllm.memory``'s estimate of the plugin's memory against what the worker allocates on CPU:
-every tensor created during an eviction, op by op (``Tracked``), and the tensors the worker holds
+every tensor created during an eviction, op by op (``helpers.PeakBytes``), and the tensors the worker holds
 after a paged engine in plain torch (``tests/vllm_sim.py``) has served requests."""
 
 from __future__ import annotations
@@ -8,11 +8,8 @@ import json
 
 import pytest
 import torch
-from helpers import prompt, small, tiny_model
+from helpers import PeakBytes, prompt, small, tiny_model
 from test_vllm_worker import VLLM_METHODS
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from vllm_sim import PagedEngine
 
 from restkv.config import CompressionConfig
@@ -24,32 +21,6 @@ EXTRA = [  # configs whose selection reads W_O otherwise
     {"method": "criticalkv", "value_norm": "l2"},
     {"method": "snapkv", "refine_rounds": 1},
 ]
-
-
-class Tracked(TorchDispatchMode):
-    """``peak``: the most bytes of storages created inside the block alive at once, after each op
-    (an op's output that is not one of its inputs' storages is a new allocation)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                if s.data_ptr() not in inputs and s.data_ptr() not in self.live:
-                    self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
-        self.live = {p: v for p, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
 
 
 def _knobs(case) -> dict:
@@ -92,7 +63,7 @@ def test_eviction_peak_within_the_estimate(case, geometry):
     worker.blocks["r"] = list(range(blocks))
     worker.begin(["r"], [0], [L], [L], "cpu")
     query = torch.randn(L, hq, d, generator=g).to(dtype)
-    with Tracked() as t:
+    with PeakBytes() as t:
         worker.layer("model.layers.0.attn", query, layer, d**-0.5, None)
     ring = worker.ring.buffers["model.layers.0.attn"].nbytes  # allocated on the layer's first step
     peak = t.peak - ring
