@@ -51,26 +51,28 @@ def _run(mode: str) -> subprocess.CompletedProcess:
 
 
 def _error_lines(done: subprocess.CompletedProcess, start: str) -> list[str]:
-    return [line for line in done.stderr.splitlines() if line.lstrip("[rank0]: ").startswith(start)]
+    lines = (line.removeprefix("[rank0]: ") for line in done.stderr.splitlines())
+    return [line for line in lines if line.startswith(start)]
 
 
 @pytest.mark.vllm
-def test_an_unhooked_backend_is_refused_when_the_engine_starts():
-    done = _run("unhooked")
+@pytest.mark.parametrize(
+    "mode, says",
+    [
+        ("unhooked", "attention backend CPUAttentionBackendImpl is not one the plugin hooks"),
+        ("unwrapped", "(CPU_ATTN) ran its attention without the plugin in this step"),
+    ],
+    ids=["refused-when-the-engine-starts", "the-step-stops-at-run-time"],
+)
+def test_an_attention_backend_without_the_plugins_hook(mode, says):
+    """``unhooked``: refused at start-up, the line naming the flag; ``unwrapped``: the first step
+    raises, naming the layer and its backend."""
+    done = _run(mode)
     assert done.returncode != 0 and "RESULT" not in done.stdout
-    refused = _error_lines(done, "RuntimeError: restkv.vllm: layer ")
-    assert refused, done.stderr[-3000:]
-    assert "attention backend CPUAttentionBackendImpl is not one the plugin hooks" in refused[-1]
-    assert "--attention-backend" in refused[-1]
-
-
-@pytest.mark.vllm
-def test_a_backend_unwrapped_at_run_time_stops_the_step():
-    done = _run("unwrapped")
-    assert done.returncode != 0 and "RESULT" not in done.stdout
-    stopped = _error_lines(done, "RuntimeError: restkv.vllm: layer ")
-    assert stopped, done.stderr[-3000:]
-    assert "(CPU_ATTN) ran its attention without the plugin in this step" in stopped[-1]
+    lines = _error_lines(done, "RuntimeError: restkv.vllm: layer ")
+    assert lines, done.stderr[-3000:]
+    assert says in lines[-1]
+    assert mode == "unwrapped" or "--attention-backend" in lines[-1]
 
 
 if __name__ == "__main__":
