@@ -53,7 +53,7 @@ $(VLLM_STAMP): plugins/restkv_vllm/pyproject.toml
 vllm-install: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -c "from restkv.integration.models import resolve; print(resolve('smollm2-135m'))"
 
-# the plugin's tests inside vLLM (about 13 minutes on 2 cores); vllm-test-quick: the subset .ci/run runs
+# the plugin's tests inside vLLM (about 18 minutes on 2 cores); vllm-test-quick: the subset .ci/run runs
 vllm-test: vllm-install
 	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
 

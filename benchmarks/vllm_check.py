@@ -172,6 +172,12 @@ def run_spec(spec: dict) -> dict:
 def run_in_subprocess(spec: dict, knobs: dict | None, env: dict | None = None) -> dict:
     """``run_spec`` in a fresh process (the plugin's config is process-wide): ``knobs`` through
     ``RESTKV_VLLM`` (None: plain vLLM)."""
+    return script_result([__file__, "--spec", json.dumps(spec)], knobs, env)
+
+
+def script_result(argv: list[str], knobs: dict | None, env: dict | None = None) -> dict:
+    """The ``RESULT {...}`` line of ``python ARGV`` run in a fresh process from the repository root,
+    ``knobs`` through ``RESTKV_VLLM`` (None: plain vLLM); its stderr's tail if it fails."""
     variables = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -179,14 +185,9 @@ def run_in_subprocess(spec: dict, knobs: dict | None, env: dict | None = None) -
         **(env or {}),
     }
     done = subprocess.run(
-        [sys.executable, __file__, "--spec", json.dumps(spec)],
-        env=variables,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        cwd=ROOT,
+        [sys.executable, *argv], env=variables, capture_output=True, text=True, timeout=3600, cwd=ROOT,
         check=False,
-    )
+    )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the engine failed:\n{done.stderr[-4000:]}")
     return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])

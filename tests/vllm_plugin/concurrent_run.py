@@ -16,29 +16,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from vllm_check import engine, script_result  # noqa: E402
 
 
 def in_subprocess(spec: dict, knobs: dict | None) -> list:
     """``run(spec)`` in a fresh process, ``knobs`` through ``RESTKV_VLLM`` (None: plain vLLM)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RESTKV_VLLM": json.dumps(knobs) if knobs else ""}
-    done = subprocess.run(
-        [sys.executable, __file__, json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd=ROOT,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise AssertionError(f"the engine failed:\n{done.stderr[-4000:]}")
-    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    return script_result([__file__, json.dumps(spec)], knobs)
 
 
 def watch(scheduler, steps: list, index: dict) -> None:
@@ -69,7 +57,6 @@ def watch(scheduler, steps: list, index: dict) -> None:
 def run(spec: dict) -> list:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
-    from vllm_check import engine
 
     llm = engine(spec)
     core = llm.llm_engine.engine_core.engine_core

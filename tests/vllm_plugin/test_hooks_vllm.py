@@ -20,8 +20,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from restkv.vllm import SUPPORTED, hooks
-from restkv.vllm.hooks import refusals
+from restkv.vllm import SUPPORTED, hooks  # noqa: E402
+from restkv.vllm.hooks import refusals  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.quick]
 

@@ -34,7 +34,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from test_serve import _free_port, _wait, serve
+from test_serve import _free_port, _stop, _wait, serve
 
 pytestmark = pytest.mark.vllm
 
@@ -168,11 +168,7 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(model_dir, text
             if kind == "complete"
         }
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop(server)
     text = log.read_text()
     assert preemptions > 0, "the pool never preempted a request: make it tighter"
     first_preempted: dict = {}

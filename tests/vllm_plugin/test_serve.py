@@ -57,6 +57,15 @@ def _wait(url: str, server: subprocess.Popen, seconds: int = 900) -> None:
     raise AssertionError(f"the server did not answer {url} in {seconds} s")
 
 
+def _stop(server: subprocess.Popen) -> None:
+    """Terminate the server; kill it if it has not exited within a minute."""
+    server.terminate()
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
 def test_serve_answers_over_http_with_eviction(model_dir, prompt):
     from transformers import AutoTokenizer
 
@@ -80,11 +89,7 @@ def test_serve_answers_over_http_with_eviction(model_dir, prompt):
         }
         answer = _post(f"http://127.0.0.1:{port}/v1/completions", body)
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop(server)
     text = AutoTokenizer.from_pretrained(model_dir).decode(ref["tokens"])
     assert answer["choices"][0]["text"] == text
 
