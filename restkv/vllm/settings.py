@@ -23,7 +23,7 @@ ENV = "RESTKV_VLLM"
 
 # knob -> (whether its value can run, what vLLM needs): vLLM's block table holds one entry count per
 # request
-_NEEDED = {
+_KNOB_NEEDS = {
     "layer_budget": (lambda v: v == "uniform", "'uniform' (every layer keeps as many entries)"),
     "head_budget": (lambda v: v == "uniform", "'uniform' (every KV head keeps as many entries)"),
     "gqa_agg": (lambda v: v != "none", "a reduction to one kept set per KV head, not 'none'"),
@@ -42,7 +42,7 @@ _NEEDED = {
 
 # Methods whose score reads what the attention backend does not give it: every query of the prompt
 # (other than as a sum, see ``SUMMED``), the queries or keys before RoPE, or constants of the model.
-_NEEDS = {
+_METHOD_NEEDS = {
     "cap": "the queries before RoPE",
     "compactor": "every query of the prompt",
     "noncausal": "every query of the prompt",
@@ -100,12 +100,12 @@ def check(cfg: CompressionConfig) -> None:
             f"{ENV}: method {cfg.method} scores the layers' hidden states, which vLLM's attention "
             "backend does not see"
         )
-    needs = _NEEDS.get(cfg.scorer.scorer.rsplit(".", 1)[-1])
+    needs = _METHOD_NEEDS.get(cfg.scorer.scorer.rsplit(".", 1)[-1])
     if needs:
         raise ValueError(
             f"{ENV}: method {cfg.method} needs {needs}, which vLLM's attention backend does not see"
         )
-    for name, (runs, needed) in _NEEDED.items():
+    for name, (runs, needed) in _KNOB_NEEDS.items():
         if name in cfg and not runs(cfg[name]):
             raise ValueError(f"{ENV}: {name}={cfg[name]!r} cannot run in vLLM; it needs {needed}")
 

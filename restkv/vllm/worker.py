@@ -33,7 +33,7 @@ _LAYER = re.compile(r"\.(\d+)\.")
 
 
 @dataclass
-class Held:
+class RequestState:
     """One request's state on a worker."""
 
     slot: int  # its row in the query ring
@@ -46,7 +46,7 @@ class Scheduled:
     """One request's part of a step."""
 
     req_id: str
-    held: Held
+    state: RequestState
     start: int  # its first token in the step's batch
     count: int  # its tokens in the step
     computed: int  # tokens computed before the step (logical)
@@ -102,7 +102,7 @@ class Worker:
         self.block_size = block_size
         self.ring = QueryRing(settings.query_rows(cfg), slots)
         self.free_slots = list(range(slots - 1, -1, -1))
-        self.requests: dict = {}  # request id -> Held
+        self.requests: dict = {}  # request id -> RequestState
         self.step: list = []  # Scheduled, this step's
         self.ring_tokens = self.ring_index = None
         # the step's offsets (logical - held): per request on the host, per token and per request on the device
@@ -140,9 +140,9 @@ class Worker:
     def forget(self, req_ids) -> None:
         """Finished, aborted, preempted or resumed requests: their state, blocks and ring slot go."""
         for req_id in req_ids:
-            held = self.requests.pop(req_id, None)
-            if held is not None:
-                self.free_slots.append(held.slot)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.free_slots.append(state.slot)
             self.blocks.pop(req_id, None)
             self.pending.pop(req_id, None)
 
@@ -174,24 +174,23 @@ class Worker:
         for req_id, c, n, length in zip(req_ids, computed, counts, prompt_lens):
             c, n, length = int(c), int(n), int(length)
             row = np.asarray(self.blocks[req_id], dtype=np.int64)
-            held = self.requests.get(req_id)
-            if held is None:
-                held = self.requests[req_id] = Held(self.free_slots.pop())
-                self.ring.slots = max(self.ring.slots, held.slot + 1)
+            state = self.requests.get(req_id)
+            if state is None:
+                state = self.requests[req_id] = RequestState(self.free_slots.pop())
+                self.ring.slots = max(self.ring.slots, state.slot + 1)
             eviction = settings.eviction(
-                self.cfg, c, n, length, held.offset, self.caching, self.block_size
+                self.cfg, c, n, length, state.offset, self.caching, self.block_size
             )
             sums = (
                 settings.summed(self.cfg) and c < length and length > self.cfg.max_capacity_prompt
             )
-            s = Scheduled(req_id, held, start, n, c, length, row, eviction, sums)
+            s = Scheduled(req_id, state, start, n, c, length, row, eviction, sums)
             self.step.append(s)
             last = min(n, rows)
             tokens.append(np.arange(start + n - last, start + n))
-            index.append(held.slot * rows + np.arange(c + n - last, c + n) % rows)
+            index.append(state.slot * rows + np.arange(c + n - last, c + n) % rows)
             if sums or eviction is not None:
-                held_count = s.end - held.offset
-                host.append(self._slots(row, 0, held_count))
+                host.append(self._slots(row, 0, s.end - state.offset))
                 if eviction is not None:
                     host.append(
                         self._slots(
@@ -199,7 +198,7 @@ class Worker:
                         )
                     )
             start += n
-        self.request_offsets = np.array([s.held.offset for s in self.step], dtype=np.int64)
+        self.request_offsets = np.array([s.state.offset for s in self.step], dtype=np.int64)
         per_token = np.repeat(self.request_offsets, [s.count for s in self.step])
         arrays = [np.concatenate(tokens), np.concatenate(index), per_token, self.request_offsets, *host]
         staged = self._stage(arrays, device)
@@ -273,21 +272,21 @@ class Worker:
         chunk = query[s.start : s.start + s.count]
         obs = self._observe(name, s, chunk, keys, values, s.end, scale, softcap, window=0)
         part = chunk_score(obs, self.cfg)
-        before = s.held.sums.get(name)
+        before = s.state.sums.get(name)
         if before is not None:
             part[:, : before.shape[1]] += before
-        s.held.sums[name] = part
+        s.state.sums[name] = part
 
     def _evict(self, name, s: Scheduled, paged, scale, softcap) -> None:
         e = s.eviction
         keys, values = paged.read(s.held_slots)
         rows = min(self.ring.rows, s.end)
-        queries = self.ring.read(name, s.held.slot, s.end, rows)
+        queries = self.ring.read(name, s.state.slot, s.end, rows)
         obs = self._observe(name, s, queries, keys, values, e.budget, scale, softcap)
-        summed = s.held.sums.pop(name, None)
+        summed = s.state.sums.pop(name, None)
         kept = kept_entries(obs, self.cfg, summed)
         paged.write(s.kept_slots, *slot_rows(kept))
-        if s.held.offset == 0:
+        if s.state.offset == 0:
             self._record(s.req_id, name, kept.positions[0])
 
     def end(self, scheduled: int | None = None) -> None:
@@ -310,11 +309,11 @@ class Worker:
             )
         for s in self.step:
             if s.eviction is not None:
-                s.held.offset += s.eviction.evicted
-                s.held.sums.clear()
+                s.state.offset += s.eviction.evicted
+                s.state.sums.clear()
                 self.pending[s.req_id] = s.eviction
             elif s.sums and s.end >= s.prompt_len:
-                s.held.sums.clear()
+                s.state.sums.clear()
         self.step = []
 
     def _record(self, req_id: str, layer: str, positions: torch.Tensor) -> None:

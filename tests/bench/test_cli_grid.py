@@ -1,7 +1,6 @@
 """Shared flags (original names, light imports) and the method x budget grid: labels, knobs, variants."""
 
 import argparse
-import ast
 import subprocess
 import sys
 

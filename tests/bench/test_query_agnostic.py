@@ -12,7 +12,7 @@ import run_ruler
 from restkv.bench.infinitebench.run import make_task as infinite_task
 from restkv.bench.longbench.run import make_task as longbench_task
 from restkv.bench.longbench.tasks import DATASETS, PROMPTS
-from restkv.data.needles import NEEDLES, PROMPT, Haystack, make_case
+from restkv.data.needles import NEEDLES, Haystack, make_case
 from restkv.data.prompts import prompt_ids
 from restkv.bench.ruler.generate import generate, load_tokenizer, write_task
 from restkv.bench.ruler.run import prompt_ids as ruler_prompt_ids

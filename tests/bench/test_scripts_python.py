@@ -5,7 +5,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from helpers import ROOT
 

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

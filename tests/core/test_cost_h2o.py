@@ -11,7 +11,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from restkv.config import CompressionConfig
-from restkv.methods import h2o
 from restkv.scoring.observe import Observation
 from restkv.vllm.scoring import chunk_score, observation
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.modeling_utils import AttentionInterface
 
 import restkv
 from restkv.strategies.budgets import layer_budgets
