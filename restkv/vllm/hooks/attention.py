@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 
+from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
 from .. import paged
 from .runner import CURRENT
 
@@ -44,8 +46,6 @@ def declared(impl, layer, kv_cache, block_size: int) -> paged.Paged:
     heads, d = impl.num_kv_heads, impl.head_size
     key = (backend, heads, d, layer.kv_cache_dtype, layer.dtype, block_size)
     if key not in _HEAD_SLOTS:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
-
         quant = get_kv_quant_mode(layer.kv_cache_dtype)
         spec = FullAttentionSpec(
             block_size=block_size, num_kv_heads=heads, head_size=d,
