@@ -330,6 +330,8 @@ def table(model, attn: str, run: dict, dtype, seed: int = 0):
                     r["extra"],
                 )
             )
+            print(f"done: {attn} L={length} {method} greedy={equal} prefill={r['prefill']:.3f}s "
+                  f"decode={r['decode']:.2f}ms peak={gib(r['peak'])}GiB", file=sys.stderr, flush=True)
     return rows
 
 
