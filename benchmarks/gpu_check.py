@@ -32,8 +32,8 @@ Usage::
 
 Needs restkv installed first (``pip install -e .`` in the clone: torch, transformers, accelerate and the rest
 of requirements.txt; restkv imports accelerate) and nothing else: no flash_attn (used when importable), no
-network (the model is random, the prompts random ids). What a run should take on a 141 GiB GPU is in README's
-"On a GPU" section (estimates from the model's sizes: not yet run on a GPU). Exit status 1 when a greedy
+network (the model is random, the prompts random ids). What a run takes on a 141 GiB GPU, measured on an NVIDIA
+H200, is in docs/gpu.md ("Measured on an NVIDIA H200"). Exit status 1 when a greedy
 row reads ``NO`` (one ``FAIL greedy:`` line each), else 0.
 """
 

@@ -194,10 +194,12 @@ def script_result(argv: list[str], knobs: dict | None, env: dict | None = None) 
 
 
 def _prompt(model: str, length: int) -> list[int]:
-    """The first ``length`` tokens of this README (repeated as needed), by the model's tokenizer."""
+    """The first ``length`` tokens of README.md followed by docs/usage.md (repeated as needed), by the model's
+    tokenizer."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(model)((ROOT / "README.md").read_text())["input_ids"]
+    text = "\n".join((ROOT / name).read_text() for name in ("README.md", "docs/usage.md"))
+    ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
     return (ids * (length // len(ids) + 1))[:length]
 
 

@@ -16,8 +16,8 @@ preemptions, and the peak of blocks held (pool blocks minus free ones); for the 
 held entries back from the paged cache, selecting (scoring included) and writing the kept entries,
 as seconds and as a share of the arm's wall time. On CUDA every clock is read after
 ``torch.cuda.synchronize()`` (the eviction's parts too), so a part counts the kernels it launched.
-Run in the vLLM environment (``make vllm-install``), on an otherwise idle machine; README gives the
-commands of its figures.
+Run in the vLLM environment (``make vllm-install``), on an otherwise idle machine; docs/vllm.md gives
+the commands of its figures.
 """
 
 from __future__ import annotations

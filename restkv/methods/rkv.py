@@ -17,7 +17,7 @@ An entry's score is ``mix_lambda * importance - (1 - mix_lambda) * redundancy``,
   similar key (the last one above ``redundancy_threshold``; the first key when none) zeroed too, so that
   the newest of near-duplicates looks least redundant; then a softmax over all held keys.
 
-``mix_lambda`` is 0.1, the paper's and README's default (the reference class's own default is 0.07).
+``mix_lambda`` is 0.1, the paper's default and docs/usage.md's (the reference class's own default is 0.07).
 
 Differences: every score in float32 (the reference rounds the importance to the model's dtype); the
 scale of the logits is the layer's own (the reference's ``1 / sqrt(head_dim)``); padding and entries a

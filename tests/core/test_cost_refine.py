@@ -1,7 +1,8 @@
 """Set-level refinement's step memory: the float32 tensors a refined selection holds at once stay within 4x
-the layer's K+V (``benchmarks/scaling.py``'s bar at 8K) for every refine configuration README names,
-counted exactly (every tensor the step allocates, at its peak), on a layer whose o_proj is to its K+V as
-Llama-3-8B's at 8K; and the blocked terms give the same kept sets and errors as one block."""
+the layer's K+V (``benchmarks/scaling.py``'s bar at 8K) for every refine configuration the docs name
+(docs/usage.md, docs/gpu.md, docs/results.md), counted exactly (every tensor the step allocates, at its
+peak), on a layer whose o_proj is to its K+V as Llama-3-8B's at 8K; and the blocked terms give the same kept
+sets and errors as one block."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""README's table of kvpress's presses: every press of kvpress 0.5.5 named there, with its file,
+"""The table of kvpress's presses (docs/usage.md): every press of kvpress 0.5.5 named there, with its file,
 and every restkv method and knob it names registered."""
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ FILES = (
 
 
 def table() -> dict:
-    """README's table under "### kvpress's presses": first cell -> second cell."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("### kvpress's presses", 1)[1].split("\n### ", 1)[0]
+    """docs/usage.md's table under "## kvpress's presses": first cell -> second cell."""
+    text = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    section = text.split("\n## kvpress's presses\n", 1)[1].split("\n## ", 1)[0]
     rows = [
         line.split(" | ")
         for line in section.splitlines()
@@ -46,15 +46,15 @@ def table() -> dict:
     return {cells[0][2:]: cells[1].rstrip(" |") for cells in rows[1:]}
 
 
-def test_every_kvpress_press_and_file_is_in_the_readme():
+def test_every_kvpress_press_and_file_is_in_the_usage_page():
     rows = table()
     named = {m for first in rows for m in re.findall(r"`(\w+Press)`", first)}
     files = {m for first in rows for m in re.findall(r"`(\w+?)(?:_press)?\.py`", first)}
     assert len(PRESSES) == 46 and len(FILES) == 45
     assert sorted(set(PRESSES) - named) == [], (
-        f"kvpress {KVPRESS_VERSION} presses missing from README"
+        f"kvpress {KVPRESS_VERSION} presses missing from docs/usage.md"
     )
-    assert sorted(set(FILES) - files) == [], f"kvpress {KVPRESS_VERSION} files missing from README"
+    assert sorted(set(FILES) - files) == [], f"kvpress {KVPRESS_VERSION} files missing from docs/usage.md"
 
 
 def test_every_restkv_method_and_knob_named_exists():
