@@ -47,19 +47,41 @@ class Paged:
         self._put(self.keys, slots, keys)
         self._put(self.values, slots, values)
 
-    def _at(self, where: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        block, offset = slots // self.block_size, slots % self.block_size
-        if where.dim() == 4:
-            return where[block, offset]
-        return self.cache.view(-1)[block[:, None, None] * self.block_stride + where[offset]]
+    def read_pages(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries of single-head page ``slots`` [n] (``restkv.vllm.heads``: page ``block * Hkv +
+        head``, slot ``page * block_size + offset``) -> keys, values [n, d] (copies)."""
+        return self._at(self.keys, slots, True), self._at(self.values, slots, True)
 
-    def _put(self, where: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-        block, offset = slots // self.block_size, slots % self.block_size
+    def write_pages(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys, values [n, d] into single-head page ``slots`` [n]."""
+        self._put(self.keys, slots, keys, True)
+        self._put(self.values, slots, values, True)
+
+    def _index(self, where: torch.Tensor, slots: torch.Tensor, pages: bool) -> tuple:
+        """(block, offset) of ``slots``, and with ``pages`` the head too (the slots then count
+        single-head pages of ``block_size`` entries, ``Hkv`` per block)."""
+        page, offset = slots // self.block_size, slots % self.block_size
+        if not pages:
+            return page, offset
+        heads = where.shape[-2]
+        return page // heads, offset, page % heads
+
+    def _at(self, where: torch.Tensor, slots: torch.Tensor, pages: bool = False) -> torch.Tensor:
+        block, offset, *head = self._index(where, slots, pages)
         if where.dim() == 4:
-            where[block, offset] = x.to(where.dtype)
+            return where[(block, offset, *head)]
+        return self.cache.view(-1)[self._flat(block, where[(offset, *head)])]
+
+    def _put(self, where: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, pages: bool = False) -> None:
+        block, offset, *head = self._index(where, slots, pages)
+        if where.dim() == 4:
+            where[(block, offset, *head)] = x.to(where.dtype)
         else:
-            index = block[:, None, None] * self.block_stride + where[offset]
-            self.cache.view(-1)[index] = x.to(self.cache.dtype)
+            self.cache.view(-1)[self._flat(block, where[(offset, *head)])] = x.to(self.cache.dtype)
+
+    def _flat(self, block: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+        """Element offsets of ``within`` [n, ...] (offsets inside a block) in blocks ``block`` [n]."""
+        return block.view(-1, *[1] * (within.dim() - 1)) * self.block_stride + within
 
 
 def declared(

@@ -1,0 +1,167 @@
+"""Per-head budgets in vLLM's paged cache: a layer's cache seen as single-head pages (no vLLM import).
+
+vLLM gives a request one block table and one length: every KV head of a block holds the same
+``block_size`` positions. Where a block's interior is head-major (the CPU backend's
+``[blocks, Hkv, block_size, 2 d]``; the GPU backends' ``HND`` layout), block ``b`` is also ``Hkv``
+single-head pages, page ``p = b * Hkv + h`` holding ``block_size`` entries of one head, and slot
+``p * block_size + j`` the j-th of them (``restkv.vllm.paged.Paged.read_pages`` / ``write_pages``
+read and write them through the layer's own layout).
+
+Seen so, a request's blocks are a pool of pages its heads share (``HeadPages``, one per request and
+layer): after an eviction that keeps ``n_h`` entries in head ``h``, head ``h`` holds them on
+``ceil(n_h / block_size)`` pages of its own, taken from any of the request's blocks, and the request
+needs ``blocks_for(n)`` = ceil(sum_h ceil(n_h / block_size) / Hkv) blocks. When the heads share a
+total of ``Hkv * B`` entries (AdaKV, HeadKV, DefensiveKV allocate a layer's budget across its heads)
+that is at most ``ceil(B / block_size) + 1`` (``bound``): one block, one page per head, above what
+uniform budgets of the same mean hold; and as every head gains one entry per decoded token, the
+bound grows by one block every ``block_size`` tokens, as vLLM's own count does. So the scheduler can
+count a request's blocks from the config alone (``equivalent_length``), as it does for uniform
+budgets, while the worker places the pages.
+
+Attention runs through the backend's own kernel over the flattened batch (``flatten`` /
+``unflatten``, ``FlatBatch``): each (KV head ``h``, request ``r``) is a sequence of its own, with its
+G query heads on one KV head, its row of pages and its length, so no attention code is written per
+backend. Layers differ only in their pages and lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def pages_of(lengths, block_size: int) -> np.ndarray:
+    """[Hkv] pages each head's ``lengths`` fill."""
+    return -(-np.asarray(lengths, dtype=np.int64) // block_size)
+
+
+def blocks_for(lengths, block_size: int) -> int:
+    """Blocks a request needs for heads holding ``lengths`` [Hkv] entries (Hkv pages per block)."""
+    return int(-(-int(pages_of(lengths, block_size).sum()) // len(lengths)))
+
+
+def bound(budget: int, block_size: int) -> int:
+    """The most blocks heads sharing ``Hkv * budget`` entries need, whatever their split."""
+    return -(-budget // block_size) + 1
+
+
+def equivalent_length(budget: int, block_size: int) -> int:
+    """The length the scheduler counts for a request whose heads share ``Hkv * budget`` entries:
+    ``bound(budget)`` blocks now, one more block every ``block_size`` decoded tokens."""
+    return budget + block_size
+
+
+@dataclass
+class HeadPages:
+    """One request's pages in one layer: ``rows[h]`` head h's pages in order, ``lengths[h]`` its
+    entries, ``free`` the pages of the request's blocks no head holds."""
+
+    rows: list
+    lengths: np.ndarray
+    free: list
+    block_size: int
+
+    @classmethod
+    def uniform(cls, blocks, length: int, heads: int, block_size: int) -> "HeadPages":
+        """A request as vLLM lays it out: every head's entries on its own page of each block."""
+        used = -(-length // block_size)
+        rows = [[b * heads + h for b in blocks[:used]] for h in range(heads)]
+        free = [b * heads + h for b in blocks[used:] for h in range(heads)]
+        return cls(rows, np.full(heads, length, dtype=np.int64), free, block_size)
+
+    @classmethod
+    def placed(cls, blocks, lengths, block_size: int) -> "HeadPages":
+        """Heads holding ``lengths`` [Hkv] entries on the pages of ``blocks``, head by head in page
+        order; raises if they do not fit."""
+        heads = len(lengths)
+        pool = [b * heads + h for b in blocks for h in range(heads)]
+        need = pages_of(lengths, block_size)
+        if need.sum() > len(pool):
+            raise RuntimeError(
+                f"restkv.vllm: {int(need.sum())} pages needed on {len(blocks)} blocks of {heads} pages"
+            )
+        ends = np.cumsum(need)
+        rows = [pool[e - n : e] for n, e in zip(need.tolist(), ends.tolist())]
+        return cls(rows, np.asarray(lengths, dtype=np.int64).copy(), pool[int(ends[-1]) :], block_size)
+
+    def grow(self, blocks) -> None:
+        """New blocks of the request: their pages are free."""
+        heads = len(self.rows)
+        self.free += [b * heads + h for b in blocks for h in range(heads)]
+
+    def slots(self, head: int, first: int, count: int) -> np.ndarray:
+        """Slots of head ``head``'s entries ``first`` .. ``first + count - 1`` (held pages only)."""
+        j = np.arange(first, first + count)
+        return np.asarray(self.rows[head], dtype=np.int64)[j // self.block_size] * self.block_size + j % self.block_size
+
+    def append(self, count: int) -> np.ndarray:
+        """Make room for ``count`` more entries in every head -> their slots [Hkv, count], new
+        pages taken from ``free``; raises if the request's blocks run out."""
+        out = []
+        for h, row in enumerate(self.rows):
+            need = -(-(int(self.lengths[h]) + count) // self.block_size) - len(row)
+            if need > len(self.free):
+                raise RuntimeError(
+                    f"restkv.vllm: head {h} needs {need} more pages, {len(self.free)} free in the request's blocks"
+                )
+            row += self.free[:need]
+            del self.free[:need]
+            out.append(self.slots(h, int(self.lengths[h]), count))
+            self.lengths[h] += count
+        return np.stack(out)
+
+    def table(self, width: int) -> np.ndarray:
+        """[Hkv, width] each head's pages, padded with 0 (a kernel reads only its length's)."""
+        table = np.zeros((len(self.rows), width), dtype=np.int64)
+        for h, row in enumerate(self.rows):
+            table[h, : len(row)] = row
+        return table
+
+
+@dataclass
+class FlatBatch:
+    """A step's batch as single-head sequences, (KV head, request) in head-major order: sequence
+    ``h * R + r`` is request r's head h.
+
+    ``query_start_loc`` [Hkv R + 1] where each sequence's queries start in the flattened queries,
+    ``seq_lens`` [Hkv R] its entries (the step's included), ``block_table`` [Hkv R, pages] its pages,
+    ``slot_mapping`` [Hkv T] where the step's keys and values go (token-major within a head, as
+    ``flatten`` orders them).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @classmethod
+    def of(cls, pages: list, counts, device) -> "FlatBatch":
+        """``pages``: each request's ``HeadPages`` after its step's tokens were appended (``append``),
+        ``counts`` [R] its tokens in the step."""
+        counts = np.asarray(counts, dtype=np.int64)
+        heads, total = len(pages[0].rows), int(counts.sum())
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        loc = np.concatenate([h * total + starts[:-1] for h in range(heads)] + [[heads * total]])
+        lens = np.stack([p.lengths for p in pages], 1).reshape(-1)  # [Hkv, R] -> head-major
+        width = max(max(len(row) for row in p.rows) for p in pages)
+        table = np.stack([p.table(width) for p in pages], 1).reshape(heads * len(pages), width)
+        slots = np.concatenate(
+            [p.slots(h, int(p.lengths[h]) - n, n) for h in range(heads) for p, n in zip(pages, counts.tolist())]
+        )
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        return cls(to(loc).int(), to(lens).int(), to(table).int(), to(slots))
+
+
+def flatten(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[T, Hq, d] (queries or an output) -> [Hkv T, G, d]: head h's G query heads for every token,
+    head-major (the row order of ``FlatBatch``). Keys and values [T, Hkv, d] -> [Hkv T, 1, d]."""
+    t, hq, d = x.shape
+    return x.view(t, kv_heads, hq // kv_heads, d).transpose(0, 1).reshape(kv_heads * t, hq // kv_heads, d)
+
+
+def unflatten(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[Hkv T, G, d] -> [T, Hq, d], the inverse of ``flatten``."""
+    rows, g, d = x.shape
+    return x.view(kv_heads, rows // kv_heads, g, d).transpose(0, 1).reshape(rows // kv_heads, kv_heads * g, d)

@@ -1,0 +1,168 @@
+"""Per-head budgets on single-head pages (``restkv.vllm.heads``), without vLLM: the page bookkeeping
+against brute force, and attention over the flattened batch (a float64 reference kernel reading the
+pages) against attention over each head's kept entries held densely."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from restkv.vllm import heads
+from restkv.vllm.paged import Paged
+
+
+def strided(blocks, block_size, kv_heads, d, dtype=torch.float64):
+    """A cache [blocks, block_size, Hkv, 2, d] read as a strided ``Paged``."""
+    cache = torch.zeros(blocks, block_size, kv_heads, 2, d, dtype=dtype)
+    return Paged(cache, cache[..., 0, :], cache[..., 1, :], block_size)
+
+
+def packed(blocks, block_size, kv_heads, d, seed=0):
+    """A cache whose blocks are permuted element by element (as the CPU backend packs them): a
+    ``Paged`` of element offsets."""
+    per_block = block_size * kv_heads * 2 * d
+    order = torch.randperm(per_block, generator=torch.Generator().manual_seed(seed))
+    within = order.view(block_size, kv_heads, 2, d)
+    cache = torch.zeros(blocks * per_block, dtype=torch.float64)
+    return Paged(cache, within[..., 0, :], within[..., 1, :], block_size, per_block)
+
+
+@pytest.mark.parametrize("kv_heads,block_size", [(1, 4), (2, 4), (3, 8), (8, 16)])
+def test_any_split_of_the_heads_total_fits_the_bound_while_decoding(kv_heads, block_size):
+    """Heads sharing Hkv * B entries need at most ceil(B / bs) + 1 blocks, and after t decoded tokens
+    no more than vLLM counts for ``equivalent_length(B) + t`` (every split, brute force)."""
+    rng = np.random.default_rng(0)
+    t = np.arange(2 * block_size + 1)
+    for budget in range(1, 3 * block_size + 2):
+        total = kv_heads * budget
+        if math.comb(total + kv_heads - 1, kv_heads - 1) <= 3000:  # every split
+            splits = np.array([s for s in itertools.product(range(total + 1), repeat=kv_heads) if sum(s) == total])
+        else:  # the most skewed splits and random ones
+            skewed = np.eye(kv_heads, dtype=np.int64) * total
+            splits = np.concatenate([skewed, rng.multinomial(total, np.ones(kv_heads) / kv_heads, 3000)])
+        grown = splits[:, None, :] + t[None, :, None]  # [splits, t, Hkv]
+        pages = -(-grown // block_size)
+        blocks = -(-pages.sum(-1) // kv_heads)  # [splits, t]
+        counted = -(-(heads.equivalent_length(budget, block_size) + t) // block_size)
+        assert (blocks[:, 0] <= heads.bound(budget, block_size)).all()
+        assert (blocks <= counted[None]).all()
+        assert heads.blocks_for(splits[0], block_size) == blocks[0, 0]
+
+
+def test_pages_are_the_requests_own_and_never_shared():
+    rng = np.random.default_rng(0)
+    block_size, kv_heads = 4, 3
+    for _ in range(200):
+        budget = int(rng.integers(1, 20))
+        lengths = rng.multinomial(kv_heads * budget, np.ones(kv_heads) / kv_heads)
+        blocks = list(rng.choice(100, heads.bound(budget, block_size), replace=False))
+        p = heads.HeadPages.placed(blocks, lengths, block_size)
+        for step in range(int(rng.integers(0, 12))):
+            if heads.blocks_for(p.lengths + 1, block_size) > len(blocks):
+                new = int(rng.integers(100, 10**6))
+                blocks.append(new)
+                p.grow([new])
+            p.append(1)
+        mine = {b * kv_heads + h for b in blocks for h in range(kv_heads)}
+        held = [q for row in p.rows for q in row]
+        assert len(held) == len(set(held)) and set(held) | set(p.free) <= mine
+        assert not set(held) & set(p.free)
+        assert [len(row) for row in p.rows] == heads.pages_of(p.lengths, block_size).tolist()
+
+
+def test_too_few_blocks_is_refused_in_one_line():
+    with pytest.raises(RuntimeError, match="pages needed"):
+        heads.HeadPages.placed([0], [9, 0], 4)
+    p = heads.HeadPages.placed([0], [4, 0], 4)
+    p.append(0)
+    with pytest.raises(RuntimeError, match="head 0 needs 1 more pages"):
+        heads.HeadPages(p.rows, p.lengths, [], 4).append(1)
+
+
+@pytest.mark.parametrize("make", [strided, packed])
+def test_uniform_pages_are_vllms_layout(make):
+    """A request as vLLM writes it (every head at the token's slot) reads back head by head through
+    its uniform pages."""
+    block_size, kv_heads, d = 4, 3, 5
+    cache = make(10, block_size, kv_heads, d)
+    blocks, n = [7, 2, 5], 10
+    keys, values = torch.randn(n, kv_heads, d, dtype=torch.float64), torch.randn(n, kv_heads, d, dtype=torch.float64)
+    j = torch.arange(n)
+    cache.write(torch.tensor(blocks)[j // block_size] * block_size + j % block_size, keys, values)
+    p = heads.HeadPages.uniform(blocks, n, kv_heads, block_size)
+    for h in range(kv_heads):
+        k, v = cache.read_pages(torch.from_numpy(p.slots(h, 0, n)))
+        assert torch.equal(k, keys[:, h]) and torch.equal(v, values[:, h])
+
+
+def reference_paged_attention(q, cache, batch, scale):
+    """Float64 loop: each flattened sequence's queries [c, G, d] over its pages' entries, the i-th of
+    its c queries seeing all but the last c - 1 - i entries."""
+    out = torch.zeros_like(q)
+    bs = cache.block_size
+    for i, n in enumerate(batch.seq_lens.tolist()):
+        a, b = batch.query_start_loc[i].item(), batch.query_start_loc[i + 1].item()
+        j = torch.arange(n)
+        slots = batch.block_table[i].long()[j // bs] * bs + j % bs
+        k, v = cache.read_pages(slots)
+        for t in range(b - a):
+            seen = n - (b - a) + t + 1
+            w = torch.softmax(q[a + t].double() @ k[:seen].T * scale, -1)
+            out[a + t] = w @ v[:seen]
+    return out
+
+
+@pytest.mark.parametrize("make", [strided, packed])
+def test_flattened_attention_equals_each_heads_own(make):
+    """Requests whose heads keep different numbers of entries, placed on pages, then a step (a
+    decoded token for some, a chunk for another): attention over the flattened batch equals
+    attention over each head's kept entries and new ones held densely."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    block_size, kv_heads, group, d = 4, 2, 3, 6
+    cache = make(64, block_size, kv_heads, d)
+    free = list(rng.permutation(64))
+    counts = [1, 3, 1]
+    dense, pages = [], []
+    for r, c in enumerate(counts):
+        budget = 5 + r
+        lengths = rng.multinomial(kv_heads * budget, [0.8, 0.2])
+        blocks = [free.pop() for _ in range(heads.bound(budget, block_size) + 2)]
+        p = heads.HeadPages.placed(blocks[:-2], lengths, block_size)
+        p.grow(blocks[-2:])
+        kept = [(torch.randn(n, d, dtype=torch.float64), torch.randn(n, d, dtype=torch.float64)) for n in lengths]
+        for h, (k, v) in enumerate(kept):
+            cache.write_pages(torch.from_numpy(p.slots(h, 0, len(k))), k, v)
+        new_k, new_v = torch.randn(c, kv_heads, d, dtype=torch.float64), torch.randn(c, kv_heads, d, dtype=torch.float64)
+        slots = p.append(c)
+        for h in range(kv_heads):
+            cache.write_pages(torch.from_numpy(slots[h]), new_k[:, h], new_v[:, h])
+        dense.append([(torch.cat([k, new_k[:, h]]), torch.cat([v, new_v[:, h]])) for h, (k, v) in enumerate(kept)])
+        pages.append(p)
+    batch = heads.FlatBatch.of(pages, counts, "cpu")
+    q = torch.randn(sum(counts), kv_heads * group, d, dtype=torch.float64)
+    scale = d**-0.5
+    out = heads.unflatten(reference_paged_attention(heads.flatten(q, kv_heads), cache, batch, scale), kv_heads)
+    start = 0
+    for c, held in zip(counts, dense):
+        for h, (k, v) in enumerate(held):
+            for t in range(c):
+                seen = len(k) - c + t + 1
+                for g in range(group):
+                    w = torch.softmax(q[start + t, h * group + g] @ k[:seen].T * scale, -1)
+                    torch.testing.assert_close(out[start + t, h * group + g], w @ v[:seen], rtol=0, atol=1e-12)
+        start += c
+    # the step's slots as one mapping, head-major and token-major within a head
+    j = 0
+    for h in range(kv_heads):
+        for p, c in zip(pages, counts):
+            assert batch.slot_mapping[j : j + c].tolist() == p.slots(h, int(p.lengths[h]) - c, c).tolist()
+            j += c
+
+
+def test_flatten_round_trips():
+    x = torch.randn(7, 6, 4)
+    assert torch.equal(heads.unflatten(heads.flatten(x, 2), 2), x)
+    assert torch.equal(heads.flatten(x, 2)[7 + 3], x[3, 3:6])  # head 1, token 3: query heads 3..5

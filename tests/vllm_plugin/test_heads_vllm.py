@@ -1,0 +1,130 @@
+"""Per-head budgets through vLLM's own CPU attention kernel (``restkv.vllm.heads``): a layer's cache
+``[blocks, Hkv, block_size, 2 d]`` viewed as single-head pages ``[blocks Hkv, 1, block_size, 2 d]``,
+the batch flattened to one sequence per (KV head, request), and the ops the CPU backend's ``forward``
+calls (its scheduler metadata, then ``cpu_attention_with_kv_cache``) run on it with G query heads on
+one KV head. Entries are written as the plugin writes them (``Paged.write_pages`` through the layout
+probed from the backend's own writer), so the ISA's packing of a block is exercised too.
+
+Checked: a request laid out by vLLM (uniform) gives the same output through the flattened view as
+through the backend's own call; requests whose heads hold different numbers of entries give
+attention over each head's entries held densely.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import numpy as np
+import torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from restkv.vllm import heads
+from restkv.vllm.hooks import attention
+
+pytestmark = pytest.mark.quick
+
+
+def kernel(query, cache, batch, kv_heads, isa, scale):
+    """The CPU backend's attention ops on ``cache`` [blocks, Hkv, bs, 2 d] for ``batch`` (its
+    ``query_start_loc``, ``seq_lens``, ``block_table``); query [T, Hq, d] -> [T, Hq, d]."""
+    blocks, hkv, size, _ = cache.shape
+    t, hq, d = query.shape
+    key_cache, value_cache = cache.view(blocks, hkv, 2 * size, d).chunk(2, dim=2)
+    output = torch.empty_like(query)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(batch.seq_lens), num_heads=hq, num_kv_heads=hkv, head_dim=d,
+        seq_lens=batch.seq_lens, dtype=query.dtype, query_start_loc=batch.query_start_loc,
+        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+    )  # fmt: skip
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=output,
+        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens, scale=scale, causal=True,
+        alibi_slopes=None, sliding_window=-1, block_table=batch.block_table, softcap=0.0,
+        scheduler_metadata=meta, s_aux=None,
+    )  # fmt: skip
+    return output
+
+
+def single_head_pages(cache):
+    """[blocks, Hkv, bs, 2 d] -> [blocks Hkv, 1, bs, 2 d]: page ``b Hkv + h`` is block b's head h."""
+    return cache.flatten(0, 1).unsqueeze(1)
+
+
+def flat(query, cache, batch, kv_heads, isa, scale):
+    out = kernel(heads.flatten(query, kv_heads), single_head_pages(cache), batch, 1, isa, scale)
+    return heads.unflatten(out, kv_heads)
+
+
+def setup(dtype, block_size=32, kv_heads=2, d=64, blocks=24):
+    isa = _get_attn_isa(dtype, block_size, d, "auto")
+    cache = torch.zeros(blocks, kv_heads, block_size, 2 * d, dtype=dtype)
+    layer, impl = SimpleNamespace(isa=isa), SimpleNamespace(head_size=d)
+    return cache, attention.cpu(impl, layer, cache, block_size), isa
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_uniform_request_reads_the_same_through_single_head_pages(dtype):
+    torch.manual_seed(0)
+    kv_heads, group, d, bs = 2, 3, 64, 32
+    cache, paged, isa = setup(dtype, bs, kv_heads, d)
+    blocks, n, c = [5, 1, 9, 3], 100, 4
+    j = torch.arange(n)
+    slots = torch.tensor(blocks)[j // bs] * bs + j % bs
+    paged.write(slots, torch.randn(n, kv_heads, d, dtype=dtype), torch.randn(n, kv_heads, d, dtype=dtype))
+    query = torch.randn(c, kv_heads * group, d, dtype=dtype)
+    width = -(-n // bs)
+    own = SimpleNamespace(
+        query_start_loc=torch.tensor([0, c], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_table=torch.tensor([blocks[:width]], dtype=torch.int32),
+    )
+    pages = heads.HeadPages.uniform(blocks, n, kv_heads, bs)
+    batch = heads.FlatBatch.of([pages], [c], "cpu")
+    torch.testing.assert_close(
+        flat(query, cache, batch, kv_heads, isa, d**-0.5), kernel(query, cache, own, kv_heads, isa, d**-0.5)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_of_different_lengths_attend_to_their_own_entries(dtype):
+    torch.manual_seed(1)
+    rng = np.random.default_rng(1)
+    kv_heads, group, d, bs = 2, 3, 64, 32
+    cache, paged, isa = setup(dtype, bs, kv_heads, d, blocks=40)
+    free = list(rng.permutation(40))
+    counts, budgets = [1, 5, 1], [40, 70, 33]
+    pages, dense = [], []
+    for c, budget in zip(counts, budgets):
+        lengths = rng.multinomial(kv_heads * budget, [0.85, 0.15])
+        blocks = [free.pop() for _ in range(heads.bound(budget, bs))]
+        p = heads.HeadPages.placed(blocks, lengths, bs)
+        held = []
+        for h, n in enumerate(lengths):
+            k, v = torch.randn(n + c, d, dtype=dtype), torch.randn(n + c, d, dtype=dtype)
+            paged.write_pages(torch.from_numpy(p.slots(h, 0, n)), k[:n], v[:n])
+            held.append((k, v))
+        slots = p.append(c)
+        for h, (k, v) in enumerate(held):
+            paged.write_pages(torch.from_numpy(slots[h]), k[-c:], v[-c:])
+        pages.append(p)
+        dense.append(held)
+    batch = heads.FlatBatch.of(pages, counts, "cpu")
+    query = torch.randn(sum(counts), kv_heads * group, d, dtype=dtype)
+    out = flat(query, cache, batch, kv_heads, isa, d**-0.5)
+    start = 0
+    for c, held in zip(counts, dense):
+        for h, (k, v) in enumerate(held):
+            for t in range(c):
+                seen = len(k) - c + t + 1
+                q = query[start + t, h * group : (h + 1) * group].double()
+                w = torch.softmax(q @ k[:seen].double().T * d**-0.5, -1)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(
+                    out[start + t, h * group : (h + 1) * group].double(), w @ v[:seen].double(), rtol=tol, atol=tol
+                )
+        start += c
