@@ -175,9 +175,10 @@ def run_in_subprocess(spec: dict, knobs: dict | None, env: dict | None = None) -
     return script_result([__file__, "--spec", json.dumps(spec)], knobs, env)
 
 
-def script_result(argv: list[str], knobs: dict | None, env: dict | None = None) -> dict:
+def script_result(argv: list[str], knobs: dict | None, env: dict | None = None, log: str | None = None) -> dict:
     """The ``RESULT {...}`` line of ``python ARGV`` run in a fresh process from the repository root,
-    ``knobs`` through ``RESTKV_VLLM`` (None: plain vLLM); its stderr's tail if it fails."""
+    ``knobs`` through ``RESTKV_VLLM`` (None: plain vLLM); its stderr's tail if it fails. ``log``: the
+    lines of its output holding that text, from it on, under ``"log"``."""
     variables = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -190,7 +191,11 @@ def script_result(argv: list[str], knobs: dict | None, env: dict | None = None) 
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the engine failed:\n{done.stderr[-4000:]}")
-    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    if log is not None:
+        lines = (done.stdout + done.stderr).splitlines()
+        result["log"] = [x[x.index(log) :] for x in lines if log in x]
+    return result
 
 
 def _prompt(model: str, length: int) -> list[int]:

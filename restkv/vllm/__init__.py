@@ -19,7 +19,9 @@ its own columns), preemption (a resumed request is computed again and evicts aga
 
 Layout: ``settings`` (the config, the rules both sides apply), ``scoring`` (one request's selection
 in one layer: restkv's ``Observation`` and ``select``), ``paged`` (a layer's paged cache by slot, in
-the backend's own layout), ``worker`` (a worker's steps), ``hooks`` (every vLLM function wrapped,
+the backend's own layout), ``heads`` (per-head budgets on single-head pages), ``worker`` (a worker's
+steps), ``memory`` and ``capacity`` (the plugin's bytes, the requests that fit), ``startup`` (the line
+each worker logs), ``hooks`` (every vLLM function wrapped,
 in one table: the refusals, the scheduler, both model runners, every attention backend). Only
 ``hooks`` imports vLLM.
 

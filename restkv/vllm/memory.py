@@ -237,6 +237,14 @@ def reserved(
     return fixed + max(0, int((available - fixed) * f / (1 + f)))
 
 
+def knobs_flag(text: str) -> dict:
+    """The ``--knobs`` flag's JSON; a one-line exit when it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--knobs must be a JSON object of restkv knobs: {e}") from None
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -251,11 +259,7 @@ def main(argv=None) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--knobs", default='{"method": "snapkv"}', help="the plugin's knobs (JSON)")
     a = p.parse_args(argv)
-    try:
-        knobs = json.loads(a.knobs)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"--knobs must be a JSON object of restkv knobs: {e}") from None
-    cfg = settings.from_env({"restkv": knobs})
+    cfg = settings.from_env({"restkv": knobs_flag(a.knobs)})
     model = model_of(a.model, a.dtype).per_rank(a.tensor_parallel_size)
     print(f"{a.model}, per rank: {model}; max_model_len {a.max_model_len}, max_num_seqs {a.max_num_seqs}")
     for name, n in fixed_bytes(cfg, model, a.max_num_seqs, a.max_model_len, a.max_num_batched_tokens).items():

@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from vllm_check import script_result  # noqa: E402
 KNOBS = {"method": "h2o", "max_capacity_prompt": 128, "window_size": 32}
 ENGINE = dict(
     max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048, block_size=32, gpu_memory_utilization=0.15
@@ -56,14 +57,8 @@ def _engine(mode: str) -> None:
 
 
 def _run(mode: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RESTKV_VLLM": ""}
-    done = subprocess.run(
-        [sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    lines = (done.stdout + done.stderr).splitlines()
-    result["log"] = [x for x in lines if "restkv: reserved" in x or "restkv: the plugin takes" in x]
+    result = script_result([__file__, mode], None, log="restkv: ")
+    result["log"] = [x for x in result["log"] if x.startswith(("restkv: reserved", "restkv: the plugin takes"))]
     return result
 
 

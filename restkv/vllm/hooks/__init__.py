@@ -26,6 +26,7 @@ import functools
 import importlib
 import inspect
 
+from .. import startup
 from . import attention, memory, refusals, runner, runner_v1, runner_v2, scheduler
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
@@ -275,7 +276,7 @@ def covered(model_runner) -> None:
     runner class or model state that overrides a wrapped function, or an attention layer whose
     backend is not in ``BACKENDS``; then read each layer's cache through its layout once (a shape
     the layout cannot read is refused here, before any request). Hands the worker each layer's
-    backend name (``Worker.backends``)."""
+    backend name (``Worker.backends``) and logs the start-up line (``restkv.vllm.startup``)."""
     worker = getattr(model_runner, "_restkv", None)
     if worker is None:
         if refusals.configured(model_runner.vllm_config):
@@ -283,6 +284,7 @@ def covered(model_runner) -> None:
                 f"restkv.vllm: vLLM's model runner {type(model_runner).__qualname__} is not one the plugin "
                 "hooks (the V1 or V2 GPUModelRunner and their subclasses): unset the plugin's config"
             )
+        startup.log(None)
         return
     parts = [model_runner, getattr(model_runner, "model_state", None)]
     for owner, name, _ in targets():
@@ -313,3 +315,4 @@ def covered(model_runner) -> None:
             )
         layouts[backend][1](layer.impl, layer, layer.kv_cache, worker.block_size)
         worker.backends[layer_name] = backend
+    startup.log(worker.cfg, worker.backends.values(), type(model_runner))
