@@ -29,12 +29,27 @@ from __future__ import annotations
 from ..scoring import observe
 from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob, positive
 from ..lazy import torch
-from ..scoring.observe import group_view, weighted_values
-from ..scoring.smoothing import TEMPORAL, RowAggregate, aggregate_rows, pool1d, shifted_box_filter
+from ..scoring.observe import weighted_values
+from ..scoring.output_change import (
+    EPS,
+    after_indicator,
+    dominant_entry,
+    exact_dominant,
+    odds,
+    output_distance_rows,
+    value_block,
+)
+from ..scoring.smoothing import (
+    TEMPORAL,
+    RowAggregate,
+    aggregate_rows,
+    pool1d,
+    replicate_index,
+    shifted_box_filter,
+)
 from . import expected_attention as expected
 from . import random
 
-_EPS = 1.1920928955078125e-07  # float32 machine epsilon
 
 INDICATORS = ("reconstruction", "attn", "attn-v", "random")
 _SCORED = {"indicator": INDICATORS[:3]}  # not random
@@ -159,112 +174,6 @@ def uses_budget(cfg) -> bool:
     return cfg.get("pooling") == "adaptive"
 
 
-def odds(a: "torch.Tensor") -> "torch.Tensor":
-    """``a / (1 - a)``, finite even when attention is one-hot."""
-    return a / (1.0 - a).clamp_min(_EPS)
-
-
-def _project(x: "torch.Tensor", R: "torch.Tensor | None", r: int, hkv: int) -> "torch.Tensor":
-    """x [b, Hkv, n, d] mapped by R of group member r of every KV head (identity without W_O)."""
-    if R is None:
-        return x
-    return x @ group_view(R[None], hkv)[0, :, r].transpose(-1, -2)  # [Hkv, d, d]
-
-
-def _distances(
-    po: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None"
-) -> "torch.Tensor":
-    """``||R_h (o - v_n)||`` for outputs po = R_h o [b, Hkv, g, r, d] -> [b, Hkv, g, r, P].
-
-    Uses ``|x - y|^2 = |x|^2 - 2 x.y + |y|^2`` block by block over the values (converted to float32
-    a block at a time), so no [P, d] difference tensor is formed.
-    """
-    b, hkv, g, rows, _ = po.shape
-    out = torch.empty(b, hkv, g, rows, P, device=po.device)
-    po_sq = po.pow(2).sum(-1, keepdim=True)
-    block = observe.VALUE_BLOCK
-    for s in range(0, P, block):
-        v = values[:, :, s : min(P, s + block)].float()
-        for r in range(g):
-            pv = _project(v, R, r, hkv)  # [b, Hkv, n, d]
-            sq = torch.linalg.vector_norm(pv, dim=-1).square_()[:, :, None, :]  # [b, Hkv, 1, n]
-            sq = sq - 2 * po[:, :, r] @ pv.transpose(-1, -2) + po_sq[:, :, r]
-            out[:, :, r, :, s : s + v.shape[2]] = sq.clamp_min_(0).sqrt_()
-    return out
-
-
-def _project_outputs(O: "torch.Tensor", R: "torch.Tensor | None", hkv: int) -> "torch.Tensor":
-    """Outputs O [b, Hq, r, d] -> R_h O [b, Hkv, g, r, d]."""
-    O = group_view(O, hkv)
-    if R is None:
-        return O
-    return torch.einsum("bkgrd,kged->bkgre", O, group_view(R[None], hkv)[0])
-
-
-def output_distance(
-    o: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None"
-) -> "torch.Tensor":
-    """``||(o_h - v_n) W_O^h||`` for every query head h and prefix entry n -> [b, Hq, P].
-
-    o [b, Hq, d] (one output per head), values [b, Hkv, L, d]. The extra memory is a few
-    value-block-sized float32 tensors.
-    """
-    po = _project_outputs(o[:, :, None], R, values.shape[1])
-    return _distances(po, values, P, R)[:, :, :, 0].flatten(1, 2)
-
-
-def output_distance_rows(
-    O: "torch.Tensor", values: "torch.Tensor", P: int, R: "torch.Tensor | None"
-) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """``||(O_q - v_n) W_O^h||`` for every window query q -> ([b, Hq, w, P], ||O_q W_O^h|| [b, Hq, w, 1])."""
-    po = _project_outputs(O, R, values.shape[1])
-    return _distances(po, values, P, R).flatten(1, 2), po.norm(dim=-1, keepdim=True).flatten(1, 2)
-
-
-def exact_dominant(
-    scores: "torch.Tensor",
-    weights: "torch.Tensor",
-    values: "torch.Tensor",
-    R: "torch.Tensor | None",
-    tau: float,
-    other_mass: "torch.Tensor | float" = 0.0,
-) -> "torch.Tensor":
-    """Recompute, per row, the score of the most attended entry without cancellation.
-
-    With ``o = u_n + a_n v_n`` and ``1 - a_n = rest_n`` (the mass of every other entry, summed
-    from the small weights rather than as ``1 - a_n``), the indicator is
-    ``a_n / rest_n * ||(u_n - rest_n v_n) W_O^h||^tau``. For ``a_n`` close to 1 (near one-hot
-    attention, low-precision inputs) ``1 - a_n`` and ``o - v_n`` both cancel catastrophically;
-    this form stays accurate.
-
-    scores [b, Hq, r, P] per-row scores to patch, weights [b, Hq, r, N] (N >= P, the entries
-    ``o`` sums over), values [b, Hkv, L, d], ``other_mass`` attention outside the N entries.
-    """
-    b, hq, rows, _ = weights.shape
-    hkv = values.shape[1]
-    d = values.shape[-1]
-    P = scores.shape[-1]
-    top = weights.argmax(-1, keepdim=True)  # [b, Hq, r, 1]
-    a = weights.gather(-1, top)
-    rest_w = weights.scatter(-1, top, 0.0)
-    rest = (rest_w.sum(-1, keepdim=True) + other_mass).clamp_min(_EPS)
-    u = weighted_values(rest_w, values)  # [b, Hq, r, d]
-    v_top = (
-        values.gather(2, group_view(top, hkv).flatten(2, 3).expand(-1, -1, -1, d))
-        .float()
-        .view(b, hq, rows, d)
-    )
-    diff = u - rest * v_top
-    if R is not None:
-        diff = torch.einsum("bhrd,hed->bhre", diff, R)
-    fixed = a / rest * diff.norm(dim=-1, keepdim=True).pow(tau)
-    where = top.clamp(max=P - 1)
-    fixed = torch.where(
-        top < P, fixed, scores.gather(-1, where)
-    )  # the top entry may be in the window
-    return scores.scatter(-1, where, fixed)
-
-
 def window_drift(window_attention: "torch.Tensor", top: int) -> "torch.Tensor":
     """Drift t [b, Hq] of the important positions over the window, as the original defines it.
 
@@ -276,9 +185,13 @@ def window_drift(window_attention: "torch.Tensor", top: int) -> "torch.Tensor":
 
 
 def top_mean_positions(attention: "torch.Tensor", top: int) -> "torch.Tensor":
-    """Mean position of each row's top-``top`` keys: attention [b, Hq, r, L] -> [b, Hq, r]."""
+    """Mean position of each row's top-``top`` keys: attention [b, Hq, r, L] -> [b, Hq, r].
+
+    Attention is never negative, so its bits read as int32 order as the floats do (ties too): the selection
+    is the same and int32 keys compare faster."""
     top = max(1, min(top, attention.shape[-1]))
-    return attention.topk(top, dim=-1, sorted=False).indices.float().mean(-1)
+    keys = attention.view(torch.int32)
+    return keys.topk(top, dim=-1, sorted=False).indices.float().mean(-1)
 
 
 def drift_of(mean_pos: "torch.Tensor") -> "torch.Tensor":
@@ -306,23 +219,19 @@ def adaptive_pool(
     widest kernel ``reach`` allows is laid out instead of reading it (the same averages: the taps
     past a row's own window weigh 0).
     """
-    if n_pad is not None:
-        first = n_pad.clamp(max=scores.shape[-1] - 1)[:, None, None].expand(-1, scores.shape[1], 1)
-        is_pad = torch.arange(scores.shape[-1], device=scores.device) < n_pad[:, None, None]
-        scores = torch.where(is_pad, scores.gather(-1, first), scores)
-    steps = torch.floor(drift.abs() / scale).long()
-    half = torch.clamp(steps, min=kernel_size // 2)  # k // 2 with k = max(kernel_size, 2 steps + 1)
-    shift = torch.floor(drift / scale).long() + (drift <= 0).long()
-    shift = torch.maximum(torch.minimum(shift, half), -half)
+    q = drift / scale  # float32 integers below, exact
+    half = q.abs().floor_().clamp_min_(kernel_size // 2)  # k // 2, k = max(kernel_size, 2 steps + 1)
+    shift = torch.minimum(q.floor() + (drift <= 0), half)  # >= -half: floor(q) + 1 >= -floor(|q|)
     if reach is not None and reach // scale <= kernel_size // 2:  # every head's half is k // 2
         max_pad = 2 * (kernel_size // 2)
     elif reach is not None and bounded:  # half <= reach // scale, + 1 for float32's rounding
         max_pad = 2 * (int(reach // scale) + 1)
     else:
         max_pad = 2 * int(half.max())  # one host read per layer
-    left = (half - shift).flatten()
-    right = (half + shift).flatten()
-    out = shifted_box_filter(scores.reshape(-1, scores.shape[-1]), left, right, max_pad)
+    index = replicate_index(scores.shape[-1], max_pad, n_pad, scores.device)
+    padded = scores.gather(-1, index.expand(*scores.shape[:-1], -1))
+    rows = padded.shape[0] * padded.shape[1]
+    out = shifted_box_filter(padded.view(rows, -1), shift.flatten(), half.flatten(), max_pad)
     return out.view(scores.shape)
 
 
@@ -341,30 +250,33 @@ def renormalised(s: "torch.Tensor", rows: int, obs, cfg) -> "torch.Tensor":
     real = obs.key_valid[:, obs.keys.shape[2] - rows :]  # [b, r]
     return s / aggregate_rows(
         real.float()[:, None, :, None], cfg.temporal, cfg.get("alpha")
-    ).clamp_min(_EPS)
+    ).clamp_min(EPS)
 
 
 def row_terms(obs, cfg, A: "torch.Tensor") -> dict:
     """What the score aggregates over the observed rows, from a block of them A [b, Hq, rb, L]: per name
-    [b, Hq, rb, P or 1]."""
+    [b, Hq, rb, P, L or 1]."""
     P = obs.prefix_len
     if cfg.indicator != "reconstruction":
         return {"s": A[..., :P]}
     if cfg.metric_mode == "after":
         if cfg.query_proxy == "expected":
             return {}
-        return {"a": A[..., :P], "mass": A[..., P:].sum(-1, keepdim=True)}
+        return {"row": A}  # every key's: the prefix's row and its mass on the window in one
     R = obs.wo if cfg.use_wo else None
     shared = obs.memo.get(("window_attention", obs.window))  # read, never formed here
     out = obs.window_output if A is shared else weighted_values(A, obs.values)
-    dist, o_norm = output_distance_rows(out, obs.values, P, R)
-    rows = exact_dominant(dist.mul_(odds(A[..., :P])), A, obs.values, R, 1.0)
-    return {"s": rows / o_norm.clamp_min(_EPS) if cfg.use_norm else rows}
+    dominant = dominant_entry(A)
+    u = weighted_values(dominant[3], obs.values)
+    blocks = observe.float_blocks(obs.values, P, value_block(obs.values, R))
+    dist, o_norm = output_distance_rows(out, blocks, P, R)
+    rows = exact_dominant(dist.mul_(odds(A[..., :P])), dominant, u, obs.values, R, 1.0)
+    return {"s": rows / o_norm.clamp_min(EPS) if cfg.use_norm else rows}
 
 
 def over_time_blocks(obs, cfg, rows: int, top: int | None) -> tuple[dict, "torch.Tensor | None"]:
     """``row_terms`` of the ``rows`` observed queries reduced by ``temporal``, a block of rows at a time
-    (``Observation.recent_attention_blocks``) -> ({name: [b, Hq, P or 1]}, the adaptive drift [b, Hq] or None
+    (``Observation.recent_attention_blocks``) -> ({name: [b, Hq, P, L or 1]}, the adaptive drift [b, Hq] or None
     when ``top`` is None)."""
     sums: dict = {}
     mean_pos = []
@@ -373,27 +285,30 @@ def over_time_blocks(obs, cfg, rows: int, top: int | None) -> tuple[dict, "torch
             sums.setdefault(name, RowAggregate(rows, cfg.temporal, cfg.get("alpha"))).add(start, x)
         if top is not None:
             mean_pos.append(top_mean_positions(A, top))
-    drift = None if top is None else drift_of(torch.cat(mean_pos, -1))
-    return {name: renormalised(agg.value, rows, obs, cfg) for name, agg in sums.items()}, drift
+    observed = {name: renormalised(agg.value, rows, obs, cfg) for name, agg in sums.items()}
+    if top is None:
+        return observed, None
+    return observed, drift_of(mean_pos[0] if len(mean_pos) == 1 else torch.cat(mean_pos, -1))
 
 
 def proxy_row(
     obs, cfg, observed: dict
 ) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]:
     """The aggregated attention row standing for the future queries -> (a [b, Hq, 1, P], its mass on the
-    window [b, Hq, 1, 1], counted [b, L] or None): the observed rows over time (``observed``: "a" and "mass"),
-    ExpectedAttention's row, or their mean."""
+    window [b, Hq, 1, 1], counted [b, L] or None): the observed rows over time (``observed``: "row", over every
+    key), ExpectedAttention's row, or their mean."""
+    P = obs.prefix_len
     rows = []
     if cfg.query_proxy != "expected":
-        rows.append((observed["a"], observed["mass"]))
+        row = observed["row"]
+        rows.append((row[..., :P], row[..., P:].sum(-1, keepdim=True)))
     counted = None
     if cfg.query_proxy != "window":
-        P = obs.prefix_len
         e, counted = expected.expected_attention(
             obs, cfg.n_future_positions, cfg.n_sink, cfg.use_covariance
         )
         rows.append((e[..., :P], e[..., P:].sum(-1, keepdim=True)))
-    a, mass = (sum(r) / len(rows) for r in zip(*rows))
+    a, mass = rows[0] if len(rows) == 1 else (sum(r) / len(rows) for r in zip(*rows))
     return a[:, :, None], mass[..., None], counted
 
 
@@ -416,11 +331,7 @@ def score(obs, cfg):
     elif cfg.metric_mode == "after":
         R, tau = (obs.wo, cfg.tau) if cfg.use_wo else (None, 1.0)
         a, window_mass, counted = proxy_row(obs, cfg, observed)  # [b, Hq, 1, P], [b, Hq, 1, 1]
-        o = weighted_values(a, obs.values)[
-            :, :, 0
-        ]  # [b, Hq, d] output of the aggregated row, prefix only
-        s = output_distance(o, obs.values, P, R).pow_(tau).mul_(odds(a[:, :, 0]))
-        s = exact_dominant(s[:, :, None], a, obs.values, R, tau, window_mass)[:, :, 0]
+        s = after_indicator(a, window_mass, obs.values, R, tau)[:, :, 0]
     else:  # before: every observed query with its full output, then over time
         s = observed["s"]
     if cfg.pooling == "adaptive":

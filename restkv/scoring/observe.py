@@ -91,7 +91,8 @@ class Observation:
 
     @property
     def wo(self) -> "torch.Tensor":
-        """R_h [Hq, d, d] with ``||W_O^h x|| = ||R_h x||`` for the layer's ``o_proj`` (see ``wo_factor``)."""
+        """R_h [Hq, d, d] with ``||W_O^h x|| = ||R_h x||`` for the layer's ``o_proj``, upper triangular (see
+        ``wo_factor``)."""
         if self.wo_factor is None:
             raise ValueError("this observation carries no W_O factor (wo_factor)")
         return self.shared(
@@ -240,6 +241,19 @@ def weighted_values(weights: "torch.Tensor", values: "torch.Tensor") -> "torch.T
     return out.view(b, hq, r, -1)
 
 
+def float_blocks(values: "torch.Tensor", stop: int, block: int | None = None):
+    """The values of entries ``0:stop`` in float32, ``block`` (default ``VALUE_BLOCK``) entries at a time, for several
+    passes: a function of no arguments that yields (start, [b, Hkv, n, d]). Entries that fit one block are converted
+    once, for every pass; longer prefixes a block at a time in each pass (no float32 copy of them all is held)."""
+    block = block or globals()["VALUE_BLOCK"]  # read at call time (tests shrink it)
+    if stop <= block:
+        one = ((0, values[:, :, :stop].float()),)
+        return lambda: iter(one)
+    return lambda: (
+        (s, values[:, :, s : min(stop, s + block)].float()) for s in range(0, stop, block)
+    )
+
+
 def _projected_norms(obs: Observation, norm: str) -> "torch.Tensor":
     b, hkv, _, d = obs.values.shape
     hq = obs.queries.shape[1]
@@ -278,7 +292,8 @@ def group_view(x: "torch.Tensor", hkv: int) -> "torch.Tensor":
 
 
 def wo_factor(o_proj_weight: "torch.Tensor", num_heads: int) -> "torch.Tensor":
-    """R_h [Hq, d, d] with ``||W_O^h x|| = ||R_h x||`` (R of the QR of each head's column block of o_proj).
+    """R_h [Hq, d, d] with ``||W_O^h x|| = ||R_h x||`` (R of the QR of each head's column block of o_proj: upper
+    triangular, which ReST-KV's distances use).
 
     Using R (not the [heads, L, hidden] product) keeps every W_O term at the size of the values.
     """

@@ -10,8 +10,8 @@ def ema_weights(n: int, alpha: float, device=None) -> "torch.Tensor":
 
     Returns [n] float32 that sums to 1; the last row (the newest query) weighs ``alpha``.
     """
-    i = torch.arange(n, device=device, dtype=torch.float32)
-    w = alpha * (1.0 - alpha) ** (n - 1 - i)
+    age = torch.arange(n - 1, -1, -1, device=device, dtype=torch.float32)  # n - 1 - i
+    w = alpha * (1.0 - alpha) ** age
     w[0] = (1.0 - alpha) ** (n - 1)
     return w
 
@@ -84,18 +84,29 @@ def pool1d(scores: "torch.Tensor", mode: str, kernel_size: int) -> "torch.Tensor
     return x.view(shape)
 
 
-def shifted_box_filter(
-    x: "torch.Tensor", left: "torch.Tensor", right: "torch.Tensor", max_pad: int
+def replicate_index(
+    n: int, pad: int, first: "torch.Tensor | None" = None, device=None
 ) -> "torch.Tensor":
-    """Per-row average of ``x[j - left : j + right + 1]`` with replicate padding at the edges.
+    """Indices [pad + n + pad] (``first`` [b]: [b, 1, pad + n + pad]) that read a row of ``n`` entries with
+    ``pad`` replicated at each edge: ``clamp(j - pad, first, n - 1)``, so that the entries before ``first``
+    (left padding) read the first real one too."""
+    j = torch.arange(-pad, n + pad, device=device)
+    j = j.clamp_min(0) if first is None else torch.maximum(j, first[:, None, None])
+    return j.clamp_max_(n - 1)
 
-    ``x`` [R, P] float32, ``left`` / ``right`` [R] non-negative ints (each <= ``max_pad``).
-    One grouped convolution for all rows; no host synchronisation.
+
+def shifted_box_filter(
+    padded: "torch.Tensor", shift: "torch.Tensor", half: "torch.Tensor", max_pad: int
+) -> "torch.Tensor":
+    """Per-row average of ``x[j + shift - half : j + shift + half + 1]``, from the rows ``padded``
+    [R, max_pad + P + max_pad] of x with their edges replicated (``replicate_index``).
+
+    ``shift`` / ``half`` [R] float32 integers, ``|shift| <= half <= max_pad``. One grouped convolution for
+    all rows; no host synchronisation.
     """
-    rows, n = x.shape
-    padded = F.pad(x[:, None], (max_pad, max_pad), mode="replicate")  # [R, 1, P + 2 max_pad]
-    taps = torch.arange(2 * max_pad + 1, device=x.device) - max_pad  # offsets -max_pad..max_pad
-    inside = (taps >= -left[:, None]) & (taps <= right[:, None])  # [R, K]
-    kernel = inside.float() / (left + right + 1).float()[:, None]
+    rows = padded.shape[0]
+    taps = torch.arange(-max_pad, max_pad + 1, device=padded.device, dtype=torch.float32)
+    inside = (taps - shift[:, None]).abs_() <= half[:, None]  # [R, K]
+    kernel = inside / half.mul(2).add_(1)[:, None]
     out = F.conv1d(padded.view(1, rows, -1), kernel[:, None, :], groups=rows)
-    return out.view(rows, n)
+    return out.view(rows, -1)
