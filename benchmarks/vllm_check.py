@@ -98,6 +98,14 @@ def watch_blocks(scheduler, steps: list, held: dict, trace: dict | None = None) 
     scheduler.update_from_output = recorded
 
 
+def record_kept(worker) -> None:
+    """From now on, the runner's plugin records each request's first kept positions per layer."""
+    state = getattr(worker.model_runner, "_restkv", None)
+    if state is not None:
+        state.recorded = {}
+        state.observer = lambda req, layer, positions: state.recorded.setdefault(req, {}).update({layer: positions})
+
+
 def kept_on_worker(worker) -> dict:
     """The runner's recorded kept positions: {request id: {layer rank: [Hkv][B]}}."""
     state = getattr(worker.model_runner, "_restkv", None)
@@ -105,7 +113,7 @@ def kept_on_worker(worker) -> dict:
         return {}
     return {
         req: {state.rank[name]: positions.tolist() for name, positions in layers.items()}
-        for req, layers in state.kept.items()
+        for req, layers in state.recorded.items()
     }
 
 
@@ -123,6 +131,7 @@ def run_spec(spec: dict) -> dict:
     from vllm import SamplingParams
 
     llm = engine(spec)
+    llm.collective_rpc(record_kept)
     core = llm.llm_engine.engine_core.engine_core
     steps: list = []
     held: dict = {}

@@ -77,6 +77,8 @@ class PagedEngine:
             ]
         self.free = list(range(num_blocks))
         self.worker = Worker(self.cfg, slots=4, caching=caching, block_size=block_size)
+        self.recorded: dict = {}  # request id -> {layer name: its first kept positions [Hkv, B]}
+        self.worker.observer = lambda req, layer, p: self.recorded.setdefault(req, {}).update({layer: p})
         layers = model.model.layers
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(len(layers))]
         self.worker.index_layers(

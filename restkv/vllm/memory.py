@@ -15,7 +15,6 @@ Held for the worker's life (``fixed``):
 - W_O factors: ``layers Hq d d`` float32, computed when the model is loaded and kept, for a config
   that reads them (``reads_factor``: ReST-KV's reconstruction with ``use_wo``, CriticalKV's
   ``value_norm="l2"``); the o_proj weight itself is not kept;
-- kept positions of the last 8 requests' first evictions: ``8 layers Hkv B`` int64;
 - a step's indices staged for the device (``Worker.begin``), int64: the queries the ring keeps (at
   most ``r`` per request, ``max_num_batched_tokens`` ``T`` in all) and their rows, an offset per
   token and per request: ``8 (T + 2 min(T, r S) + S)``.
@@ -58,7 +57,6 @@ from ..methods.rkv import SIMILARITY_BLOCK
 from ..scoring.observe import PROJECTION_BLOCK, VALUE_BLOCK
 from . import settings
 
-RECORDED = 8  # requests whose first eviction's kept positions the worker keeps (``Worker._record``)
 
 # scorer -> (whether it reads the observed queries' attention, multiple of the K+V in float32, of a
 # VALUE_BLOCK's K+V in float32)
@@ -206,7 +204,6 @@ def fixed_bytes(
         "step's staged indices": 8 * (tokens + 2 * min(tokens, rows * max_num_seqs) + max_num_seqs),
         "query ring": m.layers * max_num_seqs * rows * m.heads * m.head_dim * m.dtype_bytes,
         "W_O factors": m.layers * m.heads * m.head_dim**2 * 4 if reads_factor(cfg) else 0,
-        "kept positions": RECORDED * m.layers * m.kv_heads * cfg.max_capacity_prompt * 8,
         "one eviction": sum(eviction_bytes(cfg, m, max_model_len).values()),
     }
 

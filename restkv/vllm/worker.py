@@ -112,7 +112,9 @@ class Worker:
         self.o_proj: dict = {}  # attention layer name -> a function returning its W_O [hidden, Hq d]
         self.factors: dict = {}  # attention layer name -> its W_O factor R [Hq, d, d]
         self.rank: dict = {}  # attention layer name -> its index among the attention layers
-        self.kept: dict = {}  # request id -> {layer: kept positions [Hkv, B]}, first evictions (recent requests)
+        # called with (request id, layer name, kept positions [Hkv, B]) at a request's first eviction in a
+        # layer, where a check installs one (benchmarks/vllm_check.py); None: nothing is kept
+        self.observer = None
         self.blocks: dict = {}  # request id -> its block ids (the scheduler's, as the steps give them)
         self.pending: dict = {}  # request id -> its last step's Eviction: its blocks to cut before the next step
         self.held_lengths = None  # the step's sequence lengths of the entries held, where a runner needs them
@@ -286,8 +288,8 @@ class Worker:
         summed = s.state.sums.pop(name, None)
         kept = kept_entries(obs, self.cfg, summed)
         paged.write(s.kept_slots, *slot_rows(kept))
-        if s.state.offset == 0:
-            self._record(s.req_id, name, kept.positions[0])
+        if s.state.offset == 0 and self.observer is not None:
+            self.observer(s.req_id, name, kept.positions[0])
 
     def end(self, scheduled: int | None = None) -> None:
         """After the step: each evicting request's new offset, and its blocks to cut before the next
@@ -315,8 +317,3 @@ class Worker:
             elif s.sums and s.end >= s.prompt_len:
                 s.state.sums.clear()
         self.step = []
-
-    def _record(self, req_id: str, layer: str, positions: torch.Tensor) -> None:
-        if req_id not in self.kept and len(self.kept) >= 8:
-            del self.kept[next(iter(self.kept))]
-        self.kept.setdefault(req_id, {})[layer] = positions.detach()

@@ -46,7 +46,7 @@ def engine(knobs: dict, **kw) -> PagedEngine:
 
 
 def kept_of(eng: PagedEngine) -> list:
-    recorded = eng.worker.kept.get("r", {})
+    recorded = eng.recorded.get("r", {})
     return [recorded.get(name) for name in eng.names]
 
 
