@@ -5,9 +5,11 @@ eviction, packed segment by segment (no padding), then the entries appended sinc
 and step (every segment gains one entry per token), with room for ``room`` steps. A ``SegmentIndex`` (``segments``),
 built once per packed part (and again only when the room grows), holds the buffer row behind every slot
 of a padded [S, width + room] view and which slots are held, so a decoding step does no index arithmetic:
-it gathers the segments into the padded view (O(held) copying, what a dense cache's append costs) and
-attends with one call of the backend's fused kernel (sdpa) and that mask; with a logit softcap the
-attention is computed in float32 instead.
+it writes its entries and opens their slots in the layer's additive mask (in place), gathers the segments
+into the padded view (O(held) copying, what a dense cache's append costs) and attends with one call of the
+backend's fused kernel (sdpa) and that mask; with a logit softcap the attention is computed in float32
+instead. On CUDA the view spans the whole room, so its shapes change only when the room grows (sdpa may
+build a plan per shape), and a segment's query heads attend as queries of one head (``VarlenLayer.attend``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from transformers.cache_utils import DynamicLayer
 
 from .dense import cropped_tokens
 from .kept import HeldSizes, Kept, appended_positions, newest_positions
-from .segments import SegmentIndex, masked_attention, varlen_attention  # noqa: F401  (read from here too)
+from .segments import (  # noqa: F401  (read from here too)
+    SegmentIndex,
+    heads_as_queries,
+    masked_attention,
+    varlen_attention,
+)
 
 
 class VarlenLayer(DynamicLayer):
@@ -36,6 +43,7 @@ class VarlenLayer(DynamicLayer):
     """
 
     is_croppable = True  # the appended steps (assisted decoding's rejected candidates)
+    cuda_layout = None  # lay out and attend as on CUDA (``attend``): None on CUDA only (tests force it)
 
     def __init__(self, kept: Kept, seen: int, sizes: HeldSizes | None = None):
         super().__init__()
@@ -61,6 +69,7 @@ class VarlenLayer(DynamicLayer):
         self.is_initialized = True
         self.seen = seen
         self.positions = kept.positions
+        self.bias = None  # (index, steps, dtype, ``SegmentIndex.bias``): the mask ``attend`` reads
 
     @property
     def lengths(self) -> Tensor:
@@ -73,17 +82,23 @@ class VarlenLayer(DynamicLayer):
         out = object.__new__(type(self))
         out.__dict__.update(self.__dict__)
         out.capacity = self.steps
+        out.bias = None
         return out
 
     def reserve(self, steps: int) -> None:
-        """Make room for ``steps`` more appended steps (one copy of what is held, when it grows)."""
+        """Make room for ``steps`` more appended steps (one copy of what is held, when it grows; the new
+        rows zero, finite where the mask hides them). On CUDA width + room is rounded up to a multiple of a
+        power of two <= width / 8."""
         if self.steps + steps <= self.capacity:
             return
         room = max(self.steps + steps, self.index.room)
+        if self.on_cuda:  # attended shapes shared by layers and rooms: width + room rounded up
+            unit = 1 << max(0, self.index.width.bit_length() - 4)  # a power of two <= width / 8
+            room = -(-(self.index.width + room) // unit) * unit - self.index.width
         segments = self.index.lengths.numel()
         grown = []
         for x, head in ((self.keys, self.key_rows), (self.values, self.index.packed)):
-            grown.append(x.new_empty(head + segments * room, x.shape[-1]))
+            grown.append(x.new_zeros(head + segments * room, x.shape[-1]))  # finite where masked
             grown[-1][: head + segments * self.steps] = x[: head + segments * self.steps]
         self.keys = grown[0]
         self.values = grown[1]
@@ -113,6 +128,10 @@ class VarlenLayer(DynamicLayer):
                 new[:, :, None].expand(b, hkv, segments // (b * hkv), q, d).reshape(segments, q, d)
             )
             buf[start : start + segments * q] = new.transpose(0, 1).reshape(segments * q, d)
+        if self.bias is not None and self.bias[:2] == (self.index, self.steps):  # open their slots
+            start = self.index.width + self.steps
+            self.bias[3][..., start : start + q] = 0
+            self.bias = (self.index, self.steps + q, *self.bias[2:])
         self.steps += q
         self.seen += q
         return self.keys, self.values
@@ -172,7 +191,7 @@ class VarlenLayer(DynamicLayer):
         rows = torch.cat([packed, appended.flatten()])
         for name in ("keys", "values"):
             buf = getattr(self, name)
-            grown = buf.new_empty(index.packed + segment.numel() * max(self.capacity, steps), d)
+            grown = buf.new_zeros(index.packed + segment.numel() * max(self.capacity, steps), d)
             grown[: rows.numel()] = buf.index_select(0, rows)
             setattr(self, name, grown)
         self.packed_positions = self.packed_positions.index_select(0, packed)
@@ -189,18 +208,39 @@ class VarlenLayer(DynamicLayer):
         self.index = self.index.restarted(self.steps)
 
     def attend(self, query: Tensor, scaling: float, softcap: float | None = None) -> Tensor:
-        """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout)."""
+        """Attention of the newest q entries' queries [b, Hq, q, d] -> [b, q, Hq, d] (the backends' layout).
+
+        A decoding step (q = 1) launches the two gathers of ``SegmentIndex.view`` and one fused kernel, its
+        mask the layer's ``bias`` (``mask``; ``update`` opens a step's slots in place). On CUDA (``on_cuda``)
+        the view spans the whole room, width + room rounded up (``reserve``), so its shapes change
+        only when the room grows and are shared by layers (sdpa may build a plan per shape: cuDNN's graphs),
+        and a segment's g query heads attend as g * q queries of one head (``heads_as_queries``): CUDA's fused
+        kernels take no mask with grouped heads."""
         b, hq, q, d = query.shape
-        keys, values, visible = self.index.view(self.attended_keys(), self.values, self.steps, q)
-        out = masked_attention(
-            query.reshape(self.index.lengths.numel(), -1, q, d),
-            keys,
-            values,
-            visible,
-            scaling,
-            softcap,
-        )
+        keys, index = self.attended_keys(), self.index
+        cuda = self.on_cuda
+        rows = index.packed + index.lengths.numel() * index.room  # the whole room, if both hold it
+        upto = index.room if cuda and min(len(keys), len(self.values)) >= rows else self.steps
+        keys, values, visible = index.view(keys, self.values, self.steps, q, upto)
+        if q == 1:
+            visible = self.mask(query.dtype)[..., : keys.shape[2]]
+        query = query.reshape(index.lengths.numel(), -1, q, d)
+        if cuda:
+            query, visible = heads_as_queries(query, visible)
+        out = masked_attention(query, keys, values, visible, scaling, softcap)
         return out.reshape(b, hq, q, d).transpose(1, 2)
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether this layer lays out and attends as on CUDA (``cuda_layout``)."""
+        return self.device.type == "cuda" if self.cuda_layout is None else self.cuda_layout
+
+    def mask(self, dtype: torch.dtype) -> Tensor:
+        """The index's ``bias`` after the appended steps, kept while the index and dtype stay (``update``
+        opens each step's slots in it); made anew after a room growth, a reorder or a crop."""
+        if self.bias is None or self.bias[:3] != (self.index, self.steps, dtype):
+            self.bias = (self.index, self.steps, dtype, self.index.bias(self.steps, dtype))
+        return self.bias[3]
 
     def attended_keys(self) -> Tensor:
         """The keys buffer attention reads [>= N + S * steps, d]."""

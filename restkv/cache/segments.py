@@ -55,6 +55,15 @@ class SegmentIndex:
         self.visible = torch.cat([inside, inside.new_ones(S, room)], 1)[:, None, None]
         self.remapped = False  # rows of appended steps point to other segments' (``reordered``)
 
+    def bias(self, steps: int, dtype: torch.dtype) -> Tensor:
+        """[S, 1, 1, >= width + room] additive mask (as sdpa converts ``visible``): 0 on the slots held once
+        ``steps`` steps were appended, -inf on padding and later steps' slots; rows padded to a multiple of
+        16 slots (the alignment CUDA's memory-efficient kernel asks of a mask, sliced)."""
+        S, n, held = self.lengths.numel(), self.visible.shape[-1], self.width + steps
+        bias = self.rows.new_full((S, 1, 1, -(-n // 16) * 16), float("-inf"), dtype=dtype)
+        bias[..., :held].masked_fill_(self.visible[..., :held], 0)
+        return bias
+
     def appended_rows(self, first: int, last: int) -> Tensor:
         """[S, last - first] the rows where appended steps ``first:last`` of each segment are
         written."""
@@ -97,11 +106,13 @@ class SegmentIndex:
         )
         return out
 
-    def view(self, keys: Tensor, values: Tensor, steps: int, q: int):
-        """Keys and values [S, 1, width + steps, d] gathered from the buffers [>= N + S * steps, d], and
-        visible [S, 1, q or 1, width + steps]: ``steps`` appended steps, the last ``q`` the queries' own."""
+    def view(self, keys: Tensor, values: Tensor, steps: int, q: int, upto: int | None = None):
+        """Keys and values [S, 1, width + upto, d] gathered from the buffers [>= N + S * upto, d] (one kernel
+        each, and one to copy the rows unless ``upto`` is the room), and visible [S, 1, q or 1, width + upto]:
+        ``steps`` appended steps, the last ``q`` the queries' own. ``upto`` >= steps: the slots gathered; with
+        q > 1 none sees those past ``steps``, with q = 1 ``visible`` holds them (``bias`` masks them)."""
         S = self.lengths.numel()
-        n = self.width + steps
+        n = self.width + (steps if upto is None else upto)
         rows = self.rows[:, :n].reshape(-1)
         visible = self.visible[..., :n]
         if q > 1:  # appended slot width + t is seen by query i iff t <= steps - q + i
@@ -131,7 +142,7 @@ def masked_attention(
     softcap: float | None = None,
 ) -> Tensor:
     """query [B, H, q, d] over keys/values [B, K, L, d] (H a multiple of K) where ``visible`` [B, H or 1, q or 1, L]
-    -> [B, H, q, d].
+    (bool, or an additive mask: 0 or -inf) -> [B, H, q, d].
 
     The fused kernel (sdpa) in the input dtype; with ``softcap`` the logits are capped, in float32.
     """
@@ -149,8 +160,22 @@ def masked_attention(
         .tanh_()
         .mul_(softcap)
     )
-    probs = logits.masked_fill_(~visible, float("-inf")).softmax(-1)
+    if visible.dtype == torch.bool:
+        logits = logits.masked_fill_(~visible, float("-inf"))
+    else:
+        logits = logits.add_(visible)
+    probs = logits.softmax(-1)
     return (probs @ values.float()).to(query.dtype)
+
+
+def heads_as_queries(query: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
+    """query [B, g, q, d] of g heads sharing one KV head -> [B, 1, g * q, d] (a head's queries one after
+    another), and ``visible`` [B, 1, q or 1, L] -> [B, 1, g * q or 1, L]: the same attention without grouped
+    heads, which CUDA's fused kernels do not take with a mask (sdpa would fall back to its unfused math)."""
+    B, g, q, d = query.shape
+    if visible.shape[2] > 1:
+        visible = visible[:, :, None].expand(B, 1, g, q, visible.shape[-1]).reshape(B, 1, g * q, -1)
+    return query.reshape(B, 1, g * q, d), visible
 
 
 def varlen_attention(

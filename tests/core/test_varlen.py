@@ -10,7 +10,7 @@ import torch
 
 from restkv.cache import VarlenLayer
 from restkv.eviction.select import Kept
-from restkv.cache.packed import SegmentIndex, masked_attention
+from restkv.cache.packed import SegmentIndex, heads_as_queries, masked_attention
 
 D, G = 8, 3
 
@@ -92,3 +92,81 @@ def test_index_rows_point_at_each_segments_entries():
     assert index.packed == 5 and index.width == 3
     assert index.rows.tolist() == [[0, 1, 0, 5, 7], [2, 3, 4, 6, 8]]
     assert index.visible[:, 0, 0].tolist() == [[True, True, False, True, True], [True] * 5]
+
+
+@pytest.mark.parametrize("q,softcap", [(1, None), (3, None), (1, 2.0), (2, 2.0)])
+def test_heads_as_queries_attend_as_grouped_heads(q, softcap):
+    """CUDA's layout (a segment's query heads as queries of one head) equals the grouped heads' attention."""
+    g = torch.Generator().manual_seed(q)
+    query, k, v = (torch.randn(*shape, generator=g) for shape in ((4, G, q, D), (4, 1, 9, D), (4, 1, 9, D)))
+    visible = torch.rand(4, 1, q, 9, generator=g) > 0.4
+    visible[..., -1] = True
+    mask = visible if q > 1 else torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+    one_head, mask = heads_as_queries(query, mask)
+    packed = masked_attention(one_head, k, v, mask, 0.5, softcap).view(4, G, q, D)
+    torch.testing.assert_close(packed, masked_attention(query, k, v, visible, 0.5, softcap))
+
+
+def test_a_decoding_step_writes_gathers_and_attends_with_the_persistent_mask():
+    """A decoded token: one write per buffer, its slots opened in the layer's mask, one gather per buffer (and,
+    off the CUDA layout, a copy of the rows), one fused kernel; nothing else launched, the mask kept (until the
+    room grows or the samples are reordered)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func._overloadpacket.__name__ not in ("_unsafe_view", "reshape", "alias"):
+                self.names.append(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for cuda_layout in (False, True):
+        layer, segments = layer_of([9, 4, 13, 2, 7, 7], batch=2)
+        layer.cuda_layout = cuda_layout
+        layer.reserve(4)
+        segments = step(layer, segments, 1)  # the mask made
+        mask = layer.mask(torch.float32)
+        new, query = torch.randn(2, 3, 1, D), torch.randn(2, 3 * G, 1, D)
+        with Ops() as ops:
+            layer.update(new, new)
+            layer.attend(query, 0.4)
+        gathers = ["index_select"] * 2 if cuda_layout else ["clone", "index_select", "index_select"]
+        assert ops.names[:3] == ["copy_", "copy_", "fill_"] and ops.names[3:-1] == gathers, ops.names
+        assert "attention" in ops.names[-1], ops.names
+        assert layer.mask(torch.float32) is mask and mask.shape[-1] % 16 == 0
+        assert torch.equal(mask, layer.index.bias(layer.steps, torch.float32))
+        layer.reorder_cache(torch.tensor([1, 1]))  # beam search: a mask of the reordered segments
+        assert torch.equal(layer.mask(torch.float32), layer.index.bias(layer.steps, torch.float32))
+        assert torch.equal(layer.mask(torch.float32)[:3], mask[3:])
+
+
+def rounded(layer):
+    """width + room a multiple of the power of two <= width / 8 (CUDA's shapes shared by layers and rooms)."""
+    width = layer.index.width
+    return (width + layer.index.room) % (1 << max(0, width.bit_length() - 4)) == 0
+
+
+@pytest.mark.parametrize("batch,lengths", [(1, [9, 4, 13]), (2, [9, 4, 13, 2, 7, 7]), (1, [40, 7, 33])])
+def test_cuda_layout_attends_as_the_reference(batch, lengths):
+    """As on CUDA: the whole room gathered (later steps' slots masked) and heads as queries, across room
+    growth, queries of several tokens, a copy, a crop and a reorder."""
+    layer, segments = layer_of(lengths, batch)
+    layer.cuda_layout = True
+    layer.reserve(6)  # room past the steps appended: slots gathered, masked
+    assert rounded(layer) and layer.capacity >= 6
+    for t, q in enumerate([3, 1, 1, 2] + [1] * 6):
+        segments = step(layer, segments, q, seed=t)
+    fork = copy.copy(layer)
+    step(fork, segments, 1, seed=20)
+    step(layer, segments, 2, seed=21)
+    layer.crop(-2)
+    segments = step(layer, segments, 1, seed=22)
+    order = torch.tensor([batch - 1] * batch)
+    layer.reorder_cache(order)
+    heads = len(lengths) // batch
+    segments = [segments[(batch - 1) * heads + s % heads] for s in range(len(lengths))]
+    step(layer, segments, 1, seed=23)
+    assert rounded(layer)
