@@ -13,6 +13,7 @@ from ..lazy import torch
 from . import observe
 from .observe import group_view
 
+MIN_BLOCK = 1024  # entries: the fewest in a block of the distances' passes (``value_block``)
 EPS = 1.1920928955078125e-07  # float32 machine epsilon
 SUM_CHUNK = 256  # entries per chunk of a split weighted sum (``_split_product``)
 SPLIT_FROM = 32  # chunks from which a weighted sum is split (shorter ones: one product)
@@ -39,12 +40,13 @@ def _factor_blocks(R: "torch.Tensor", hkv: int) -> list:
 
 
 def value_block(values: "torch.Tensor", R: "torch.Tensor | None") -> int:
-    """Entries per block of the distances' passes over the values [b, Hkv, L, d]: at least ``observe.VALUE_BLOCK``,
-    else as many as keep a block's projected values (half of R's rows for every query head, float32) under half
-    the layer's K+V: about four blocks for a long prompt (each block is a few launches on a GPU)."""
+    """Entries per block of the distances' passes over the values [b, Hkv, L, d]: as many as keep a block's
+    projected values (half of R's rows for every query head, float32) under half the layer's K+V, so the step
+    stays within 4x the layer's K+V: four blocks for ReST-KV's default (each block is a few launches on a
+    GPU), and at least ``MIN_BLOCK`` entries (a short prompt in one block)."""
     b, hkv, n, d = values.shape
     per_entry = 4 * b * (hkv * d if R is None else R.shape[0] * -(-R.shape[1] // 2))
-    return max(observe.VALUE_BLOCK, values.numel() * values.element_size() // per_entry)
+    return max(MIN_BLOCK, values.numel() * values.element_size() // per_entry)
 
 
 def _block_distances(out, uo, c, v, blocks, buffer) -> None:

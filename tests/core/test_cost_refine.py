@@ -77,3 +77,17 @@ def test_blocked_terms_give_the_one_block_kept_set(seed, monkeypatch):
     monkeypatch.setattr(oe, "TERMS_BLOCK", 4 * 4 * 2 * 8 * 5)  # blocks of 5 entries
     blocked = select(obs, cfg)
     assert torch.equal(whole.index, blocked.index)
+
+
+@pytest.mark.parametrize("spec", [{"method": "restkv", "window_size": 32}, {"preset": "paper"}], ids=["default", "paper"])
+def test_restkv_step_holds_at_most_4x_the_layer_kv(spec):
+    """ReST-KV's own step (its output distances a block of values at a time) at 4K, in Llama-3-8B's head
+    proportions (4 query heads per KV head, head_dim 128, window 32), budget 1024: within the same 4x."""
+    obs, kv_bytes = layer(d=128, hidden=512, window=32, budget=1024)
+    cfg = CompressionConfig.from_kwargs(max_capacity_prompt=1024, **spec)
+    select(obs, cfg)
+    obs.memo = {}
+    with torch.no_grad(), PeakBytes() as mem:
+        kept = select(obs, cfg)
+    assert kv_bytes < mem.peak <= 4 * kv_bytes, mem.peak / kv_bytes
+    del kept
