@@ -150,8 +150,12 @@ class FlatBatch:
         slots = np.concatenate(
             [p.slots(h, int(p.lengths[h]) - n, n) for h in range(heads) for p, n in zip(pages, counts.tolist())]
         )
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-        return cls(to(loc).int(), to(lens).int(), to(table).int(), to(slots))
+        return cls(_on(loc, device).int(), _on(lens, device).int(), _on(table, device).int(), _on(slots, device))
+
+
+def _on(array: np.ndarray, device) -> torch.Tensor:
+    """A host array on ``device`` (one copy)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
 def flatten(x: torch.Tensor, kv_heads: int) -> torch.Tensor:

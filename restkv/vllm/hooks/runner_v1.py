@@ -17,6 +17,7 @@ import torch
 from .. import settings
 from .runner import record_blocks
 
+
 def update_states(orig):
     """Before the original: forget, cut, record the step's block ids."""
 
