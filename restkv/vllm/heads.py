@@ -128,13 +128,17 @@ class FlatBatch:
     ``query_start_loc`` [Hkv R + 1] where each sequence's queries start in the flattened queries,
     ``seq_lens`` [Hkv R] its entries (the step's included), ``block_table`` [Hkv R, pages] its pages,
     ``slot_mapping`` [Hkv T] where the step's keys and values go (token-major within a head, as
-    ``flatten`` orders them).
+    ``flatten`` orders them); ``query_start_loc_cpu``, ``max_query_len``, ``max_seq_len`` on the
+    host, as a backend's metadata builder reads them.
     """
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    query_start_loc_cpu: torch.Tensor | None = None
+    max_query_len: int = 0
+    max_seq_len: int = 0
 
     @classmethod
     def of(cls, pages: list, counts, device) -> "FlatBatch":
@@ -150,7 +154,10 @@ class FlatBatch:
         slots = np.concatenate(
             [p.slots(h, int(p.lengths[h]) - n, n) for h in range(heads) for p, n in zip(pages, counts.tolist())]
         )
-        return cls(_on(loc, device).int(), _on(lens, device).int(), _on(table, device).int(), _on(slots, device))
+        return cls(
+            _on(loc, device).int(), _on(lens, device).int(), _on(table, device).int(), _on(slots, device),
+            torch.from_numpy(loc).int(), int(counts.max()), int(lens.max()),
+        )  # fmt: skip
 
 
 def _on(array: np.ndarray, device) -> torch.Tensor:

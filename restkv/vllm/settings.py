@@ -17,15 +17,23 @@ import os
 from dataclasses import dataclass
 
 from ..config import CompressionConfig
+from .heads import equivalent_length
 
 ENV = "RESTKV_VLLM"
 """The environment variable holding the plugin's knobs as a JSON object."""
+
+# Per-head budgets the plugin serves (``restkv.vllm.heads``): each KV head keeps its own count, the
+# layer's heads at most ``Hkv * max_capacity_prompt`` entries together
+PER_HEAD = ("adakv", "threshold")
 
 # knob -> (whether its value can run, what vLLM needs): vLLM's block table holds one entry count per
 # request
 _KNOB_NEEDS = {
     "layer_budget": (lambda v: v == "uniform", "'uniform' (every layer keeps as many entries)"),
-    "head_budget": (lambda v: v == "uniform", "'uniform' (every KV head keeps as many entries)"),
+    "head_budget": (
+        lambda v: v in ("uniform", *PER_HEAD),
+        f"'uniform' or {', '.join(map(repr, PER_HEAD))} (a share of the layer's budget per KV head)",
+    ),
     "gqa_agg": (lambda v: v != "none", "a reduction to one kept set per KV head, not 'none'"),
     "max_capacity_prompt_ratio": (lambda v: v is None, "none: give max_capacity_prompt"),
     "quant_method": (
@@ -108,11 +116,33 @@ def check(cfg: CompressionConfig) -> None:
     for name, (runs, needed) in _KNOB_NEEDS.items():
         if name in cfg and not runs(cfg[name]):
             raise ValueError(f"{ENV}: {name}={cfg[name]!r} cannot run in vLLM; it needs {needed}")
+    for line in per_head_refusals(cfg):
+        raise ValueError(f"{ENV}: {line}")
+
+
+def per_head(cfg: CompressionConfig) -> bool:
+    """Its KV heads keep different numbers of entries (``restkv.vllm.heads`` places them)."""
+    return cfg.get("head_budget") in PER_HEAD
+
+
+def per_head_refusals(cfg: CompressionConfig) -> list[str]:
+    """Why per-head budgets cannot run with these knobs (one line each)."""
+    if not per_head(cfg):
+        return []
+    lines = []
+    if cfg.get("decode_interval") or cfg.get("decode_compression_ratio") is not None:
+        lines.append(
+            f"head_budget={cfg['head_budget']!r} evicts at the prompt's end only in vLLM: "
+            "decode_interval=0 and no decode_compression_ratio"
+        )
+    return lines
 
 
 def mixes_heads(cfg: CompressionConfig) -> str | None:
     """Why a head's kept entries depend on the other heads (tensor parallelism gives each rank some
     of them), or None."""
+    if per_head(cfg):
+        return f"head_budget={cfg['head_budget']!r} shares a layer's budget among all its KV heads"
     if cfg.scorer.scorer == "restkv.methods.tova":
         return "TOVA scores an entry by the mean over every head"
     if cfg.scorer.scorer == "restkv.methods.random" or cfg.get("indicator") == "random":
@@ -152,6 +182,14 @@ class Eviction:
     """The kept entries go to new blocks after the held ones (else over its first blocks)."""
     block_size: int
     """Entries per block."""
+    room: int = 0
+    """Entries the kept set is counted at (0: ``budget``): with per-head budgets ``budget +
+    block_size`` (``restkv.vllm.heads.equivalent_length``), whatever the heads' split."""
+
+    @property
+    def counted(self) -> int:
+        """Entries the request is counted at once it evicted."""
+        return self.room or self.budget
 
     @property
     def held_blocks(self) -> int:
@@ -161,7 +199,7 @@ class Eviction:
     @property
     def kept_blocks(self) -> int:
         """Blocks the kept entries fill."""
-        return -(-self.budget // self.block_size)
+        return -(-self.counted // self.block_size)
 
     @property
     def first_kept_block(self) -> int:
@@ -170,15 +208,17 @@ class Eviction:
 
     @property
     def slots(self) -> int:
-        """Token slots the request needs during the step."""
-        return self.held_blocks * self.block_size + (
-            self.kept_blocks * self.block_size if self.fresh else 0
-        )
+        """Token slots the request needs during the step: its held blocks and, kept in fresh
+        blocks, those too; else at least its kept blocks (per-head budgets can count more)."""
+        if self.fresh:
+            return (self.held_blocks + self.kept_blocks) * self.block_size
+        return max(self.held_blocks, self.kept_blocks) * self.block_size
 
     @property
     def evicted(self) -> int:
-        """Entries it removes: its offset (logical positions - entries held) grows by as many."""
-        return self.held - self.budget
+        """Entries it removes: its offset (logical positions - entries held) grows by as many (with
+        per-head budgets counted at ``room``: negative where that exceeds what it held)."""
+        return self.held - self.counted
 
     def cut(self, blocks: list) -> list:
         """Keep, in place, the ``kept_blocks`` of ``blocks`` (a request's block ids, or a copy of its
@@ -215,7 +255,8 @@ def eviction(
     budget = budget_at(cfg, end, at_prefill=computed < prompt_len)
     if held <= budget:
         return None
-    return Eviction(held, budget, caching and offset == 0, block_size)
+    room = equivalent_length(budget, block_size) if per_head(cfg) else 0
+    return Eviction(held, budget, caching and offset == 0, block_size, room)
 
 
 def _checks_between(computed: int, end: int, prompt_len: int, interval: int) -> bool:
@@ -252,4 +293,4 @@ def extra_blocks(cfg: CompressionConfig, max_model_len: int, block_size: int) ->
         if cfg.get("decode_compression_ratio") is not None
         else cfg.max_capacity_prompt
     )
-    return -(-min(most, max_model_len) // block_size)
+    return -(-min(most, max_model_len) // block_size) + (1 if per_head(cfg) else 0)

@@ -27,6 +27,7 @@ import torch
 from ..scoring.observe import wo_factor
 from . import settings
 from .memory import reads_factor
+from .heads import FlatBatch, HeadPages, flatten, unflatten
 from .scoring import chunk_score, kept_entries, observation, slot_rows
 
 _LAYER = re.compile(r"\.(\d+)\.")
@@ -39,6 +40,8 @@ class RequestState:
     slot: int  # its row in the query ring
     offset: int = 0  # entries evicted so far (logical - held)
     sums: dict = field(default_factory=dict)  # layer name -> [Hq or Hkv, n] summed chunk scores
+    pages: dict = field(default_factory=dict)  # layer name -> its heads' pages (per-head budgets, once evicted)
+    placed: int = 0  # its blocks whose pages ``pages`` holds
 
 
 @dataclass
@@ -120,6 +123,12 @@ class Worker:
         self.held_lengths = None  # the step's sequence lengths of the entries held, where a runner needs them
         self.backends: dict = {}  # attention layer name -> its backend's name (for errors)
         self.done: set = set()  # the layers whose attention called ``layer`` in this step
+        # per-head budgets (``restkv.vllm.heads``): attention layer name -> a function attending a
+        # ``FlatBatch`` through the layer's backend (set by the hooks); the step's flattened batch per
+        # layer, and its tokens [m] on the device (those of the requests whose heads hold their own pages)
+        self.attends: dict = {}
+        self.flat: dict = {}
+        self.flat_tokens = None
 
     # ---- the model's layers ----
 
@@ -169,6 +178,7 @@ class Worker:
         step and prompt length (its blocks: ``blocks``). The host's part of the step (slots, ring
         rows) goes to ``device`` in one copy."""
         self.step = []
+        self.flat, self.flat_tokens = {}, None
         start = 0
         host = []  # arrays for the device: ring tokens, ring rows, offsets per token and per request, slots
         rows = self.ring.rows
@@ -210,6 +220,26 @@ class Worker:
             if s.sums or s.eviction is not None:
                 s.held_slots = next(rest)
                 s.kept_slots = next(rest) if s.eviction is not None else None
+        self._flatten(device)
+
+    def _flatten(self, device) -> None:
+        """The step's requests whose heads hold their own pages: their new blocks' pages, room for
+        their tokens in every layer, each layer's ``FlatBatch`` and their tokens (``flat_tokens``)."""
+        flat = [s for s in self.step if s.state.pages]
+        self.flat, self.flat_tokens = {}, None
+        if not flat:
+            return
+        for s in flat:
+            new = s.blocks[s.state.placed :].tolist()
+            s.state.placed = len(s.blocks)
+            for pages in s.state.pages.values():
+                pages.grow(new)
+                pages.append(s.count)
+        counts = [s.count for s in flat]
+        for name in flat[0].state.pages:
+            self.flat[name] = FlatBatch.of([s.state.pages[name] for s in flat], counts, device)
+        tokens = np.concatenate([np.arange(s.start, s.start + s.count) for s in flat])
+        self.flat_tokens = torch.from_numpy(tokens).to(device)
 
     def _slots(self, blocks: np.ndarray, first: int, count: int) -> np.ndarray:
         """The slots of entries ``first`` .. ``first + count - 1`` of a request with ``blocks``."""
@@ -234,16 +264,37 @@ class Worker:
     def evicting(self) -> bool:
         return any(s.eviction is not None or s.sums for s in self.step)
 
-    def layer(self, name: str, query: torch.Tensor, paged, scale: float, softcap) -> None:
-        """After layer ``name``'s attention: its queries [T, Hq, d] of the step to the ring, then each
-        request's summed chunk scores and evictions, on ``paged`` (``restkv.vllm.paged.Paged``)."""
+    def layer(
+        self, name: str, query: torch.Tensor, paged, scale: float, softcap, key=None, value=None, output=None
+    ) -> None:
+        """After layer ``name``'s attention: the attention of the requests whose heads hold their own
+        pages (``attend_heads``: ``key``, ``value`` [T, Hkv, d] the step's, ``output`` [T, Hq d] the
+        backend's), its queries [T, Hq, d] of the step to the ring, then each request's summed chunk
+        scores and evictions, on ``paged`` (``restkv.vllm.paged.Paged``)."""
         self.done.add(name)
+        if self.flat_tokens is not None:
+            self.attend_heads(name, query, key, value, output, paged)
         self.ring.write(name, query, self.ring_tokens, self.ring_index)
         for s in self.step:
             if s.sums:
                 self._add_chunk(name, s, query, paged, scale, softcap)
             if s.eviction is not None:
                 self._evict(name, s, paged, scale, softcap)
+
+    def attend_heads(self, name, query, key, value, output, paged) -> None:
+        """The requests whose heads hold their own pages: their step's keys and values to their heads'
+        pages, and their rows of ``output`` from the layer's backend over the flattened batch (its G
+        query heads on one KV head per sequence; vLLM's own write of their tokens was masked, its
+        output for them is replaced)."""
+        batch, tokens, heads = self.flat[name], self.flat_tokens, key.shape[1]
+        paged.write_pages(
+            batch.slot_mapping,
+            flatten(key.index_select(0, tokens), heads)[:, 0],
+            flatten(value.index_select(0, tokens), heads)[:, 0],
+        )
+        out = self.attends[name](flatten(query.index_select(0, tokens), heads), batch, paged.cache)
+        rows = output.view(output.shape[0], -1)
+        rows.index_copy_(0, tokens, unflatten(out, heads).reshape(len(tokens), -1).to(rows.dtype))
 
     def _observe(
         self, name, s: Scheduled, queries, keys, values, budget, scale, softcap, window=None
@@ -287,9 +338,24 @@ class Worker:
         obs = self._observe(name, s, queries, keys, values, e.budget, scale, softcap)
         summed = s.state.sums.pop(name, None)
         kept = kept_entries(obs, self.cfg, summed)
-        paged.write(s.kept_slots, *slot_rows(kept))
+        if settings.per_head(self.cfg):
+            self._place(name, s, kept, paged)
+        else:
+            paged.write(s.kept_slots, *slot_rows(kept))
         if s.state.offset == 0 and self.observer is not None:
             self.observer(s.req_id, name, kept.positions[0])
+
+    def _place(self, name, s: Scheduled, kept, paged) -> None:
+        """Per-head budgets: each head's kept entries on pages of its own in the blocks the eviction
+        keeps (``HeadPages.placed``; one host read of the heads' counts, at the eviction only)."""
+        e = s.eviction
+        valid = kept.valid[0] if kept.valid.dim() == 3 else kept.valid.expand(kept.keys.shape[1], -1)
+        lengths = valid.sum(-1).tolist()
+        blocks = s.blocks[e.first_kept_block : e.first_kept_block + e.kept_blocks].tolist()
+        pages = HeadPages.placed(blocks, lengths, self.block_size)
+        slots = np.concatenate([pages.slots(h, 0, n) for h, n in enumerate(lengths)])
+        paged.write_pages(torch.from_numpy(slots).to(kept.keys.device), kept.keys[0][valid], kept.values[0][valid])
+        s.state.pages[name] = pages
 
     def end(self, scheduled: int | None = None) -> None:
         """After the step: each evicting request's new offset, and its blocks to cut before the next
@@ -312,8 +378,10 @@ class Worker:
         for s in self.step:
             if s.eviction is not None:
                 s.state.offset += s.eviction.evicted
+                s.state.placed = s.eviction.kept_blocks
                 s.state.sums.clear()
                 self.pending[s.req_id] = s.eviction
             elif s.sums and s.end >= s.prompt_len:
                 s.state.sums.clear()
         self.step = []
+        self.flat, self.flat_tokens = {}, None

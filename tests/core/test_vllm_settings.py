@@ -26,7 +26,8 @@ def test_config_from_the_environment(monkeypatch):
     "knobs, words",
     [
         ({"method": "pyramidkv"}, "layer_budget"),
-        ({"method": "adakv"}, "head_budget"),
+        ({"method": "headkv"}, "head_budget='headkv' cannot run"),
+        ({"method": "adakv", "decode_interval": 32}, "prompt's end only"),
         ({"method": "kvzip"}, "forward passes"),
         ({"method": "fullkv"}, "keeps every entry"),
         ({**SNAPKV, "gqa_agg": "none"}, "gqa_agg"),
@@ -61,3 +62,31 @@ def test_another_vllm_version_is_refused():
 def test_additional_config_is_named_in_its_errors():
     with pytest.raises(ValueError, match=r"additional_config\['restkv'\] must be a JSON object"):
         settings.from_env({"restkv": "snapkv"})
+
+
+@pytest.mark.parametrize("knobs", [{"method": "adakv"}, {"method": "defensivekv"}, {**SNAPKV, "head_budget": "threshold", "threshold": 0.01}])
+def test_per_head_budgets_run_and_mix_heads(knobs):
+    cfg = settings.from_env({"restkv": knobs})
+    assert settings.per_head(cfg)
+    assert "among all its KV heads" in settings.mixes_heads(cfg)  # refused under tensor parallelism
+
+
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("held", [129, 150, 159, 160, 161, 300])
+def test_a_per_head_eviction_is_counted_at_the_budget_plus_a_block(held, caching):
+    """AdaKV at budget 128, blocks of 32: the request counts 160 entries (5 blocks, whatever its
+    heads' split) once evicted, its offset (logical - counted) negative where it held fewer; during
+    the step it has room for what it held and for the kept blocks."""
+    cfg = settings.from_env({"restkv": {"method": "adakv", "max_capacity_prompt": 128}})
+    e = settings.eviction(cfg, 0, held, held, 0, caching, 32)
+    assert (e.budget, e.counted, e.kept_blocks, e.evicted) == (128, 160, 5, held - 160)
+    held_blocks = -(-held // 32)
+    slots = (held_blocks + 5) * 32 if caching else max(held_blocks, 5) * 32
+    assert e.slots == slots
+    uniform = settings.eviction(settings.from_env({"restkv": SNAPKV}), 0, held, held, 0, caching, 32)
+    assert (uniform.counted, uniform.kept_blocks, uniform.evicted) == (128, 4, held - 128)
+    assert settings.extra_blocks(cfg, 4096, 32) == 5 and settings.extra_blocks(uniform_cfg(), 4096, 32) == 4
+
+
+def uniform_cfg():
+    return settings.from_env({"restkv": SNAPKV})

@@ -26,7 +26,7 @@ import functools
 import importlib
 import inspect
 
-from .. import startup
+from .. import settings, startup
 from . import attention, memory, refusals, runner, runner_v1, runner_v2, scheduler
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
@@ -174,7 +174,7 @@ READS = {
         "req_ids", "num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens", "block_table", "req_id_to_index",
     ),
     "vllm.v1.worker.block_table.MultiGroupBlockTable": ("block_tables", "compute_slot_mapping"),
-    "vllm.v1.worker.block_table.BlockTable": ("block_table", "num_blocks_per_row"),
+    "vllm.v1.worker.block_table.BlockTable": ("block_table", "num_blocks_per_row", "slot_mapping"),
     "vllm.v1.worker.gpu_worker.Worker": (
         "model_runner", "model_config", "parallel_config", "scheduler_config", "cache_config",
         "available_kv_cache_memory_bytes", "peak_activation_memory",
@@ -315,4 +315,15 @@ def covered(model_runner) -> None:
             )
         layouts[backend][1](layer.impl, layer, layer.kv_cache, worker.block_size)
         worker.backends[layer_name] = backend
+        if settings.per_head(worker.cfg):
+            if backend not in attention.HEAD_PAGES or parts[1] is not None:
+                raise RuntimeError(
+                    f"restkv.vllm: head_budget={worker.cfg['head_budget']!r} runs on the "
+                    f"{', '.join(attention.HEAD_PAGES)} backend's head-major blocks with the V1 model runner; "
+                    f"layer {layer_name} runs {backend} in {type(model_runner).__qualname__}: use "
+                    "head_budget='uniform' here"
+                )
+            worker.attends[layer_name] = attention.single_head(
+                layer, model_runner.vllm_config, worker.block_size, model_runner.device
+            )
     startup.log(worker.cfg, worker.backends.values(), type(model_runner))

@@ -9,8 +9,10 @@ last or head axis, checked against the layer), the CPU backend's probed from its
 
 from __future__ import annotations
 
+import copy
 import functools
 
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
 from .. import paged
@@ -31,7 +33,7 @@ def forward(layout):
                 q = query[:tokens].view(tokens, self.num_heads, self.head_size)
                 softcap = getattr(self, "logits_soft_cap", None) or None  # 0: none
                 paged_cache = layout(self, layer, kv_cache, worker.block_size)
-                worker.layer(layer.layer_name, q, paged_cache, self.scale, softcap)
+                worker.layer(layer.layer_name, q, paged_cache, self.scale, softcap, key, value, out)
             return out
 
         return wrapped
@@ -75,3 +77,42 @@ def cpu(impl, layer, kv_cache, block_size: int) -> paged.Paged:
         )  # fmt: skip
 
     return paged.probed(kv_cache, block_size, kv_cache.shape[1], impl.head_size, writer, layer.isa)
+
+
+# backends whose cache is head-major within a block, so block b is pages b * Hkv + h of one head
+# (``restkv.vllm.heads``); the only ones per-head budgets run on
+HEAD_PAGES = ("CPU_ATTN",)
+
+
+def single_head(layer, vllm_config, block_size: int, device):
+    """Layer ``layer``'s attention over single-head pages through its own backend: a function
+    ``attend(query [Hkv T, G, d], batch: heads.FlatBatch, kv_cache) -> [Hkv T, G, d]`` running the backend's
+    metadata builder and implementation for G query heads on one KV head, on the layer's cache
+    viewed as ``[blocks Hkv, 1, block_size, 2 d]`` (its pages). No attention code of its own."""
+    impl = layer.impl
+    group = impl.num_heads // impl.num_kv_heads
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=impl.head_size,
+        dtype=layer.kv_cache_torch_dtype, kv_quant_mode=get_kv_quant_mode(layer.kv_cache_dtype),
+    )  # fmt: skip
+    builder = layer.attn_backend.get_builder_cls()(spec, [layer.layer_name], vllm_config, device)
+    builder.num_heads = group
+    flat = copy.copy(impl)
+    flat.num_heads, flat.num_kv_heads, flat.num_queries_per_kv = group, 1, group
+    forward = type(impl).forward
+    forward = getattr(forward, "__wrapped__", forward)  # the backend's own, not the plugin's wrapper
+
+    def attend(query, batch, kv_cache):
+        rows = query.shape[0]
+        common = CommonAttentionMetadata(
+            query_start_loc=batch.query_start_loc, query_start_loc_cpu=batch.query_start_loc_cpu,
+            seq_lens=batch.seq_lens, num_reqs=len(batch.seq_lens), num_actual_tokens=rows,
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+            block_table_tensor=batch.block_table, slot_mapping=batch.slot_mapping,
+        )  # fmt: skip
+        output = query.new_empty(query.shape)
+        pages = kv_cache.flatten(0, 1).unsqueeze(1)
+        forward(flat, layer, query, query[:, :1], query[:, :1], pages, builder.build(0, common), output=output)
+        return output
+
+    return attend

@@ -74,6 +74,9 @@ def prepare_inputs(orig):
                 tokens = len(worker.token_offsets_device)
                 held = self.positions[:tokens] - worker.token_offsets_device
                 batch.block_table.compute_slot_mapping(n, self.query_start_loc.gpu[: n + 1], held)
+            if worker.flat_tokens is not None:  # their heads' pages are written by the plugin
+                for table in batch.block_table.block_tables:
+                    table.slot_mapping.gpu[worker.flat_tokens] = -1
         return out
 
     return wrapped

@@ -46,9 +46,10 @@ class Blocks:
 
     def slots(self, request_id: str, tokens: int) -> int:
         """Slots a request needs for ``tokens`` logical tokens: the entries it holds, and the
-        fresh blocks of its first eviction under prefix caching in this step."""
+        blocks its eviction in this step writes (``settings.Eviction.slots``)."""
         e = self.due.get(request_id)
-        return e.slots if e is not None and e.fresh else self.held(request_id, tokens)
+        held = self.held(request_id, tokens)
+        return held if e is None else max(held, e.slots)
 
     def forget(self, request_id: str) -> None:
         self.freed[request_id] = self.offsets.pop(request_id, 0)

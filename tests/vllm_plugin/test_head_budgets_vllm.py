@@ -1,0 +1,117 @@
+"""Per-head budgets served in vLLM (``restkv.vllm.heads``): AdaKV and a threshold's counts on the
+packaged SmolLM2 (9 query heads on 3 KV heads), each KV head of a request on pages of its own,
+attended through the CPU backend's own implementation for 3 query heads on one KV head.
+
+Checked against restkv's transformers path with the same knobs: every layer's and head's kept
+positions, and the greedy tokens; against the pool: a request holds the blocks the scheduler counts
+(``ceil(B / block_size) + 1`` after its eviction, one more every ``block_size`` tokens), and every
+block is back at the end.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from harness import BLOCK, PROMPT_LEN, blocks, engine_run, reference
+
+pytestmark = pytest.mark.vllm
+
+ADAKV = {"method": "adakv", "max_capacity_prompt": 128, "window_size": 32}
+
+
+def heads_kept(layer: list) -> list:
+    """[Hkv][B] kept positions -> each head's, sorted, padding (-1) dropped."""
+    return [sorted(p for p in head if p >= 0) for head in layer]
+
+
+def assert_kept_as_reference(kept: list, ref: list) -> None:
+    assert len(kept) == len(ref) == 30
+    for layer, (ours, theirs) in enumerate(zip(kept, ref)):
+        assert heads_kept(ours) == heads_kept(theirs), f"layer {layer}: kept positions differ"
+
+
+@pytest.mark.parametrize(
+    "vllm",
+    [pytest.param({}, marks=pytest.mark.quick), {"max_num_batched_tokens": 2048}],
+    ids=["chunked-prefill", "whole-prefill"],
+)
+def test_adakv_keeps_and_decodes_as_restkv(model_dir, prompt, vllm):
+    ref = reference(prompt, ADAKV)
+    run = engine_run(model_dir, [prompt], ADAKV, **vllm)
+    (kept,) = run["kept"][0]
+    sizes = {len(h) for layer in kept for h in heads_kept(layer)}
+    assert len(sizes) > 1, "AdaKV's heads kept the same counts: the test does not exercise per-head pages"
+    assert_kept_as_reference(kept, ref["kept"])
+    assert run["tokens"][0] == ref["tokens"]
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"method": "defensivekv", "max_capacity_prompt": 128, "window_size": 32},
+        {"method": "snapkv", "head_budget": "threshold", "threshold": 0.004, "max_capacity_prompt": 128},
+    ],
+    ids=["defensivekv", "snapkv-threshold"],
+)
+def test_other_per_head_budgets_keep_and_decode_as_restkv(model_dir, prompt, knobs):
+    ref = reference(prompt, knobs)
+    run = engine_run(model_dir, [prompt], knobs)
+    (kept,) = run["kept"][0]
+    assert len({len(h) for layer in kept for h in heads_kept(layer)}) > 1
+    assert_kept_as_reference(kept, ref["kept"])
+    assert run["tokens"][0] == ref["tokens"]
+
+
+def test_a_batch_and_a_prefix_hit(model_dir, text_ids, prompt):
+    """Three requests in one batch (two over the budget, one under it, which keeps vLLM's own layout),
+    then a fourth sharing the first's first 256 tokens: each gives its own transformers-path tokens
+    and kept positions; the fourth reads its first 256 tokens from the prefix cache (the first's
+    prompt blocks, left whole by its eviction)."""
+    batch = [prompt, text_ids[350:550], text_ids[600:700]]
+    later = text_ids[:256] + text_ids[700:760]
+    run = engine_run(model_dir, [*batch, {"ids": later, "after": 0}], ADAKV)
+    for i, p in enumerate([*batch, later]):
+        ref = reference(p, ADAKV)
+        assert run["tokens"][i] == ref["tokens"], f"request {i}"
+        if len(p) > ADAKV["max_capacity_prompt"]:
+            (kept,) = run["kept"][i]
+            assert_kept_as_reference(kept, ref["kept"])
+    assert run["cached"][3] == 256
+
+
+def test_the_pool_holds_the_budget_plus_one_block(model_dir, prompt):
+    """With prefix caching the step that evicts holds the prompt's blocks and the 5 fresh ones its
+    heads' pages go to (``ceil(128 / 32) + 1``); after it, the 5 only, then one more once it
+    decodes past 160 counted entries; every block is back in the pool at the end."""
+    run = engine_run(model_dir, [prompt], ADAKV)
+    start = run["free_at_start"]
+    last_chunk = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
+    scheduled, after = run["steps"][last_chunk]
+    kept = blocks(ADAKV["max_capacity_prompt"]) + 1
+    assert start - scheduled == blocks(PROMPT_LEN) + kept
+    assert start - after == kept
+    assert start - run["steps"][last_chunk + 1][0] == blocks(ADAKV["max_capacity_prompt"] + BLOCK + 1)
+    assert run["held"][0] == blocks(PROMPT_LEN) + kept
+    assert run["steps"][-1][1] == start
+
+
+@pytest.mark.quick
+def test_refused_under_tensor_parallelism_before_the_engine_starts(model_dir, monkeypatch):
+    """AdaKV shares a layer's budget among all its KV heads; tensor parallelism gives each rank some."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from restkv.vllm import settings
+    from restkv.vllm.hooks import install
+    from restkv.vllm.hooks.refusals import refusals
+
+    monkeypatch.setenv("RESTKV_VLLM", json.dumps(ADAKV))
+    install()
+    config = EngineArgs(model=model_dir, dtype="float32", max_model_len=1024).create_engine_config()
+    assert refusals(config, settings.from_env()) == []
+    config.parallel_config.tensor_parallel_size = 3
+    (line,) = refusals(config, settings.from_env())
+    assert "among all its KV heads" in line and "--tensor-parallel-size 1" in line
