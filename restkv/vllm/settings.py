@@ -13,23 +13,30 @@ so they agree without a message.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
 from ..config import CompressionConfig
+from ..strategies.budgets import layer_budgets
 from .heads import equivalent_length
 
 ENV = "RESTKV_VLLM"
 """The environment variable holding the plugin's knobs as a JSON object."""
 
-# Per-head budgets the plugin serves (``restkv.vllm.heads``): each KV head keeps its own count, the
-# layer's heads at most ``Hkv * max_capacity_prompt`` entries together
+# Budgets the plugin serves on single-head pages (``restkv.vllm.heads``): per head, each KV head keeps
+# its own count, a layer's heads at most ``Hkv * max_capacity_prompt`` entries together; per layer, a
+# schedule of the config alone (PyramidKV's), each layer's heads as many
 PER_HEAD = ("adakv", "threshold")
+PER_LAYER = ("pyramid",)
 
 # knob -> (whether its value can run, what vLLM needs): vLLM's block table holds one entry count per
 # request
 _KNOB_NEEDS = {
-    "layer_budget": (lambda v: v == "uniform", "'uniform' (every layer keeps as many entries)"),
+    "layer_budget": (
+        lambda v: v in ("uniform", *PER_LAYER),
+        f"'uniform' or {', '.join(map(repr, PER_LAYER))} (a schedule of the config, not of the scores)",
+    ),
     "head_budget": (
         lambda v: v in ("uniform", *PER_HEAD),
         f"'uniform' or {', '.join(map(repr, PER_HEAD))} (a share of the layer's budget per KV head)",
@@ -120,28 +127,57 @@ def check(cfg: CompressionConfig) -> None:
         raise ValueError(f"{ENV}: {line}")
 
 
-def per_head(cfg: CompressionConfig) -> bool:
-    """Its KV heads keep different numbers of entries (``restkv.vllm.heads`` places them)."""
+def shares_heads(cfg: CompressionConfig) -> bool:
+    """A layer's budget is shared among its KV heads, each keeping its own count."""
     return cfg.get("head_budget") in PER_HEAD
 
 
+def per_head(cfg: CompressionConfig) -> bool:
+    """Its KV heads keep counts other than ``max_capacity_prompt`` (per head or per layer): their
+    entries go on single-head pages (``restkv.vllm.heads``)."""
+    return shares_heads(cfg) or cfg.get("layer_budget") in PER_LAYER
+
+
 def per_head_refusals(cfg: CompressionConfig) -> list[str]:
-    """Why per-head budgets cannot run with these knobs (one line each)."""
+    """Why per-head or per-layer budgets cannot run with these knobs (one line each)."""
     if not per_head(cfg):
         return []
     lines = []
     if cfg.get("decode_interval") or cfg.get("decode_compression_ratio") is not None:
+        knob = "head_budget" if shares_heads(cfg) else "layer_budget"
         lines.append(
-            f"head_budget={cfg['head_budget']!r} evicts at the prompt's end only in vLLM: "
+            f"{knob}={cfg[knob]!r} evicts at the prompt's end only in vLLM: "
             "decode_interval=0 and no decode_compression_ratio"
         )
     return lines
 
 
+def layer_budget(cfg: CompressionConfig, budget: int, held: int, layer: int, layers: int) -> int:
+    """Entries each KV head of attention layer ``layer`` (of ``layers``) keeps in an eviction of
+    ``held`` entries at ``budget`` (as ``restkv.configure`` shares it among the layers)."""
+    if cfg.get("layer_budget") not in PER_LAYER:
+        return budget
+    return layer_budgets(cfg, layers, held, budget)[layer]
+
+
+def room(cfg: CompressionConfig, budget: int, block_size: int) -> int:
+    """Entries a kept set is counted at, from the config alone (0: ``budget``, every head and layer
+    keeping as many): the largest layer's budget (PyramidKV's first layer at most ``window + ceil(2
+    (B - window) - (B - window) / beta)``), and ``block_size`` more where the heads share it
+    (``restkv.vllm.heads.equivalent_length``)."""
+    if not per_head(cfg):
+        return 0
+    most = budget
+    if cfg.get("layer_budget") in PER_LAYER:
+        base = budget - cfg.window_size
+        most = cfg.window_size + math.ceil(2 * base - base / cfg.beta)
+    return equivalent_length(most, block_size) if shares_heads(cfg) else most
+
+
 def mixes_heads(cfg: CompressionConfig) -> str | None:
     """Why a head's kept entries depend on the other heads (tensor parallelism gives each rank some
     of them), or None."""
-    if per_head(cfg):
+    if shares_heads(cfg):
         return f"head_budget={cfg['head_budget']!r} shares a layer's budget among all its KV heads"
     if cfg.scorer.scorer == "restkv.methods.tova":
         return "TOVA scores an entry by the mean over every head"
@@ -183,8 +219,8 @@ class Eviction:
     block_size: int
     """Entries per block."""
     room: int = 0
-    """Entries the kept set is counted at (0: ``budget``): with per-head budgets ``budget +
-    block_size`` (``restkv.vllm.heads.equivalent_length``), whatever the heads' split."""
+    """Entries the kept set is counted at (0: ``budget``; ``settings.room``): the largest layer's
+    budget, and with per-head budgets ``block_size`` more, whatever the heads' split."""
 
     @property
     def counted(self) -> int:
@@ -255,8 +291,7 @@ def eviction(
     budget = budget_at(cfg, end, at_prefill=computed < prompt_len)
     if held <= budget:
         return None
-    room = equivalent_length(budget, block_size) if per_head(cfg) else 0
-    return Eviction(held, budget, caching and offset == 0, block_size, room)
+    return Eviction(held, budget, caching and offset == 0, block_size, room(cfg, budget, block_size))
 
 
 def _checks_between(computed: int, end: int, prompt_len: int, interval: int) -> bool:
@@ -293,4 +328,5 @@ def extra_blocks(cfg: CompressionConfig, max_model_len: int, block_size: int) ->
         if cfg.get("decode_compression_ratio") is not None
         else cfg.max_capacity_prompt
     )
-    return -(-min(most, max_model_len) // block_size) + (1 if per_head(cfg) else 0)
+    kept = max(most, room(cfg, most, block_size))
+    return -(-min(kept, max_model_len + block_size) // block_size)

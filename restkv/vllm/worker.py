@@ -335,7 +335,9 @@ class Worker:
         keys, values = paged.read(s.held_slots)
         rows = min(self.ring.rows, s.end)
         queries = self.ring.read(name, s.state.slot, s.end, rows)
-        obs = self._observe(name, s, queries, keys, values, e.budget, scale, softcap)
+        layers = max(len(self.rank), 1)
+        budget = settings.layer_budget(self.cfg, e.budget, e.held, self.rank.get(name, 0), layers)
+        obs = self._observe(name, s, queries, keys, values, budget, scale, softcap)
         summed = s.state.sums.pop(name, None)
         kept = kept_entries(obs, self.cfg, summed)
         if settings.per_head(self.cfg):

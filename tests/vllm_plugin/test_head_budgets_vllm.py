@@ -16,11 +16,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness import BLOCK, PROMPT_LEN, blocks, engine_run, reference
+from harness import BLOCK, PROMPT_LEN, TP3_ENV, blocks, engine_run, reference
 
 pytestmark = pytest.mark.vllm
 
 ADAKV = {"method": "adakv", "max_capacity_prompt": 128, "window_size": 32}
+PYRAMIDKV = {"method": "pyramidkv", "max_capacity_prompt": 128, "window_size": 32}
 
 
 def heads_kept(layer: list) -> list:
@@ -54,8 +55,10 @@ def test_adakv_keeps_and_decodes_as_restkv(model_dir, prompt, vllm):
     [
         {"method": "defensivekv", "max_capacity_prompt": 128, "window_size": 32},
         {"method": "snapkv", "head_budget": "threshold", "threshold": 0.004, "max_capacity_prompt": 128},
+        PYRAMIDKV,
+        {**PYRAMIDKV, "head_budget": "adakv"},
     ],
-    ids=["defensivekv", "snapkv-threshold"],
+    ids=["defensivekv", "snapkv-threshold", "pyramidkv", "pyramidkv-adakv"],
 )
 def test_other_per_head_budgets_keep_and_decode_as_restkv(model_dir, prompt, knobs):
     ref = reference(prompt, knobs)
@@ -63,6 +66,18 @@ def test_other_per_head_budgets_keep_and_decode_as_restkv(model_dir, prompt, kno
     (kept,) = run["kept"][0]
     assert len({len(h) for layer in kept for h in heads_kept(layer)}) > 1
     assert_kept_as_reference(kept, ref["kept"])
+    assert run["tokens"][0] == ref["tokens"]
+
+
+def test_per_layer_budgets_under_tensor_parallelism(model_dir, prompt):
+    """PyramidKV's layers keep their own counts; its heads do not share them, so three ranks of one
+    KV head each keep the transformers path's positions and give its tokens."""
+    ref = reference(prompt, PYRAMIDKV, 64)
+    run = engine_run(model_dir, [prompt], PYRAMIDKV, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
+    ranks = run["kept"][0]
+    assert len(ranks) == 3
+    joined = [[h for rank in ranks for h in rank[layer]] for layer in range(30)]  # each rank's head
+    assert_kept_as_reference(joined, ref["kept"])
     assert run["tokens"][0] == ref["tokens"]
 
 
