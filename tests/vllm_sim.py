@@ -88,6 +88,8 @@ class PagedEngine:
             }
         )
         self.released = []  # blocks given back by first evictions under prefix caching: (block ids, contents)
+        scale = cfg.head_dim**-0.5
+        self.worker.attends = {n: single_head_attention(c, scale) for n, c in zip(self.names, self.paged)}
 
     def generate(self, ids: list[int], new_tokens: int, hit_blocks: list[int] = ()) -> list[int]:
         """Greedy tokens after ``ids``; ``hit_blocks``: blocks holding the prompt's first tokens (a
@@ -102,7 +104,7 @@ class PagedEngine:
             if prompt_left > 0 and self.chunk:
                 n = min(n, self.chunk)
             e = settings.eviction(self.cfg, computed, n, len(ids), offset, self.caching, self.bs)
-            slots = e.slots if e is not None and e.fresh else computed + n - offset
+            slots = computed + n - offset if e is None else max(computed + n - offset, e.slots)
             while len(self.blocks) * self.bs < slots:
                 self.blocks.append(self.free.pop(0))
             self.step = (computed, n, offset)
@@ -137,23 +139,50 @@ class PagedEngine:
 
     def attend(self, module, query, key, value, scale):
         """The step's queries [1, Hq, n, d] over the entries the request holds, its own keys and
-        values [1, Hkv, n, d] written first; then the worker's eviction for the layer."""
+        values [1, Hkv, n, d] written first; then the worker's eviction for the layer. A request
+        whose heads hold their own pages (per-head budgets, once evicted) is written and attended by
+        the worker (``Worker.attend_heads``, through ``single_head_attention``)."""
         computed, n, offset = self.step
         layer = module.layer_idx
         cache = self.paged[layer]
+        q, k_step, v_step = (x[0].transpose(0, 1) for x in (query, key, value))  # [n, H, d]
+        if self.worker.flat_tokens is not None:
+            out = torch.zeros_like(q)
+            self.worker.layer(self.names[layer], q, cache, scale, None, k_step, v_step, out)
+            return out[None]
         held_before = computed - offset
         j = torch.arange(held_before, held_before + n)
         slots = torch.tensor(self.blocks)[j // self.bs] * self.bs + j % self.bs
-        cache.write(slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        cache.write(slots, k_step, v_step)
         held = torch.arange(held_before + n)
         k, v = cache.read(torch.tensor(self.blocks)[held // self.bs] * self.bs + held % self.bs)
-        q = query[0].transpose(0, 1).float()  # [n, Hq, d]
         g = q.shape[1] // k.shape[1]
         k = k.float().repeat_interleave(g, 1)
         v = v.float().repeat_interleave(g, 1)
-        logits = torch.einsum("qhd,khd->hqk", q, k) * scale
+        logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
         visible = held[None, :] <= (held_before + torch.arange(n))[:, None]
         logits = logits.masked_fill(~visible, float("-inf"))
         out = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v).to(query.dtype)
-        self.worker.layer(self.names[layer], query[0].transpose(0, 1), cache, scale, None)
+        self.worker.layer(self.names[layer], q, cache, scale, None)
         return out[None]
+
+
+def single_head_attention(cache, scale: float):
+    """Attention over single-head pages (``restkv.vllm.heads``) in plain torch, as the hooks' one
+    through a backend: ``attend(query [Hkv T, G, d], batch, kv_cache) -> [Hkv T, G, d]``, each
+    sequence's i-th of c queries seeing all but the last c - 1 - i of its entries."""
+
+    def attend(query, batch, kv_cache):
+        out = torch.empty_like(query)
+        bs = cache.block_size
+        for i, n in enumerate(batch.seq_lens.tolist()):
+            a, b = batch.query_start_loc[i].item(), batch.query_start_loc[i + 1].item()
+            j = torch.arange(n)
+            k, v = cache.read_pages(batch.block_table[i].long()[j // bs] * bs + j % bs)
+            logits = torch.einsum("tgd,nd->tgn", query[a:b].float(), k.float()) * scale
+            visible = j[None, :] <= (n - (b - a) + torch.arange(b - a))[:, None]
+            logits = logits.masked_fill(~visible[:, None], float("-inf"))
+            out[a:b] = torch.einsum("tgn,nd->tgd", logits.softmax(-1), v.float()).to(query.dtype)
+        return out
+
+    return attend

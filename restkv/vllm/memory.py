@@ -17,7 +17,9 @@ Held for the worker's life (``fixed``):
   ``value_norm="l2"``); the o_proj weight itself is not kept;
 - a step's indices staged for the device (``Worker.begin``), int64: the queries the ring keeps (at
   most ``r`` per request, ``max_num_batched_tokens`` ``T`` in all) and their rows, an offset per
-  token and per request: ``8 (T + 2 min(T, r S) + S)``.
+  token and per request: ``8 (T + 2 min(T, r S) + S)``;
+- per-head or per-layer budgets (``restkv.vllm.heads``): a layer's queries, keys, values and output
+  of the step flattened by KV head, at most ``4 T Hq d es`` at once (the page tables are on the host).
 
 During one eviction (one request in one layer at a time: the worker evicts them in turn):
 
@@ -29,8 +31,11 @@ During one eviction (one request in one layer at a time: the worker evicts them 
   scorers that work a block at a time, plus blocks of a fixed size (R-KV's key similarities,
   CriticalKV's W_O-projected values). The multiples are what ``tests/core/test_vllm_memory.py``
   measures, op by op, for every method the plugin runs on two head geometries and dtypes, rounded
-  up: the estimate bounds each and is at most 2x over it;
-- the kept entries and their rows as vLLM writes them: ``4 Hkv B d es``;
+  up: the estimate bounds each and is at most 2x over it (2.25x for AdaKV with CriticalKV's L1 stage);
+- the kept entries and their rows as vLLM writes them: ``4 Hkv B d es``; with per-head or
+  per-layer budgets the kept set is as wide as its longest head (``kept_width``: up to ``Hkv B``
+  where the heads share the layer's budget, the largest layer's budget for PyramidKV) and the
+  rows written ``Hkv B`` entries;
 - for a config that reads the o_proj weight itself (``reads_weight``: CriticalKV's L1 norms, set-level
   refinement) the weight read back for the step: ``((Hq d)^2 + 2 Hq d hidden) es`` and one float32
   copy.
@@ -62,6 +67,8 @@ from . import settings
 # VALUE_BLOCK's K+V in float32)
 SCRATCH = {
     "snapkv": (True, 0.1, 0.0),
+    "defensivekv": (True, 0.6, 0.0),
+    "simlayerkv": (False, 0.25, 0.0),
     "tova": (True, 0.1, 0.0),
     "finch": (True, 0.8, 0.0),
     "cam": (True, 3.25, 0.0),
@@ -136,7 +143,7 @@ def model_of(name_or_folder: str, dtype: str | None = None) -> Model:
 
 def reads_factor(cfg: CompressionConfig) -> bool:
     """The score reads the W_O factor R [Hq, d, d] (``Observation.wo``)."""
-    if cfg.get("critical") and cfg.get("value_norm") == "l2":
+    if critical_stages(cfg) and cfg.get("value_norm") == "l2":
         return True
     return (
         cfg.scorer.scorer == "restkv.methods.restkv"
@@ -147,19 +154,37 @@ def reads_factor(cfg: CompressionConfig) -> bool:
 
 def reads_weight(cfg: CompressionConfig) -> bool:
     """The selection reads the o_proj weight itself [hidden, Hq d] (``Observation.o_proj``)."""
-    return bool(cfg.get("critical") and cfg.get("value_norm") == "l1") or bool(cfg.get("refine_rounds"))
+    return bool(critical_stages(cfg) and cfg.get("value_norm") == "l1") or bool(cfg.get("refine_rounds"))
+
+
+def critical_stages(cfg: CompressionConfig) -> bool:
+    """CriticalKV's two stages, W_O-projected value norms included (``critical``, DefensiveKV's score)."""
+    return bool(cfg.get("critical")) or cfg.scorer.scorer.endswith(".defensivekv")
+
+
+def kept_width(cfg: CompressionConfig, model: Model, held: int) -> int:
+    """Entries per head of a kept set as the selection returns it: the budget, or with per-layer
+    budgets the largest layer's, or where the heads share ``Hkv B`` entries the longest head's (at
+    most all their shares past the window, ``Hkv (B - w) + w``, or all held)."""
+    budget = cfg.max_capacity_prompt
+    if settings.shares_heads(cfg):  # one head may take every head's share past the window
+        return min(held, model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
+    if settings.per_head(cfg):
+        return min(held, settings.room(cfg, budget, 1))
+    return budget
 
 
 def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
     """The peak of one request's eviction (or H2O chunk score) in one layer holding ``held``
     entries, term by term (bytes)."""
     m, rows, budget = model, settings.query_rows(cfg), cfg.max_capacity_prompt
+    kept = kept_width(cfg, m, held)
     scorer = cfg.scorer.scorer.rsplit(".", 1)[-1]
     attends, multiple, block_multiple = SCRATCH.get(scorer, UNLISTED)
     fixed = 0  # float32 elements of blocks of a fixed size (at most the whole)
     if scorer == "rkv":  # its key similarities [Hkv, rows, L], a few at once
         fixed += 4 * min(SIMILARITY_BLOCK + m.kv_heads * held, m.kv_heads * held * held)
-    if cfg.get("critical"):
+    if critical_stages(cfg):
         multiple += 0.75
         if cfg.get("value_norm") == "l1":  # W_O-projected values [Hkv, n, hidden], and their norms
             fixed += 2 * min(PROJECTION_BLOCK + m.kv_heads * m.hidden, m.kv_heads * held * m.hidden)
@@ -189,7 +214,7 @@ def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
             + block_multiple * m.kv_bytes(min(held, VALUE_BLOCK), 4)
             + fixed * 4
         ),
-        "kept entries and their rows": 2 * m.kv_bytes(budget),
+        "kept entries and their rows": m.kv_bytes(kept) + m.kv_bytes(budget if settings.shares_heads(cfg) else kept),
         "o_proj weight read": weight,
     }
 
@@ -205,6 +230,8 @@ def fixed_bytes(
         "query ring": m.layers * max_num_seqs * rows * m.heads * m.head_dim * m.dtype_bytes,
         "W_O factors": m.layers * m.heads * m.head_dim**2 * 4 if reads_factor(cfg) else 0,
         "one eviction": sum(eviction_bytes(cfg, m, max_model_len).values()),
+        # per-head or per-layer budgets: the step's queries, keys, values and output flattened by head
+        "flattened attention": 4 * tokens * m.heads * m.head_dim * m.dtype_bytes if settings.per_head(cfg) else 0,
     }
 
 

@@ -28,6 +28,7 @@ ENV = "RESTKV_VLLM"
 # its own count, a layer's heads at most ``Hkv * max_capacity_prompt`` entries together; per layer, a
 # schedule of the config alone (PyramidKV's), each layer's heads as many
 PER_HEAD = ("adakv", "threshold")
+SHARED = ("adakv",)  # those whose heads' counts depend on each other's scores
 PER_LAYER = ("pyramid",)
 
 # knob -> (whether its value can run, what vLLM needs): vLLM's block table holds one entry count per
@@ -128,14 +129,15 @@ def check(cfg: CompressionConfig) -> None:
 
 
 def shares_heads(cfg: CompressionConfig) -> bool:
-    """A layer's budget is shared among its KV heads, each keeping its own count."""
-    return cfg.get("head_budget") in PER_HEAD
+    """A layer's budget is shared among its KV heads by their scores (AdaKV), each keeping its own
+    count (a threshold's counts are each head's own)."""
+    return cfg.get("head_budget") in SHARED
 
 
 def per_head(cfg: CompressionConfig) -> bool:
     """Its KV heads keep counts other than ``max_capacity_prompt`` (per head or per layer): their
     entries go on single-head pages (``restkv.vllm.heads``)."""
-    return shares_heads(cfg) or cfg.get("layer_budget") in PER_LAYER
+    return cfg.get("head_budget") in PER_HEAD or cfg.get("layer_budget") in PER_LAYER
 
 
 def per_head_refusals(cfg: CompressionConfig) -> list[str]:
@@ -144,7 +146,7 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
         return []
     lines = []
     if cfg.get("decode_interval") or cfg.get("decode_compression_ratio") is not None:
-        knob = "head_budget" if shares_heads(cfg) else "layer_budget"
+        knob = "head_budget" if cfg.get("head_budget") in PER_HEAD else "layer_budget"
         lines.append(
             f"{knob}={cfg[knob]!r} evicts at the prompt's end only in vLLM: "
             "decode_interval=0 and no decode_compression_ratio"
@@ -171,7 +173,7 @@ def room(cfg: CompressionConfig, budget: int, block_size: int) -> int:
     if cfg.get("layer_budget") in PER_LAYER:
         base = budget - cfg.window_size
         most = cfg.window_size + math.ceil(2 * base - base / cfg.beta)
-    return equivalent_length(most, block_size) if shares_heads(cfg) else most
+    return equivalent_length(most, block_size) if cfg.get("head_budget") in PER_HEAD else most
 
 
 def mixes_heads(cfg: CompressionConfig) -> str | None:

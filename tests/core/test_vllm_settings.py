@@ -25,7 +25,7 @@ def test_config_from_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     "knobs, words",
     [
-        ({"method": "pyramidkv"}, "layer_budget"),
+        ({"method": "layer_defensivekv"}, "layer_budget='global' cannot run"),
         ({"method": "headkv"}, "head_budget='headkv' cannot run"),
         ({"method": "adakv", "decode_interval": 32}, "prompt's end only"),
         ({"method": "kvzip"}, "forward passes"),
@@ -64,11 +64,21 @@ def test_additional_config_is_named_in_its_errors():
         settings.from_env({"restkv": "snapkv"})
 
 
-@pytest.mark.parametrize("knobs", [{"method": "adakv"}, {"method": "defensivekv"}, {**SNAPKV, "head_budget": "threshold", "threshold": 0.01}])
-def test_per_head_budgets_run_and_mix_heads(knobs):
+@pytest.mark.parametrize(
+    "knobs, mixes",
+    [
+        ({"method": "adakv"}, True),
+        ({"method": "defensivekv"}, True),
+        ({**SNAPKV, "head_budget": "threshold", "threshold": 0.01}, False),
+        ({"method": "pyramidkv"}, False),
+    ],
+)
+def test_per_head_and_per_layer_budgets_run(knobs, mixes):
+    """They run; AdaKV's split (a layer's budget shared by its heads' scores) is refused under
+    tensor parallelism, a threshold's and PyramidKV's counts are each head's own."""
     cfg = settings.from_env({"restkv": knobs})
     assert settings.per_head(cfg)
-    assert "among all its KV heads" in settings.mixes_heads(cfg)  # refused under tensor parallelism
+    assert ("among all its KV heads" in (settings.mixes_heads(cfg) or "")) == mixes
 
 
 @pytest.mark.parametrize("caching", [False, True])
