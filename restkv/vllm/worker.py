@@ -108,7 +108,8 @@ class Worker:
         self.requests: dict = {}  # request id -> RequestState
         self.step: list = []  # Scheduled, this step's
         self.ring_tokens = self.ring_index = None
-        # the step's offsets (logical - held): per request on the host, per token and per request on the device
+        # the step's offsets (logical - held, as the backend's kernel reads them): per request on the host,
+        # per token and per request on the device
         self.request_offsets = np.zeros(0, dtype=np.int64)
         self.token_offsets_device = self.request_offsets_device = None
         self.pinned = None  # the host buffer of a step's slots (CUDA)
@@ -210,7 +211,11 @@ class Worker:
                         )
                     )
             start += n
-        self.request_offsets = np.array([s.state.offset for s in self.step], dtype=np.int64)
+        # the backend's own kernel sees a request whose heads hold their own pages as its step's
+        # tokens only (its output for them is replaced, its write masked: ``attend_heads``)
+        self.request_offsets = np.array(
+            [s.computed if s.state.pages else s.state.offset for s in self.step], dtype=np.int64
+        )
         per_token = np.repeat(self.request_offsets, [s.count for s in self.step])
         arrays = [np.concatenate(tokens), np.concatenate(index), per_token, self.request_offsets, *host]
         staged = self._stage(arrays, device)
@@ -324,7 +329,7 @@ class Worker:
         keys, values = paged.read(s.held_slots)
         chunk = query[s.start : s.start + s.count]
         obs = self._observe(name, s, chunk, keys, values, s.end, scale, softcap, window=0)
-        part = chunk_score(obs, self.cfg)
+        part = chunk_score(obs, self.cfg, fused=True)
         before = s.state.sums.get(name)
         if before is not None:
             part[:, : before.shape[1]] += before
