@@ -168,3 +168,16 @@ def test_an_attention_backend_outside_the_table_is_refused(monkeypatch):
     assert "--attention-backend" in lines[0]
     config.attention_config.backend = AttentionBackendEnum.FLASH_ATTN
     assert refusals.unreached(config, hooks.BACKENDS) == []
+
+
+def test_per_head_attention_metadata_fields_are_checked(monkeypatch):
+    """``single_head`` builds vLLM's ``CommonAttentionMetadata`` from its own list of fields: one the
+    running vLLM needs and the list lacks, or one it lists that vLLM does not have, is listed (and so
+    refused at start-up)."""
+    from restkv.vllm.hooks import attention
+
+    fields = attention.COMMON_FIELDS
+    monkeypatch.setattr(attention, "COMMON_FIELDS", fields[1:] + ("no_such_field",))
+    lines = hooks.unhooked()
+    assert any(line.endswith("field query_start_loc") for line in lines)
+    assert any(line.endswith("field no_such_field") for line in lines)

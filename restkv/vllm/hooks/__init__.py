@@ -206,7 +206,7 @@ def unhooked() -> list[str]:
     """What the running vLLM lacks of ``TARGETS``: one line per module, class, function or parameter
     (an attention backend whose module does not import aside)."""
     backends = {module for module, _, _ in BACKENDS.values()}
-    lines = []
+    lines = _metadata_fields()
     for module, owners in TARGETS.items():
         try:
             imported = importlib.import_module(module)
@@ -226,6 +226,22 @@ def unhooked() -> list[str]:
                 if absent:
                     lines.append(f"{module}.{owner}.{name}: no parameter {', '.join(absent)}")
     return lines
+
+
+def _metadata_fields() -> list[str]:
+    """vLLM's ``CommonAttentionMetadata`` as ``attention.single_head`` builds it: every field it needs
+    given, every field given known."""
+    import dataclasses
+
+    try:
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+    except ImportError as e:
+        return [f"vllm.v1.attention.backend.CommonAttentionMetadata ({e})"]
+    fields = dataclasses.fields(CommonAttentionMetadata)
+    needed = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    given = set(attention.COMMON_FIELDS)
+    wrong = sorted((needed - given) | (given - {f.name for f in fields}))
+    return [f"vllm.v1.attention.backend.CommonAttentionMetadata: field {x}" for x in wrong]
 
 
 def targets() -> list:

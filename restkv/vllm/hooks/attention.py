@@ -79,6 +79,13 @@ def cpu(impl, layer, kv_cache, block_size: int) -> paged.Paged:
     return paged.probed(kv_cache, block_size, kv_cache.shape[1], impl.head_size, writer, layer.isa)
 
 
+# the fields of vLLM's ``CommonAttentionMetadata`` ``single_head`` gives (every field without a default;
+# ``hooks.unhooked`` checks them against the running vLLM)
+COMMON_FIELDS = (
+    "query_start_loc", "query_start_loc_cpu", "seq_lens", "num_reqs", "num_actual_tokens", "max_query_len",
+    "max_seq_len", "block_table_tensor", "slot_mapping",
+)  # fmt: skip
+
 # backends whose cache is head-major within a block, so block b is pages b * Hkv + h of one head
 # (``restkv.vllm.heads``); the only ones per-head budgets run on
 HEAD_PAGES = ("CPU_ATTN",)
@@ -104,12 +111,11 @@ def single_head(layer, vllm_config, block_size: int, device):
 
     def attend(query, batch, kv_cache):
         rows = query.shape[0]
-        common = CommonAttentionMetadata(
-            query_start_loc=batch.query_start_loc, query_start_loc_cpu=batch.query_start_loc_cpu,
-            seq_lens=batch.seq_lens, num_reqs=len(batch.seq_lens), num_actual_tokens=rows,
-            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-            block_table_tensor=batch.block_table, slot_mapping=batch.slot_mapping,
+        values = (
+            batch.query_start_loc, batch.query_start_loc_cpu, batch.seq_lens, len(batch.seq_lens), rows,
+            batch.max_query_len, batch.max_seq_len, batch.block_table, batch.slot_mapping,
         )  # fmt: skip
+        common = CommonAttentionMetadata(**dict(zip(COMMON_FIELDS, values)))
         output = query.new_empty(query.shape)
         pages = kv_cache.flatten(0, 1).unsqueeze(1)
         forward(flat, layer, query, query[:, :1], query[:, :1], pages, builder.build(0, common), output=output)
