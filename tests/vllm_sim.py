@@ -60,6 +60,7 @@ class PagedEngine:
         self.model = model
         self.cfg = CompressionConfig.from_kwargs(**knobs)
         settings.check(self.cfg)
+        settings.bind_model(self.cfg, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
         self.bs = block_size
         self.chunk = chunk
         self.caching = caching

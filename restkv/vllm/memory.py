@@ -167,6 +167,8 @@ def kept_width(cfg: CompressionConfig, model: Model, held: int) -> int:
     budgets the largest layer's, or where the heads share ``Hkv B`` entries the longest head's (at
     most all their shares past the window, ``Hkv (B - w) + w``, or all held)."""
     budget = cfg.max_capacity_prompt
+    if cfg.get("head_budget") == "headkv":  # its table's longest head
+        return min(held, int(settings.head_table(cfg).max()) + cfg.window_size)
     if settings.shares_heads(cfg):  # one head may take every head's share past the window
         return min(held, model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
     if settings.per_head(cfg):
@@ -214,7 +216,9 @@ def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
             + block_multiple * m.kv_bytes(min(held, VALUE_BLOCK), 4)
             + fixed * 4
         ),
-        "kept entries and their rows": m.kv_bytes(kept) + m.kv_bytes(budget if settings.shares_heads(cfg) else kept),
+        # the rows written: a layer's heads' entries together (where they share, at most its average count)
+        "kept entries and their rows": m.kv_bytes(kept)
+        + m.kv_bytes(settings.room(cfg, budget, 1) - 1 if settings.shares_heads(cfg) else kept),
         "o_proj weight read": weight,
     }
 

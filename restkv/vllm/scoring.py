@@ -72,29 +72,32 @@ def observation(
 
 @torch.no_grad()
 def kept_entries(
-    obs: Observation, cfg: CompressionConfig, summed: torch.Tensor | None = None
+    obs: Observation, cfg: CompressionConfig, summed: torch.Tensor | None = None, table=None
 ) -> Kept:
     """What one request keeps in one layer: keys / values [1, Hkv, B, d], positions [1, Hkv, B]
     (indices among the entries held). ``summed`` [Hq or Hkv, H]: a ``SUMMED`` method's score of every
-    entry held, added up over the prompt's chunks (``chunk_score``)."""
+    entry held, added up over the prompt's chunks (``chunk_score``); ``table`` [Hkv]: HeadKV's counts
+    for the layer (``settings.head_table``)."""
     with float32_scoring(obs.keys.device.type):
         scores = (
             None if summed is None else head_scores(obs, cfg, summed[None, :, : obs.prefix_len])
         )
-        return select(obs, cfg, scores=scores)
+        return select(obs, cfg, table=table, scores=scores)
 
 
 @torch.no_grad()
 def chunk_score(
-    obs: Observation, cfg: CompressionConfig, lse: torch.Tensor | None = None
+    obs: Observation, cfg: CompressionConfig, lse: torch.Tensor | None = None, fused: bool = False
 ) -> torch.Tensor:
     """A ``SUMMED`` method's score of every entry held from the queries ``obs`` holds (a chunk of
     the prompt; ``obs.window`` 0) -> [Hq or Hkv, H] float32. ``lse`` [Hq, r]: each query's log-sum-exp
     as the attention backend returned it; H2O's sums are then formed from it (``h2o.column_sums``: one
-    product and one exponential, no second softmax), else recomputed (``h2o.score``)."""
+    product and one exponential, no second softmax); else, with ``fused`` (the worker's), by
+    ``h2o.column_sums`` with one softmax per block of queries in place, over the keys they see; else
+    recomputed by the method's ``score`` (``h2o.score``: a max and a division per block, every key)."""
     with float32_scoring(obs.keys.device.type):
-        if lse is not None and cfg.scorer.module is h2o:
-            return h2o.column_sums(obs, lse.float()[None])[0]
+        if (lse is not None or fused) and cfg.scorer.module is h2o:
+            return h2o.column_sums(obs, None if lse is None else lse.float()[None])[0]
         return cfg.scorer.score(obs, cfg.score_knobs())[0]
 
 

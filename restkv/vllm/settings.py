@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..config import CompressionConfig
 from ..strategies.budgets import layer_budgets
+from ..strategies.head_budgets import headkv_budgets, load_head_importance
 from .heads import equivalent_length
 
 ENV = "RESTKV_VLLM"
@@ -27,8 +28,8 @@ ENV = "RESTKV_VLLM"
 # Budgets the plugin serves on single-head pages (``restkv.vllm.heads``): per head, each KV head keeps
 # its own count, a layer's heads at most ``Hkv * max_capacity_prompt`` entries together; per layer, a
 # schedule of the config alone (PyramidKV's), each layer's heads as many
-PER_HEAD = ("adakv", "threshold")
-SHARED = ("adakv",)  # those whose heads' counts depend on each other's scores
+PER_HEAD = ("adakv", "threshold", "headkv")
+SHARED = ("adakv", "headkv")  # those whose heads' counts depend on the other heads
 PER_LAYER = ("pyramid",)
 
 # knob -> (whether its value can run, what vLLM needs): vLLM's block table holds one entry count per
@@ -145,6 +146,11 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
     if not per_head(cfg):
         return []
     lines = []
+    if cfg.get("head_budget") == "headkv" and not cfg.get("head_importance"):
+        lines.append(
+            "head_budget='headkv' needs head_importance=FILE in vLLM (a HeadKV table; `python -m "
+            "restkv.bench.head_scores --model_path MODEL` writes the one configure() computes)"
+        )
     if cfg.get("decode_interval") or cfg.get("decode_compression_ratio") is not None:
         knob = "head_budget" if cfg.get("head_budget") in PER_HEAD else "layer_budget"
         lines.append(
@@ -152,6 +158,26 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
             "decode_interval=0 and no decode_compression_ratio"
         )
     return lines
+
+
+_TABLES: dict = {}  # config -> HeadKV's per-head counts [layers, Hkv] for the model it was bound to
+
+
+def bind_model(cfg: CompressionConfig, layers: int, heads: int, kv_heads: int) -> None:
+    """Read what the config needs of the model before any request: HeadKV's head-importance table,
+    shared among the ``layers`` attention layers' ``kv_heads`` heads (``heads`` query heads), as
+    ``restkv.configure`` shares it; a file that does not fit the model raises a one-line ValueError."""
+    if cfg.get("head_budget") == "headkv" and cfg not in _TABLES:
+        importance = load_head_importance(cfg.head_importance, layers, heads, kv_heads)
+        base = cfg.max_capacity_prompt - cfg.window_size
+        _TABLES[cfg] = headkv_budgets(importance, base, cfg.headkv_beta)
+
+
+def head_table(cfg: CompressionConfig):
+    """HeadKV's prefix entries per head [layers, Hkv] (window excluded), from ``bind_model``."""
+    if cfg not in _TABLES:
+        raise RuntimeError("restkv.vllm: head_budget='headkv' before settings.bind_model read its table")
+    return _TABLES[cfg]
 
 
 def layer_budget(cfg: CompressionConfig, budget: int, held: int, layer: int, layers: int) -> int:
@@ -170,6 +196,9 @@ def room(cfg: CompressionConfig, budget: int, block_size: int) -> int:
     if not per_head(cfg):
         return 0
     most = budget
+    if cfg.get("head_budget") == "headkv":  # the layer whose heads share the most, on average
+        table = head_table(cfg)
+        most = cfg.window_size + -(-int(table.sum(-1).max()) // table.shape[-1])
     if cfg.get("layer_budget") in PER_LAYER:
         base = budget - cfg.window_size
         most = cfg.window_size + math.ceil(2 * base - base / cfg.beta)

@@ -344,7 +344,10 @@ class Worker:
         budget = settings.layer_budget(self.cfg, e.budget, e.held, self.rank.get(name, 0), layers)
         obs = self._observe(name, s, queries, keys, values, budget, scale, softcap)
         summed = s.state.sums.pop(name, None)
-        kept = kept_entries(obs, self.cfg, summed)
+        table = None
+        if self.cfg.get("head_budget") == "headkv":
+            table = settings.head_table(self.cfg)[self.rank.get(name, 0)].to(keys.device)
+        kept = kept_entries(obs, self.cfg, summed, table)
         if settings.per_head(self.cfg):
             self._place(name, s, kept, paged)
         else:

@@ -26,7 +26,8 @@ def test_config_from_the_environment(monkeypatch):
     "knobs, words",
     [
         ({"method": "layer_defensivekv"}, "layer_budget='global' cannot run"),
-        ({"method": "headkv"}, "head_budget='headkv' cannot run"),
+        ({"method": "headkv"}, "head_budget='headkv' needs head_importance=FILE"),
+        ({**SNAPKV, "head_budget": "lukv", "lukv_curve": "x.npy"}, "head_budget='lukv' cannot run"),
         ({"method": "adakv", "decode_interval": 32}, "prompt's end only"),
         ({"method": "kvzip"}, "forward passes"),
         ({"method": "fullkv"}, "keeps every entry"),
@@ -100,3 +101,25 @@ def test_a_per_head_eviction_is_counted_at_the_budget_plus_a_block(held, caching
 
 def uniform_cfg():
     return settings.from_env({"restkv": SNAPKV})
+
+
+def test_headkv_is_counted_from_its_table(tmp_path):
+    """HeadKV's table, bound to the model: the request is counted at the window plus the largest
+    layer's average count, plus a block; a table that does not fit the model is one line naming it."""
+    import numpy as np
+
+    path = tmp_path / "importance.json"
+    path.write_text(json.dumps(np.random.default_rng(0).gamma(0.5, size=(4, 6)).tolist()))
+    cfg = settings.from_env({"restkv": {"method": "headkv", "max_capacity_prompt": 64, "head_importance": str(path)}})
+    with pytest.raises(RuntimeError, match="bind_model"):
+        settings.room(cfg, 64, 16)
+    settings.bind_model(cfg, 4, 6, 2)
+    table = settings.head_table(cfg)
+    assert table.shape == (4, 2) and int(table.sum()) == 4 * 2 * (64 - 32)
+    most = 32 + -(-int(table.sum(-1).max()) // 2)
+    assert settings.room(cfg, 64, 16) == most + 16 > 64 + 16
+    e = settings.eviction(cfg, 0, 300, 300, 0, False, 16)
+    assert e.counted == most + 16 and e.kept_blocks == -(-(most + 16) // 16)
+    other = settings.from_env({"restkv": {"method": "headkv", "max_capacity_prompt": 64, "head_importance": str(path), "window_size": 8}})
+    with pytest.raises(ValueError, match="importance.json"):
+        settings.bind_model(other, 5, 6, 2)

@@ -258,3 +258,25 @@ def test_a_step_the_batch_hook_did_not_see_stops():
     eng.worker.end(0)
     with pytest.raises(RuntimeError, match="ran a step of 7 tokens without the plugin's batch hook"):
         eng.worker.end(7)
+
+
+@pytest.mark.parametrize("chunk", [None, 13], ids=["whole", "chunks-of-13"])
+def test_headkv_from_its_table_equals_configure(chunk, tmp_path):
+    """HeadKV with a head-importance file (skewed, for the tiny model's layers and heads): the
+    worker's counts come from the table the scheduler counts with, as configure()'s do."""
+    import json
+
+    import numpy as np
+
+    c = tiny_model().config
+    table = np.random.default_rng(1).gamma(0.5, size=(c.num_hidden_layers, c.num_attention_heads))
+    path = tmp_path / "importance.json"
+    path.write_text(json.dumps(table.tolist()))
+    knobs = {"method": "headkv", **BUDGET, "head_importance": str(path)}
+    ids = prompt(80)[0].tolist()
+    tokens, kept = reference(knobs, ids, 6)
+    eng = engine(knobs, chunk=chunk)
+    assert eng.generate(ids, 6) == tokens
+    for layer, (ours, theirs) in enumerate(zip(kept_of(eng), kept)):
+        assert torch.equal(ours, theirs), f"layer {layer}"
+    assert len({int(n) for layer in kept for n in (layer >= 0).sum(-1)}) > 1  # heads kept different counts

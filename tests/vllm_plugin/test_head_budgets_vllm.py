@@ -130,3 +130,20 @@ def test_refused_under_tensor_parallelism_before_the_engine_starts(model_dir, mo
     config.parallel_config.tensor_parallel_size = 3
     (line,) = refusals(config, settings.from_env())
     assert "among all its KV heads" in line and "--tensor-parallel-size 1" in line
+
+
+def test_headkv_keeps_and_decodes_as_restkv(model_dir, prompt, tmp_path):
+    """HeadKV's counts from a head-importance table (a skewed one, SmolLM2's 30 layers x 9 heads),
+    read by the scheduler and the worker as configure() reads it."""
+    import numpy as np
+
+    table = np.random.default_rng(0).gamma(0.5, size=(30, 9)).round(4).tolist()
+    path = tmp_path / "head_importance.json"
+    path.write_text(json.dumps(table))
+    knobs = {"method": "headkv", "max_capacity_prompt": 128, "window_size": 32, "head_importance": str(path)}
+    ref = reference(prompt, knobs)
+    run = engine_run(model_dir, [prompt], knobs)
+    (kept,) = run["kept"][0]
+    assert len({len(h) for layer in kept for h in heads_kept(layer)}) > 1
+    assert_kept_as_reference(kept, ref["kept"])
+    assert run["tokens"][0] == ref["tokens"]

@@ -96,7 +96,18 @@ def check_config(vllm_config, unhooked=lambda config: ()):
     lines += [f"{settings.ENV}: {why}" for why in unhooked(vllm_config)]
     if lines:
         raise ValueError("\n".join(lines))
+    bind_model(vllm_config, cfg)
     return cfg
+
+
+def bind_model(vllm_config, cfg) -> None:
+    """``settings.bind_model`` with this engine's model (one rank's heads); a table that does not fit it
+    raises a one-line ValueError naming the knob's file."""
+    m, p = vllm_config.model_config, vllm_config.parallel_config
+    try:
+        settings.bind_model(cfg, m.get_num_layers(p), m.get_num_attention_heads(p), m.get_num_kv_heads(p))
+    except ValueError as e:
+        raise ValueError(f"{settings.ENV}: {e}") from None
 
 
 def configured(vllm_config) -> bool:

@@ -19,6 +19,7 @@ import torch
 
 from .. import settings
 from ..worker import Worker
+from . import refusals
 
 CURRENT: list = [None]  # the Worker of the step in flight (read by the attention wrapper)
 _WIDER: list = [0]  # blocks added to every block-table row (set while a runner is built)
@@ -33,6 +34,8 @@ def runner_init(orig):
         _WIDER[0] = 0 if cfg is None else settings.extra_blocks(cfg, max_len, cache.block_size)
         orig(self, vllm_config, *args, **kwargs)
         caching = bool(cache.enable_prefix_caching)
+        if cfg is not None:
+            refusals.bind_model(vllm_config, cfg)
         self._restkv = None if cfg is None else Worker(cfg, self.max_num_reqs, caching, cache.block_size)
 
     return init
