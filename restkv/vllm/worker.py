@@ -10,6 +10,11 @@ holds back from the layer's paged cache (``restkv.vllm.paged``), selects, and wr
 entries to the blocks the rule names. ``Worker.end`` records the new offsets and returns the
 block-table edits for the next step.
 
+Per-head and per-layer budgets (``settings.per_head``): an eviction places each head's kept entries on
+single-head pages of its own (``restkv.vllm.heads``); from the next step on, the request's tokens are
+written to its heads' pages and attended through the layer's backend over the flattened batch
+(``attend_heads``), vLLM's own write masked and its output for them replaced.
+
 Memory (``restkv.vllm.memory`` counts it, term by term): per layer, the ring's ``query_rows`` queries
 [rows, Hq, d] for every request slot, allocated on the layer's first step; during an eviction the
 entries the request holds, read back once (one copy of its K+V) plus the selection's own; a
