@@ -14,7 +14,9 @@ tokens/s, output tokens per CPU second of the engine's process (the engine runs 
 that other jobs on the machine disturb less than wall time), the peak number of running requests,
 preemptions, and the peak of blocks held (pool blocks minus free ones); for the evicting arms the time spent evicting, split into reading the
 held entries back from the paged cache, selecting (scoring included) and writing the kept entries,
-as seconds and as a share of the arm's wall time. On CUDA every clock is read after
+as seconds and as a share of the arm's wall time; on the CPU backend, every arm's attention kernel time,
+vLLM's own calls apart from those of the plugin's per-head path (per-head and per-layer budgets: the
+requests whose heads hold their own pages, attended flattened) and the rest of that path. On CUDA every clock is read after
 ``torch.cuda.synchronize()`` (the eviction's parts too), so a part counts the kernels it launched.
 Run in the vLLM environment (``make vllm-install``), on an otherwise idle machine; docs/vllm.md gives
 the commands of its figures.
@@ -43,6 +45,7 @@ METRICS = (
     "peak held blocks",
 )
 PARTS = ("read back", "select", "write")
+ATTENTION = ("own kernel", "heads' kernel", "heads' rest")  # the CPU backend's attention, per path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -99,6 +102,7 @@ def run_arm(args) -> dict:
 
     now = clock()
     timers = _time_eviction(now) if args.arm != "full" else None
+    attention = _time_attention(now) if not torch.cuda.is_available() else None
     model = args.model or str(cache_dir("smollm2-135m"))
     length = args.prompt_len + args.new_tokens
     chunk = args.max_num_batched_tokens or (length if args.no_chunked_prefill else None)
@@ -139,6 +143,7 @@ def run_arm(args) -> dict:
         "pool blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
         "seconds": seconds,
         **({} if timers is None else dict(timers)),
+        **({} if attention is None else dict(attention)),
     }
 
 
@@ -179,6 +184,40 @@ def _time_eviction(now) -> dict:
     timed(worker, "kept_entries", "select")
     timed(worker, "chunk_score", "select")
     timed(paged.Paged, "write", "write")
+    timed(worker.Worker, "_place", "write")  # per-head and per-layer budgets: the kept entries on their pages
+    return timers
+
+
+def _time_attention(now) -> dict:
+    """Accumulate the CPU backend's attention kernel (``cpu_attention_with_kv_cache``), split into
+    vLLM's own calls and those of the plugin's per-head path (``Worker.attend_heads``: the requests
+    whose heads hold their own pages, flattened), and the rest of that path (its writes, copies and
+    metadata), in seconds of ``now``."""
+    from vllm import _custom_ops as ops
+
+    from restkv.vllm import worker
+
+    timers = dict.fromkeys(ATTENTION, 0.0)
+    inside = [False]
+    kernel, heads = ops.cpu_attention_with_kv_cache, worker.Worker.attend_heads
+
+    def timed_kernel(*a, **k):
+        t = now()
+        try:
+            return kernel(*a, **k)
+        finally:
+            timers["heads' kernel" if inside[0] else "own kernel"] += now() - t
+
+    def timed_heads(*a, **k):
+        t, before = now(), timers["heads' kernel"]
+        inside[0] = True
+        try:
+            return heads(*a, **k)
+        finally:
+            inside[0] = False
+            timers["heads' rest"] += now() - t - (timers["heads' kernel"] - before)
+
+    ops.cpu_attention_with_kv_cache, worker.Worker.attend_heads = timed_kernel, timed_heads
     return timers
 
 
@@ -256,6 +295,13 @@ def report(args, argv, results: dict) -> None:
         parts = [r[p] for p in PARTS]
         cells = [f"{s:.2f} ({s / r['seconds']:.1%})" for s in parts + [sum(parts)]]
         print(f"| {arm} | " + " | ".join(cells) + " |")
+    if all(p in results[a] for a in arms for p in ATTENTION):
+        print()
+        print("| attention on the CPU backend (s, share of wall time) | " + " | ".join(ATTENTION) + " |")
+        print("|---" * (len(ATTENTION) + 1) + "|")
+        for arm in arms:
+            r = results[arm]
+            print(f"| {arm} | " + " | ".join(f"{r[p]:.2f} ({r[p] / r['seconds']:.1%})" for p in ATTENTION) + " |")
 
 
 if __name__ == "__main__":

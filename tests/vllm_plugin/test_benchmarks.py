@@ -43,8 +43,12 @@ def test_serving_table(model_dir):
         "--pool_requests", "1", "--requests", "4", "--methods", "snapkv", "--max_capacity_prompt", "64",
         "--decode_interval", "32", "--enforce_eager",
     )  # fmt: skip
-    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    text, _, last = out.partition("| attention on the CPU backend")
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    attention = {line.split("|")[1].strip(): line for line in last.splitlines() if line.startswith("| ")}
     assert "snapkv / full" in rows[""]
+    own = [float(attention[arm].split("|")[2].split("(")[0]) for arm in ("full", "snapkv")]
+    assert min(own) > 0  # vLLM's own attention kernel timed in every arm
     running = [float(x) for x in rows["peak running"].split("|")[2:4]]
     assert running[1] >= running[0]  # requests held under the budget: at least as many run at once
     evicting = [float(x.split("(")[0]) for x in rows["snapkv"].split("|")[2:6]]
