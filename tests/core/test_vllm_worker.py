@@ -45,6 +45,18 @@ def engine(knobs: dict, **kw) -> PagedEngine:
     return PagedEngine(tiny_model(attn_implementation="restkv_paged_sim"), knobs, **kw)
 
 
+def equals_configure(knobs: dict, chunk) -> list:
+    """The paged engine on an 80-token prompt (whole, or in chunks of ``chunk``) keeps configure()'s
+    positions in every layer and decodes its 6 tokens -> those kept positions."""
+    ids = prompt(80)[0].tolist()
+    tokens, kept = reference(knobs, ids, 6)
+    eng = engine(knobs, chunk=chunk)
+    assert eng.generate(ids, 6) == tokens
+    for layer, (ours, theirs) in enumerate(zip(kept_of(eng), kept)):
+        assert torch.equal(ours, theirs), f"layer {layer}"
+    return kept
+
+
 def kept_of(eng: PagedEngine) -> list:
     recorded = eng.recorded.get("r", {})
     return [recorded.get(name) for name in eng.names]
@@ -57,12 +69,7 @@ def test_prefill_eviction_equals_configure(method, chunk):
     one step or in chunks of 13 tokens (the 8-token window split across two), and decodes its
     tokens."""
     knobs = {**small(method), **BUDGET}
-    ids = prompt(80)[0].tolist()
-    tokens, kept = reference(knobs, ids, 6)
-    eng = engine(knobs, chunk=chunk)
-    assert eng.generate(ids, 6) == tokens
-    for layer, (ours, theirs) in enumerate(zip(kept_of(eng), kept)):
-        assert torch.equal(ours, theirs), f"layer {layer}"
+    equals_configure(knobs, chunk)
 
 
 @pytest.mark.parametrize("method", ["snapkv", "restkv", "h2o", "keydiff"])
@@ -273,10 +280,5 @@ def test_headkv_from_its_table_equals_configure(chunk, tmp_path):
     path = tmp_path / "importance.json"
     path.write_text(json.dumps(table.tolist()))
     knobs = {"method": "headkv", **BUDGET, "head_importance": str(path)}
-    ids = prompt(80)[0].tolist()
-    tokens, kept = reference(knobs, ids, 6)
-    eng = engine(knobs, chunk=chunk)
-    assert eng.generate(ids, 6) == tokens
-    for layer, (ours, theirs) in enumerate(zip(kept_of(eng), kept)):
-        assert torch.equal(ours, theirs), f"layer {layer}"
+    kept = equals_configure(knobs, chunk)
     assert len({int(n) for layer in kept for n in (layer >= 0).sum(-1)}) > 1  # heads kept different counts

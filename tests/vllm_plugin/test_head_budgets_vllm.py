@@ -29,6 +29,17 @@ def heads_kept(layer: list) -> list:
     return [sorted(p for p in head if p >= 0) for head in layer]
 
 
+def keeps_and_decodes_as_restkv(model_dir, prompt, knobs: dict, **vllm) -> None:
+    """The engine's kept positions per layer and head (its heads keeping different counts) and greedy
+    tokens are restkv's transformers path's with the same knobs."""
+    ref = reference(prompt, knobs)
+    run = engine_run(model_dir, [prompt], knobs, **vllm)
+    (kept,) = run["kept"][0]
+    assert len({len(h) for layer in kept for h in heads_kept(layer)}) > 1, "every head kept the same count"
+    assert_kept_as_reference(kept, ref["kept"])
+    assert run["tokens"][0] == ref["tokens"]
+
+
 def assert_kept_as_reference(kept: list, ref: list) -> None:
     assert len(kept) == len(ref) == 30
     for layer, (ours, theirs) in enumerate(zip(kept, ref)):
@@ -41,13 +52,7 @@ def assert_kept_as_reference(kept: list, ref: list) -> None:
     ids=["chunked-prefill", "whole-prefill"],
 )
 def test_adakv_keeps_and_decodes_as_restkv(model_dir, prompt, vllm):
-    ref = reference(prompt, ADAKV)
-    run = engine_run(model_dir, [prompt], ADAKV, **vllm)
-    (kept,) = run["kept"][0]
-    sizes = {len(h) for layer in kept for h in heads_kept(layer)}
-    assert len(sizes) > 1, "AdaKV's heads kept the same counts: the test does not exercise per-head pages"
-    assert_kept_as_reference(kept, ref["kept"])
-    assert run["tokens"][0] == ref["tokens"]
+    keeps_and_decodes_as_restkv(model_dir, prompt, ADAKV, **vllm)
 
 
 @pytest.mark.parametrize(
@@ -61,12 +66,7 @@ def test_adakv_keeps_and_decodes_as_restkv(model_dir, prompt, vllm):
     ids=["defensivekv", "snapkv-threshold", "pyramidkv", "pyramidkv-adakv"],
 )
 def test_other_per_head_budgets_keep_and_decode_as_restkv(model_dir, prompt, knobs):
-    ref = reference(prompt, knobs)
-    run = engine_run(model_dir, [prompt], knobs)
-    (kept,) = run["kept"][0]
-    assert len({len(h) for layer in kept for h in heads_kept(layer)}) > 1
-    assert_kept_as_reference(kept, ref["kept"])
-    assert run["tokens"][0] == ref["tokens"]
+    keeps_and_decodes_as_restkv(model_dir, prompt, knobs)
 
 
 def test_per_layer_budgets_under_tensor_parallelism(model_dir, prompt):
@@ -141,9 +141,4 @@ def test_headkv_keeps_and_decodes_as_restkv(model_dir, prompt, tmp_path):
     path = tmp_path / "head_importance.json"
     path.write_text(json.dumps(table))
     knobs = {"method": "headkv", "max_capacity_prompt": 128, "window_size": 32, "head_importance": str(path)}
-    ref = reference(prompt, knobs)
-    run = engine_run(model_dir, [prompt], knobs)
-    (kept,) = run["kept"][0]
-    assert len({len(h) for layer in kept for h in heads_kept(layer)}) > 1
-    assert_kept_as_reference(kept, ref["kept"])
-    assert run["tokens"][0] == ref["tokens"]
+    keeps_and_decodes_as_restkv(model_dir, prompt, knobs)
