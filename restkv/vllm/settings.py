@@ -29,8 +29,11 @@ ENV = "RESTKV_VLLM"
 # its own count, a layer's heads at most ``Hkv * max_capacity_prompt`` entries together; per layer, a
 # schedule of the config alone (PyramidKV's), each layer's heads as many
 PER_HEAD = ("adakv", "threshold", "headkv")
-SHARED = ("adakv", "headkv")  # those whose heads' counts depend on the other heads
+"""``head_budget`` values served on single-head pages: each KV head keeps its own count."""
+SHARED = ("adakv", "headkv")
+"""Those of ``PER_HEAD`` whose heads' counts depend on the other heads (refused under tensor parallelism)."""
 PER_LAYER = ("pyramid",)
+"""``layer_budget`` values served on single-head pages: a schedule of the config, each layer its own count."""
 
 # knob -> (whether its value can run, what vLLM needs): vLLM's block table holds one entry count per
 # request
