@@ -163,17 +163,15 @@ def critical_stages(cfg: CompressionConfig) -> bool:
 
 
 def kept_width(cfg: CompressionConfig, model: Model, held: int) -> int:
-    """Entries per head of a kept set as the selection returns it: the budget, or with per-layer
-    budgets the largest layer's, or where the heads share ``Hkv B`` entries the longest head's (at
-    most all their shares past the window, ``Hkv (B - w) + w``, or all held)."""
+    """Entries per head of a kept set as the selection returns it (at most all held): its longest
+    head's where the heads keep their own counts (HeadKV's table's longest; AdaKV's at most every
+    head's share past the window, ``Hkv (B - w) + w``), else the largest layer's (``settings.largest``)."""
     budget = cfg.max_capacity_prompt
-    if cfg.get("head_budget") == "headkv":  # its table's longest head
+    if cfg.get("head_budget") == "headkv":
         return min(held, int(settings.head_table(cfg).max()) + cfg.window_size)
-    if settings.shares_heads(cfg):  # one head may take every head's share past the window
+    if settings.shares_heads(cfg):
         return min(held, model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
-    if settings.per_head(cfg):
-        return min(held, settings.room(cfg, budget, 1))
-    return budget
+    return min(held, settings.largest(cfg, budget))
 
 
 def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
@@ -216,9 +214,8 @@ def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
             + block_multiple * m.kv_bytes(min(held, VALUE_BLOCK), 4)
             + fixed * 4
         ),
-        # the rows written: a layer's heads' entries together (where they share, at most its average count)
-        "kept entries and their rows": m.kv_bytes(kept)
-        + m.kv_bytes(settings.room(cfg, budget, 1) - 1 if settings.shares_heads(cfg) else kept),
+        # the rows written: a layer's heads' entries together, at most the largest layer's
+        "kept entries and their rows": m.kv_bytes(kept) + m.kv_bytes(min(held, settings.largest(cfg, budget))),
         "o_proj weight read": weight,
     }
 

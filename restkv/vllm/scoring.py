@@ -87,16 +87,15 @@ def kept_entries(
 
 @torch.no_grad()
 def chunk_score(
-    obs: Observation, cfg: CompressionConfig, lse: torch.Tensor | None = None, fused: bool = False
+    obs: Observation, cfg: CompressionConfig, lse: torch.Tensor | None = None
 ) -> torch.Tensor:
     """A ``SUMMED`` method's score of every entry held from the queries ``obs`` holds (a chunk of
-    the prompt; ``obs.window`` 0) -> [Hq or Hkv, H] float32. ``lse`` [Hq, r]: each query's log-sum-exp
-    as the attention backend returned it; H2O's sums are then formed from it (``h2o.column_sums``: one
-    product and one exponential, no second softmax); else, with ``fused`` (the worker's), by
-    ``h2o.column_sums`` with one softmax per block of queries in place, over the keys they see; else
-    recomputed by the method's ``score`` (``h2o.score``: a max and a division per block, every key)."""
+    the prompt; ``obs.window`` 0) -> [Hq or Hkv, H] float32. H2O's sums by ``h2o.column_sums``, one
+    product per block of queries over the keys they see: from ``lse`` [Hq, r], each query's
+    log-sum-exp as the attention backend returned it (one exponential, no second softmax), else with
+    one softmax per block in place."""
     with float32_scoring(obs.keys.device.type):
-        if (lse is not None or fused) and cfg.scorer.module is h2o:
+        if cfg.scorer.module is h2o:
             return h2o.column_sums(obs, None if lse is None else lse.float()[None])[0]
         return cfg.scorer.score(obs, cfg.score_knobs())[0]
 

@@ -25,9 +25,6 @@ from .heads import equivalent_length
 ENV = "RESTKV_VLLM"
 """The environment variable holding the plugin's knobs as a JSON object."""
 
-# Budgets the plugin serves on single-head pages (``restkv.vllm.heads``): per head, each KV head keeps
-# its own count, a layer's heads at most ``Hkv * max_capacity_prompt`` entries together; per layer, a
-# schedule of the config alone (PyramidKV's), each layer's heads as many
 PER_HEAD = ("adakv", "threshold", "headkv")
 """``head_budget`` values served on single-head pages: each KV head keeps its own count."""
 SHARED = ("adakv", "headkv")
@@ -128,8 +125,9 @@ def check(cfg: CompressionConfig) -> None:
     for name, (runs, needed) in _KNOB_NEEDS.items():
         if name in cfg and not runs(cfg[name]):
             raise ValueError(f"{ENV}: {name}={cfg[name]!r} cannot run in vLLM; it needs {needed}")
-    for line in per_head_refusals(cfg):
-        raise ValueError(f"{ENV}: {line}")
+    refused = per_head_refusals(cfg)
+    if refused:
+        raise ValueError(f"{ENV}: {refused[0]}")
 
 
 def shares_heads(cfg: CompressionConfig) -> bool:
@@ -163,24 +161,25 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
     return lines
 
 
-_TABLES: dict = {}  # config -> HeadKV's per-head counts [layers, Hkv] for the model it was bound to
+_TABLES: dict = {}  # config -> (the model's layers, heads, KV heads; HeadKV's counts [layers, Hkv] for it)
 
 
 def bind_model(cfg: CompressionConfig, layers: int, heads: int, kv_heads: int) -> None:
     """Read what the config needs of the model before any request: HeadKV's head-importance table,
     shared among the ``layers`` attention layers' ``kv_heads`` heads (``heads`` query heads), as
     ``restkv.configure`` shares it; a file that does not fit the model raises a one-line ValueError."""
-    if cfg.get("head_budget") == "headkv" and cfg not in _TABLES:
+    model = (layers, heads, kv_heads)
+    if cfg.get("head_budget") == "headkv" and _TABLES.get(cfg, (None,))[0] != model:
         importance = load_head_importance(cfg.head_importance, layers, heads, kv_heads)
         base = cfg.max_capacity_prompt - cfg.window_size
-        _TABLES[cfg] = headkv_budgets(importance, base, cfg.headkv_beta)
+        _TABLES[cfg] = (model, headkv_budgets(importance, base, cfg.headkv_beta))
 
 
 def head_table(cfg: CompressionConfig):
     """HeadKV's prefix entries per head [layers, Hkv] (window excluded), from ``bind_model``."""
     if cfg not in _TABLES:
         raise RuntimeError("restkv.vllm: head_budget='headkv' before settings.bind_model read its table")
-    return _TABLES[cfg]
+    return _TABLES[cfg][1]
 
 
 def layer_budget(cfg: CompressionConfig, budget: int, held: int, layer: int, layers: int) -> int:
@@ -191,20 +190,34 @@ def layer_budget(cfg: CompressionConfig, budget: int, held: int, layer: int, lay
     return layer_budgets(cfg, layers, held, budget)[layer]
 
 
-def room(cfg: CompressionConfig, budget: int, block_size: int) -> int:
-    """Entries a kept set is counted at, from the config alone (0: ``budget``, every head and layer
-    keeping as many): the largest layer's budget (PyramidKV's first layer at most ``window + ceil(2
-    (B - window) - (B - window) / beta)``), and ``block_size`` more where the heads share it
-    (``restkv.vllm.heads.equivalent_length``)."""
-    if not per_head(cfg):
-        return 0
+def largest(cfg: CompressionConfig, budget: int) -> int:
+    """Entries per KV head, on average over its heads, of the layer that keeps the most at ``budget``,
+    from the config alone: ``budget``; HeadKV's table's largest layer average; PyramidKV's first layer at
+    most ``window + ceil(2 (B - window) - (B - window) / beta)``."""
     most = budget
-    if cfg.get("head_budget") == "headkv":  # the layer whose heads share the most, on average
+    if cfg.get("head_budget") == "headkv":
         table = head_table(cfg)
         most = cfg.window_size + -(-int(table.sum(-1).max()) // table.shape[-1])
     if cfg.get("layer_budget") in PER_LAYER:
         base = budget - cfg.window_size
-        most = cfg.window_size + math.ceil(2 * base - base / cfg.beta)
+        most = max(most, cfg.window_size + math.ceil(2 * base - base / cfg.beta))
+    return most
+
+
+def layer_table(cfg: CompressionConfig, layer: int, device):
+    """HeadKV's counts [Hkv] of attention layer ``layer`` on ``device``, or None for other configs."""
+    if cfg.get("head_budget") != "headkv":
+        return None
+    return head_table(cfg)[layer].to(device)
+
+
+def room(cfg: CompressionConfig, budget: int, block_size: int) -> int:
+    """Entries a kept set is counted at, from the config alone (0: ``budget``, every head and layer
+    keeping as many): the ``largest`` layer's, and ``block_size`` more where the heads keep their own
+    counts (``restkv.vllm.heads.equivalent_length``: any split of a layer's entries fits)."""
+    if not per_head(cfg):
+        return 0
+    most = largest(cfg, budget)
     return equivalent_length(most, block_size) if cfg.get("head_budget") in PER_HEAD else most
 
 

@@ -334,7 +334,7 @@ class Worker:
         keys, values = paged.read(s.held_slots)
         chunk = query[s.start : s.start + s.count]
         obs = self._observe(name, s, chunk, keys, values, s.end, scale, softcap, window=0)
-        part = chunk_score(obs, self.cfg, fused=True)
+        part = chunk_score(obs, self.cfg)
         before = s.state.sums.get(name)
         if before is not None:
             part[:, : before.shape[1]] += before
@@ -345,14 +345,11 @@ class Worker:
         keys, values = paged.read(s.held_slots)
         rows = min(self.ring.rows, s.end)
         queries = self.ring.read(name, s.state.slot, s.end, rows)
-        layers = max(len(self.rank), 1)
-        budget = settings.layer_budget(self.cfg, e.budget, e.held, self.rank.get(name, 0), layers)
+        rank = self.rank.get(name, 0)
+        budget = settings.layer_budget(self.cfg, e.budget, e.held, rank, max(len(self.rank), 1))
         obs = self._observe(name, s, queries, keys, values, budget, scale, softcap)
         summed = s.state.sums.pop(name, None)
-        table = None
-        if self.cfg.get("head_budget") == "headkv":
-            table = settings.head_table(self.cfg)[self.rank.get(name, 0)].to(keys.device)
-        kept = kept_entries(obs, self.cfg, summed, table)
+        kept = kept_entries(obs, self.cfg, summed, settings.layer_table(self.cfg, rank, keys.device))
         if settings.per_head(self.cfg):
             self._place(name, s, kept, paged)
         else:

@@ -1,4 +1,4 @@
-"""H2O's chunk sums as the vLLM worker forms them (``chunk_score(..., fused=True)``: ``h2o.column_sums``
+"""H2O's chunk sums as the vLLM worker forms them (``chunk_score``: ``h2o.column_sums``
 without the backend's log-sum-exp, one softmax per block of queries, in place) against a float64 loop of
 the definition, ``sum_q softmax(q . K^T scale, causal)[key]``, and against ``h2o.score``'s recomputed sums
 with the same kept entries."""
@@ -10,6 +10,7 @@ import torch
 from test_cost_h2o import Ops
 
 from restkv.config import CompressionConfig
+from restkv.methods import h2o
 from restkv.vllm.scoring import chunk_score, observation
 
 
@@ -51,12 +52,12 @@ def loop(obs) -> torch.Tensor:
         (40, 1, 2, 1, 4, torch.float32),  # one query
     ],
 )
-def test_fused_sums_equal_a_float64_loop(n, chunk, hq, hkv, d, dtype, softcap):
+def test_sums_equal_a_float64_loop(n, chunk, hq, hkv, d, dtype, softcap):
     obs, cfg = case(n, chunk, hq, hkv, d, softcap, dtype)
-    got = chunk_score(obs, cfg, fused=True)
+    got = chunk_score(obs, cfg)
     assert got.dtype == torch.float32 and got.shape == (hq, n)
     torch.testing.assert_close(got.double(), loop(obs), rtol=2e-5, atol=1e-6)
-    recomputed = chunk_score(obs, cfg)  # h2o.score
+    recomputed = h2o.score(obs, cfg.score_knobs())[0]  # every query's softmax recomputed
     torch.testing.assert_close(got, recomputed, rtol=2e-5, atol=1e-6)
     keep = min(n, 30)
     assert torch.equal(got.topk(keep).indices.sort().values, recomputed.topk(keep).indices.sort().values)
@@ -65,7 +66,7 @@ def test_fused_sums_equal_a_float64_loop(n, chunk, hq, hkv, d, dtype, softcap):
 def test_wide_logits_stay_exact():
     """Logits spread over hundreds (exponentials far below float32's normal range) sum as the loop does."""
     obs, cfg = case(64, 40, 4, 2, 16, spread=60.0, seed=3)
-    torch.testing.assert_close(chunk_score(obs, cfg, fused=True).double(), loop(obs), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(chunk_score(obs, cfg).double(), loop(obs), rtol=2e-5, atol=1e-6)
 
 
 def test_one_product_and_one_softmax_per_block():
@@ -74,7 +75,7 @@ def test_one_product_and_one_softmax_per_block():
     obs, cfg = case(300, 300, 4, 2, 16)
     blocks = -(-300 // max(1, 16 * 2 // 4))
     with Ops() as ops:
-        chunk_score(obs, cfg, fused=True)
+        chunk_score(obs, cfg)
     assert ops.count["bmm"] + ops.count["mm"] == blocks, ops.count
     assert ops.count["_softmax"] + ops.count["softmax"] == blocks, ops.count
     for other in ("exp", "exp_", "amax", "max", "div", "div_", "clamp_min_", "logsumexp"):
