@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from compress_step import parse_method  # noqa: E402  (benchmarks/, this script's folder)
+
 METRICS = (
     "requests/s",
     "output tokens/s",
@@ -57,7 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pool_requests", type=int, default=2, help="N: the KV pool holds N full-length requests")
     p.add_argument("--requests", type=int, default=None, help="M requests submitted at once (default 8 N)")
     p.add_argument("--block_size", type=int, default=32, help="KV block size (a multiple of 32 on CPU)")
-    p.add_argument("--methods", nargs="+", default=["snapkv", "restkv"], help="restkv methods, one arm each")
+    p.add_argument(
+        "--methods", nargs="+", default=["snapkv", "restkv"],
+        help="restkv methods, one arm each: METHOD[:knob=value,...] (layer_defensivekv:value_norm=l2)",
+    )
     p.add_argument("--max_capacity_prompt", type=int, default=128)
     p.add_argument("--window_size", type=int, default=32)
     p.add_argument("--decode_interval", type=int, default=None, help="default: 0 (prompts), 128 (generation)")
@@ -86,7 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def knobs(args, method: str) -> dict:
-    out = {"method": method, "max_capacity_prompt": args.max_capacity_prompt, "window_size": args.window_size}
+    """An arm's knobs: ``METHOD[:knob=value,...]`` (``compress_step.parse_method``) at the budget flags."""
+    out = {"max_capacity_prompt": args.max_capacity_prompt, "window_size": args.window_size, **parse_method(method)}
     if args.decode_interval:
         out["decode_interval"] = args.decode_interval
     return out

@@ -113,7 +113,8 @@ class PagedEngine:
             self.worker.begin([req], [computed], [n], [len(ids)], "cpu")
             logits = self.forward(seq[computed : computed + n], computed)
             self.worker.end()
-            if self.worker.cut(req) is not None:
+            e = self.worker.cut(req)  # a deferred count as the worker measured it (``Worker.report``)
+            if e is not None:
                 gone = e.cut(self.blocks)
                 if e.fresh:
                     self.released.append((gone, [c[gone].clone() for c in self.caches]))

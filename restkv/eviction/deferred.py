@@ -7,8 +7,8 @@ forward has returned, ``finish``
 
 1. runs the method's passes, if it has any, and scores every such layer from them (one set of passes
    per prompt, shared by every config with the same score knobs in sweep mode);
-2. shares the budget: one top-k over every layer's and head's scores (``budgets.global_sizes``, or the
-   method's own ``global_sizes(scores, total, cfg, top_k)``), or the per-layer strategies as at once;
+2. shares the budget: one top-k over every layer's and head's scores (``budgets.shared_sizes``, the
+   vLLM plugin's too), or the per-layer strategies as at once;
 3. selects each layer's kept entries; the caller puts the cache layers in place.
 
 The attachment calls it from a forward hook on the decoder (``decoder_of``): in ``generate()`` that is
@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..scoring.observe import Observation
 from ..scoring.precision import float32_scoring
-from ..strategies.budgets import global_sizes
+from ..strategies.budgets import shared_sizes
 from .observation import layer_wo_factor
 from ..compat import cache_argument
 from .step import LayerPrefill
@@ -72,17 +72,10 @@ def _select(cfg, prefills: list[LayerPrefill]) -> list:
     if (
         cfg.get("layer_budget") == "global"
     ):  # every evicted layer is deferred: len(prefills) layers share it
-        heads = prefills[0].key.shape[1]
-        own = getattr(cfg.scorer.module, "global_sizes", None)  # a method's own split (KVCompose)
-        parts = []
-        for i, (_, _, budget) in enumerate(prefills[0].parts):
-            scores = [p.scores[i] for p in prefills]
-            total = len(prefills) * heads * (budget - cfg.window_size)
-            parts.append(
-                global_sizes(scores, total)
-                if own is None
-                else own(scores, total, cfg.score_knobs(), global_sizes)
-            )
+        parts = [
+            shared_sizes(cfg, [p.scores[i] for p in prefills], budget)
+            for i, (_, _, budget) in enumerate(prefills[0].parts)
+        ]
         sizes = [[part[layer] for part in parts] for layer in range(len(prefills))]
     return [(p, *p.result(p.select(s))) for p, s in zip(prefills, sizes)]
 

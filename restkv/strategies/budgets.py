@@ -138,6 +138,17 @@ KNOBS = (
         when={"head_budget": PER_HEAD},
     ),
 )
+def shared_sizes(cfg, scores: list, budget: int):
+    """``layer_budget="global"``: prefix entries each (layer, KV head) keeps, one [b, Hkv] per layer.
+
+    ``scores`` one [b, Hkv, P] per evicted layer (-inf on padding), ``budget`` B (window included): the
+    layers share ``layers * Hkv * (B - window)`` entries by one top-k (``global_sizes``), or by the
+    method's own ``global_sizes(scores, total, knobs, global_sizes)`` (KVCompose)."""
+    total = len(scores) * scores[0].shape[1] * (budget - cfg.window_size)
+    own = getattr(cfg.scorer.module, "global_sizes", None)
+    return global_sizes(scores, total) if own is None else own(scores, total, cfg.score_knobs(), global_sizes)
+
+
 ALIASES = {
     "use_pyramid": ("layer_budget", {True: "pyramid", False: "uniform"})
 }  # the original's flag

@@ -147,6 +147,11 @@ def capacity(
         )
     cfg = knobs if isinstance(knobs, CompressionConfig) else _config(knobs)
     settings.check(cfg)
+    if settings.deferred(cfg):
+        raise ValueError(
+            f"--knobs: layer_budget={cfg['layer_budget']!r} keeps what its scores decide across layers, so "
+            "no count from the knobs bounds a request below its prompt; measure it with benchmarks/vllm_serving.py"
+        )
     m = model
     if not isinstance(model, memory.Model):
         m = memory.model_of(model, dtype).per_rank(tensor_parallel_size)

@@ -165,12 +165,25 @@ def critical_stages(cfg: CompressionConfig) -> bool:
 def kept_width(cfg: CompressionConfig, model: Model, held: int) -> int:
     """Entries per head of a kept set as the selection returns it (at most all held): its longest
     head's where the heads keep their own counts (HeadKV's table's longest; AdaKV's at most every
-    head's share past the window, ``Hkv (B - w) + w``), else the largest layer's (``settings.largest``)."""
+    head's share past the window, ``Hkv (B - w) + w``; a budget shared across layers, every layer's
+    ``layers Hkv (B - w) + w``), else the largest layer's (``largest_layer``)."""
     budget = cfg.max_capacity_prompt
+    if settings.deferred(cfg):  # one layer's head may take every layer's and head's share
+        return min(held, model.layers * model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
     if cfg.get("head_budget") == "headkv":
         return min(held, int(settings.head_table(cfg).max()) + cfg.window_size)
     if settings.shares_heads(cfg):
         return min(held, model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
+    return largest_layer(cfg, model, held)
+
+
+def largest_layer(cfg: CompressionConfig, model: Model, held: int) -> int:
+    """Entries per head, on average over its heads, of the layer that keeps the most (at most all
+    held): ``settings.largest``; with a budget shared across layers (``settings.deferred``) one layer
+    may take every layer's share past the window, ``layers (B - w) + w``."""
+    budget, w = cfg.max_capacity_prompt, cfg.window_size
+    if settings.deferred(cfg):
+        return min(held, model.layers * (budget - w) + w)
     return min(held, settings.largest(cfg, budget))
 
 
@@ -215,7 +228,7 @@ def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
             + fixed * 4
         ),
         # the rows written: a layer's heads' entries together, at most the largest layer's
-        "kept entries and their rows": m.kv_bytes(kept) + m.kv_bytes(min(held, settings.largest(cfg, budget))),
+        "kept entries and their rows": m.kv_bytes(kept) + m.kv_bytes(largest_layer(cfg, m, held)),
         "o_proj weight read": weight,
     }
 
@@ -237,9 +250,11 @@ def fixed_bytes(
 
 
 def per_token(cfg: CompressionConfig, model: Model) -> int:
-    """Bytes per token held in the pool: H2O's chunk sums (every layer) and the staged slots."""
+    """Bytes per token held in the pool: H2O's chunk sums (every layer), a deferred eviction's scores
+    (every layer's [Hkv, P] float32, ``settings.deferred``) and the staged slots."""
     sums = model.layers * model.heads * 4 if settings.summed(cfg) else 0
-    return sums + 16
+    scores = model.layers * model.kv_heads * 4 if settings.deferred(cfg) else 0
+    return sums + scores + 16
 
 
 def fraction(cfg: CompressionConfig, model: Model) -> float:

@@ -71,18 +71,26 @@ def observation(
 
 
 @torch.no_grad()
+def entry_scores(obs: Observation, cfg: CompressionConfig, summed: torch.Tensor | None = None) -> torch.Tensor:
+    """The selection's scores of the prefix entries held [1, Hkv, P] float32 (``head_scores``).
+    ``summed`` [Hq or Hkv, H]: a ``SUMMED`` method's score of every entry held, added up over the
+    prompt's chunks (``chunk_score``)."""
+    with float32_scoring(obs.keys.device.type):
+        return head_scores(obs, cfg, None if summed is None else summed[None, :, : obs.prefix_len])
+
+
+@torch.no_grad()
 def kept_entries(
-    obs: Observation, cfg: CompressionConfig, summed: torch.Tensor | None = None, table=None
+    obs: Observation, cfg: CompressionConfig, summed: torch.Tensor | None = None, table=None, sizes=None, scores=None
 ) -> Kept:
     """What one request keeps in one layer: keys / values [1, Hkv, B, d], positions [1, Hkv, B]
-    (indices among the entries held). ``summed`` [Hq or Hkv, H]: a ``SUMMED`` method's score of every
-    entry held, added up over the prompt's chunks (``chunk_score``); ``table`` [Hkv]: HeadKV's counts
-    for the layer (``settings.head_table``)."""
+    (indices among the entries held). ``summed``: as ``entry_scores``; ``table`` [Hkv]: HeadKV's counts
+    for the layer (``settings.head_table``); ``sizes`` [1, Hkv] each head's prefix entries and
+    ``scores`` its ``entry_scores``, under a budget shared across layers."""
+    if scores is None and summed is not None:
+        scores = entry_scores(obs, cfg, summed)
     with float32_scoring(obs.keys.device.type):
-        scores = (
-            None if summed is None else head_scores(obs, cfg, summed[None, :, : obs.prefix_len])
-        )
-        return select(obs, cfg, table=table, scores=scores)
+        return select(obs, cfg, table=table, sizes=sizes, scores=scores)
 
 
 @torch.no_grad()

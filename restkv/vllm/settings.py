@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import CompressionConfig
 from ..strategies.budgets import layer_budgets
@@ -31,13 +31,18 @@ SHARED = ("adakv", "headkv")
 """Those of ``PER_HEAD`` whose heads' counts depend on the other heads (refused under tensor parallelism)."""
 PER_LAYER = ("pyramid",)
 """``layer_budget`` values served on single-head pages: a schedule of the config, each layer its own count."""
+DEFERRED = ("global",)
+"""``layer_budget`` values whose counts the scores decide across layers: selected once every layer has
+run (``Worker.end``), the kept count sent to the scheduler with the step's output."""
+UNBOUNDED = 1 << 62
+"""``largest`` where no count from the config bounds a layer's (``DEFERRED``): it may keep all it holds."""
 
 # knob -> (whether its value can run, what vLLM needs): vLLM's block table holds one entry count per
 # request
 _KNOB_NEEDS = {
     "layer_budget": (
-        lambda v: v in ("uniform", *PER_LAYER),
-        f"'uniform' or {', '.join(map(repr, PER_LAYER))} (a schedule of the config, not of the scores)",
+        lambda v: v in ("uniform", *PER_LAYER, *DEFERRED),
+        f"'uniform' or {', '.join(map(repr, (*PER_LAYER, *DEFERRED)))}",
     ),
     "head_budget": (
         lambda v: v in ("uniform", *PER_HEAD),
@@ -139,7 +144,13 @@ def shares_heads(cfg: CompressionConfig) -> bool:
 def per_head(cfg: CompressionConfig) -> bool:
     """Its KV heads keep counts other than ``max_capacity_prompt`` (per head or per layer): their
     entries go on single-head pages (``restkv.vllm.heads``)."""
-    return cfg.get("head_budget") in PER_HEAD or cfg.get("layer_budget") in PER_LAYER
+    return cfg.get("head_budget") in PER_HEAD or cfg.get("layer_budget") in (*PER_LAYER, *DEFERRED)
+
+
+def deferred(cfg: CompressionConfig) -> bool:
+    """Its layers' counts come from every layer's scores (``layer_budget="global"``): a request's
+    kept count is known after its step only."""
+    return cfg.get("layer_budget") in DEFERRED
 
 
 def per_head_refusals(cfg: CompressionConfig) -> list[str]:
@@ -153,7 +164,7 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
             "restkv.bench.head_scores --model_path MODEL` writes the one configure() computes)"
         )
     if cfg.get("decode_interval") or cfg.get("decode_compression_ratio") is not None:
-        knob = "head_budget" if cfg.get("head_budget") in PER_HEAD else "layer_budget"
+        knob = "layer_budget" if cfg.get("layer_budget") != "uniform" else "head_budget"
         lines.append(
             f"{knob}={cfg[knob]!r} evicts at the prompt's end only in vLLM: "
             "decode_interval=0 and no decode_compression_ratio"
@@ -193,7 +204,9 @@ def layer_budget(cfg: CompressionConfig, budget: int, held: int, layer: int, lay
 def largest(cfg: CompressionConfig, budget: int) -> int:
     """Entries per KV head, on average over its heads, of the layer that keeps the most at ``budget``,
     from the config alone: ``budget``; HeadKV's table's largest layer average; PyramidKV's first layer at
-    most ``window + ceil(2 (B - window) - (B - window) / beta)``."""
+    most ``window + ceil(2 (B - window) - (B - window) / beta)``; ``UNBOUNDED`` for ``DEFERRED``."""
+    if deferred(cfg):
+        return UNBOUNDED
     most = budget
     if cfg.get("head_budget") == "headkv":
         table = head_table(cfg)
@@ -224,6 +237,8 @@ def room(cfg: CompressionConfig, budget: int, block_size: int) -> int:
 def mixes_heads(cfg: CompressionConfig) -> str | None:
     """Why a head's kept entries depend on the other heads (tensor parallelism gives each rank some
     of them), or None."""
+    if deferred(cfg):
+        return f"layer_budget={cfg['layer_budget']!r} shares the budget among every layer's KV heads"
     if shares_heads(cfg):
         return f"head_budget={cfg['head_budget']!r} shares a layer's budget among all its KV heads"
     if cfg.scorer.scorer == "restkv.methods.tova":
@@ -267,7 +282,11 @@ class Eviction:
     """Entries per block."""
     room: int = 0
     """Entries the kept set is counted at (0: ``budget``; ``settings.room``): the largest layer's
-    budget, and with per-head budgets ``block_size`` more, whatever the heads' split."""
+    budget, and with per-head budgets ``block_size`` more, whatever the heads' split; at most
+    ``held + block_size``."""
+    measured: bool = False
+    """Its kept count is the worker's, from the scores (``DEFERRED``): ``room`` is its bound until
+    ``kept`` gives it."""
 
     @property
     def counted(self) -> int:
@@ -302,6 +321,12 @@ class Eviction:
         """Entries it removes: its offset (logical positions - entries held) grows by as many (with
         per-head budgets counted at ``room``: negative where that exceeds what it held)."""
         return self.held - self.counted
+
+    def kept(self, counted: int) -> "Eviction":
+        """The eviction once the worker measured its kept count (``counted`` entries)."""
+        if not 0 < counted <= self.room:
+            raise RuntimeError(f"restkv.vllm: a kept count of {counted} entries, outside 1 .. {self.room}")
+        return replace(self, room=counted, measured=False)
 
     def cut(self, blocks: list) -> list:
         """Keep, in place, the ``kept_blocks`` of ``blocks`` (a request's block ids, or a copy of its
@@ -338,7 +363,9 @@ def eviction(
     budget = budget_at(cfg, end, at_prefill=computed < prompt_len)
     if held <= budget:
         return None
-    return Eviction(held, budget, caching and offset == 0, block_size, room(cfg, budget, block_size))
+    counted = room(cfg, budget, block_size)
+    counted = counted and min(counted, held + block_size)  # no layer keeps more than it holds
+    return Eviction(held, budget, caching and offset == 0, block_size, counted, deferred(cfg))
 
 
 def _checks_between(computed: int, end: int, prompt_len: int, interval: int) -> bool:

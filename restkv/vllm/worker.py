@@ -33,7 +33,8 @@ from ..scoring.observe import wo_factor
 from . import settings
 from .memory import reads_factor
 from .heads import FlatBatch, HeadPages, flatten, unflatten
-from .scoring import chunk_score, kept_entries, observation, slot_rows
+from ..strategies.budgets import shared_sizes
+from .scoring import chunk_score, entry_scores, kept_entries, observation, slot_rows
 
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -66,6 +67,7 @@ class Scheduled:
         None  # [held] the slots of the entries it holds, on the device
     )
     kept_slots: torch.Tensor | None = None  # [budget] where its kept entries go
+    scores: dict = field(default_factory=dict)  # layer name -> [1, Hkv, P] its selection scores (deferred)
 
     @property
     def end(self) -> int:
@@ -135,6 +137,10 @@ class Worker:
         self.attends: dict = {}
         self.flat: dict = {}
         self.flat_tokens = None
+        # ``settings.deferred``: the step's layers to select in once all have run (name -> (paged, scale,
+        # softcap)), and each request's kept count measured at its eviction, for the scheduler (``report``)
+        self.later: dict = {}
+        self.counted: dict = {}
 
     # ---- the model's layers ----
 
@@ -288,7 +294,11 @@ class Worker:
         for s in self.step:
             if s.sums:
                 self._add_chunk(name, s, query, paged, scale, softcap)
-            if s.eviction is not None:
+            if s.eviction is None:
+                continue
+            if s.eviction.measured:
+                self._score(name, s, paged, scale, softcap)
+            else:
                 self._evict(name, s, paged, scale, softcap)
 
     def attend_heads(self, name, query, key, value, output, paged) -> None:
@@ -340,22 +350,50 @@ class Worker:
             part[:, : before.shape[1]] += before
         s.state.sums[name] = part
 
-    def _evict(self, name, s: Scheduled, paged, scale, softcap) -> None:
+    def _observed(self, name, s: Scheduled, paged, scale, softcap):
+        """The request's observation in layer ``name`` at its eviction: the entries it holds, read back,
+        and its most recent queries from the ring."""
         e = s.eviction
         keys, values = paged.read(s.held_slots)
-        rows = min(self.ring.rows, s.end)
-        queries = self.ring.read(name, s.state.slot, s.end, rows)
-        rank = self.rank.get(name, 0)
-        budget = settings.layer_budget(self.cfg, e.budget, e.held, rank, max(len(self.rank), 1))
-        obs = self._observe(name, s, queries, keys, values, budget, scale, softcap)
-        summed = s.state.sums.pop(name, None)
-        kept = kept_entries(obs, self.cfg, summed, settings.layer_table(self.cfg, rank, keys.device))
+        queries = self.ring.read(name, s.state.slot, s.end, min(self.ring.rows, s.end))
+        budget = settings.layer_budget(self.cfg, e.budget, e.held, self.rank.get(name, 0), max(len(self.rank), 1))
+        return self._observe(name, s, queries, keys, values, budget, scale, softcap)
+
+    def _evict(self, name, s: Scheduled, paged, scale, softcap) -> None:
+        obs = self._observed(name, s, paged, scale, softcap)
+        table = settings.layer_table(self.cfg, self.rank.get(name, 0), obs.keys.device)
+        kept = kept_entries(obs, self.cfg, s.state.sums.pop(name, None), table)
+        self._keep(name, s, kept, paged)
+
+    def _keep(self, name, s: Scheduled, kept, paged) -> None:
         if settings.per_head(self.cfg):
             self._place(name, s, kept, paged)
         else:
             paged.write(s.kept_slots, *slot_rows(kept))
         if s.state.offset == 0 and self.observer is not None:
             self.observer(s.req_id, name, kept.positions[0])
+
+    def _score(self, name, s: Scheduled, paged, scale, softcap) -> None:
+        """A deferred eviction's scores in layer ``name`` (``settings.deferred``); it selects in ``_finish``."""
+        obs = self._observed(name, s, paged, scale, softcap)
+        s.scores[name] = entry_scores(obs, self.cfg, s.state.sums.pop(name, None))
+        self.later[name] = (paged, scale, softcap)
+
+    def _finish(self, s: Scheduled) -> None:
+        """A deferred eviction once every layer has run: the layers' shares of the budget from all their
+        scores (``shared_sizes``, as ``restkv.configure``), its kept count from them (the largest layer's
+        mean over its heads, and ``block_size`` more: any split fits, ``restkv.vllm.heads``), then each
+        layer's selection placed in the blocks that count keeps."""
+        names = sorted(s.scores, key=self.rank.get)
+        scores = [s.scores.pop(n) for n in names]
+        sizes = shared_sizes(self.cfg, scores, s.eviction.budget)
+        lengths = torch.stack(sizes)[:, 0] + self.cfg.window_size  # [layers, Hkv]
+        mean = int(-(-lengths.sum(-1).max() // lengths.shape[-1]))  # one host read per eviction
+        s.eviction = s.eviction.kept(mean + self.block_size)
+        for name, size, score in zip(names, sizes, scores):
+            paged, scale, softcap = self.later[name]
+            obs = self._observed(name, s, paged, scale, softcap)
+            self._keep(name, s, kept_entries(obs, self.cfg, sizes=size, scores=score), paged)
 
     def _place(self, name, s: Scheduled, kept, paged) -> None:
         """Per-head budgets: each head's kept entries on pages of its own in the blocks the eviction
@@ -388,6 +426,9 @@ class Worker:
                 "without the plugin in this step; stopping before its blocks are freed"
             )
         for s in self.step:
+            if s.eviction is not None and s.eviction.measured:
+                self._finish(s)
+                self.counted[s.req_id] = s.eviction.counted
             if s.eviction is not None:
                 s.state.offset += s.eviction.evicted
                 s.state.placed = s.eviction.kept_blocks
@@ -397,3 +438,9 @@ class Worker:
                 s.state.sums.clear()
         self.step = []
         self.flat, self.flat_tokens = {}, None
+        self.later = {}
+
+    def report(self) -> dict:
+        """The kept counts measured since the last report (request id -> entries), for the scheduler."""
+        counted, self.counted = self.counted, {}
+        return counted

@@ -25,7 +25,7 @@ def test_config_from_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     "knobs, words",
     [
-        ({"method": "layer_defensivekv"}, "layer_budget='global' cannot run"),
+        ({"method": "layer_defensivekv", "decode_interval": 8}, "needs a budget per layer"),
         ({"method": "headkv"}, "head_budget='headkv' needs head_importance=FILE"),
         ({**SNAPKV, "head_budget": "lukv", "lukv_curve": "x.npy"}, "head_budget='lukv' cannot run"),
         ({"method": "adakv", "decode_interval": 32}, "prompt's end only"),
@@ -123,3 +123,22 @@ def test_headkv_is_counted_from_its_table(tmp_path):
     other = settings.from_env({"restkv": {"method": "headkv", "max_capacity_prompt": 64, "head_importance": str(path), "window_size": 8}})
     with pytest.raises(ValueError, match="importance.json"):
         settings.bind_model(other, 5, 6, 2)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_global_budget_is_counted_at_its_bound_until_the_worker_measures_it(caching):
+    """layer_budget='global': the scores decide each layer's count, so the step that evicts is given
+    the bound (every layer keeping all it holds, and a block: ``held + block_size``); the worker's
+    measured count then sets what the request keeps, within 1 .. that bound; it shares the budget
+    among every head, so tensor parallelism is refused."""
+    cfg = settings.from_env({"restkv": {"method": "layer_defensivekv", "value_norm": "l2", "max_capacity_prompt": 64}})
+    assert settings.per_head(cfg) and settings.deferred(cfg) and "every layer" in settings.mixes_heads(cfg)
+    e = settings.eviction(cfg, 0, 300, 300, 0, caching, 16)
+    assert e.measured and e.counted == 316 and e.fresh == caching
+    assert e.slots == (19 + 20 if caching else 20) * 16  # held blocks, and the bound's when fresh
+    kept = e.kept(100)
+    assert not kept.measured and kept.counted == 100 and kept.evicted == 200 and kept.kept_blocks == 7
+    for bad in (0, 317):
+        with pytest.raises(RuntimeError, match="kept count"):
+            e.kept(bad)
+    assert not settings.eviction(uniform_cfg(), 0, 300, 300, 0, caching, 16).measured

@@ -178,28 +178,35 @@ def test_heads_split_over_ranks_keep_what_all_heads_keep(method):
     """Tensor parallelism gives each rank some KV heads (their query heads, their o_proj columns): a
     config ``settings.mixes_heads`` lets through keeps, from one KV head's share, what it keeps for
     that head from all; one it refuses does not (so it refuses what it must)."""
-    from restkv.vllm.scoring import kept_entries, observation
+    from restkv.strategies.budgets import shared_sizes
+    from restkv.vllm.scoring import entry_scores, kept_entries, observation
 
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, n, hidden = 6, 2, 16, 90, 48
     q, k, v = (torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv))
     weight = torch.randn(hidden, hq * d, generator=g)
     # DefensiveKV's first stage would fill each head's share alike on flat random attention
-    first = {"first_stage_mass": 0.05} if method == "defensivekv" else {}
+    first = {"first_stage_mass": 0.05} if method in ("defensivekv", "layer_defensivekv") else {}
     cfg = CompressionConfig.from_kwargs(**small(method), **BUDGET, **first)
     rows = settings.query_rows(cfg)
 
-    def kept(heads: slice, kv: slice):
+    def kept(heads: slice, kv: slice) -> list:
         w = weight.view(hidden, hq, d)[:, heads].reshape(hidden, -1)
         obs = observation(cfg, q[-rows:, heads], k[:, kv], v[:, kv], 40, d**-0.5, None, 1, 3, lambda: w)
-        return kept_entries(obs, cfg).positions[0]
+        if settings.deferred(cfg):  # one layer's heads sharing the budget as every layer's do
+            scores = entry_scores(obs, cfg)
+            (sizes,) = shared_sizes(cfg, [scores], 40)
+            positions = kept_entries(obs, cfg, sizes=sizes, scores=scores).positions[0]
+        else:
+            positions = kept_entries(obs, cfg).positions[0]
+        return [sorted(p for p in head.tolist() if p >= 0) for head in positions]
 
     whole = kept(slice(None), slice(None))
-    split = torch.cat([kept(slice(3 * r, 3 * r + 3), slice(r, r + 1)) for r in range(hkv)])
+    split = [head for r in range(hkv) for head in kept(slice(3 * r, 3 * r + 3), slice(r, r + 1))]
     if settings.mixes_heads(cfg):
-        assert not torch.equal(whole, split)
+        assert whole != split
     else:
-        assert torch.equal(whole, split)
+        assert whole == split
 
 
 @pytest.mark.parametrize("method", ["snapkv", "restkv", "h2o"])
@@ -282,3 +289,27 @@ def test_headkv_from_its_table_equals_configure(chunk, tmp_path):
     knobs = {"method": "headkv", **BUDGET, "head_importance": str(path)}
     kept = equals_configure(knobs, chunk)
     assert len({int(n) for layer in kept for n in (layer >= 0).sum(-1)}) > 1  # heads kept different counts
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["own-blocks", "prefix-caching"])
+@pytest.mark.parametrize("method", ["layer_defensivekv", "snapkv", "h2o"])
+def test_global_budget_equals_configure_and_holds_its_measured_count(method, caching):
+    """layer_budget='global': the worker selects once every layer has run, from all their scores, and
+    keeps configure()'s positions in every layer and head (keeping different counts) and
+    its tokens; the request then holds the count it measured (its largest layer's mean over the heads,
+    one block more), not the bound its eviction step was given."""
+    knobs = {**small(method), **BUDGET, "layer_budget": "global"}
+    ids = prompt(80)[0].tolist()
+    tokens, kept = reference(knobs, ids, 6)
+    eng = engine(knobs, chunk=13, caching=caching)
+    assert eng.generate(ids, 6) == tokens
+    for layer, (ours, theirs) in enumerate(zip(kept_of(eng), kept)):
+        assert torch.equal(ours, theirs), f"layer {layer}"
+    per_head = [int(n) for p in kept for n in (p >= 0).sum(-1)]
+    # H2O's sums rank the earliest entries first everywhere: every head keeps as many on this prompt
+    assert len(set(per_head)) > 1 or method == "h2o", "every layer and head kept the same count"
+    per_layer = [int((p >= 0).sum()) for p in kept]
+    hkv = kept[0].shape[0]
+    counted = max(-(-n // hkv) for n in per_layer) + eng.bs
+    assert counted < len(ids) + eng.bs
+    assert len(eng.blocks) == -(-(counted + 5) // eng.bs)  # 5 tokens written after the eviction

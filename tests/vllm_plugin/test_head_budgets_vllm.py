@@ -22,6 +22,7 @@ pytestmark = pytest.mark.vllm
 
 ADAKV = {"method": "adakv", "max_capacity_prompt": 128, "window_size": 32}
 PYRAMIDKV = {"method": "pyramidkv", "max_capacity_prompt": 128, "window_size": 32}
+LAYER_DEFENSIVEKV = {"method": "layer_defensivekv", "value_norm": "l2", "max_capacity_prompt": 128, "window_size": 32}
 
 
 def heads_kept(layer: list) -> list:
@@ -142,3 +143,29 @@ def test_headkv_keeps_and_decodes_as_restkv(model_dir, prompt, tmp_path):
     path.write_text(json.dumps(table))
     knobs = {"method": "headkv", "max_capacity_prompt": 128, "window_size": 32, "head_importance": str(path)}
     keeps_and_decodes_as_restkv(model_dir, prompt, knobs)
+
+
+@pytest.mark.parametrize(
+    "vllm",
+    [pytest.param({}, marks=pytest.mark.quick), {"max_num_batched_tokens": 2048}],
+    ids=["chunked-prefill", "whole-prefill"],
+)
+def test_a_budget_shared_across_layers_keeps_decodes_and_frees_as_measured(model_dir, prompt, vllm):
+    """Layer-DefensiveKV (``layer_budget="global"``, l2 value norms): one top-k over every layer's and
+    head's scores once the step's layers have run, so its layers keep different counts. Its kept
+    positions per layer and head and its tokens are the transformers path's; the step that evicts
+    holds the prompt's blocks and the bound's fresh ones (every layer keeping all it held, and a
+    block); after it, the request holds the count the worker measured and sent with the step's output
+    (its largest layer's mean over the heads, and a block), and every block is back at the end."""
+    keeps_and_decodes_as_restkv(model_dir, prompt, LAYER_DEFENSIVEKV, **vllm)
+    ref = reference(prompt, LAYER_DEFENSIVEKV)
+    per_layer = [sum(len(h) for h in heads_kept(layer)) for layer in ref["kept"]]
+    assert len(set(per_layer)) > 1, "every layer kept the same count"
+    measured = max(-(-n // 3) for n in per_layer) + BLOCK
+    run = engine_run(model_dir, [prompt], LAYER_DEFENSIVEKV, **vllm)
+    start = run["free_at_start"]
+    evicting = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
+    scheduled, after = run["steps"][evicting]
+    assert start - scheduled == blocks(PROMPT_LEN) + blocks(PROMPT_LEN + BLOCK)
+    assert start - after == blocks(measured) < blocks(PROMPT_LEN)
+    assert run["steps"][-1][1] == start

@@ -112,6 +112,7 @@ TARGETS = {
             "_update_states": (runner_v1.update_states, _STEP),
             "_prepare_inputs": (runner_v1.prepare_inputs, (*_STEP, "num_scheduled_tokens")),
             "execute_model": (runner.execute_model, _STEP),
+            "sample_tokens": runner.sample_tokens,
         }
     },
     "vllm.v1.worker.cpu_model_runner": {"CPUModelRunner": {"load_model": runner.load_model}},
@@ -191,6 +192,7 @@ READS = {
     "vllm.v1.core.sched.output.NewRequestData": ("req_id", "block_ids"),
     "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "new_block_ids", "resumed_req_ids"),
     "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "requests"),
+    "vllm.v1.outputs.ModelRunnerOutput": ("sampled_token_ids",),
     "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "enable_caching", "truncate_computed_blocks"),
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": (

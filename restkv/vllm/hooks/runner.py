@@ -7,11 +7,14 @@
   (V1 ``InputBatch.__init__``, V2 ``BlockTables.__init__``);
 - ``load_model``: each layer's o_proj, read on its own device;
 - ``execute_model``: the step's ``Worker`` visible to the attention layers, its cuts kept for the
-  next step (V2: not for its dummy runs).
+  next step (V2: not for its dummy runs);
+- ``sample_tokens`` (and ``execute_model`` when it returns the output): the kept counts the worker
+  measured go to the scheduler with the step's output (``report``).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -116,9 +119,32 @@ def execute_model(orig):
             CURRENT[0] = None
         step = signature.bind(self, *args, **kwargs).arguments["scheduler_output"]
         worker.end(step.total_num_scheduled_tokens)
-        return out
+        return report(worker, out)
 
     return wrapped
+
+
+def sample_tokens(orig):
+    """After the original: the step's output carries the kept counts the worker measured."""
+
+    @functools.wraps(orig)
+    def wrapped(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        worker = getattr(self, "_restkv", None)
+        return out if worker is None else report(worker, out)
+
+    return wrapped
+
+
+def report(worker: Worker, out):
+    """``out``, a ``ModelRunnerOutput``, with ``restkv_kept``: the kept counts the worker measured
+    in the step (``settings.deferred``), which the scheduler frees by (``scheduler.update_from_output``);
+    a copy, as vLLM returns one shared output for an empty step. Any other output passes."""
+    if not worker.counted or not hasattr(out, "sampled_token_ids"):
+        return out
+    out = copy.copy(out)
+    out.restkv_kept = worker.report()
+    return out
 
 
 def _dummy(signature, runner, args, kwargs) -> bool:

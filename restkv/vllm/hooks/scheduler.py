@@ -8,7 +8,7 @@
   ``allocate_new_blocks`` then count the entries it holds, plus the fresh blocks of a first
   eviction under prefix caching; ``free`` / ``pop_blocks_for_free`` forget it.
 - ``Scheduler.update_from_output``: after the step, the blocks past the kept ones go back to the
-  pool (a block other requests share keeps its other references, a cached one its hash: it was not
+  pool (a ``settings.deferred`` count as the worker measured it, sent with the step's output) (a block other requests share keeps its other references, a cached one its hash: it was not
   written), and an evicted request's blocks are never cached; a preempted request that generated
   tokens and evicted, or holds more than the budget (its recomputation evicts), is named in one
   log line: computed again from its tokens, it evicts again at another point, so its tokens from
@@ -178,11 +178,14 @@ def update_from_output(orig):
             if r in self.requests
         }
         out = orig(self, scheduler_output, model_runner_output)
+        measured = getattr(model_runner_output, "restkv_kept", None) or {}
         for req_id in scheduler_output.num_scheduled_tokens:
             e = state.due.pop(req_id, None)
             request = self.requests.get(req_id)
             if e is None or request is None or request.is_finished():
                 continue
+            if e.measured:
+                e = e.kept(measured_count(measured, req_id))
             for manager in self.kv_cache_manager.coordinator.single_type_managers:
                 keep_evicted(manager, req_id, e, state.caching)
             state.offsets[req_id] = state.offsets.get(req_id, 0) + e.evicted
@@ -192,6 +195,16 @@ def update_from_output(orig):
         return out
 
     return wrapped
+
+
+def measured_count(measured: dict, req_id: str) -> int:
+    """The kept count the worker measured for ``req_id`` (``runner.report``); raises without one."""
+    if req_id not in measured:
+        raise RuntimeError(
+            f"restkv.vllm: request {req_id} evicted without its kept count from the worker; "
+            "stopping before its blocks are freed"
+        )
+    return measured[req_id]
 
 
 def log_preempted(state: Blocks, req_id: str, generated: int, tokens: int) -> None:
