@@ -112,6 +112,22 @@ class HeadPages:
             self.lengths[h] += count
         return np.stack(out)
 
+    def layout(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """The heads' entries as the scorer lays them out while decoding (``restkv.eviction.reselect.relayout``)
+        -> slots [Hkv, W] and held [Hkv, W] (W the longest head's entries): each head's older entries
+        first, its newest ``window`` in the last slots, a shorter head's gap between (slot of its first entry,
+        not held)."""
+        width = int(self.lengths.max())
+        slots = np.zeros((len(self.rows), width), dtype=np.int64)
+        held = np.zeros((len(self.rows), width), dtype=bool)
+        for h, n in enumerate(self.lengths.tolist()):
+            entries = self.slots(h, 0, n)
+            newest = min(n, window)
+            slots[h] = entries[0]
+            slots[h, : n - newest], held[h, : n - newest] = entries[: n - newest], True
+            slots[h, width - newest :], held[h, width - newest :] = entries[n - newest :], True
+        return slots, held
+
     def table(self, width: int) -> np.ndarray:
         """[Hkv, width] each head's pages, padded with 0 (a kernel reads only its length's)."""
         table = np.zeros((len(self.rows), width), dtype=np.int64)

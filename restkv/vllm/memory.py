@@ -190,7 +190,7 @@ def largest_layer(cfg: CompressionConfig, model: Model, held: int) -> int:
 def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
     """The peak of one request's eviction (or H2O chunk score) in one layer holding ``held``
     entries, term by term (bytes)."""
-    m, rows, budget = model, settings.query_rows(cfg), cfg.max_capacity_prompt
+    m, rows = model, settings.query_rows(cfg)
     kept = kept_width(cfg, m, held)
     scorer = cfg.scorer.scorer.rsplit(".", 1)[-1]
     attends, multiple, block_multiple = SCRATCH.get(scorer, UNLISTED)
@@ -233,6 +233,15 @@ def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
     }
 
 
+def decode_width(cfg: CompressionConfig, model: Model) -> int:
+    """Positions an eviction while decoding reads with per-head budgets: the heads' pages laid out on
+    the longest head's entries (its kept width and ``decode_interval`` more), every head padded to it."""
+    interval = cfg.get("decode_interval") or 0
+    if not (settings.per_head(cfg) and interval):
+        return 0
+    return kept_width(cfg, model, settings.UNBOUNDED) + interval
+
+
 def fixed_bytes(
     cfg: CompressionConfig, model: Model, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0
 ) -> dict:
@@ -243,7 +252,7 @@ def fixed_bytes(
         "step's staged indices": 8 * (tokens + 2 * min(tokens, rows * max_num_seqs) + max_num_seqs),
         "query ring": m.layers * max_num_seqs * rows * m.heads * m.head_dim * m.dtype_bytes,
         "W_O factors": m.layers * m.heads * m.head_dim**2 * 4 if reads_factor(cfg) else 0,
-        "one eviction": sum(eviction_bytes(cfg, m, max_model_len).values()),
+        "one eviction": sum(eviction_bytes(cfg, m, max(max_model_len, decode_width(cfg, m))).values()),
         # per-head or per-layer budgets: the step's queries, keys, values and output flattened by head
         "flattened attention": 4 * tokens * m.heads * m.head_dim * m.dtype_bytes if settings.per_head(cfg) else 0,
     }

@@ -14,6 +14,7 @@ import torch
 from ..cache import Kept
 from ..config import CompressionConfig
 from ..eviction.select import head_scores, select
+from ..strategies.budgets import fits
 from ..methods import h2o
 from ..scoring.observe import Observation, wo_factor
 from ..scoring.output_error import wo_gram
@@ -33,6 +34,7 @@ def observation(
     o_proj_weight=None,
     factor=None,
     window: int | None = None,
+    head_valid: torch.Tensor | None = None,
 ) -> Observation:
     """What the scorer sees of one request in one layer.
 
@@ -49,6 +51,9 @@ def observation(
         them; the factor defaults to one computed from the weight.
     window
         The observation window (default ``cfg.window_size``; 0 scores every entry held).
+    head_valid : Tensor, optional
+        [1, Hkv, H] which slots each head holds, where heads hold different entries (each head's older
+        entries first, its newest ``window`` in the last slots: ``restkv.eviction.reselect.relayout``).
     """
     n = keys.shape[0]
     hq, d = queries.shape[1], queries.shape[2]
@@ -57,7 +62,8 @@ def observation(
         queries=queries.transpose(0, 1)[None],
         keys=keys.transpose(0, 1)[None],
         values=values.transpose(0, 1)[None],
-        key_valid=torch.ones(1, n, dtype=torch.bool, device=keys.device),
+        key_valid=torch.ones(1, n, dtype=torch.bool, device=keys.device) if head_valid is None else head_valid.any(1),
+        head_valid=head_valid,
         window=cfg.window_size if window is None else window,
         budget=budget,
         scaling=scale,
@@ -87,6 +93,9 @@ def kept_entries(
     (indices among the entries held). ``summed``: as ``entry_scores``; ``table`` [Hkv]: HeadKV's counts
     for the layer (``settings.head_table``); ``sizes`` [1, Hkv] each head's prefix entries and
     ``scores`` its ``entry_scores``, under a budget shared across layers."""
+    if obs.head_valid is not None and fits(cfg, obs.keys.shape[2], obs.budget):  # every head keeps all it holds
+        valid = obs.head_valid
+        return Kept(obs.keys, obs.values, obs.positions[:, None].masked_fill(~valid, -1), valid, per_head=True)
     if scores is None and summed is not None:
         scores = entry_scores(obs, cfg, summed)
     with float32_scoring(obs.keys.device.type):

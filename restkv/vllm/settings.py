@@ -153,6 +153,12 @@ def deferred(cfg: CompressionConfig) -> bool:
     return cfg.get("layer_budget") in DEFERRED
 
 
+def budget_knobs(cfg: CompressionConfig) -> str:
+    """Its per-layer and per-head budget knobs other than uniform, as ``knob='value'`` (for errors)."""
+    knobs = ("layer_budget", "head_budget")
+    return ", ".join(f"{k}={cfg[k]!r}" for k in knobs if cfg.get(k, "uniform") != "uniform")
+
+
 def per_head_refusals(cfg: CompressionConfig) -> list[str]:
     """Why per-head or per-layer budgets cannot run with these knobs (one line each)."""
     if not per_head(cfg):
@@ -163,11 +169,9 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
             "head_budget='headkv' needs head_importance=FILE in vLLM (a HeadKV table; `python -m "
             "restkv.bench.head_scores --model_path MODEL` writes the one configure() computes)"
         )
-    if cfg.get("decode_interval") or cfg.get("decode_compression_ratio") is not None:
-        knob = "layer_budget" if cfg.get("layer_budget") != "uniform" else "head_budget"
+    if cfg.get("decode_compression_ratio") is not None:
         lines.append(
-            f"{knob}={cfg[knob]!r} evicts at the prompt's end only in vLLM: "
-            "decode_interval=0 and no decode_compression_ratio"
+            f"{budget_knobs(cfg)} keeps its budget while decoding in vLLM: no decode_compression_ratio"
         )
     return lines
 
@@ -193,12 +197,13 @@ def head_table(cfg: CompressionConfig):
     return _TABLES[cfg][1]
 
 
-def layer_budget(cfg: CompressionConfig, budget: int, held: int, layer: int, layers: int) -> int:
-    """Entries each KV head of attention layer ``layer`` (of ``layers``) keeps in an eviction of
-    ``held`` entries at ``budget`` (as ``restkv.configure`` shares it among the layers)."""
+def layer_budget(cfg: CompressionConfig, budget: int, prompt_len: int, layer: int, layers: int) -> int:
+    """Entries each KV head of attention layer ``layer`` (of ``layers``) keeps at ``budget`` in every
+    eviction of a request of ``prompt_len`` prompt tokens (as ``restkv.configure`` shares it among the
+    layers at the prompt's end, and keeps it while decoding)."""
     if cfg.get("layer_budget") not in PER_LAYER:
         return budget
-    return layer_budgets(cfg, layers, held, budget)[layer]
+    return layer_budgets(cfg, layers, prompt_len, budget)[layer]
 
 
 def largest(cfg: CompressionConfig, budget: int) -> int:

@@ -13,7 +13,10 @@ block-table edits for the next step.
 Per-head and per-layer budgets (``settings.per_head``): an eviction places each head's kept entries on
 single-head pages of its own (``restkv.vllm.heads``); from the next step on, the request's tokens are
 written to its heads' pages and attended through the layer's backend over the flattened batch
-(``attend_heads``), vLLM's own write masked and its output for them replaced.
+(``attend_heads``), vLLM's own write masked and its output for them replaced; an eviction while decoding
+reads them back laid out as ``restkv.configure`` lays out heads of different lengths (``HeadPages.layout``).
+A budget shared across layers (``settings.deferred``): each layer leaves its scores, and ``end`` selects
+once every layer has run, its kept count sent to the scheduler with the step's output (``report``).
 
 Memory (``restkv.vllm.memory`` counts it, term by term): per layer, the ring's ``query_rows`` queries
 [rows, Hq, d] for every request slot, allocated on the layer's first step; during an eviction the
@@ -317,7 +320,7 @@ class Worker:
         rows.index_copy_(0, tokens, unflatten(out, heads).reshape(len(tokens), -1).to(rows.dtype))
 
     def _observe(
-        self, name, s: Scheduled, queries, keys, values, budget, scale, softcap, window=None
+        self, name, s: Scheduled, queries, keys, values, budget, scale, softcap, window=None, head_valid=None
     ):
         return observation(
             self.cfg,
@@ -332,6 +335,7 @@ class Worker:
             self.o_proj.get(name),
             (lambda: self._factor(name, queries.shape[1])) if name in self.o_proj else None,
             window,
+            head_valid,
         )
 
     def _factor(self, name: str, heads: int) -> torch.Tensor:
@@ -351,13 +355,23 @@ class Worker:
         s.state.sums[name] = part
 
     def _observed(self, name, s: Scheduled, paged, scale, softcap):
-        """The request's observation in layer ``name`` at its eviction: the entries it holds, read back,
+        """The request's observation in layer ``name`` at its eviction: the entries it holds, read back
+        (from its heads' pages, laid out as ``HeadPages.layout``, once it evicted with per-head budgets),
         and its most recent queries from the ring."""
         e = s.eviction
-        keys, values = paged.read(s.held_slots)
+        if name in s.state.pages:
+            slots, held = s.state.pages[name].layout(self.cfg.window_size)
+            slots, held = self._stage([slots.reshape(-1), held.reshape(-1).astype(np.int64)], paged.cache.device)
+            heads, width = s.state.pages[name].lengths.shape[0], len(slots) // s.state.pages[name].lengths.shape[0]
+            keys, values = (x.view(heads, width, -1).transpose(0, 1) for x in paged.read_pages(slots))
+            head_valid = held.view(1, heads, width).bool()
+        else:
+            keys, values = paged.read(s.held_slots)
+            head_valid = None
         queries = self.ring.read(name, s.state.slot, s.end, min(self.ring.rows, s.end))
-        budget = settings.layer_budget(self.cfg, e.budget, e.held, self.rank.get(name, 0), max(len(self.rank), 1))
-        return self._observe(name, s, queries, keys, values, budget, scale, softcap)
+        rank, layers = self.rank.get(name, 0), max(len(self.rank), 1)
+        budget = settings.layer_budget(self.cfg, e.budget, s.prompt_len, rank, layers)  # as at the prompt's end
+        return self._observe(name, s, queries, keys, values, budget, scale, softcap, head_valid=head_valid)
 
     def _evict(self, name, s: Scheduled, paged, scale, softcap) -> None:
         obs = self._observed(name, s, paged, scale, softcap)

@@ -82,6 +82,29 @@ def test_eviction_while_decoding_equals_configure(method, length):
     assert engine(knobs).generate(ids, 60) == tokens
 
 
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"method": "adakv"},
+        {"method": "defensivekv"},
+        {"method": "snapkv", "head_budget": "threshold", "threshold": 0.02},
+        {"method": "pyramidkv"},
+        {"method": "pyramidkv", "head_budget": "adakv"},
+        {"method": "restkv", "head_budget": "adakv"},
+    ],
+    ids=["adakv", "defensivekv", "snapkv-threshold", "pyramidkv", "pyramidkv-adakv", "restkv-adakv"],
+)
+@pytest.mark.parametrize("chunk", [None, 13], ids=["whole", "chunks-of-13"])
+def test_per_head_eviction_while_decoding_equals_configure(knobs, chunk):
+    """Per-head and per-layer budgets with decode_interval=10: each eviction reads the heads' pages laid
+    out as configure() lays out its heads (older entries, a gap, the newest window), and 60 tokens are
+    configure()'s."""
+    knobs = {**small(knobs["method"]), **knobs, **BUDGET, "decode_interval": 10}
+    ids = prompt(80)[0].tolist()
+    tokens, _ = reference(knobs, ids, 60)
+    assert engine(knobs, chunk=chunk).generate(ids, 60) == tokens
+
+
 def test_decode_compression_ratio_equals_configure():
     knobs = {"method": "snapkv", **BUDGET, "decode_interval": 8, "decode_compression_ratio": 0.5}
     ids = prompt(60)[0].tolist()

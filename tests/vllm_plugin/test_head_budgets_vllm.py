@@ -18,6 +18,8 @@ pytest.importorskip("vllm")
 
 from harness import BLOCK, PROMPT_LEN, TP3_ENV, blocks, engine_run, reference
 
+from restkv.vllm import settings
+
 pytestmark = pytest.mark.vllm
 
 ADAKV = {"method": "adakv", "max_capacity_prompt": 128, "window_size": 32}
@@ -72,9 +74,11 @@ def test_other_per_head_budgets_keep_and_decode_as_restkv(model_dir, prompt, kno
 
 def test_per_layer_budgets_under_tensor_parallelism(model_dir, prompt):
     """PyramidKV's layers keep their own counts; its heads do not share them, so three ranks of one
-    KV head each keep the transformers path's positions and give its tokens."""
-    ref = reference(prompt, PYRAMIDKV, 64)
-    run = engine_run(model_dir, [prompt], PYRAMIDKV, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
+    KV head each keep the transformers path's positions and give its tokens, evicting again every 32
+    tokens."""
+    knobs = {**PYRAMIDKV, "decode_interval": 32}
+    ref = reference(prompt, knobs, 64)
+    run = engine_run(model_dir, [prompt], knobs, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
     ranks = run["kept"][0]
     assert len(ranks) == 3
     joined = [[h for rank in ranks for h in rank[layer]] for layer in range(30)]  # each rank's head
@@ -120,7 +124,6 @@ def test_refused_under_tensor_parallelism_before_the_engine_starts(model_dir, mo
     """AdaKV shares a layer's budget among all its KV heads; tensor parallelism gives each rank some."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from restkv.vllm import settings
     from restkv.vllm.hooks import install
     from restkv.vllm.hooks.refusals import refusals
 
@@ -169,3 +172,27 @@ def test_a_budget_shared_across_layers_keeps_decodes_and_frees_as_measured(model
     assert start - scheduled == blocks(PROMPT_LEN) + blocks(PROMPT_LEN + BLOCK)
     assert start - after == blocks(measured) < blocks(PROMPT_LEN)
     assert run["steps"][-1][1] == start
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [pytest.param(ADAKV, marks=pytest.mark.quick), PYRAMIDKV, {**PYRAMIDKV, "head_budget": "adakv"}],
+    ids=["adakv", "pyramidkv", "pyramidkv-adakv"],
+)
+def test_per_head_budgets_evict_while_decoding_as_restkv(model_dir, prompt, knobs):
+    """decode_interval=32 over 200 tokens: every check reads the heads' pages laid out as configure()
+    lays out its heads (older entries, a gap, the newest window), selects again and places the heads on
+    the blocks the scheduler keeps; the tokens are the transformers path's, the request never holds
+    more than its counted entries plus the interval (plus the prompt's blocks during its first
+    eviction), and every block is back at the end."""
+    knobs = {**knobs, "decode_interval": 32}
+    ref = reference(prompt, knobs, 200)
+    run = engine_run(model_dir, [prompt], knobs, new_tokens=200)
+    assert run["tokens"][0] == ref["tokens"]
+    cfg = settings.from_env({"restkv": knobs})
+    counted = settings.room(cfg, knobs["max_capacity_prompt"], BLOCK)
+    assert run["held"][0] <= blocks(PROMPT_LEN) + blocks(counted)
+    evicting = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
+    held_after = [run["free_at_start"] - after for _, after in run["steps"][evicting:-1]]
+    assert held_after[0] == blocks(counted) and max(held_after) <= blocks(counted + 32)
+    assert run["steps"][-1][1] == run["free_at_start"]

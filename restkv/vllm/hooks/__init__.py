@@ -337,10 +337,10 @@ def covered(model_runner) -> None:
         if settings.per_head(worker.cfg):
             if backend not in attention.HEAD_PAGES or parts[1] is not None:
                 raise RuntimeError(
-                    f"restkv.vllm: head_budget={worker.cfg['head_budget']!r} runs on the "
+                    f"restkv.vllm: {settings.budget_knobs(worker.cfg)} runs on the "
                     f"{', '.join(attention.HEAD_PAGES)} backend's head-major blocks with the V1 model runner; "
                     f"layer {layer_name} runs {backend} in {type(model_runner).__qualname__}: use "
-                    "head_budget='uniform' here"
+                    "uniform budgets here"
                 )
             worker.attends[layer_name] = attention.single_head(
                 layer, model_runner.vllm_config, worker.block_size, model_runner.device
