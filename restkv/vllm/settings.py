@@ -153,6 +153,13 @@ def deferred(cfg: CompressionConfig) -> bool:
     return cfg.get("layer_budget") in DEFERRED
 
 
+def uncached(cfg: CompressionConfig, prompt_len: int) -> bool:
+    """A request whose blocks are its own: it neither takes nor gives prefix-cache hits, so its
+    eviction writes over its blocks (``deferred`` with a prompt over the budget: its evicting step may
+    keep all it holds, and fresh blocks for that would hold the prompt twice)."""
+    return deferred(cfg) and prompt_len > cfg.max_capacity_prompt
+
+
 def budget_knobs(cfg: CompressionConfig) -> str:
     """Its per-layer and per-head budget knobs other than uniform, as ``knob='value'`` (for errors)."""
     knobs = ("layer_budget", "head_budget")
@@ -370,7 +377,8 @@ def eviction(
         return None
     counted = room(cfg, budget, block_size)
     counted = counted and min(counted, held + block_size)  # no layer keeps more than it holds
-    return Eviction(held, budget, caching and offset == 0, block_size, counted, deferred(cfg))
+    fresh = caching and offset == 0 and not deferred(cfg)  # ``uncached``: its blocks are its own
+    return Eviction(held, budget, fresh, block_size, counted, deferred(cfg))
 
 
 def _checks_between(computed: int, end: int, prompt_len: int, interval: int) -> bool:
@@ -393,8 +401,9 @@ def budget_at(cfg: CompressionConfig, seen: int, at_prefill: bool) -> int:
 def hit_limit(cfg: CompressionConfig, num_tokens: int) -> int:
     """The most tokens of a request that a prefix-cache hit may provide: an eviction reads the
     queries of its last ``query_rows`` positions (and a ``SUMMED`` method's prefill every query),
-    which only a computed token has. ``num_tokens``: what the request's prefill computes up to."""
-    if summed(cfg) and num_tokens > cfg.max_capacity_prompt:
+    which only a computed token has; an ``uncached`` request takes none. ``num_tokens``: what the
+    request's prefill computes up to."""
+    if (summed(cfg) and num_tokens > cfg.max_capacity_prompt) or uncached(cfg, num_tokens):
         return 0
     return max(0, num_tokens - query_rows(cfg))
 

@@ -27,6 +27,7 @@ entries the request holds, read back once (one copy of its K+V) plus the selecti
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,6 +145,8 @@ class Worker:
         # softcap)), and each request's kept count measured at its eviction, for the scheduler (``report``)
         self.later: dict = {}
         self.counted: dict = {}
+        self.seconds = 0.0  # host time in evictions and chunk scores since the last report
+        self.evicts = False  # the step has evictions or chunk scores
 
     # ---- the model's layers ----
 
@@ -240,6 +243,7 @@ class Worker:
                 s.held_slots = next(rest)
                 s.kept_slots = next(rest) if s.eviction is not None else None
         self._flatten(device)
+        self.evicts = self.evicting()
 
     def _flatten(self, device) -> None:
         """The step's requests whose heads hold their own pages: their new blocks' pages, room for
@@ -294,6 +298,9 @@ class Worker:
         if self.flat_tokens is not None:
             self.attend_heads(name, query, key, value, output, paged)
         self.ring.write(name, query, self.ring_tokens, self.ring_index)
+        if not self.evicts:
+            return
+        start = time.perf_counter()
         for s in self.step:
             if s.sums:
                 self._add_chunk(name, s, query, paged, scale, softcap)
@@ -303,6 +310,7 @@ class Worker:
                 self._score(name, s, paged, scale, softcap)
             else:
                 self._evict(name, s, paged, scale, softcap)
+        self.seconds += time.perf_counter() - start
 
     def attend_heads(self, name, query, key, value, output, paged) -> None:
         """The requests whose heads hold their own pages: their step's keys and values to their heads'
@@ -361,8 +369,8 @@ class Worker:
         e = s.eviction
         if name in s.state.pages:
             slots, held = s.state.pages[name].layout(self.cfg.window_size)
+            heads, width = held.shape
             slots, held = self._stage([slots.reshape(-1), held.reshape(-1).astype(np.int64)], paged.cache.device)
-            heads, width = s.state.pages[name].lengths.shape[0], len(slots) // s.state.pages[name].lengths.shape[0]
             keys, values = (x.view(heads, width, -1).transpose(0, 1) for x in paged.read_pages(slots))
             head_valid = held.view(1, heads, width).bool()
         else:
@@ -441,7 +449,9 @@ class Worker:
             )
         for s in self.step:
             if s.eviction is not None and s.eviction.measured:
+                start = time.perf_counter()
                 self._finish(s)
+                self.seconds += time.perf_counter() - start
                 self.counted[s.req_id] = s.eviction.counted
             if s.eviction is not None:
                 s.state.offset += s.eviction.evicted
@@ -454,7 +464,9 @@ class Worker:
         self.flat, self.flat_tokens = {}, None
         self.later = {}
 
-    def report(self) -> dict:
-        """The kept counts measured since the last report (request id -> entries), for the scheduler."""
-        counted, self.counted = self.counted, {}
-        return counted
+    def report(self) -> tuple[dict, float]:
+        """Since the last report: the kept counts measured (request id -> entries) and the host seconds
+        spent evicting, for the scheduler."""
+        counted, seconds = self.counted, self.seconds
+        self.counted, self.seconds = {}, 0.0
+        return counted, seconds

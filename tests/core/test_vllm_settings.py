@@ -128,14 +128,17 @@ def test_headkv_is_counted_from_its_table(tmp_path):
 @pytest.mark.parametrize("caching", [False, True])
 def test_a_global_budget_is_counted_at_its_bound_until_the_worker_measures_it(caching):
     """layer_budget='global': the scores decide each layer's count, so the step that evicts is given
-    the bound (every layer keeping all it holds, and a block: ``held + block_size``); the worker's
+    the bound (every layer keeping all it holds, and a block: ``held + block_size``), over its own
+    blocks, prefix caching or not (a request over the budget takes and gives no hits); the worker's
     measured count then sets what the request keeps, within 1 .. that bound; it shares the budget
     among every head, so tensor parallelism is refused."""
     cfg = settings.from_env({"restkv": {"method": "layer_defensivekv", "value_norm": "l2", "max_capacity_prompt": 64}})
     assert settings.per_head(cfg) and settings.deferred(cfg) and "every layer" in settings.mixes_heads(cfg)
     e = settings.eviction(cfg, 0, 300, 300, 0, caching, 16)
-    assert e.measured and e.counted == 316 and e.fresh == caching
-    assert e.slots == (19 + 20 if caching else 20) * 16  # held blocks, and the bound's when fresh
+    assert e.measured and e.counted == 316 and not e.fresh
+    assert e.slots == 20 * 16  # the bound's blocks, one more than the held ones
+    assert settings.uncached(cfg, 300) and settings.hit_limit(cfg, 300) == 0
+    assert not settings.uncached(cfg, 64) and settings.hit_limit(cfg, 64) == 32
     kept = e.kept(100)
     assert not kept.measured and kept.counted == 100 and kept.evicted == 200 and kept.kept_blocks == 7
     for bad in (0, 317):

@@ -157,8 +157,8 @@ def test_a_budget_shared_across_layers_keeps_decodes_and_frees_as_measured(model
     """Layer-DefensiveKV (``layer_budget="global"``, l2 value norms): one top-k over every layer's and
     head's scores once the step's layers have run, so its layers keep different counts. Its kept
     positions per layer and head and its tokens are the transformers path's; the step that evicts
-    holds the prompt's blocks and the bound's fresh ones (every layer keeping all it held, and a
-    block); after it, the request holds the count the worker measured and sent with the step's output
+    holds the bound's blocks (every layer keeping all it held, and a block), its own (never cached,
+    prefix caching on); after it, the request holds the count the worker measured and sent with the step's output
     (its largest layer's mean over the heads, and a block), and every block is back at the end."""
     keeps_and_decodes_as_restkv(model_dir, prompt, LAYER_DEFENSIVEKV, **vllm)
     ref = reference(prompt, LAYER_DEFENSIVEKV)
@@ -169,7 +169,7 @@ def test_a_budget_shared_across_layers_keeps_decodes_and_frees_as_measured(model
     start = run["free_at_start"]
     evicting = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
     scheduled, after = run["steps"][evicting]
-    assert start - scheduled == blocks(PROMPT_LEN) + blocks(PROMPT_LEN + BLOCK)
+    assert start - scheduled == blocks(PROMPT_LEN + BLOCK)
     assert start - after == blocks(measured) < blocks(PROMPT_LEN)
     assert run["steps"][-1][1] == start
 

@@ -88,10 +88,35 @@ def test_serve_answers_over_http_with_eviction(model_dir, prompt):
             "temperature": 0.0,
         }
         answer = _post(f"http://127.0.0.1:{port}/v1/completions", body)
+        metrics = _metrics(f"http://127.0.0.1:{port}/metrics", "restkv:evictions_total")
     finally:
         _stop(server)
     text = AutoTokenizer.from_pretrained(model_dir).decode(ref["tokens"])
     assert answer["choices"][0]["text"] == text
+    # the plugin's counters on vLLM's /metrics, beside vLLM's own: one eviction of 300 positions to 128
+    label = '{engine="0",method="snapkv"}'
+    assert metrics[f"restkv:evictions_total{label}"] == 1
+    assert metrics[f"restkv:evicted_tokens_total{label}"] == len(prompt) - SNAPKV["max_capacity_prompt"]
+    assert metrics[f"restkv:freed_blocks_total{label}"] >= 1
+    assert metrics[f"restkv:eviction_seconds_total{label}"] > 0
+    assert any(name.startswith("vllm:kv_cache_usage_perc") for name in metrics)
+
+
+def _metrics(url: str, wanted: str, seconds: int = 60) -> dict:
+    """The server's Prometheus series as {name with labels: value}, once ``wanted`` is among them (the
+    front end records each step's stats as they arrive)."""
+    deadline = time.time() + seconds
+    while True:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            lines = response.read().decode().splitlines()
+        series = {}
+        for line in lines:
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                series[name] = float(value)
+        if any(name.startswith(wanted) for name in series) or time.time() > deadline:
+            return series
+        time.sleep(1)
 
 
 @pytest.mark.quick

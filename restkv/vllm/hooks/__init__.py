@@ -90,6 +90,7 @@ TARGETS = {
                 (*_COUNTS, "total_computed_tokens", "num_local_computed_tokens"),
             ),
             "allocate_new_blocks": (scheduler.allocate_new_blocks, _COUNTS),
+            "cache_blocks": (scheduler.cache_blocks, ("request",)),
             "free": (scheduler.forget, ("request_id",)),
             "pop_blocks_for_free": (scheduler.forget, ("request_id",)),
         }

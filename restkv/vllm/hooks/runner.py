@@ -138,12 +138,13 @@ def sample_tokens(orig):
 
 def report(worker: Worker, out):
     """``out``, a ``ModelRunnerOutput``, with ``restkv_kept``: the kept counts the worker measured
-    in the step (``settings.deferred``), which the scheduler frees by (``scheduler.update_from_output``);
-    a copy, as vLLM returns one shared output for an empty step. Any other output passes."""
-    if not worker.counted or not hasattr(out, "sampled_token_ids"):
+    in the step (``settings.deferred``), which the scheduler frees by (``scheduler.update_from_output``),
+    and ``restkv_seconds``, its time evicting since the last report (``metrics``); a copy, as vLLM
+    returns one shared output for an empty step. Any other output passes."""
+    if not (worker.counted or worker.seconds) or not hasattr(out, "sampled_token_ids"):
         return out
     out = copy.copy(out)
-    out.restkv_kept = worker.report()
+    out.restkv_kept, out.restkv_seconds = worker.report()
     return out
 
 

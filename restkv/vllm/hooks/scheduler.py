@@ -6,10 +6,13 @@
 - ``KVCacheManager.allocate_slots``: whether the request evicts at the end of this step
   (``settings.eviction``); ``KVCacheCoordinator.get_num_blocks_to_allocate`` /
   ``allocate_new_blocks`` then count the entries it holds, plus the fresh blocks of a first
-  eviction under prefix caching; ``free`` / ``pop_blocks_for_free`` forget it.
+  eviction under prefix caching; ``cache_blocks`` leaves an ``settings.uncached`` request's blocks
+  uncached; ``free`` / ``pop_blocks_for_free`` forget it.
 - ``Scheduler.update_from_output``: after the step, the blocks past the kept ones go back to the
-  pool (a ``settings.deferred`` count as the worker measured it, sent with the step's output) (a block other requests share keeps its other references, a cached one its hash: it was not
-  written), and an evicted request's blocks are never cached; a preempted request that generated
+  pool (a block other requests share keeps its other references, a cached one its hash: it was not
+  written; a ``settings.deferred`` count as the worker measured it, sent with the step's output), and
+  an evicted request's blocks are never cached; the plugin's counts go into the stats sent to the
+  front end (``send``, ``metrics``); a preempted request that generated
   tokens and evicted, or holds more than the budget (its recomputation evicts), is named in one
   log line: computed again from its tokens, it evicts again at another point, so its tokens from
   there on can differ from a run without preemption (one preempted before is computed again as
@@ -27,6 +30,8 @@ from .. import settings
 from .refusals import check_config
 
 NEVER_CACHED = 1 << 62  # an evicted request's count of cached blocks: none of its blocks is hashed again
+STATS_KEY = "restkv"  # the plugin's entry in the stats sent to the front end (``metrics``)
+COUNTS = ("evictions", "evicted_tokens", "freed_blocks", "eviction_seconds")
 logger = logging.getLogger("vllm.restkv")  # under vLLM's logger: its handler and level
 
 
@@ -40,6 +45,7 @@ class Blocks:
     offsets: dict = field(default_factory=dict)  # request id -> logical - held entries
     due: dict = field(default_factory=dict)  # request id -> settings.Eviction, this step's
     freed: dict = field(default_factory=dict)  # request id -> its offset when freed, this step
+    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))  # since the last stats sent
 
     def held(self, request_id: str, tokens: int) -> int:
         return tokens - self.offsets.get(request_id, 0)
@@ -151,6 +157,20 @@ get_num_blocks_to_allocate = counted(
 allocate_new_blocks = counted(held=(), slots=("num_tokens", "num_tokens_main_model"))
 
 
+def cache_blocks(orig):
+    """``KVCacheCoordinator.cache_blocks``: an ``settings.uncached`` request's blocks are never cached
+    (its eviction writes over them)."""
+
+    @functools.wraps(orig)
+    def wrapped(self, request, *args, **kwargs):
+        s = getattr(self, "_restkv", None)
+        if s is not None and settings.uncached(s.cfg, request.num_prompt_tokens):
+            return None
+        return orig(self, request, *args, **kwargs)
+
+    return wrapped
+
+
 def forget(orig):
     @functools.wraps(orig)
     def wrapped(self, request_id, *args, **kwargs):
@@ -179,6 +199,8 @@ def update_from_output(orig):
         }
         out = orig(self, scheduler_output, model_runner_output)
         measured = getattr(model_runner_output, "restkv_kept", None) or {}
+        tally = state.counts
+        tally["eviction_seconds"] += getattr(model_runner_output, "restkv_seconds", 0.0)
         for req_id in scheduler_output.num_scheduled_tokens:
             e = state.due.pop(req_id, None)
             request = self.requests.get(req_id)
@@ -187,14 +209,30 @@ def update_from_output(orig):
             if e.measured:
                 e = e.kept(measured_count(measured, req_id))
             for manager in self.kv_cache_manager.coordinator.single_type_managers:
-                keep_evicted(manager, req_id, e, state.caching)
+                tally["freed_blocks"] += keep_evicted(manager, req_id, e, state.caching)
             state.offsets[req_id] = state.offsets.get(req_id, 0) + e.evicted
+            tally["evictions"] += 1
+            tally["evicted_tokens"] += e.held - e.budget
         for req_id, (generated, tokens) in counts.items():
             log_preempted(state, req_id, generated, tokens)
         state.freed.clear()
+        send(state, out)
         return out
 
     return wrapped
+
+
+def send(state: Blocks, outputs: dict) -> None:
+    """The counts since the last stats into the stats this step sends the front end, if it sends any
+    (``kv_connector_stats["restkv"]``, taken out again by ``metrics.StatLogger``)."""
+    if not any(state.counts.values()):
+        return
+    for eco in outputs.values():
+        stats = getattr(eco, "scheduler_stats", None)
+        if stats is not None:
+            stats.kv_connector_stats = {**(stats.kv_connector_stats or {}), STATS_KEY: state.counts}
+            state.counts = dict.fromkeys(COUNTS, 0)
+            return
 
 
 def measured_count(measured: dict, req_id: str) -> int:
@@ -224,12 +262,13 @@ def log_preempted(state: Blocks, req_id: str, generated: int, tokens: int) -> No
         )
 
 
-def keep_evicted(manager, req_id: str, e: settings.Eviction, caching: bool) -> None:
-    """Keep the request's kept blocks; the others go back to the pool, tail first."""
+def keep_evicted(manager, req_id: str, e: settings.Eviction, caching: bool) -> int:
+    """Keep the request's kept blocks; the others go back to the pool, tail first -> their count."""
     blocks = manager.req_to_blocks.get(req_id)
     if not blocks:
-        return
+        return 0
     gone = e.cut(blocks)
     if caching:
         manager.num_cached_block[req_id] = NEVER_CACHED
     manager.block_pool.free_blocks(reversed(gone))
+    return len(gone)

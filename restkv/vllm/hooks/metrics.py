@@ -1,0 +1,96 @@
+"""The plugin's figures in vLLM's own metrics: a stat-logger plugin (``vllm.stat_logger_plugins``).
+
+The scheduler counts, per engine, each request's evictions, the positions they drop and the blocks they
+give back, and adds the worker's eviction seconds sent with each step's output
+(``scheduler.update_from_output``); it puts the counts since its last stats into the stats it sends the
+front end, under ``kv_connector_stats["restkv"]`` (``COUNTS``), the one free-form field vLLM carries
+from the engine to the front end. This logger, which vLLM calls before its own, takes them out again
+(so vLLM's loggers see that field as they would without the plugin) and adds them to Prometheus counters
+on the server's ``/metrics``, beside vLLM's, labelled by method and engine:
+
+- ``restkv:evictions_total``: evictions run (a request's eviction at the prompt's end, then at each
+  ``decode_interval`` check that found it over its budget);
+- ``restkv:evicted_tokens_total``: positions evicted, per KV head and layer (held minus kept at each
+  eviction; per-head budgets: on average over the heads);
+- ``restkv:freed_blocks_total``: blocks the evictions gave back to the pool;
+- ``restkv:eviction_seconds_total``: the worker's time in the evictions (host time: on a GPU, the
+  launches).
+
+It also writes one line per logging interval (``--disable-log-stats`` off) when the counts moved.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from .. import settings
+from .scheduler import COUNTS, STATS_KEY as KEY
+
+logger = logging.getLogger("vllm.restkv")
+HELP = {
+    "evictions": "evictions run",
+    "evicted_tokens": "positions evicted, per KV head and layer",
+    "freed_blocks": "KV blocks the evictions gave back to the pool",
+    "eviction_seconds": "seconds the worker spent evicting (host time)",
+}
+_COUNTERS: dict = {}  # name -> prometheus Counter, one per process (vLLM may build several loggers)
+
+
+def counters() -> dict:
+    from prometheus_client import Counter
+
+    if not _COUNTERS:
+        for name in COUNTS:
+            _COUNTERS[name] = Counter(f"restkv:{name}", f"restkv: {HELP[name]}", labelnames=["method", "engine"])
+    return _COUNTERS
+
+
+def take(scheduler_stats) -> dict | None:
+    """The plugin's counts in ``scheduler_stats`` (removed from it: a ``kv_connector_stats`` left empty
+    becomes None again), or None."""
+    extra = getattr(scheduler_stats, "kv_connector_stats", None)
+    if not extra or KEY not in extra:
+        return None
+    counts = extra.pop(KEY)
+    if not extra:
+        scheduler_stats.kv_connector_stats = None
+    return counts
+
+
+class StatLogger(StatLoggerBase):
+    """vLLM's stat-logger interface for the plugin's counts (off: it records nothing)."""
+
+    def __init__(self, vllm_config, engine_index: int = 0):
+        cfg = settings.from_env(vllm_config.additional_config)
+        self.method = None if cfg is None else cfg.method
+        self.engine = str(engine_index)
+        self.totals = dict.fromkeys(COUNTS, 0)
+        self.logged = dict(self.totals)
+        if self.method is not None:  # every series shown from the start, at zero
+            self.series = {n: c.labels(method=self.method, engine=self.engine) for n, c in counters().items()}
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        counts = take(scheduler_stats) if scheduler_stats is not None else None
+        if not counts or self.method is None:
+            return
+        for name, series in self.series.items():
+            value = counts.get(name, 0)
+            if value:
+                series.inc(value)
+                self.totals[name] += value
+
+    def log(self):
+        if self.totals == self.logged:
+            return
+        t = self.totals
+        logger.info(
+            "restkv (engine %s): %d evictions, %d positions evicted per head and layer, %d blocks given "
+            "back, %.2f s evicting",
+            self.engine, t["evictions"], t["evicted_tokens"], t["freed_blocks"], t["eviction_seconds"],
+        )  # fmt: skip
+        self.logged = dict(t)
+
+    def log_engine_initialized(self):
+        pass
