@@ -187,8 +187,11 @@ def _time_eviction(now) -> dict:
         setattr(owner, name, run)
 
     timed(paged.Paged, "read", "read back")
+    timed(paged.Paged, "read_pages", "read back")  # per-head budgets while decoding: the heads' pages
     timed(worker, "kept_entries", "select")
     timed(worker, "chunk_score", "select")
+    timed(worker, "entry_scores", "select")  # a budget shared across layers: each layer's scores,
+    timed(worker, "shared_sizes", "select")  # then the shares
     timed(paged.Paged, "write", "write")
     timed(worker.Worker, "_place", "write")  # per-head and per-layer budgets: the kept entries on their pages
     return timers

@@ -84,6 +84,22 @@ class Paged:
         return block.view(-1, *[1] * (within.dim() - 1)) * self.block_stride + within
 
 
+def head_pages(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache ``[blocks, Hkv, N, C]`` as single-head pages ``[blocks Hkv, 1, N, C]``, page
+    ``b * Hkv + h`` head h of block b (``restkv.vllm.heads``): a view of the same memory, which needs
+    each block's heads one after the other in it (head-major blocks: the CPU backend's, the GPU
+    backends' ``HND``); any other layout raises in one line (a copy would attend stale entries)."""
+    blocks, heads = kv_cache.shape[:2]
+    if heads > 1 and kv_cache.stride(0) != heads * kv_cache.stride(1):
+        raise ValueError(
+            f"restkv.vllm: a KV cache {tuple(kv_cache.shape)} with strides {kv_cache.stride()} is not head-major "
+            "within a block (HND): its heads cannot be seen as single-head pages"
+        )
+    page = kv_cache.stride(1) if heads > 1 else kv_cache.stride(0)
+    size, stride = (blocks * heads, 1, *kv_cache.shape[2:]), (page, page, *kv_cache.stride()[2:])
+    return kv_cache.as_strided(size, stride, kv_cache.storage_offset())
+
+
 def declared(
     kv_cache: torch.Tensor,
     backend: str,

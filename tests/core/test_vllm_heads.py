@@ -166,3 +166,29 @@ def test_flatten_round_trips():
     x = torch.randn(7, 6, 4)
     assert torch.equal(heads.unflatten(heads.flatten(x, 2), 2), x)
     assert torch.equal(heads.flatten(x, 2)[7 + 3], x[3, 3:6])  # head 1, token 3: query heads 3..5
+
+
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_head_pages_view_the_cache_the_backend_reads(kv_heads):
+    """``paged.head_pages``: a head-major cache [blocks, Hkv, N, 2 d] (contiguous, or a block-strided
+    view of a larger buffer) seen as single-head pages is a view of the same memory, page b Hkv + h
+    holding what ``Paged.read_pages`` reads there; a block whose heads interleave (NHD) is refused in
+    one line, never copied (a copy would be attended while the cache changes)."""
+    from restkv.vllm.paged import head_pages
+
+    block_size, d = 4, 5
+    base = torch.randn(7, kv_heads, block_size, 2 * d + 3, dtype=torch.float64)
+    for cache in (base[..., : 2 * d].contiguous(), base[..., : 2 * d]):
+        pages = head_pages(cache)
+        assert pages.data_ptr() == cache.data_ptr() and pages.shape == (7 * kv_heads, 1, block_size, 2 * d)
+        view = Paged(cache, cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2), block_size)
+        slots = torch.arange(7 * kv_heads * block_size)
+        keys, values = view.read_pages(slots)
+        assert torch.equal(pages[:, 0, :, :d].reshape(-1, d), keys)
+        assert torch.equal(pages[:, 0, :, d:].reshape(-1, d), values)
+        pages[kv_heads - 1, 0, 1, 0] = 42.0  # page Hkv - 1: block 0's last head
+        assert cache[0, kv_heads - 1, 1, 0] == 42.0
+    if kv_heads > 1:
+        interleaved = torch.zeros(7, block_size, kv_heads, 2 * d).transpose(1, 2)  # NHD in memory
+        with pytest.raises(ValueError, match="not head-major"):
+            head_pages(interleaved)

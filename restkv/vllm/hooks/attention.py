@@ -117,7 +117,7 @@ def single_head(layer, vllm_config, block_size: int, device):
         )  # fmt: skip
         common = CommonAttentionMetadata(**dict(zip(COMMON_FIELDS, values)))
         output = query.new_empty(query.shape)
-        pages = kv_cache.flatten(0, 1).unsqueeze(1)
+        pages = paged.head_pages(kv_cache)
         forward(flat, layer, query, query[:, :1], query[:, :1], pages, builder.build(0, common), output=output)
         return output
 
