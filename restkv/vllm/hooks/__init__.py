@@ -130,6 +130,7 @@ TARGETS = {
             "update_requests": (runner_v2.update_requests, _STEP),
             "prepare_attn": (runner_v2.prepare_attn, ("input_batch",)),
             "execute_model": (runner.execute_model, (*_STEP, "dummy_run")),
+            "sample_tokens": runner.sample_tokens,
         }
     },
     "vllm.v1.worker.gpu.model_states.default": {
