@@ -75,10 +75,11 @@ def engine(spec: dict):
     )
 
 
-def watch_blocks(scheduler, steps: list, held: dict, trace: dict | None = None) -> None:
+def watch_blocks(scheduler, steps: list, held: dict, trace: dict | None = None, batch: list | None = None) -> None:
     """Record the pool's free blocks around each ``update_from_output`` (after scheduling, after the
-    step), the most blocks each request held after scheduling and, in ``trace``, each request's
-    ``[tokens computed by the step's end, tokens scheduled, blocks held]`` per step."""
+    step), the most blocks each request held after scheduling, in ``trace`` each request's
+    ``[tokens computed by the step's end, tokens scheduled, blocks held]`` per step and in ``batch``
+    each step's count of requests."""
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
     update = scheduler.update_from_output
@@ -93,6 +94,8 @@ def watch_blocks(scheduler, steps: list, held: dict, trace: dict | None = None) 
                 trace.setdefault(req_id, []).append([end, scheduled, len(blocks)])
         out = update(*args, **kwargs)
         steps.append([before, pool.get_num_free_blocks()])
+        if batch is not None:
+            batch.append(len(args[0].num_scheduled_tokens))
         return out
 
     scheduler.update_from_output = recorded
@@ -123,10 +126,12 @@ def run_spec(spec: dict) -> dict:
     tensor-parallel rank, per layer, per KV head: the positions its first eviction kept; empty
     without eviction), ``held`` (the most blocks it held at once), ``cached`` (prompt tokens a
     prefix-cache hit gave it), ``trace`` (per step it ran in: [tokens computed by the step's end,
-    tokens scheduled, blocks held]) and with ``spec["logprobs"]`` = k its ``logprobs`` (per token,
+    tokens scheduled, blocks held]), ``batch`` (requests per step) and with ``spec["logprobs"]`` = k its ``logprobs`` (per token,
     {token id: logprob} of vLLM's top k and its own); ``steps`` (free blocks [after scheduling,
     after the step] per step), ``free_at_start``, ``block_size`` and ``caching`` (prefix caching
-    on)."""
+    on). ``spec["request_knobs"]``: per prompt its own restkv knobs (``SamplingParams.extra_args``;
+    None: the engine's); ``spec["refused_knobs"]``: knobs submitted first, whose refusal comes back
+    as ``refused`` (vLLM's message)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
@@ -136,20 +141,36 @@ def run_spec(spec: dict) -> dict:
     steps: list = []
     held: dict = {}
     trace: dict = {}
-    watch_blocks(core.scheduler, steps, held, trace)
+    batch: list = []
+    watch_blocks(core.scheduler, steps, held, trace, batch)
     free_at_start = core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    params = SamplingParams(
-        max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, logprobs=spec.get("logprobs")
-    )
+    own_knobs = spec.get("request_knobs") or []
+
+    def params(i: int | None):
+        knobs = own_knobs[i] if i is not None and i < len(own_knobs) else None
+        return SamplingParams(
+            max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, logprobs=spec.get("logprobs"),
+            extra_args=None if knobs is None else {"restkv": knobs},
+        )  # fmt: skip
+
+    refused = None
+    if "refused_knobs" in spec:
+        own_knobs = [spec["refused_knobs"]]
+        try:
+            llm.generate([{"prompt_token_ids": spec["prompts"][0]}], [params(0)], use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 (vLLM's validation error, reported)
+            refused = f"{type(e).__name__}: {e}"
+        own_knobs = spec.get("request_knobs") or []
     waves: list = [[]]
-    for p in spec["prompts"]:
+    for i, p in enumerate(spec["prompts"]):
         if isinstance(p, dict):
-            waves.append([p["ids"]])
+            waves.append([(i, p["ids"])])
         else:
-            waves[0].append(p)
+            waves[0].append((i, p))
     outs = []
     for wave in waves:
-        outs += llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
+        prompts = [{"prompt_token_ids": p} for _, p in wave]
+        outs += llm.generate(prompts, [params(i) for i, _ in wave], use_tqdm=False)
     ranks = llm.collective_rpc(kept_on_worker)
 
     def own(table: dict, request_id: str, default):
@@ -169,6 +190,8 @@ def run_spec(spec: dict) -> dict:
         "trace": [own(trace, o.request_id, []) for o in outs],
         "block_size": core.scheduler.cache_config.block_size,
         "caching": bool(core.scheduler.kv_cache_manager.enable_caching),
+        "refused": refused,
+        "batch": batch,
     }
     if spec.get("logprobs"):
         result["logprobs"] = [

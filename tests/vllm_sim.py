@@ -14,7 +14,7 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 from restkv.config import CompressionConfig
-from restkv.vllm import paged, settings
+from restkv.vllm import memory, paged, per_request, settings
 from restkv.vllm.worker import Worker
 
 _ENGINES: list = [None]  # the engine whose forward is running (read by the attention function)
@@ -77,7 +77,11 @@ class PagedEngine:
                 for c in self.caches
             ]
         self.free = list(range(num_blocks))
-        self.worker = Worker(self.cfg, slots=4, caching=caching, block_size=block_size)
+        model_sizes = memory.Model(
+            cfg.num_hidden_layers, cfg.num_attention_heads, hkv, d, cfg.hidden_size, model.dtype.itemsize
+        )
+        self.engine = per_request.Engine(self.cfg, model_sizes, 4, 4096, 4096, block_size)
+        self.worker = Worker(self.cfg, slots=4, caching=caching, block_size=block_size, engine=self.engine)
         self.recorded: dict = {}  # request id -> {layer name: its first kept positions [Hkv, B]}
         self.worker.observer = lambda req, layer, p: self.recorded.setdefault(req, {}).update({layer: p})
         layers = model.model.layers
@@ -92,19 +96,23 @@ class PagedEngine:
         scale = cfg.head_dim**-0.5
         self.worker.attends = {n: single_head_attention(c, scale) for n, c in zip(self.names, self.paged)}
 
-    def generate(self, ids: list[int], new_tokens: int, hit_blocks: list[int] = ()) -> list[int]:
+    def generate(self, ids: list[int], new_tokens: int, hit_blocks: list[int] = (), knobs=None) -> list[int]:
         """Greedy tokens after ``ids``; ``hit_blocks``: blocks holding the prompt's first tokens (a
-        prefix-cache hit, capped by ``settings.hit_limit``)."""
-        hit = min(len(hit_blocks) * self.bs, settings.hit_limit(self.cfg, len(ids))) // self.bs
+        prefix-cache hit, capped by ``settings.hit_limit``); ``knobs``: the request's own
+        (``restkv.vllm.per_request``; None: the engine's)."""
+        req = "r"
+        cfg = per_request.resolve(self.engine, knobs)
+        self.worker.admit(req, None if knobs is None else {per_request.KEY: knobs})
+        limit = len(ids) if cfg is None else settings.hit_limit(cfg, len(ids))
+        hit = min(len(hit_blocks) * self.bs, limit) // self.bs
         self.blocks = list(hit_blocks[:hit])
         computed, offset, seq, out = hit * self.bs, 0, list(ids), []
-        req = "r"
         while len(out) < new_tokens:
             prompt_left = len(ids) - computed
             n = prompt_left if prompt_left > 0 else 1
             if prompt_left > 0 and self.chunk:
                 n = min(n, self.chunk)
-            e = settings.eviction(self.cfg, computed, n, len(ids), offset, self.caching, self.bs)
+            e = None if cfg is None else settings.eviction(cfg, computed, n, len(ids), offset, self.caching, self.bs)
             slots = computed + n - offset if e is None else max(computed + n - offset, e.slots)
             while len(self.blocks) * self.bs < slots:
                 self.blocks.append(self.free.pop(0))
@@ -126,6 +134,7 @@ class PagedEngine:
                 out.append(token)
                 seq.append(token)
         self.worker.forget([req])
+        self.worker.finish([req])
         return out
 
     @torch.no_grad()

@@ -3,7 +3,8 @@
 
 Configure it with ``RESTKV_VLLM='{"method": "snapkv", "max_capacity_prompt": 128}'`` (the knobs of
 ``restkv.configure``) or per engine with ``additional_config={"restkv": {...}}`` (``vllm serve
---additional-config``), which takes precedence. Neither set: vLLM runs unchanged.
+--additional-config``), which takes precedence. Neither set: vLLM runs unchanged. A request may carry its own
+knobs over the engine's (``SamplingParams(extra_args={"restkv": {...}})``, ``per_request``).
 
 What happens (``restkv.vllm.settings``): once a request's prompt has been computed, and then every
 ``decode_interval`` generated tokens, each layer and KV head of a request holding more than its
@@ -17,7 +18,8 @@ still shared and cached; an evicted request's blocks are never cached; a hit sto
 queries an eviction reads), tensor parallelism (each rank evicts its own KV heads, ReST-KV's W_O
 its own columns), preemption (a resumed request is computed again and evicts again).
 
-Layout: ``settings`` (the config, the rules both sides apply), ``scoring`` (one request's selection
+Layout: ``settings`` (the config, the rules both sides apply), ``per_request`` (a request's own knobs
+over the engine's), ``scoring`` (one request's selection
 in one layer: restkv's ``Observation`` and ``select``), ``paged`` (a layer's paged cache by slot, in
 the backend's own layout), ``heads`` (per-head budgets on single-head pages), ``worker`` (a worker's
 steps), ``memory`` and ``capacity`` (the plugin's bytes, the requests that fit), ``startup`` (the line

@@ -106,33 +106,34 @@ def from_env(additional: dict | None = None) -> CompressionConfig | None:
     return cfg
 
 
-def check(cfg: CompressionConfig) -> None:
-    """Raise a one-line ValueError for a config the plugin cannot run in vLLM."""
+def check(cfg: CompressionConfig, source: str = ENV) -> None:
+    """Raise a one-line ValueError, naming ``source`` (where the knobs came from), for a config the
+    plugin cannot run in vLLM."""
     if not cfg.evicts:
         raise ValueError(
-            f"{ENV}: method {cfg.method} keeps every entry; unset {ENV} to run plain vLLM"
+            f"{source}: method {cfg.method} keeps every entry; unset {source} to run plain vLLM"
         )
     if cfg.scorer.replays:
         raise ValueError(
-            f"{ENV}: method {cfg.method} scores with forward passes of its own after the prefill; "
+            f"{source}: method {cfg.method} scores with forward passes of its own after the prefill; "
             "the vLLM plugin runs methods that read the prefill's queries and keys only"
         )
     if cfg.scorer.reads_hidden:
         raise ValueError(
-            f"{ENV}: method {cfg.method} scores the layers' hidden states, which vLLM's attention "
+            f"{source}: method {cfg.method} scores the layers' hidden states, which vLLM's attention "
             "backend does not see"
         )
     needs = _METHOD_NEEDS.get(cfg.scorer.scorer.rsplit(".", 1)[-1])
     if needs:
         raise ValueError(
-            f"{ENV}: method {cfg.method} needs {needs}, which vLLM's attention backend does not see"
+            f"{source}: method {cfg.method} needs {needs}, which vLLM's attention backend does not see"
         )
     for name, (runs, needed) in _KNOB_NEEDS.items():
         if name in cfg and not runs(cfg[name]):
-            raise ValueError(f"{ENV}: {name}={cfg[name]!r} cannot run in vLLM; it needs {needed}")
+            raise ValueError(f"{source}: {name}={cfg[name]!r} cannot run in vLLM; it needs {needed}")
     refused = per_head_refusals(cfg)
     if refused:
-        raise ValueError(f"{ENV}: {refused[0]}")
+        raise ValueError(f"{source}: {refused[0]}")
 
 
 def shares_heads(cfg: CompressionConfig) -> bool:

@@ -2,7 +2,9 @@
 tensors and block tables).
 
 Each engine step the model runner describes its batch (``Worker.begin``): per request its tokens in
-the step, the tokens computed before, its prompt length and its blocks. The rule of
+the step, the tokens computed before, its prompt length and its blocks; a new request's config comes
+with it (``admit``: its own knobs over the engine's, ``restkv.vllm.per_request``), and each request is
+scored, kept and counted by its own. The rule of
 ``restkv.vllm.settings.eviction`` says which requests evict at the end of the step. Then every
 attention layer, after its attention, calls ``Worker.layer``: the step's queries go to the query
 ring; a ``SUMMED`` method's prompt chunk adds its scores; each evicting request reads the entries it
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from ..scoring.observe import wo_factor
-from . import settings
+from . import per_request, settings
 from .memory import reads_factor
 from .heads import FlatBatch, HeadPages, flatten, unflatten
 from ..strategies.budgets import shared_sizes
@@ -48,6 +50,7 @@ class RequestState:
     """One request's state on a worker."""
 
     slot: int  # its row in the query ring
+    cfg: object  # the config it runs (``per_request``; None: it keeps all)
     offset: int = 0  # entries evicted so far (logical - held)
     sums: dict = field(default_factory=dict)  # layer name -> [Hq or Hkv, n] summed chunk scores
     pages: dict = field(default_factory=dict)  # layer name -> its heads' pages (per-head budgets, once evicted)
@@ -76,6 +79,10 @@ class Scheduled:
     @property
     def end(self) -> int:
         return self.computed + self.count
+
+    @property
+    def cfg(self):
+        return self.state.cfg
 
 
 class QueryRing:
@@ -107,11 +114,14 @@ class QueryRing:
 
 
 class Worker:
-    """One model runner's eviction state (``cfg`` the plugin's config, ``slots`` its most
-    requests at once, ``caching`` vLLM's prefix caching, ``block_size`` its blocks' tokens)."""
+    """One model runner's eviction state (``cfg`` the engine's config, ``slots`` its most
+    requests at once, ``caching`` vLLM's prefix caching, ``block_size`` its blocks' tokens,
+    ``engine`` what a request's own knobs resolve against: ``per_request``)."""
 
-    def __init__(self, cfg, slots: int, caching: bool, block_size: int):
+    def __init__(self, cfg, slots: int, caching: bool, block_size: int, engine=None):
         self.cfg = cfg
+        self.engine = engine
+        self.configs: dict = {}  # request id -> the config it runs (``admit``), until it finishes
         self.caching = caching
         self.block_size = block_size
         self.ring = QueryRing(settings.query_rows(cfg), slots)
@@ -145,7 +155,7 @@ class Worker:
         # softcap)), and each request's kept count measured at its eviction, for the scheduler (``report``)
         self.later: dict = {}
         self.counted: dict = {}
-        self.seconds = 0.0  # host time in evictions and chunk scores since the last report
+        self.seconds: dict = {}  # method -> host time in its evictions and chunk scores since the last report
         self.evicts = False  # the step has evictions or chunk scores
 
     # ---- the model's layers ----
@@ -165,6 +175,17 @@ class Worker:
         self.rank = {name: i for i, name in enumerate(names)}
 
     # ---- requests ----
+
+    def admit(self, req_id: str, extra_args) -> None:
+        """A new request: the config it runs, its own knobs in ``extra_args`` over the engine's
+        (``per_request.resolve``, as the front end and the scheduler resolve them)."""
+        knobs = per_request.knobs_of(extra_args)
+        self.configs[req_id] = self.cfg if knobs is None else per_request.resolve(self.engine, knobs)
+
+    def finish(self, req_ids) -> None:
+        """Finished or aborted requests: their configs go (a preempted one keeps its own)."""
+        for req_id in req_ids:
+            self.configs.pop(req_id, None)
 
     def forget(self, req_ids) -> None:
         """Finished, aborted, preempted or resumed requests: their state, blocks and ring slot go."""
@@ -206,14 +227,14 @@ class Worker:
             row = np.asarray(self.blocks[req_id], dtype=np.int64)
             state = self.requests.get(req_id)
             if state is None:
-                state = self.requests[req_id] = RequestState(self.free_slots.pop())
+                cfg = self.configs.get(req_id, self.cfg)
+                state = self.requests[req_id] = RequestState(self.free_slots.pop(), cfg)
                 self.ring.slots = max(self.ring.slots, state.slot + 1)
-            eviction = settings.eviction(
-                self.cfg, c, n, length, state.offset, self.caching, self.block_size
-            )
-            sums = (
-                settings.summed(self.cfg) and c < length and length > self.cfg.max_capacity_prompt
-            )
+            cfg = state.cfg
+            eviction = None
+            if cfg is not None:
+                eviction = settings.eviction(cfg, c, n, length, state.offset, self.caching, self.block_size)
+            sums = cfg is not None and settings.summed(cfg) and c < length and length > cfg.max_capacity_prompt
             s = Scheduled(req_id, state, start, n, c, length, row, eviction, sums)
             self.step.append(s)
             last = min(n, rows)
@@ -300,17 +321,22 @@ class Worker:
         self.ring.write(name, query, self.ring_tokens, self.ring_index)
         if not self.evicts:
             return
-        start = time.perf_counter()
         for s in self.step:
+            if not (s.sums or s.eviction is not None):
+                continue
+            start = time.perf_counter()
             if s.sums:
                 self._add_chunk(name, s, query, paged, scale, softcap)
-            if s.eviction is None:
-                continue
-            if s.eviction.measured:
+            if s.eviction is not None and s.eviction.measured:
                 self._score(name, s, paged, scale, softcap)
-            else:
+            elif s.eviction is not None:
                 self._evict(name, s, paged, scale, softcap)
-        self.seconds += time.perf_counter() - start
+            self._spent(s, start)
+
+    def _spent(self, s: Scheduled, start: float) -> None:
+        """Host time since ``start`` on request ``s``, counted to its method."""
+        method = s.cfg.method
+        self.seconds[method] = self.seconds.get(method, 0.0) + time.perf_counter() - start
 
     def attend_heads(self, name, query, key, value, output, paged) -> None:
         """The requests whose heads hold their own pages: their step's keys and values to their heads'
@@ -331,7 +357,7 @@ class Worker:
         self, name, s: Scheduled, queries, keys, values, budget, scale, softcap, window=None, head_valid=None
     ):
         return observation(
-            self.cfg,
+            s.cfg,
             queries,
             keys,
             values,
@@ -356,7 +382,7 @@ class Worker:
         keys, values = paged.read(s.held_slots)
         chunk = query[s.start : s.start + s.count]
         obs = self._observe(name, s, chunk, keys, values, s.end, scale, softcap, window=0)
-        part = chunk_score(obs, self.cfg)
+        part = chunk_score(obs, s.cfg)
         before = s.state.sums.get(name)
         if before is not None:
             part[:, : before.shape[1]] += before
@@ -368,7 +394,7 @@ class Worker:
         and its most recent queries from the ring."""
         e = s.eviction
         if name in s.state.pages:
-            slots, held = s.state.pages[name].layout(self.cfg.window_size)
+            slots, held = s.state.pages[name].layout(s.cfg.window_size)
             heads, width = held.shape
             slots, held = self._stage([slots.reshape(-1), held.reshape(-1).astype(np.int64)], paged.cache.device)
             keys, values = (x.view(heads, width, -1).transpose(0, 1) for x in paged.read_pages(slots))
@@ -376,19 +402,19 @@ class Worker:
         else:
             keys, values = paged.read(s.held_slots)
             head_valid = None
-        queries = self.ring.read(name, s.state.slot, s.end, min(self.ring.rows, s.end))
+        queries = self.ring.read(name, s.state.slot, s.end, min(settings.query_rows(s.cfg), s.end))
         rank, layers = self.rank.get(name, 0), max(len(self.rank), 1)
-        budget = settings.layer_budget(self.cfg, e.budget, s.prompt_len, rank, layers)  # as at the prompt's end
+        budget = settings.layer_budget(s.cfg, e.budget, s.prompt_len, rank, layers)  # as at the prompt's end
         return self._observe(name, s, queries, keys, values, budget, scale, softcap, head_valid=head_valid)
 
     def _evict(self, name, s: Scheduled, paged, scale, softcap) -> None:
         obs = self._observed(name, s, paged, scale, softcap)
-        table = settings.layer_table(self.cfg, self.rank.get(name, 0), obs.keys.device)
-        kept = kept_entries(obs, self.cfg, s.state.sums.pop(name, None), table)
+        table = settings.layer_table(s.cfg, self.rank.get(name, 0), obs.keys.device)
+        kept = kept_entries(obs, s.cfg, s.state.sums.pop(name, None), table)
         self._keep(name, s, kept, paged)
 
     def _keep(self, name, s: Scheduled, kept, paged) -> None:
-        if settings.per_head(self.cfg):
+        if settings.per_head(s.cfg):
             self._place(name, s, kept, paged)
         else:
             paged.write(s.kept_slots, *slot_rows(kept))
@@ -398,7 +424,7 @@ class Worker:
     def _score(self, name, s: Scheduled, paged, scale, softcap) -> None:
         """A deferred eviction's scores in layer ``name`` (``settings.deferred``); it selects in ``_finish``."""
         obs = self._observed(name, s, paged, scale, softcap)
-        s.scores[name] = entry_scores(obs, self.cfg, s.state.sums.pop(name, None))
+        s.scores[name] = entry_scores(obs, s.cfg, s.state.sums.pop(name, None))
         self.later[name] = (paged, scale, softcap)
 
     def _finish(self, s: Scheduled) -> None:
@@ -408,14 +434,14 @@ class Worker:
         layer's selection placed in the blocks that count keeps."""
         names = sorted(s.scores, key=self.rank.get)
         scores = [s.scores.pop(n) for n in names]
-        sizes = shared_sizes(self.cfg, scores, s.eviction.budget)
-        lengths = torch.stack(sizes)[:, 0] + self.cfg.window_size  # [layers, Hkv]
+        sizes = shared_sizes(s.cfg, scores, s.eviction.budget)
+        lengths = torch.stack(sizes)[:, 0] + s.cfg.window_size  # [layers, Hkv]
         mean = int(-(-lengths.sum(-1).max() // lengths.shape[-1]))  # one host read per eviction
         s.eviction = s.eviction.kept(mean + self.block_size)
         for name, size, score in zip(names, sizes, scores):
             paged, scale, softcap = self.later[name]
             obs = self._observed(name, s, paged, scale, softcap)
-            self._keep(name, s, kept_entries(obs, self.cfg, sizes=size, scores=score), paged)
+            self._keep(name, s, kept_entries(obs, s.cfg, sizes=size, scores=score), paged)
 
     def _place(self, name, s: Scheduled, kept, paged) -> None:
         """Per-head budgets: each head's kept entries on pages of its own in the blocks the eviction
@@ -451,7 +477,7 @@ class Worker:
             if s.eviction is not None and s.eviction.measured:
                 start = time.perf_counter()
                 self._finish(s)
-                self.seconds += time.perf_counter() - start
+                self._spent(s, start)
                 self.counted[s.req_id] = s.eviction.counted
             if s.eviction is not None:
                 s.state.offset += s.eviction.evicted
@@ -464,9 +490,9 @@ class Worker:
         self.flat, self.flat_tokens = {}, None
         self.later = {}
 
-    def report(self) -> tuple[dict, float]:
+    def report(self) -> tuple[dict, dict]:
         """Since the last report: the kept counts measured (request id -> entries) and the host seconds
-        spent evicting, for the scheduler."""
+        spent evicting per method, for the scheduler."""
         counted, seconds = self.counted, self.seconds
-        self.counted, self.seconds = {}, 0.0
+        self.counted, self.seconds = {}, {}
         return counted, seconds

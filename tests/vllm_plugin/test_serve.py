@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -42,6 +43,15 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+def _refused(url: str, body: dict) -> tuple[int, dict]:
+    """(HTTP status, error body) of a request the server refuses."""
+    try:
+        _post(url, body)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    raise AssertionError(f"the server answered {body}")
+
+
 def _wait(url: str, server: subprocess.Popen, seconds: int = 900) -> None:
     deadline = time.time() + seconds
     while time.time() < deadline:
@@ -70,8 +80,11 @@ def test_serve_answers_over_http_with_eviction(model_dir, prompt):
     from transformers import AutoTokenizer
 
     ref = reference(prompt, SNAPKV)
+    own = {"method": "streamingllm", "max_capacity_prompt": 64}  # one request's knobs (vllm_xargs)
+    own_ref = reference(prompt, {**own, "window_size": SNAPKV["window_size"]})
     plain = engine_run(model_dir, [prompt], None)
     assert ref["tokens"] != plain["tokens"][0], "the prompt must show the eviction in its tokens"
+    assert own_ref["tokens"] != ref["tokens"], "the request's own knobs must show in its tokens"
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}
     command = serve(model_dir, SNAPKV, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32")
@@ -87,12 +100,19 @@ def test_serve_answers_over_http_with_eviction(model_dir, prompt):
             "max_tokens": len(ref["tokens"]),
             "temperature": 0.0,
         }
-        answer = _post(f"http://127.0.0.1:{port}/v1/completions", body)
-        metrics = _metrics(f"http://127.0.0.1:{port}/metrics", "restkv:evictions_total")
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        answer = _post(url, body)
+        status, refused = _refused(url, {**body, "vllm_xargs": {"restkv": json.dumps({"bogus": 1})}})
+        own_answer = _post(url, {**body, "vllm_xargs": {"restkv": json.dumps(own)}})
+        metrics = _metrics(f"http://127.0.0.1:{port}/metrics", 'restkv:evictions_total{engine="0",method="streamingllm"}')
     finally:
         _stop(server)
-    text = AutoTokenizer.from_pretrained(model_dir).decode(ref["tokens"])
-    assert answer["choices"][0]["text"] == text
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert answer["choices"][0]["text"] == tokenizer.decode(ref["tokens"])
+    # a request's own knobs: a bad one answered 400 naming the field, the next served with its own
+    assert status == 400 and "extra_args['restkv']: unknown knob bogus" in refused["error"]["message"], refused
+    assert own_answer["choices"][0]["text"] == tokenizer.decode(own_ref["tokens"])
+    assert metrics['restkv:evictions_total{engine="0",method="streamingllm"}'] == 1
     # the plugin's counters on vLLM's /metrics, beside vLLM's own: one eviction of 300 positions to 128
     label = '{engine="0",method="snapkv"}'
     assert metrics[f"restkv:evictions_total{label}"] == 1

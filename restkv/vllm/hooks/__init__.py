@@ -2,6 +2,7 @@
 vLLM's V1 engine, each passing through for an engine without the plugin's config.
 
 - ``refusals``: what cannot run, all at once, before any engine starts;
+- ``requests``: a request's own knobs checked in the front end (HTTP 400 for a bad one);
 - ``scheduler``: prefix-cache hits, block allocation, the blocks given back after an eviction;
 - ``runner`` (what both model runners share), ``runner_v1`` (the CPU backend's), ``runner_v2`` (the
   CUDA default): the step's batch, held positions in the slot mapping and sequence lengths,
@@ -27,7 +28,7 @@ import importlib
 import inspect
 
 from .. import settings, startup
-from . import attention, memory, refusals, runner, runner_v1, runner_v2, scheduler
+from . import attention, memory, refusals, requests, runner, runner_v1, runner_v2, scheduler
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
@@ -68,6 +69,9 @@ _COUNTS = ("request_id", "num_tokens", "num_tokens_main_model")
 # supported version
 TARGETS = {
     "vllm.engine.arg_utils": {"EngineArgs": {"create_engine_config": _engine_config}},
+    "vllm.v1.engine.input_processor": {
+        "InputProcessor": {"_validate_params": (requests.validate_params, ("params",))}
+    },
     "vllm.v1.core.sched.scheduler": {
         "Scheduler": {
             "__init__": (scheduler.scheduler_init, ("vllm_config",)),
@@ -191,9 +195,11 @@ READS = {
         "finished_req_ids",
         "preempted_req_ids",
     ),
-    "vllm.v1.core.sched.output.NewRequestData": ("req_id", "block_ids"),
+    "vllm.v1.core.sched.output.NewRequestData": ("req_id", "block_ids", "sampling_params"),
     "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "new_block_ids", "resumed_req_ids"),
     "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "requests"),
+    "vllm.v1.engine.input_processor.InputProcessor": ("vllm_config",),
+    "vllm.sampling_params.SamplingParams": ("extra_args",),
     "vllm.v1.outputs.ModelRunnerOutput": ("sampled_token_ids",),
     "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "enable_caching", "truncate_computed_blocks"),
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
@@ -202,7 +208,7 @@ READS = {
     ),
     "vllm.v1.core.block_pool.BlockPool": ("free_blocks",),
     "vllm.v1.request.Request": (
-        "request_id", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "is_finished",
+        "request_id", "sampling_params", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "is_finished",
     ),
 }
 

@@ -29,9 +29,14 @@ logger = logging.getLogger("vllm.restkv")  # under vLLM's logger: its handler an
 
 def model_of(worker) -> memory.Model:
     """This rank's sizes from vLLM's config (every attention layer the plugin indexed)."""
-    config, parallel = worker.model_config, worker.parallel_config
+    return config_model(worker.model_config, worker.parallel_config, len(worker.model_runner._restkv.rank))
+
+
+def config_model(config, parallel, layers: int = 0) -> memory.Model:
+    """One rank's sizes from vLLM's model and parallel configs (``layers``: the attention layers, if
+    counted; else the config's)."""
     return memory.Model(
-        layers=len(worker.model_runner._restkv.rank) or config.get_num_layers(parallel),
+        layers=layers or config.get_num_layers(parallel),
         heads=config.get_num_attention_heads(parallel),
         kv_heads=config.get_num_kv_heads(parallel),
         head_dim=config.get_head_size(),

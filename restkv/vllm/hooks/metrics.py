@@ -6,7 +6,8 @@ give back, and adds the worker's eviction seconds sent with each step's output
 front end, under ``kv_connector_stats["restkv"]`` (``COUNTS``), the one free-form field vLLM carries
 from the engine to the front end. This logger, which vLLM calls before its own, takes them out again
 (so vLLM's loggers see that field as they would without the plugin) and adds them to Prometheus counters
-on the server's ``/metrics``, beside vLLM's, labelled by method and engine:
+on the server's ``/metrics``, beside vLLM's, labelled by method (each request's, ``per_request``) and
+engine:
 
 - ``restkv:evictions_total``: evictions run (a request's eviction at the prompt's end, then at each
   ``decode_interval`` check that found it over its budget);
@@ -68,18 +69,27 @@ class StatLogger(StatLoggerBase):
         self.engine = str(engine_index)
         self.totals = dict.fromkeys(COUNTS, 0)
         self.logged = dict(self.totals)
-        if self.method is not None:  # every series shown from the start, at zero
-            self.series = {n: c.labels(method=self.method, engine=self.engine) for n, c in counters().items()}
+        self.series = {}  # method -> {count: its series}
+        if self.method is not None:  # the engine's method's series shown from the start, at zero
+            self.of(self.method)
+
+    def of(self, method: str) -> dict:
+        """The series of ``method`` (a request's own method's made at its first count)."""
+        if method not in self.series:
+            labels = {"method": method, "engine": self.engine}
+            self.series[method] = {n: c.labels(**labels) for n, c in counters().items()}
+        return self.series[method]
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         counts = take(scheduler_stats) if scheduler_stats is not None else None
         if not counts or self.method is None:
             return
-        for name, series in self.series.items():
-            value = counts.get(name, 0)
-            if value:
-                series.inc(value)
-                self.totals[name] += value
+        for method, values in counts.items():
+            for name, series in self.of(method).items():
+                value = values.get(name, 0)
+                if value:
+                    series.inc(value)
+                    self.totals[name] += value
 
     def log(self):
         if self.totals == self.logged:

@@ -23,6 +23,7 @@ import torch
 from .. import settings
 from ..worker import Worker
 from . import refusals
+from .requests import engine
 
 CURRENT: list = [None]  # the Worker of the step in flight (read by the attention wrapper)
 _WIDER: list = [0]  # blocks added to every block-table row (set while a runner is built)
@@ -39,7 +40,9 @@ def runner_init(orig):
         caching = bool(cache.enable_prefix_caching)
         if cfg is not None:
             refusals.bind_model(vllm_config, cfg)
-        self._restkv = None if cfg is None else Worker(cfg, self.max_num_reqs, caching, cache.block_size)
+        self._restkv = None
+        if cfg is not None:
+            self._restkv = Worker(cfg, self.max_num_reqs, caching, cache.block_size, engine(vllm_config, cfg))
 
     return init
 
@@ -139,7 +142,7 @@ def sample_tokens(orig):
 def report(worker: Worker, out):
     """``out``, a ``ModelRunnerOutput``, with ``restkv_kept``: the kept counts the worker measured
     in the step (``settings.deferred``), which the scheduler frees by (``scheduler.update_from_output``),
-    and ``restkv_seconds``, its time evicting since the last report (``metrics``); a copy, as vLLM
+    and ``restkv_seconds``, its time evicting per method since the last report (``metrics``); a copy, as vLLM
     returns one shared output for an empty step. Any other output passes."""
     if not (worker.counted or worker.seconds) or not hasattr(out, "sampled_token_ids"):
         return out
@@ -156,8 +159,11 @@ def _dummy(signature, runner, args, kwargs) -> bool:
 
 def record_blocks(worker: Worker, scheduler_output, resumed_replace: bool) -> None:
     """The step's block ids into the worker's copy: a new request's, a resumed one's (V1:
-    ``resumed_req_ids``) in place of its old ones, a running one's appended."""
+    ``resumed_req_ids``) in place of its old ones, a running one's appended; a new request's config
+    (``Worker.admit``), a finished one's forgotten."""
+    worker.finish(scheduler_output.finished_req_ids)
     for new in scheduler_output.scheduled_new_reqs:
+        worker.admit(new.req_id, getattr(new.sampling_params, "extra_args", None))
         worker.blocks[new.req_id] = list(new.block_ids[0])
     cached = scheduler_output.scheduled_cached_reqs
     resumed = cached.resumed_req_ids if resumed_replace else ()

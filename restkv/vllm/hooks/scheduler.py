@@ -1,4 +1,6 @@
-"""The scheduler's side (engine core process): hits, allocations and the blocks given back.
+"""The scheduler's side (engine core process): hits, allocations and the blocks given back, each
+request by the config it runs (``Blocks.config``: its own knobs over the engine's, ``per_request``; none:
+it passes through).
 
 - ``Scheduler.__init__``: the scheduler's ``Blocks`` (offsets, the step's evictions).
 - ``KVCacheManager.get_computed_blocks``: a prefix-cache hit stops where the queries an eviction
@@ -26,8 +28,9 @@ import inspect
 import logging
 from dataclasses import dataclass, field
 
-from .. import settings
+from .. import per_request, settings
 from .refusals import check_config
+from .requests import engine
 
 NEVER_CACHED = 1 << 62  # an evicted request's count of cached blocks: none of its blocks is hashed again
 STATS_KEY = "restkv"  # the plugin's entry in the stats sent to the front end (``metrics``)
@@ -39,13 +42,28 @@ logger = logging.getLogger("vllm.restkv")  # under vLLM's logger: its handler an
 class Blocks:
     """Entries each request evicted, and the evictions of the step scheduled."""
 
-    cfg: object
+    cfg: object  # the engine's config
     caching: bool
     block_size: int
+    engine: per_request.Engine | None = None  # what a request's own knobs are resolved against
+    configs: dict = field(default_factory=dict)  # request id -> the config it runs (None: it keeps all)
     offsets: dict = field(default_factory=dict)  # request id -> logical - held entries
     due: dict = field(default_factory=dict)  # request id -> settings.Eviction, this step's
     freed: dict = field(default_factory=dict)  # request id -> its offset when freed, this step
-    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))  # since the last stats sent
+    counts: dict = field(default_factory=dict)  # method -> {count: value}, since the last stats sent
+
+    def config(self, request):
+        """The config ``request`` runs (``per_request.resolve``: its own knobs over the engine's), or None."""
+        if request.request_id not in self.configs:
+            knobs = per_request.knobs_of(getattr(request.sampling_params, "extra_args", None))
+            self.configs[request.request_id] = (
+                self.cfg if knobs is None or self.engine is None else per_request.resolve(self.engine, knobs)
+            )
+        return self.configs[request.request_id]
+
+    def tally(self, method: str) -> dict:
+        """The counts of ``method`` since the last stats sent."""
+        return self.counts.setdefault(method, dict.fromkeys(COUNTS, 0))
 
     def held(self, request_id: str, tokens: int) -> int:
         return tokens - self.offsets.get(request_id, 0)
@@ -60,6 +78,7 @@ class Blocks:
     def forget(self, request_id: str) -> None:
         self.freed[request_id] = self.offsets.pop(request_id, 0)
         self.due.pop(request_id, None)
+        self.configs.pop(request_id, None)
 
 
 def scheduler_init(orig):
@@ -69,7 +88,7 @@ def scheduler_init(orig):
         cfg = check_config(vllm_config)
         manager = self.kv_cache_manager
         block_size = vllm_config.cache_config.block_size
-        state = None if cfg is None else Blocks(cfg, bool(manager.enable_caching), block_size)
+        state = None if cfg is None else Blocks(cfg, bool(manager.enable_caching), block_size, engine(vllm_config, cfg))
         manager._restkv = manager.coordinator._restkv = state
 
     return init
@@ -80,9 +99,10 @@ def get_computed_blocks(orig):
     def wrapped(self, request, *args, **kwargs):
         blocks, hit, *rest = orig(self, request, *args, **kwargs)
         state = getattr(self, "_restkv", None)
-        if state is None or hit == 0:
+        cfg = None if state is None or hit == 0 else state.config(request)
+        if cfg is None:
             return (blocks, hit, *rest)
-        limit = settings.hit_limit(state.cfg, min(request.num_tokens, request.num_prompt_tokens))
+        limit = settings.hit_limit(cfg, min(request.num_tokens, request.num_prompt_tokens))
         if hit > limit:
             hit = limit // state.block_size * state.block_size
             blocks = self.truncate_computed_blocks(blocks, hit)
@@ -97,7 +117,10 @@ def allocate_slots(orig):
     @functools.wraps(orig)
     def wrapped(self, request, *args, **kwargs):
         state = getattr(self, "_restkv", None)
-        if state is not None:
+        cfg = None if state is None else state.config(request)
+        if cfg is None and state is not None:
+            state.due.pop(request.request_id, None)
+        if cfg is not None:
             bound = signature.bind(self, request, *args, **kwargs)
             bound.apply_defaults()
             a = bound.arguments
@@ -107,7 +130,7 @@ def allocate_slots(orig):
                 + a["num_external_computed_tokens"]
             )
             e = settings.eviction(
-                state.cfg,
+                cfg,
                 computed,
                 a["num_new_tokens"],
                 request.num_prompt_tokens,
@@ -164,7 +187,8 @@ def cache_blocks(orig):
     @functools.wraps(orig)
     def wrapped(self, request, *args, **kwargs):
         s = getattr(self, "_restkv", None)
-        if s is not None and settings.uncached(s.cfg, request.num_prompt_tokens):
+        cfg = None if s is None else s.config(request)
+        if cfg is not None and settings.uncached(cfg, request.num_prompt_tokens):
             return None
         return orig(self, request, *args, **kwargs)
 
@@ -193,14 +217,14 @@ def update_from_output(orig):
             return orig(self, scheduler_output, model_runner_output)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         counts = {  # as they were when preempted: this step may resume them
-            r: (self.requests[r].num_output_tokens, self.requests[r].num_tokens)
+            r: (self.requests[r].num_output_tokens, self.requests[r].num_tokens, state.config(self.requests[r]))
             for r in preempted
             if r in self.requests
         }
         out = orig(self, scheduler_output, model_runner_output)
         measured = getattr(model_runner_output, "restkv_kept", None) or {}
-        tally = state.counts
-        tally["eviction_seconds"] += getattr(model_runner_output, "restkv_seconds", 0.0)
+        for method, seconds in (getattr(model_runner_output, "restkv_seconds", None) or {}).items():
+            state.tally(method)["eviction_seconds"] += seconds
         for req_id in scheduler_output.num_scheduled_tokens:
             e = state.due.pop(req_id, None)
             request = self.requests.get(req_id)
@@ -208,13 +232,14 @@ def update_from_output(orig):
                 continue
             if e.measured:
                 e = e.kept(measured_count(measured, req_id))
+            tally = state.tally(state.config(request).method)
             for manager in self.kv_cache_manager.coordinator.single_type_managers:
                 tally["freed_blocks"] += keep_evicted(manager, req_id, e, state.caching)
             state.offsets[req_id] = state.offsets.get(req_id, 0) + e.evicted
             tally["evictions"] += 1
             tally["evicted_tokens"] += e.held - e.budget
-        for req_id, (generated, tokens) in counts.items():
-            log_preempted(state, req_id, generated, tokens)
+        for req_id, (generated, tokens, cfg) in counts.items():
+            log_preempted(state, req_id, generated, tokens, cfg)
         state.freed.clear()
         send(state, out)
         return out
@@ -223,15 +248,15 @@ def update_from_output(orig):
 
 
 def send(state: Blocks, outputs: dict) -> None:
-    """The counts since the last stats into the stats this step sends the front end, if it sends any
-    (``kv_connector_stats["restkv"]``, taken out again by ``metrics.StatLogger``)."""
-    if not any(state.counts.values()):
+    """The counts since the last stats (per method) into the stats this step sends the front end, if it
+    sends any (``kv_connector_stats["restkv"]``, taken out again by ``metrics.StatLogger``)."""
+    if not any(any(c.values()) for c in state.counts.values()):
         return
     for eco in outputs.values():
         stats = getattr(eco, "scheduler_stats", None)
         if stats is not None:
             stats.kv_connector_stats = {**(stats.kv_connector_stats or {}), STATS_KEY: state.counts}
-            state.counts = dict.fromkeys(COUNTS, 0)
+            state.counts = {}
             return
 
 
@@ -245,13 +270,13 @@ def measured_count(measured: dict, req_id: str) -> int:
     return measured[req_id]
 
 
-def log_preempted(state: Blocks, req_id: str, generated: int, tokens: int) -> None:
-    """One line for a request preempted after ``generated`` tokens (``tokens`` in all) whose
-    recomputation evicts at another point than its run did: it evicted, or holds more than the
-    budget. One preempted before its first token is computed again as it was (its prompt's
-    eviction at the same point)."""
+def log_preempted(state: Blocks, req_id: str, generated: int, tokens: int, cfg) -> None:
+    """One line for a request running ``cfg`` (None: it keeps all) preempted after ``generated``
+    tokens (``tokens`` in all) whose recomputation evicts at another point than its run did: it
+    evicted, or holds more than the budget. One preempted before its first token is computed again
+    as it was (its prompt's eviction at the same point)."""
     evicted = state.freed.get(req_id, 0)
-    if generated and (evicted or tokens > state.cfg.max_capacity_prompt):
+    if cfg is not None and generated and (evicted or tokens > cfg.max_capacity_prompt):
         logger.info(
             "restkv: request %s preempted after %d generated tokens (%d entries evicted): computed "
             "again from its tokens, it evicts again; its later tokens can differ from a run "
