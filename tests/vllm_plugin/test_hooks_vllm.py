@@ -156,6 +156,53 @@ def test_an_engine_with_an_unhooked_target_is_refused_at_start_up(monkeypatch):
     assert _engine_config(None) is not None
 
 
+def test_knobs_set_by_the_environment_travel_in_the_engines_config(monkeypatch):
+    """``RESTKV_VLLM`` alone: its knobs go into ``additional_config['restkv']``, which vLLM hands every
+    process of the engine, so a worker whose environment lacks the variable (a Ray worker on another
+    node) runs the same config."""
+    import json
+
+    from restkv.vllm import settings
+
+    _platform()
+    hooks.install()
+    knobs = {"method": "snapkv", "max_capacity_prompt": 128}
+    monkeypatch.setenv("RESTKV_VLLM", json.dumps(knobs))
+    config = _engine_config(None)
+    assert config.additional_config["restkv"] == knobs
+    monkeypatch.delenv("RESTKV_VLLM")
+    assert settings.from_env(config.additional_config) == settings.from_env({"restkv": knobs})
+
+
+def test_a_worker_without_the_plugin_stops_the_engine_before_any_request():
+    """``EngineCore._initialize_kv_caches``, then every worker's answer (``refusals.worker_config``):
+    one that runs no plugin, or other knobs, stops the engine naming it (the scheduler would free
+    blocks it still reads)."""
+    from types import SimpleNamespace
+
+    from restkv.vllm import settings
+
+    _platform()
+    config = _engine_config({"method": "snapkv", "max_capacity_prompt": 128})
+    mine = refusals.worker_config(
+        SimpleNamespace(model_runner=SimpleNamespace(_restkv=SimpleNamespace(cfg=settings.from_env(config.additional_config))))
+    )
+    other = refusals.worker_config(
+        SimpleNamespace(model_runner=SimpleNamespace(_restkv=SimpleNamespace(cfg=settings.from_env({"restkv": {"method": "snapkv", "max_capacity_prompt": 64}}))))
+    )
+    assert refusals.worker_config(SimpleNamespace(model_runner=SimpleNamespace())) is None
+
+    def core(*answers):
+        return SimpleNamespace(model_executor=SimpleNamespace(collective_rpc=lambda method: list(answers)))
+
+    initialize = refusals.workers_agree(lambda self, vllm_config: "kv cache config")
+    assert initialize(core(mine, mine, mine), config) == "kv cache config"
+    with pytest.raises(RuntimeError, match="worker 1 of this engine runs without the plugin"):
+        initialize(core(mine, None, mine), config)
+    with pytest.raises(RuntimeError, match="worker 2 of this engine runs other knobs"):
+        initialize(core(mine, mine, other), config)
+
+
 def test_an_attention_backend_outside_the_table_is_refused(monkeypatch):
     _platform()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum

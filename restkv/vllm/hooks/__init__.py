@@ -1,7 +1,8 @@
 """Every place restkv touches vLLM, in one table (``TARGETS``): wrappers around private functions of
 vLLM's V1 engine, each passing through for an engine without the plugin's config.
 
-- ``refusals``: what cannot run, all at once, before any engine starts;
+- ``refusals``: what cannot run, all at once, before any engine starts; the knobs carried in the
+  engine's config; every worker's plugin checked against the scheduler's once the KV cache exists;
 - ``requests``: a request's own knobs checked in the front end (HTTP 400 for a bad one);
 - ``scheduler``: prefix-cache hits, block allocation, the blocks given back after an eviction;
 - ``runner`` (what both model runners share), ``runner_v1`` (the CPU backend's), ``runner_v2`` (the
@@ -69,6 +70,9 @@ _COUNTS = ("request_id", "num_tokens", "num_tokens_main_model")
 # supported version
 TARGETS = {
     "vllm.engine.arg_utils": {"EngineArgs": {"create_engine_config": _engine_config}},
+    "vllm.v1.engine.core": {
+        "EngineCore": {"_initialize_kv_caches": (refusals.workers_agree, ("vllm_config",))}
+    },
     "vllm.v1.engine.input_processor": {
         "InputProcessor": {"_validate_params": (requests.validate_params, ("params",))}
     },
@@ -199,6 +203,7 @@ READS = {
     "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "new_block_ids", "resumed_req_ids"),
     "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "requests"),
     "vllm.v1.engine.input_processor.InputProcessor": ("vllm_config",),
+    "vllm.v1.engine.core.EngineCore": ("model_executor",),
     "vllm.sampling_params.SamplingParams": ("extra_args",),
     "vllm.v1.outputs.ModelRunnerOutput": ("sampled_token_ids",),
     "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "enable_caching", "truncate_computed_blocks"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
+import os
 
 from .. import settings
 
@@ -123,12 +125,58 @@ def attention_layers(vllm_config) -> dict:
 
 
 def create_engine_config(orig, unhooked):
-    """``EngineArgs.create_engine_config``, then ``check_config`` with ``unhooked``."""
+    """``EngineArgs.create_engine_config``, then ``check_config`` with ``unhooked``; knobs given by
+    ``RESTKV_VLLM`` alone go into the engine's own config (``carry``)."""
 
     @functools.wraps(orig)
     def wrapped(self, *args, **kwargs):
         config = orig(self, *args, **kwargs)
-        check_config(config, unhooked)
+        if check_config(config, unhooked) is not None:
+            carry(config)
         return config
+
+    return wrapped
+
+
+def carry(vllm_config) -> None:
+    """Knobs set by ``RESTKV_VLLM`` alone into ``additional_config['restkv']``: vLLM hands its config to
+    every process of the engine, workers on other nodes included, whose environment is not this one's
+    (Ray's workers do not inherit it)."""
+    extra = vllm_config.additional_config or {}
+    if extra.get("restkv") is None and os.environ.get(settings.ENV):
+        vllm_config.additional_config = {**extra, "restkv": json.loads(os.environ[settings.ENV])}
+
+
+def worker_config(worker) -> str | None:
+    """The config the plugin runs in ``worker``'s model runner, as JSON (None: it runs none); asked of
+    every worker once the KV cache exists (``workers_agree``)."""
+    plugin = getattr(worker.model_runner, "_restkv", None)
+    return None if plugin is None else _text(plugin.cfg)
+
+
+def _text(cfg) -> str:
+    return json.dumps(cfg.as_dict(), sort_keys=True, default=str)
+
+
+def workers_agree(orig):
+    """``EngineCore._initialize_kv_caches``, then every worker asked the config its plugin runs
+    (``worker_config``): a worker without the plugin (its package not installed on its node, vLLM's
+    general plugins not loaded there) or with other knobs would read blocks the scheduler freed, so the
+    engine stops before any request, naming the worker."""
+
+    @functools.wraps(orig)
+    def wrapped(self, vllm_config, *args, **kwargs):
+        out = orig(self, vllm_config, *args, **kwargs)
+        cfg = settings.from_env(vllm_config.additional_config)
+        if cfg is not None:
+            mine = _text(cfg)
+            for rank, theirs in enumerate(self.model_executor.collective_rpc(worker_config)):
+                if theirs != mine:
+                    said = "runs without the plugin" if theirs is None else f"runs other knobs ({theirs})"
+                    raise RuntimeError(
+                        f"restkv.vllm: worker {rank} of this engine {said}; the scheduler evicts with {mine}: "
+                        "install restkv and plugins/restkv_vllm in every node's environment, same versions"
+                    )
+        return out
 
     return wrapped
