@@ -15,6 +15,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from restkv.config import CompressionConfig
 from restkv.vllm import memory, paged, per_request, settings
+from restkv.vllm.heads import Space
 from restkv.vllm.worker import Worker
 
 _ENGINES: list = [None]  # the engine whose forward is running (read by the attention function)
@@ -65,17 +66,15 @@ class PagedEngine:
         self.chunk = chunk
         self.caching = caching
         hkv, d = cfg.num_key_value_heads, cfg.head_dim
-        self.caches = [
-            torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=model.dtype)
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        # every layer in one allocation, layer after layer, as vLLM holds them
+        self.caches = list(torch.zeros(cfg.num_hidden_layers, num_blocks, hkv, block_size, 2 * d, dtype=model.dtype))
         if layout == "declared":
-            self.paged = [paged.declared(c, "SIM", hkv, d, block_size, model.dtype) for c in self.caches]
+            def view(c):
+                return paged.declared(c, "SIM", hkv, d, block_size, model.dtype)
         else:
-            self.paged = [
-                paged.probed(c, block_size, hkv, d, scrambled_writer, "scrambled")
-                for c in self.caches
-            ]
+            def view(c):
+                return paged.probed(c, block_size, hkv, d, scrambled_writer, "scrambled")
+        self.paged = [view(c) for c in self.caches]
         self.free = list(range(num_blocks))
         model_sizes = memory.Model(
             cfg.num_hidden_layers, cfg.num_attention_heads, hkv, d, cfg.hidden_size, model.dtype.itemsize
@@ -94,7 +93,9 @@ class PagedEngine:
         )
         self.released = []  # blocks given back by first evictions under prefix caching: (block ids, contents)
         scale = cfg.head_dim**-0.5
-        self.worker.attends = {n: single_head_attention(c, scale) for n, c in zip(self.names, self.paged)}
+        tensor, first = paged.whole(dict(zip(self.names, self.caches)))
+        self.worker.space, self.worker.whole = Space(first, hkv), view(tensor)
+        self.worker.attends = {n: single_head_attention(self.worker.whole, scale) for n in self.names}
 
     def generate(self, ids: list[int], new_tokens: int, hit_blocks: list[int] = (), knobs=None) -> list[int]:
         """Greedy tokens after ``ids``; ``hit_blocks``: blocks holding the prompt's first tokens (a

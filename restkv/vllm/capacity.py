@@ -160,10 +160,10 @@ def capacity(
     sizes = (max_num_seqs, max_model_len)
     if explicit:  # as hooks.memory logs it: fixed bytes, and per_token for each token of the pool
         pool = given
-        plugin_bytes = sum(memory.fixed_bytes(cfg, m, *sizes, max_num_batched_tokens).values())
+        plugin_bytes = sum(memory.fixed_bytes(cfg, m, *sizes, max_num_batched_tokens, block_size).values())
         plugin_bytes += given // (m.layers * m.kv_bytes(1)) * memory.per_token(cfg, m)
     else:
-        plugin_bytes = memory.reserved(cfg, m, *sizes, given, max_num_batched_tokens)
+        plugin_bytes = memory.reserved(cfg, m, *sizes, given, max_num_batched_tokens, block_size)
         pool = given - plugin_bytes
     need = (-(-max_model_len // block_size) + 1) * block_bytes  # vLLM's own check, null block too
     for what, n in (("", given), (f" less the plugin's {plugin_bytes / 2**30:.3f} GiB", pool)):

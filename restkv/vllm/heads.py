@@ -1,22 +1,31 @@
-"""Per-head budgets in vLLM's paged cache: a layer's cache seen as single-head pages (no vLLM import).
+"""Per-head and per-layer budgets in vLLM's paged cache: every layer's cache seen as single-head pages
+of one pool (no vLLM import).
 
 vLLM gives a request one block table and one length: every KV head of a block holds the same
-``block_size`` positions. Where a block's interior is head-major (the CPU backend's
-``[blocks, Hkv, block_size, 2 d]``; the GPU backends' ``HND`` layout), block ``b`` is also ``Hkv``
-single-head pages, page ``p = b * Hkv + h`` holding ``block_size`` entries of one head, and slot
-``p * block_size + j`` the j-th of them (``restkv.vllm.paged.Paged.read_pages`` / ``write_pages``
-read and write them through the layer's own layout).
+``block_size`` positions, in every layer. Where a block's interior is head-major (the CPU backend's
+``[blocks, Hkv, block_size, 2 d]``; the GPU backends' ``HND`` layout), block ``b`` of a layer is also
+``Hkv`` single-head pages, each holding ``block_size`` entries of one head. vLLM keeps every layer's cache
+in one allocation, layer after layer (its layer-compact layouts, the CPU backend's only one), so the
+layers' blocks are blocks of one tensor too (``Space``: layer ``l``'s block ``b`` is its block
+``first[l] + b``, page ``(first[l] + b) Hkv + h`` head h of it, slot ``page * block_size + j`` the j-th
+entry; ``restkv.vllm.paged.Paged.read_pages`` / ``write_pages`` read and write them through the
+backend's own layout).
 
-Seen so, a request's blocks are a pool of pages its heads share (``HeadPages``, one per request and
-layer): after an eviction that keeps ``n_h`` entries in head ``h``, head ``h`` holds them on
-``ceil(n_h / block_size)`` pages of its own, taken from any of the request's blocks, and the request
-needs ``blocks_for(n)`` = ceil(sum_h ceil(n_h / block_size) / Hkv) blocks. When the heads share a
-total of ``Hkv * B`` entries (AdaKV, HeadKV, DefensiveKV allocate a layer's budget across its heads)
-that is at most ``ceil(B / block_size) + 1`` (``bound``): one block, one page per head, above what
-uniform budgets of the same mean hold; and as every head gains one entry per decoded token, the
-bound grows by one block every ``block_size`` tokens, as vLLM's own count does. So the scheduler can
-count a request's blocks from the config alone (``equivalent_length``), as it does for uniform
-budgets, while the worker places the pages.
+Seen so, a request's blocks are a pool of ``layers * Hkv`` pages per block that every head of every layer
+draws from (``HeadPages``: one request's heads in one layer, the request's free pages shared by its
+layers): after an eviction that keeps ``n_lh`` entries in head ``h`` of layer ``l``, that head holds them on
+``ceil(n_lh / block_size)`` pages of its own, in any layer's part of any of the request's blocks, and the
+request needs ``ceil(sum ceil(n_lh / block_size) / (layers Hkv))`` blocks: at most
+``ceil(mean / block_size) + 1`` for a mean of ``mean`` entries per head over every layer and head
+(``bound``), one block above what uniform budgets of that mean hold, whatever the split over heads and
+layers; and as every head gains one entry per decoded token, the bound grows by one block every
+``block_size`` tokens, as vLLM's own count does. So the scheduler counts a request at its mean plus a
+block (``equivalent_length``), as it counts uniform budgets at theirs, while the worker places the pages.
+
+An eviction places a layer's kept entries on pages no other layer still needs: the fresh blocks of a
+first eviction under prefix caching, the layer's own pages once it has read them, pages other layers
+gave up earlier in the step; at the step's end the pages outside the blocks the request keeps move into
+free pages inside them (``settle``), once every layer has read what it held.
 
 Attention runs through the backend's own kernel over the flattened batch (``flatten`` /
 ``unflatten``, ``FlatBatch``): each (KV head ``h``, request ``r``) is a sequence of its own, with its
@@ -38,25 +47,73 @@ def pages_of(lengths, block_size: int) -> np.ndarray:
 
 
 def blocks_for(lengths, block_size: int) -> int:
-    """Blocks a request needs for heads holding ``lengths`` [Hkv] entries (Hkv pages per block)."""
-    return int(-(-int(pages_of(lengths, block_size).sum()) // len(lengths)))
+    """Blocks a request needs for heads holding ``lengths`` [..., Hkv] entries (every layer's: the
+    pages of a block are its layers' and heads')."""
+    lengths = np.asarray(lengths)
+    return int(-(-int(pages_of(lengths, block_size).sum()) // lengths.size))
 
 
 def bound(budget: int, block_size: int) -> int:
-    """The most blocks heads sharing ``Hkv * budget`` entries need, whatever their split."""
+    """The most blocks heads sharing ``layers * Hkv * budget`` entries need, whatever their split."""
     return -(-budget // block_size) + 1
 
 
 def equivalent_length(budget: int, block_size: int) -> int:
-    """The length the scheduler counts for a request whose heads share ``Hkv * budget`` entries:
+    """The length the scheduler counts for a request whose heads hold ``budget`` entries on average:
     ``bound(budget)`` blocks now, one more block every ``block_size`` decoded tokens."""
     return budget + block_size
+
+
+@dataclass(frozen=True)
+class Space:
+    """Where a worker's single-head pages are: every layer's cache as blocks of one tensor, layer
+    ``name``'s block ``b`` its block ``first[name] + b``, head ``h`` of it page ``block * heads + h``."""
+
+    first: dict
+    heads: int
+
+    def pages(self, blocks, layers=None) -> list:
+        """The pages of ``blocks`` (the request's block ids) in ``layers`` (names; None: every layer),
+        layer by layer, block by block, head by head."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        names = self.first if layers is None else layers
+        return [
+            int(p)
+            for name in names
+            for p in ((self.first[name] + blocks)[:, None] * self.heads + np.arange(self.heads)).reshape(-1)
+        ]
+
+
+def settle(layers: list, kept: list) -> tuple[np.ndarray, np.ndarray, list]:
+    """Move every page of ``layers`` (a request's ``HeadPages``) outside ``kept`` (the pages of the
+    blocks it keeps) to a page of ``kept`` no head holds -> (from pages, to pages, the pages of ``kept``
+    left free). The rows are changed in place; the caller copies the pages' entries."""
+    inside = set(kept)
+    held = {p for pages in layers for row in pages.rows for p in row}
+    spare = [p for p in kept if p not in held]
+    moved_from, moved_to = [], []
+    for pages in layers:
+        for row in pages.rows:
+            for i, p in enumerate(row):
+                if p not in inside:
+                    if len(moved_to) == len(spare):
+                        raise RuntimeError(
+                            f"restkv.vllm: {len(held)} pages held, {len(kept)} in the blocks the request keeps"
+                        )
+                    row[i] = spare[len(moved_to)]
+                    moved_from.append(p)
+                    moved_to.append(row[i])
+    spare = spare[len(moved_to) :]
+    for pages in layers:
+        pages.free = spare
+    return np.asarray(moved_from, dtype=np.int64), np.asarray(moved_to, dtype=np.int64), spare
 
 
 @dataclass
 class HeadPages:
     """One request's pages in one layer: ``rows[h]`` head h's pages in order, ``lengths[h]`` its
-    entries, ``free`` the pages of the request's blocks no head holds."""
+    entries, ``free`` the pages of the request's blocks no head holds (one list, shared by the
+    request's layers)."""
 
     rows: list
     lengths: np.ndarray
@@ -72,24 +129,23 @@ class HeadPages:
         return cls(rows, np.full(heads, length, dtype=np.int64), free, block_size)
 
     @classmethod
-    def placed(cls, blocks, lengths, block_size: int) -> "HeadPages":
-        """Heads holding ``lengths`` [Hkv] entries on the pages of ``blocks``, head by head in page
-        order; raises if they do not fit."""
-        heads = len(lengths)
-        pool = [b * heads + h for b in blocks for h in range(heads)]
+    def placed(cls, free: list, lengths, block_size: int) -> "HeadPages":
+        """Heads holding ``lengths`` [Hkv] entries on the first pages of ``free`` (taken from it, in
+        order, head by head); raises if they do not fit."""
         need = pages_of(lengths, block_size)
-        if need.sum() > len(pool):
-            raise RuntimeError(
-                f"restkv.vllm: {int(need.sum())} pages needed on {len(blocks)} blocks of {heads} pages"
-            )
+        if need.sum() > len(free):
+            raise RuntimeError(f"restkv.vllm: {int(need.sum())} pages needed, {len(free)} free")
         ends = np.cumsum(need)
-        rows = [pool[e - n : e] for n, e in zip(need.tolist(), ends.tolist())]
-        return cls(rows, np.asarray(lengths, dtype=np.int64).copy(), pool[int(ends[-1]) :], block_size)
+        rows = [free[e - n : e] for n, e in zip(need.tolist(), ends.tolist())]
+        del free[: int(ends[-1])]
+        return cls(rows, np.asarray(lengths, dtype=np.int64).copy(), free, block_size)
 
-    def grow(self, blocks) -> None:
-        """New blocks of the request: their pages are free."""
-        heads = len(self.rows)
-        self.free += [b * heads + h for b in blocks for h in range(heads)]
+    def release(self) -> list:
+        """Its pages, given up (their entries read): the rows emptied -> the pages."""
+        pages = [p for row in self.rows for p in row]
+        self.rows = [[] for _ in self.rows]
+        self.lengths = np.zeros_like(self.lengths)
+        return pages
 
     def slots(self, head: int, first: int, count: int) -> np.ndarray:
         """Slots of head ``head``'s entries ``first`` .. ``first + count - 1`` (held pages only)."""

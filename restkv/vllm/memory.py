@@ -19,7 +19,9 @@ Held for the worker's life (``fixed``):
   most ``r`` per request, ``max_num_batched_tokens`` ``T`` in all) and their rows, an offset per
   token and per request: ``8 (T + 2 min(T, r S) + S)``;
 - per-head or per-layer budgets (``restkv.vllm.heads``): a layer's queries, keys, values and output
-  of the step flattened by KV head, at most ``4 T Hq d es`` at once (the page tables are on the host).
+  of the step flattened by KV head, at most ``4 T Hq d es`` at once (the page tables are on the host);
+  and at a step's end one request's pages moved into the blocks it keeps, at most its kept entries of
+  every layer, ``layers`` x the K+V of ``B + block_size`` entries.
 
 During one eviction (one request in one layer at a time: the worker evicts them in turn):
 
@@ -243,11 +245,17 @@ def decode_width(cfg: CompressionConfig, model: Model) -> int:
 
 
 def fixed_bytes(
-    cfg: CompressionConfig, model: Model, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int = 0
+    cfg: CompressionConfig,
+    model: Model,
+    max_num_seqs: int,
+    max_model_len: int,
+    max_num_batched_tokens: int = 0,
+    block_size: int = 16,
 ) -> dict:
     """Every term that does not grow with the pool (bytes), the eviction's as one."""
     m, tokens = model, max_num_batched_tokens
     rows = settings.query_rows(cfg)
+    moved = min(max_model_len, cfg.max_capacity_prompt + block_size)  # a request's kept entries per head, on average
     return {
         "step's staged indices": 8 * (tokens + 2 * min(tokens, rows * max_num_seqs) + max_num_seqs),
         "query ring": m.layers * max_num_seqs * rows * m.heads * m.head_dim * m.dtype_bytes,
@@ -255,6 +263,8 @@ def fixed_bytes(
         "one eviction": sum(eviction_bytes(cfg, m, max(max_model_len, decode_width(cfg, m))).values()),
         # per-head or per-layer budgets: the step's queries, keys, values and output flattened by head
         "flattened attention": 4 * tokens * m.heads * m.head_dim * m.dtype_bytes if settings.per_head(cfg) else 0,
+        # per-head or per-layer budgets: one request's pages moved into its kept blocks at a step's end
+        "pages moved": m.layers * m.kv_bytes(moved) if settings.per_head(cfg) else 0,
     }
 
 
@@ -278,10 +288,11 @@ def reserved(
     max_model_len: int,
     available: int,
     max_num_batched_tokens: int = 0,
+    block_size: int = 16,
 ) -> int:
     """Bytes to leave out of ``available`` so that the pool of what is left, plus the plugin at its
     peak, fits: ``fixed + (available - fixed) f / (1 + f)``."""
-    fixed = sum(fixed_bytes(cfg, model, max_num_seqs, max_model_len, max_num_batched_tokens).values())
+    fixed = sum(fixed_bytes(cfg, model, max_num_seqs, max_model_len, max_num_batched_tokens, block_size).values())
     f = fraction(cfg, model)
     return fixed + max(0, int((available - fixed) * f / (1 + f)))
 
@@ -306,12 +317,14 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="tokens per step (0: not counted)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--knobs", default='{"method": "snapkv"}', help="the plugin's knobs (JSON)")
     a = p.parse_args(argv)
     cfg = settings.from_env({"restkv": knobs_flag(a.knobs)})
     model = model_of(a.model, a.dtype).per_rank(a.tensor_parallel_size)
     print(f"{a.model}, per rank: {model}; max_model_len {a.max_model_len}, max_num_seqs {a.max_num_seqs}")
-    for name, n in fixed_bytes(cfg, model, a.max_num_seqs, a.max_model_len, a.max_num_batched_tokens).items():
+    sizes = (a.max_num_seqs, a.max_model_len, a.max_num_batched_tokens, a.block_size)
+    for name, n in fixed_bytes(cfg, model, *sizes).items():
         print(f"  {name}: {_mib(n)}")
     for name, n in eviction_bytes(cfg, model, a.max_model_len).items():
         print(f"    {name}: {_mib(n)}")

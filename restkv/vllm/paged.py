@@ -100,6 +100,36 @@ def head_pages(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.as_strided(size, stride, kv_cache.storage_offset())
 
 
+def whole(caches: dict) -> tuple[torch.Tensor, dict]:
+    """Every layer's cache ``[blocks, Hkv, N, C]`` (``caches``: layer name -> tensor) as blocks of one
+    tensor over the memory they share (vLLM keeps every layer in one allocation, layer after layer, in
+    its layer-compact layouts) -> (that tensor, each layer's first block in it). Layers that are not
+    blocks of one such tensor (another allocation, shape or stride, a block that is not contiguous, two
+    layers overlapping) raise in one line."""
+    names = list(caches)
+    ref = caches[names[0]]
+    step = ref.stride(0)
+    base = min(c.storage_offset() for c in caches.values())
+    first = {}
+    for name, c in caches.items():
+        same = (
+            c.untyped_storage().data_ptr() == ref.untyped_storage().data_ptr()
+            and c.shape[1:] == ref.shape[1:] and c.stride() == ref.stride() and c.dtype == ref.dtype
+            and c[0].is_contiguous() and step == c[0].numel() and (c.storage_offset() - base) % step == 0
+        )  # fmt: skip
+        if not same:
+            raise ValueError(
+                f"restkv.vllm: layer {name}'s KV cache {tuple(c.shape)} is not blocks of the one allocation the "
+                "other layers' are in (vLLM's layer-compact layout): per-head budgets need it"
+            )
+        first[name] = (c.storage_offset() - base) // step
+    spans = sorted((first[n], first[n] + caches[n].shape[0]) for n in names)
+    if any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
+        raise ValueError("restkv.vllm: two layers' KV caches overlap: per-head budgets need each its own blocks")
+    blocks = spans[-1][1]
+    return ref.as_strided((blocks, *ref.shape[1:]), ref.stride(), base), first
+
+
 def declared(
     kv_cache: torch.Tensor,
     backend: str,

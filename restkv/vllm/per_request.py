@@ -52,7 +52,7 @@ class Engine:
 
     def terms(self, cfg: CompressionConfig) -> dict:
         """The plugin's memory for ``cfg`` term by term (bytes; ``memory``)."""
-        sizes = (self.max_num_seqs, self.max_model_len, self.max_num_batched_tokens)
+        sizes = (self.max_num_seqs, self.max_model_len, self.max_num_batched_tokens, self.block_size)
         return {**memory.fixed_bytes(cfg, self.model, *sizes), "share per pooled token": memory.per_token(cfg, self.model)}
 
 

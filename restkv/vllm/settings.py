@@ -185,13 +185,16 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
 
 
 _TABLES: dict = {}  # config -> (the model's layers, heads, KV heads; HeadKV's counts [layers, Hkv] for it)
+_LAYERS: dict = {}  # config -> the model's attention layers (``bind_model``)
 
 
 def bind_model(cfg: CompressionConfig, layers: int, heads: int, kv_heads: int) -> None:
-    """Read what the config needs of the model before any request: HeadKV's head-importance table,
-    shared among the ``layers`` attention layers' ``kv_heads`` heads (``heads`` query heads), as
-    ``restkv.configure`` shares it; a file that does not fit the model raises a one-line ValueError."""
+    """Read what the config needs of the model before any request: its ``layers`` attention layers
+    (PyramidKV's schedule over them), HeadKV's head-importance table, shared among their ``kv_heads``
+    heads (``heads`` query heads), as ``restkv.configure`` shares it; a file that does not fit the model
+    raises a one-line ValueError."""
     model = (layers, heads, kv_heads)
+    _LAYERS[cfg] = layers
     if cfg.get("head_budget") == "headkv" and _TABLES.get(cfg, (None,))[0] != model:
         importance = load_head_importance(cfg.head_importance, layers, heads, kv_heads)
         base = cfg.max_capacity_prompt - cfg.window_size
@@ -237,14 +240,38 @@ def layer_table(cfg: CompressionConfig, layer: int, device):
     return head_table(cfg)[layer].to(device)
 
 
-def room(cfg: CompressionConfig, budget: int, block_size: int) -> int:
+def mean_kept(cfg: CompressionConfig, budget: int, prompt_len: int, layers: int) -> int:
+    """Entries per KV head a request keeps at ``budget``, on average over its ``layers`` layers and their
+    heads, from the config alone (rounded up): ``budget`` where a layer's heads share ``Hkv * budget``
+    (AdaKV) or keep ``budget`` each; HeadKV's table's mean; PyramidKV's schedule's mean over its layers
+    (``layers * budget`` in all, more where a short prompt clips its last layers); ``UNBOUNDED`` for
+    ``DEFERRED`` (measured by the worker)."""
+    if deferred(cfg):
+        return UNBOUNDED
+    if cfg.get("head_budget") == "headkv":
+        table = head_table(cfg)
+        return cfg.window_size + -(-int(table.sum()) // table.numel())
+    if cfg.get("layer_budget") in PER_LAYER:
+        return -(-sum(layer_budgets(cfg, layers, prompt_len, budget)) // layers)
+    return budget
+
+
+def layers_of(cfg: CompressionConfig) -> int:
+    """The model's attention layers, as ``bind_model`` read them."""
+    if cfg not in _LAYERS:
+        raise RuntimeError("restkv.vllm: a per-layer budget before settings.bind_model read the model")
+    return _LAYERS[cfg]
+
+
+def room(cfg: CompressionConfig, budget: int, block_size: int, prompt_len: int) -> int:
     """Entries a kept set is counted at, from the config alone (0: ``budget``, every head and layer
-    keeping as many): the ``largest`` layer's, and ``block_size`` more where the heads keep their own
-    counts (``restkv.vllm.heads.equivalent_length``: any split of a layer's entries fits)."""
+    keeping as many): where heads or layers keep their own counts (``per_head``), their mean over
+    every layer and head and ``block_size`` more (``restkv.vllm.heads.equivalent_length``: any split
+    over the layers' and heads' pages fits)."""
     if not per_head(cfg):
         return 0
-    most = largest(cfg, budget)
-    return equivalent_length(most, block_size) if cfg.get("head_budget") in PER_HEAD else most
+    layers = layers_of(cfg) if cfg.get("layer_budget") in PER_LAYER else 1
+    return equivalent_length(mean_kept(cfg, budget, prompt_len, layers), block_size)
 
 
 def mixes_heads(cfg: CompressionConfig) -> str | None:
@@ -376,8 +403,8 @@ def eviction(
     budget = budget_at(cfg, end, at_prefill=computed < prompt_len)
     if held <= budget:
         return None
-    counted = room(cfg, budget, block_size)
-    counted = counted and min(counted, held + block_size)  # no layer keeps more than it holds
+    counted = room(cfg, budget, block_size, prompt_len)
+    counted = counted and min(counted, held + block_size)  # no head keeps more than it holds
     fresh = caching and offset == 0 and not deferred(cfg)  # ``uncached``: its blocks are its own
     return Eviction(held, budget, fresh, block_size, counted, deferred(cfg))
 
@@ -417,5 +444,5 @@ def extra_blocks(cfg: CompressionConfig, max_model_len: int, block_size: int) ->
         if cfg.get("decode_compression_ratio") is not None
         else cfg.max_capacity_prompt
     )
-    kept = max(most, room(cfg, most, block_size))
+    kept = max(most, equivalent_length(largest(cfg, most), block_size) if per_head(cfg) else 0)
     return -(-min(kept, max_model_len + block_size) // block_size)

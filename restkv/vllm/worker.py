@@ -38,7 +38,7 @@ import torch
 from ..scoring.observe import wo_factor
 from . import per_request, settings
 from .memory import reads_factor
-from .heads import FlatBatch, HeadPages, flatten, unflatten
+from .heads import FlatBatch, HeadPages, flatten, settle, unflatten
 from ..strategies.budgets import shared_sizes
 from .scoring import chunk_score, entry_scores, kept_entries, observation, slot_rows
 
@@ -54,7 +54,8 @@ class RequestState:
     offset: int = 0  # entries evicted so far (logical - held)
     sums: dict = field(default_factory=dict)  # layer name -> [Hq or Hkv, n] summed chunk scores
     pages: dict = field(default_factory=dict)  # layer name -> its heads' pages (per-head budgets, once evicted)
-    placed: int = 0  # its blocks whose pages ``pages`` holds
+    free: list = field(default_factory=list)  # pages of its blocks no head of any layer holds (shared by ``pages``)
+    placed: int = 0  # its blocks whose pages ``pages`` and ``free`` hold
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Scheduled:
     )
     kept_slots: torch.Tensor | None = None  # [budget] where its kept entries go
     scores: dict = field(default_factory=dict)  # layer name -> [1, Hkv, P] its selection scores (deferred)
+    kept_pages: list = field(default_factory=list)  # per-head budgets: every page of the blocks it keeps
 
     @property
     def end(self) -> int:
@@ -149,6 +151,8 @@ class Worker:
         # ``FlatBatch`` through the layer's backend (set by the hooks); the step's flattened batch per
         # layer, and its tokens [m] on the device (those of the requests whose heads hold their own pages)
         self.attends: dict = {}
+        self.space = None  # ``heads.Space``: where every layer's pages are in ``whole``
+        self.whole = None  # ``paged.Paged`` of every layer's cache as one tensor of blocks (``paged.whole``)
         self.flat: dict = {}
         self.flat_tokens = None
         # ``settings.deferred``: the step's layers to select in once all have run (name -> (paged, scale,
@@ -236,6 +240,8 @@ class Worker:
                 eviction = settings.eviction(cfg, c, n, length, state.offset, self.caching, self.block_size)
             sums = cfg is not None and settings.summed(cfg) and c < length and length > cfg.max_capacity_prompt
             s = Scheduled(req_id, state, start, n, c, length, row, eviction, sums)
+            if eviction is not None and settings.per_head(cfg):
+                self._pool(s)
             self.step.append(s)
             last = min(n, rows)
             tokens.append(np.arange(start + n - last, start + n))
@@ -266,6 +272,19 @@ class Worker:
         self._flatten(device)
         self.evicts = self.evicting()
 
+    def _pool(self, s: Scheduled) -> None:
+        """Per-head budgets, an evicting request: the pages of the blocks it keeps (``kept_pages``) and the
+        free pages its layers place their kept entries on (``_place``): a first eviction under prefix caching
+        the fresh blocks' (its held blocks stay whole), one in its own blocks those holding no entry yet;
+        each layer adds its own once it has read them."""
+        e, state = s.eviction, s.state
+        first = e.first_kept_block
+        s.kept_pages = self.space.pages(s.blocks[first : first + e.kept_blocks])
+        if e.fresh:
+            state.free = list(s.kept_pages)
+        elif not state.pages:
+            state.free = self.space.pages(s.blocks[e.held_blocks :])
+
     def _flatten(self, device) -> None:
         """The step's requests whose heads hold their own pages: their new blocks' pages, room for
         their tokens in every layer, each layer's ``FlatBatch`` and their tokens (``flat_tokens``)."""
@@ -274,10 +293,9 @@ class Worker:
         if not flat:
             return
         for s in flat:
-            new = s.blocks[s.state.placed :].tolist()
+            s.state.free += self.space.pages(s.blocks[s.state.placed :])
             s.state.placed = len(s.blocks)
             for pages in s.state.pages.values():
-                pages.grow(new)
                 pages.append(s.count)
         counts = [s.count for s in flat]
         for name in flat[0].state.pages:
@@ -344,12 +362,12 @@ class Worker:
         query heads on one KV head per sequence; vLLM's own write of their tokens was masked, its
         output for them is replaced)."""
         batch, tokens, heads = self.flat[name], self.flat_tokens, key.shape[1]
-        paged.write_pages(
+        self.whole.write_pages(
             batch.slot_mapping,
             flatten(key.index_select(0, tokens), heads)[:, 0],
             flatten(value.index_select(0, tokens), heads)[:, 0],
         )
-        out = self.attends[name](flatten(query.index_select(0, tokens), heads), batch, paged.cache)
+        out = self.attends[name](flatten(query.index_select(0, tokens), heads), batch, self.whole.cache)
         rows = output.view(output.shape[0], -1)
         rows.index_copy_(0, tokens, unflatten(out, heads).reshape(len(tokens), -1).to(rows.dtype))
 
@@ -397,7 +415,7 @@ class Worker:
             slots, held = s.state.pages[name].layout(s.cfg.window_size)
             heads, width = held.shape
             slots, held = self._stage([slots.reshape(-1), held.reshape(-1).astype(np.int64)], paged.cache.device)
-            keys, values = (x.view(heads, width, -1).transpose(0, 1) for x in paged.read_pages(slots))
+            keys, values = (x.view(heads, width, -1).transpose(0, 1) for x in self.whole.read_pages(slots))
             head_valid = held.view(1, heads, width).bool()
         else:
             keys, values = paged.read(s.held_slots)
@@ -429,31 +447,50 @@ class Worker:
 
     def _finish(self, s: Scheduled) -> None:
         """A deferred eviction once every layer has run: the layers' shares of the budget from all their
-        scores (``shared_sizes``, as ``restkv.configure``), its kept count from them (the largest layer's
-        mean over its heads, and ``block_size`` more: any split fits, ``restkv.vllm.heads``), then each
-        layer's selection placed in the blocks that count keeps."""
+        scores (``shared_sizes``, as ``restkv.configure``), its kept count from them (their mean over
+        every layer and head, and ``block_size`` more: any split fits, ``restkv.vllm.heads``), then each
+        layer's selection placed on its pages."""
         names = sorted(s.scores, key=self.rank.get)
         scores = [s.scores.pop(n) for n in names]
         sizes = shared_sizes(s.cfg, scores, s.eviction.budget)
         lengths = torch.stack(sizes)[:, 0] + s.cfg.window_size  # [layers, Hkv]
-        mean = int(-(-lengths.sum(-1).max() // lengths.shape[-1]))  # one host read per eviction
+        mean = int(-(-lengths.sum() // lengths.numel()))  # over every layer and head; one host read per eviction
         s.eviction = s.eviction.kept(mean + self.block_size)
+        s.kept_pages = self.space.pages(s.blocks[: s.eviction.kept_blocks])  # its own blocks (``settings.uncached``)
         for name, size, score in zip(names, sizes, scores):
             paged, scale, softcap = self.later[name]
             obs = self._observed(name, s, paged, scale, softcap)
             self._keep(name, s, kept_entries(obs, s.cfg, sizes=size, scores=score), paged)
 
     def _place(self, name, s: Scheduled, kept, paged) -> None:
-        """Per-head budgets: each head's kept entries on pages of its own in the blocks the eviction
-        keeps (``HeadPages.placed``; one host read of the heads' counts, at the eviction only)."""
-        e = s.eviction
+        """Per-head budgets: each head's kept entries on pages of its own (``HeadPages.placed``; one host
+        read of the heads' counts, at the eviction only), from the request's free pages once the layer's
+        own are among them (read: its pages, or in its first eviction in its own blocks its part of
+        them), those of the blocks it keeps first; ``_settle`` moves the others in at the step's end."""
+        e, state = s.eviction, s.state
+        own = state.pages.pop(name, None)
+        if own is not None:
+            state.free += own.release()
+        elif not e.fresh:
+            state.free += self.space.pages(s.blocks[: e.held_blocks], [name])
+        inside = set(s.kept_pages)
+        state.free.sort(key=lambda p: p not in inside)
         valid = kept.valid[0] if kept.valid.dim() == 3 else kept.valid.expand(kept.keys.shape[1], -1)
         lengths = valid.sum(-1).tolist()
-        blocks = s.blocks[e.first_kept_block : e.first_kept_block + e.kept_blocks].tolist()
-        pages = HeadPages.placed(blocks, lengths, self.block_size)
+        pages = HeadPages.placed(state.free, lengths, self.block_size)
         slots = np.concatenate([pages.slots(h, 0, n) for h, n in enumerate(lengths)])
-        paged.write_pages(torch.from_numpy(slots).to(kept.keys.device), kept.keys[0][valid], kept.values[0][valid])
-        s.state.pages[name] = pages
+        self.whole.write_pages(torch.from_numpy(slots).to(kept.keys.device), kept.keys[0][valid], kept.values[0][valid])
+        state.pages[name] = pages
+
+    def _settle(self, s: Scheduled) -> None:
+        """Per-head budgets, after every layer's eviction: the pages outside the blocks the request keeps
+        copied into free pages inside them (``heads.settle``), so the scheduler can give the others back."""
+        moved_from, moved_to, s.state.free = settle(list(s.state.pages.values()), s.kept_pages)
+        if len(moved_from):
+            j = np.arange(self.block_size)
+            slots = [(p[:, None] * self.block_size + j).reshape(-1) for p in (moved_from, moved_to)]
+            source, target = self._stage(slots, self.whole.cache.device)
+            self.whole.write_pages(target, *self.whole.read_pages(source))
 
     def end(self, scheduled: int | None = None) -> None:
         """After the step: each evicting request's new offset, and its blocks to cut before the next
@@ -479,6 +516,10 @@ class Worker:
                 self._finish(s)
                 self._spent(s, start)
                 self.counted[s.req_id] = s.eviction.counted
+            if s.eviction is not None and settings.per_head(s.cfg):
+                start = time.perf_counter()
+                self._settle(s)
+                self._spent(s, start)
             if s.eviction is not None:
                 s.state.offset += s.eviction.evicted
                 s.state.placed = s.eviction.kept_blocks

@@ -32,7 +32,8 @@ def packed(blocks, block_size, kv_heads, d, seed=0):
 @pytest.mark.parametrize("kv_heads,block_size", [(1, 4), (2, 4), (3, 8), (8, 16)])
 def test_any_split_of_the_heads_total_fits_the_bound_while_decoding(kv_heads, block_size):
     """Heads sharing Hkv * B entries need at most ceil(B / bs) + 1 blocks, and after t decoded tokens
-    no more than vLLM counts for ``equivalent_length(B) + t`` (every split, brute force)."""
+    no more than vLLM counts for ``equivalent_length(B) + t`` (every split, brute force; ``kv_heads``
+    stands for every layer's heads too, whose pages are one pool)."""
     rng = np.random.default_rng(0)
     t = np.arange(2 * block_size + 1)
     for budget in range(1, 3 * block_size + 2):
@@ -52,30 +53,72 @@ def test_any_split_of_the_heads_total_fits_the_bound_while_decoding(kv_heads, bl
 
 
 def test_pages_are_the_requests_own_and_never_shared():
+    """Layers placing their heads from one pool of the request's pages (every layer's part of every
+    block), then decoding: no page is held twice, in any layer; every page held or free is one of the
+    request's; each head holds the pages its entries fill; and the request never needs more blocks
+    than the scheduler counts at the mean over its layers and heads plus a block."""
     rng = np.random.default_rng(0)
-    block_size, kv_heads = 4, 3
+    block_size, kv_heads, layers = 4, 3, 5
+    space = heads.Space({f"layer{i}": 100 * i for i in range(layers)}, kv_heads)
     for _ in range(200):
         budget = int(rng.integers(1, 20))
-        lengths = rng.multinomial(kv_heads * budget, np.ones(kv_heads) / kv_heads)
-        blocks = list(rng.choice(100, heads.bound(budget, block_size), replace=False))
-        p = heads.HeadPages.placed(blocks, lengths, block_size)
+        lengths = rng.multinomial(layers * kv_heads * budget, np.ones(layers * kv_heads) / (layers * kv_heads))
+        lengths = lengths.reshape(layers, kv_heads)
+        counted = heads.equivalent_length(budget, block_size)
+        blocks = list(rng.choice(100, -(-counted // block_size), replace=False))
+        free = space.pages(blocks)
+        rng.shuffle(free)
+        rows = {name: heads.HeadPages.placed(free, n, block_size) for name, n in zip(space.first, lengths)}
         for step in range(int(rng.integers(0, 12))):
-            if heads.blocks_for(p.lengths + 1, block_size) > len(blocks):
-                new = int(rng.integers(100, 10**6))
+            if -(-(counted + step + 1) // block_size) > len(blocks):  # the scheduler's next block
+                new = int(rng.choice([b for b in range(100) if b not in blocks]))
                 blocks.append(new)
-                p.grow([new])
-            p.append(1)
-        mine = {b * kv_heads + h for b in blocks for h in range(kv_heads)}
-        held = [q for row in p.rows for q in row]
-        assert len(held) == len(set(held)) and set(held) | set(p.free) <= mine
-        assert not set(held) & set(p.free)
-        assert [len(row) for row in p.rows] == heads.pages_of(p.lengths, block_size).tolist()
+                free += space.pages([new])
+            for pages in rows.values():
+                pages.append(1)
+        mine = set(space.pages(blocks))
+        held = [q for pages in rows.values() for row in pages.rows for q in row]
+        assert len(held) == len(set(held)) and set(held) | set(free) <= mine
+        assert not set(held) & set(free)
+        for pages in rows.values():
+            assert [len(row) for row in pages.rows] == heads.pages_of(pages.lengths, block_size).tolist()
 
 
-def test_too_few_blocks_is_refused_in_one_line():
+def test_settle_moves_every_page_into_the_kept_blocks():
+    """Pages placed anywhere in the request's blocks, then ``settle`` onto the first blocks: every
+    page held is inside them, each head's entries (followed page by page) where they were, the free
+    pages the kept blocks' others; more pages than the kept blocks have is refused in one line."""
+    rng = np.random.default_rng(1)
+    block_size, kv_heads, layers = 4, 2, 3
+    space = heads.Space({f"layer{i}": 50 * i for i in range(layers)}, kv_heads)
+    for _ in range(100):
+        blocks = list(rng.choice(50, 8, replace=False))
+        free = space.pages(blocks)
+        rng.shuffle(free)
+        keep = int(rng.integers(1, 9))
+        total = keep * layers * kv_heads * block_size - layers * kv_heads * block_size
+        lengths = rng.multinomial(max(total, 0), np.ones(layers * kv_heads) / (layers * kv_heads)).reshape(layers, kv_heads)
+        rows = [heads.HeadPages.placed(free, n, block_size) for n in lengths]
+        content = {p: (i, h, k) for i, pages in enumerate(rows) for h, row in enumerate(pages.rows) for k, p in enumerate(row)}
+        kept = space.pages(blocks[:keep])
+        moved_from, moved_to, spare = heads.settle(rows, kept)
+        for a, b in zip(moved_from.tolist(), moved_to.tolist()):
+            content[b] = content.pop(a)
+        for i, pages in enumerate(rows):
+            for h, row in enumerate(pages.rows):
+                assert set(row) <= set(kept)
+                assert [content[p] for p in row] == [(i, h, k) for k in range(len(row))]
+        held = {p for pages in rows for row in pages.rows for p in row}
+        assert sorted(spare) == sorted(set(kept) - held) and all(pages.free is spare for pages in rows)
+    rows = [heads.HeadPages.placed(space.pages([0, 1]), [4, 4], block_size)]
+    with pytest.raises(RuntimeError, match="pages held"):
+        heads.settle(rows, space.pages([7])[:1])
+
+
+def test_too_few_pages_is_refused_in_one_line():
     with pytest.raises(RuntimeError, match="pages needed"):
-        heads.HeadPages.placed([0], [9, 0], 4)
-    p = heads.HeadPages.placed([0], [4, 0], 4)
+        heads.HeadPages.placed([0, 1], [9, 0], 4)
+    p = heads.HeadPages.placed([0, 1], [4, 0], 4)
     p.append(0)
     with pytest.raises(RuntimeError, match="head 0 needs 1 more pages"):
         heads.HeadPages(p.rows, p.lengths, [], 4).append(1)
@@ -130,8 +173,7 @@ def test_flattened_attention_equals_each_heads_own(make):
         budget = 5 + r
         lengths = rng.multinomial(kv_heads * budget, [0.8, 0.2])
         blocks = [free.pop() for _ in range(heads.bound(budget, block_size) + 2)]
-        p = heads.HeadPages.placed(blocks[:-2], lengths, block_size)
-        p.grow(blocks[-2:])
+        p = heads.HeadPages.placed(heads.Space({"layer": 0}, kv_heads).pages(blocks), lengths, block_size)
         kept = [(torch.randn(n, d, dtype=torch.float64), torch.randn(n, d, dtype=torch.float64)) for n in lengths]
         for h, (k, v) in enumerate(kept):
             cache.write_pages(torch.from_numpy(p.slots(h, 0, len(k))), k, v)

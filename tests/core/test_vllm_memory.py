@@ -14,6 +14,7 @@ from vllm_sim import PagedEngine
 
 from restkv.config import CompressionConfig
 from restkv.vllm import memory, paged, settings
+from restkv.vllm.heads import Space
 from restkv.vllm.worker import Worker
 
 FACTOR = 2.0  # the estimate is at most this multiple of the measured peak
@@ -64,6 +65,9 @@ def test_eviction_peak_within_the_estimate(case, geometry):
     reads.clear()
     cache = torch.randn(blocks, hkv, block_size, 2 * d, generator=g).to(dtype)
     layer = paged.Paged(cache, cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2), block_size)
+    settings.bind_model(cfg, 4, hq, hkv)
+    if settings.per_head(cfg):  # the layer's pages the whole pool (the others evict nothing here)
+        worker.space, worker.whole = Space({"model.layers.0.attn": 0}, hkv), layer
     worker.blocks["r"] = list(range(blocks))
     worker.begin(["r"], [0], [L], [L], "cpu")
     query = torch.randn(L, hq, d, generator=g).to(dtype)

@@ -104,25 +104,45 @@ def uniform_cfg():
 
 
 def test_headkv_is_counted_from_its_table(tmp_path):
-    """HeadKV's table, bound to the model: the request is counted at the window plus the largest
-    layer's average count, plus a block; a table that does not fit the model is one line naming it."""
+    """HeadKV's table, bound to the model: the request is counted at the window plus the table's
+    average count over every layer and head, plus a block (its pages are one pool); a table that does
+    not fit the model is one line naming it."""
     import numpy as np
 
     path = tmp_path / "importance.json"
     path.write_text(json.dumps(np.random.default_rng(0).gamma(0.5, size=(4, 6)).tolist()))
     cfg = settings.from_env({"restkv": {"method": "headkv", "max_capacity_prompt": 64, "head_importance": str(path)}})
     with pytest.raises(RuntimeError, match="bind_model"):
-        settings.room(cfg, 64, 16)
+        settings.room(cfg, 64, 16, 300)
     settings.bind_model(cfg, 4, 6, 2)
     table = settings.head_table(cfg)
     assert table.shape == (4, 2) and int(table.sum()) == 4 * 2 * (64 - 32)
     most = 32 + -(-int(table.sum(-1).max()) // 2)
-    assert settings.room(cfg, 64, 16) == most + 16 > 64 + 16
+    mean = 32 + -(-int(table.sum()) // table.numel())
+    assert settings.room(cfg, 64, 16, 300) == mean + 16 == 64 + 16 < most + 16
     e = settings.eviction(cfg, 0, 300, 300, 0, False, 16)
-    assert e.counted == most + 16 and e.kept_blocks == -(-(most + 16) // 16)
+    assert e.counted == mean + 16 and e.kept_blocks == -(-(mean + 16) // 16)
     other = settings.from_env({"restkv": {"method": "headkv", "max_capacity_prompt": 64, "head_importance": str(path), "window_size": 8}})
     with pytest.raises(ValueError, match="importance.json"):
         settings.bind_model(other, 5, 6, 2)
+
+
+@pytest.mark.parametrize("prompt_len", [300, 140])
+def test_pyramidkv_is_counted_at_its_mean_over_the_layers(prompt_len):
+    """PyramidKV's layers keep from about 2 B down to B / beta; the request is counted at the mean of
+    its schedule over the model's layers (B, or more where a short prompt clips the last layers),
+    plus a block, not at its first layer's budget: every layer's pages are one pool."""
+    from restkv.strategies.budgets import layer_budgets
+
+    unbound = settings.from_env({"restkv": {"method": "pyramidkv", "max_capacity_prompt": 63, "window_size": 7}})
+    with pytest.raises(RuntimeError, match="bind_model"):
+        settings.room(unbound, 63, 16, prompt_len)
+    cfg = settings.from_env({"restkv": {"method": "pyramidkv", "max_capacity_prompt": 64, "window_size": 8}})
+    settings.bind_model(cfg, 12, 6, 2)
+    budgets = layer_budgets(cfg, 12, prompt_len, 64)
+    assert max(budgets) > 100 and -(-sum(budgets) // 12) >= 64
+    assert settings.room(cfg, 64, 16, prompt_len) == -(-sum(budgets) // 12) + 16
+    assert settings.eviction(cfg, 0, prompt_len, prompt_len, 0, False, 16).counted == -(-sum(budgets) // 12) + 16
 
 
 @pytest.mark.parametrize("caching", [False, True])

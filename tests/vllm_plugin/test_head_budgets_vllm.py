@@ -103,11 +103,14 @@ def test_a_batch_and_a_prefix_hit(model_dir, text_ids, prompt):
     assert run["cached"][3] == 256
 
 
-def test_the_pool_holds_the_budget_plus_one_block(model_dir, prompt):
+@pytest.mark.parametrize("knobs", [ADAKV, PYRAMIDKV], ids=["adakv", "pyramidkv"])
+def test_the_pool_holds_the_budget_plus_one_block(model_dir, prompt, knobs):
     """With prefix caching the step that evicts holds the prompt's blocks and the 5 fresh ones its
     heads' pages go to (``ceil(128 / 32) + 1``); after it, the 5 only, then one more once it
-    decodes past 160 counted entries; every block is back in the pool at the end."""
-    run = engine_run(model_dir, [prompt], ADAKV)
+    decodes past 160 counted entries; every block is back in the pool at the end. PyramidKV's first
+    layers keep up to 219 entries per head, its last 37: the layers' pages are one pool, so it holds
+    what AdaKV holds, the mean of 128 and a block."""
+    run = engine_run(model_dir, [prompt], knobs)
     start = run["free_at_start"]
     last_chunk = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
     scheduled, after = run["steps"][last_chunk]
@@ -159,12 +162,13 @@ def test_a_budget_shared_across_layers_keeps_decodes_and_frees_as_measured(model
     positions per layer and head and its tokens are the transformers path's; the step that evicts
     holds the bound's blocks (every layer keeping all it held, and a block), its own (never cached,
     prefix caching on); after it, the request holds the count the worker measured and sent with the step's output
-    (its largest layer's mean over the heads, and a block), and every block is back at the end."""
+    (the mean over every layer and head, and a block), and every block is back at the end."""
     keeps_and_decodes_as_restkv(model_dir, prompt, LAYER_DEFENSIVEKV, **vllm)
     ref = reference(prompt, LAYER_DEFENSIVEKV)
     per_layer = [sum(len(h) for h in heads_kept(layer)) for layer in ref["kept"]]
     assert len(set(per_layer)) > 1, "every layer kept the same count"
-    measured = max(-(-n // 3) for n in per_layer) + BLOCK
+    measured = -(-sum(per_layer) // (30 * 3)) + BLOCK
+    assert max(-(-n // 3) for n in per_layer) + BLOCK > measured  # its largest layer would hold more
     run = engine_run(model_dir, [prompt], LAYER_DEFENSIVEKV, **vllm)
     start = run["free_at_start"]
     evicting = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
@@ -190,7 +194,8 @@ def test_per_head_budgets_evict_while_decoding_as_restkv(model_dir, prompt, knob
     run = engine_run(model_dir, [prompt], knobs, new_tokens=200)
     assert run["tokens"][0] == ref["tokens"]
     cfg = settings.from_env({"restkv": knobs})
-    counted = settings.room(cfg, knobs["max_capacity_prompt"], BLOCK)
+    settings.bind_model(cfg, 30, 9, 3)
+    counted = settings.room(cfg, knobs["max_capacity_prompt"], BLOCK, PROMPT_LEN)
     assert run["held"][0] <= blocks(PROMPT_LEN) + blocks(counted)
     evicting = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
     held_after = [run["free_at_start"] - after for _, after in run["steps"][evicting:-1]]

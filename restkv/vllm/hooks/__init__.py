@@ -28,7 +28,8 @@ import functools
 import importlib
 import inspect
 
-from .. import settings, startup
+from .. import paged, settings, startup
+from ..heads import Space
 from . import attention, memory, refusals, requests, runner, runner_v1, runner_v2, scheduler
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
@@ -338,7 +339,8 @@ def covered(model_runner) -> None:
         except ImportError:
             continue
     worker.backends = {}
-    for layer_name, layer in refusals.attention_layers(model_runner.vllm_config).items():
+    layers = refusals.attention_layers(model_runner.vllm_config)
+    for layer_name, layer in layers.items():
         backend = next((n for n, (cls, _) in layouts.items() if isinstance(layer.impl, cls)), None)
         if backend is None or not _reached(layer.impl, "forward"):
             raise RuntimeError(
@@ -358,4 +360,9 @@ def covered(model_runner) -> None:
             worker.attends[layer_name] = attention.single_head(
                 layer, model_runner.vllm_config, worker.block_size, model_runner.device
             )
+    if settings.per_head(worker.cfg):  # every layer's pages in one pool (``restkv.vllm.heads``)
+        tensor, first = paged.whole({name: layer.kv_cache for name, layer in layers.items()})
+        layer = next(iter(layers.values()))
+        worker.space = Space(first, tensor.shape[1])
+        worker.whole = layouts[worker.backends[layer.layer_name]][1](layer.impl, layer, tensor, worker.block_size)
     startup.log(worker.cfg, worker.backends.values(), type(model_runner))

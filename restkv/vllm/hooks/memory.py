@@ -58,7 +58,7 @@ def determine_available_memory(resident: bool):
             model = model_of(self)
             seqs, length = self.scheduler_config.max_num_seqs, self.model_config.max_model_len
             sizes = (seqs, length, self.scheduler_config.max_num_batched_tokens)
-            fixed = sum(memory.fixed_bytes(plugin.cfg, model, *sizes).values())
+            fixed = sum(memory.fixed_bytes(plugin.cfg, model, *sizes, plugin.block_size).values())
             per_token = memory.per_token(plugin.cfg, model)
             if self.cache_config.kv_cache_memory_bytes:
                 tokens = available // (model.layers * model.kv_bytes(1))
@@ -69,7 +69,7 @@ def determine_available_memory(resident: bool):
                 )
                 return available
             held = sum(f.nbytes for f in plugin.factors.values()) if resident else 0
-            reserve = memory.reserved(plugin.cfg, model, *sizes[:2], available, sizes[2]) - held
+            reserve = memory.reserved(plugin.cfg, model, *sizes[:2], available, sizes[2], plugin.block_size) - held
             if reserve >= available:
                 raise ValueError(
                     f"restkv: the plugin needs {reserve / 2**30:.3f} GiB of the {available / 2**30:.3f} GiB "
