@@ -154,19 +154,21 @@ class HeadPages:
 
     def append(self, count: int) -> np.ndarray:
         """Make room for ``count`` more entries in every head -> their slots [Hkv, count], new
-        pages taken from ``free``; raises if the request's blocks run out."""
-        out = []
-        for h, row in enumerate(self.rows):
-            need = -(-(int(self.lengths[h]) + count) // self.block_size) - len(row)
+        pages taken from ``free``; raises if the request's blocks run out. (Plain integers: it runs
+        for every layer of every request each step.)"""
+        bs, out = self.block_size, []
+        for h, (row, n) in enumerate(zip(self.rows, self.lengths.tolist())):
+            need = -(-(n + count) // bs) - len(row)
             if need > len(self.free):
                 raise RuntimeError(
                     f"restkv.vllm: head {h} needs {need} more pages, {len(self.free)} free in the request's blocks"
                 )
-            row += self.free[:need]
-            del self.free[:need]
-            out.append(self.slots(h, int(self.lengths[h]), count))
-            self.lengths[h] += count
-        return np.stack(out)
+            if need > 0:
+                row += self.free[:need]
+                del self.free[:need]
+            out.append([row[j // bs] * bs + j % bs for j in range(n, n + count)])
+        self.lengths += count
+        return np.asarray(out, dtype=np.int64).reshape(len(self.rows), count)
 
     def layout(self, window: int) -> tuple[np.ndarray, np.ndarray]:
         """The heads' entries as the scorer lays them out while decoding (``restkv.eviction.reselect.relayout``)
@@ -213,9 +215,10 @@ class FlatBatch:
     max_seq_len: int = 0
 
     @classmethod
-    def of(cls, pages: list, counts, device) -> "FlatBatch":
+    def of(cls, pages: list, counts, device, appended: list | None = None) -> "FlatBatch":
         """``pages``: each request's ``HeadPages`` after its step's tokens were appended (``append``),
-        ``counts`` [R] its tokens in the step."""
+        ``counts`` [R] its tokens in the step; ``appended``: what each ``append`` returned (their slots
+        [Hkv, count]; None: read from the pages)."""
         counts = np.asarray(counts, dtype=np.int64)
         heads, total = len(pages[0].rows), int(counts.sum())
         starts = np.concatenate([[0], np.cumsum(counts)])
@@ -223,9 +226,9 @@ class FlatBatch:
         lens = np.stack([p.lengths for p in pages], 1).reshape(-1)  # [Hkv, R] -> head-major
         width = max(max(len(row) for row in p.rows) for p in pages)
         table = np.stack([p.table(width) for p in pages], 1).reshape(heads * len(pages), width)
-        slots = np.concatenate(
-            [p.slots(h, int(p.lengths[h]) - n, n) for h in range(heads) for p, n in zip(pages, counts.tolist())]
-        )
+        if appended is None:
+            appended = [np.stack([p.slots(h, int(p.lengths[h]) - n, n) for h in range(heads)]) for p, n in zip(pages, counts.tolist())]
+        slots = np.concatenate(appended, axis=1).reshape(-1)  # [Hkv, T] -> head-major, token-major within
         return cls(
             _on(loc, device).int(), _on(lens, device).int(), _on(table, device).int(), _on(slots, device),
             torch.from_numpy(loc).int(), int(counts.max()), int(lens.max()),

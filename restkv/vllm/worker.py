@@ -292,14 +292,15 @@ class Worker:
         self.flat, self.flat_tokens = {}, None
         if not flat:
             return
+        appended: dict = {}  # layer name -> each request's new slots [Hkv, count]
         for s in flat:
             s.state.free += self.space.pages(s.blocks[s.state.placed :])
             s.state.placed = len(s.blocks)
-            for pages in s.state.pages.values():
-                pages.append(s.count)
+            for name, pages in s.state.pages.items():
+                appended.setdefault(name, []).append(pages.append(s.count))
         counts = [s.count for s in flat]
         for name in flat[0].state.pages:
-            self.flat[name] = FlatBatch.of([s.state.pages[name] for s in flat], counts, device)
+            self.flat[name] = FlatBatch.of([s.state.pages[name] for s in flat], counts, device, appended[name])
         tokens = np.concatenate([np.arange(s.start, s.start + s.count) for s in flat])
         self.flat_tokens = torch.from_numpy(tokens).to(device)
 

@@ -32,13 +32,23 @@ def forward(layout):
                 tokens = attn_metadata.num_actual_tokens
                 q = query[:tokens].view(tokens, self.num_heads, self.head_size)
                 softcap = getattr(self, "logits_soft_cap", None) or None  # 0: none
-                paged_cache = layout(self, layer, kv_cache, worker.block_size)
+                paged_cache = _layer_layout(layout, self, layer, kv_cache, worker.block_size)
                 worker.layer(layer.layer_name, q, paged_cache, self.scale, softcap, key, value, out)
             return out
 
         return wrapped
 
     return wrap
+
+
+def _layer_layout(layout, impl, layer, kv_cache, block_size: int) -> paged.Paged:
+    """``layout(impl, layer, kv_cache, block_size)``, kept on the layer while its cache is the same
+    tensor (every step reads it)."""
+    key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()), kv_cache.dtype, block_size)
+    kept = getattr(layer, "_restkv_layout", None)
+    if kept is None or kept[0] != key:
+        kept = layer._restkv_layout = (key, layout(impl, layer, kv_cache, block_size))
+    return kept[1]
 
 
 def declared(impl, layer, kv_cache, block_size: int) -> paged.Paged:
