@@ -102,7 +102,7 @@ def test_heads_of_different_lengths_attend_to_their_own_entries(dtype):
     for c, budget in zip(counts, budgets):
         lengths = rng.multinomial(kv_heads * budget, [0.85, 0.15])
         blocks = [free.pop() for _ in range(heads.bound(budget, bs))]
-        p = heads.HeadPages.placed(blocks, lengths, bs)
+        p = heads.HeadPages.placed(heads.Space({"layer": 0}, kv_heads).pages(blocks), lengths, bs)
         held = []
         for h, n in enumerate(lengths):
             k, v = torch.randn(n + c, d, dtype=dtype), torch.randn(n + c, d, dtype=dtype)
