@@ -215,10 +215,9 @@ class FlatBatch:
     max_seq_len: int = 0
 
     @classmethod
-    def of(cls, pages: list, counts, device, appended: list | None = None) -> "FlatBatch":
-        """``pages``: each request's ``HeadPages`` after its step's tokens were appended (``append``),
-        ``counts`` [R] its tokens in the step; ``appended``: what each ``append`` returned (their slots
-        [Hkv, count]; None: read from the pages)."""
+    def of(cls, pages: list, counts, device, appended: list) -> "FlatBatch":
+        """``pages``: each request's ``HeadPages`` after its step's tokens were appended, ``counts`` [R]
+        its tokens in the step, ``appended`` what each ``append`` returned (their slots [Hkv, count])."""
         counts = np.asarray(counts, dtype=np.int64)
         heads, total = len(pages[0].rows), int(counts.sum())
         starts = np.concatenate([[0], np.cumsum(counts)])
@@ -226,8 +225,6 @@ class FlatBatch:
         lens = np.stack([p.lengths for p in pages], 1).reshape(-1)  # [Hkv, R] -> head-major
         width = max(max(len(row) for row in p.rows) for p in pages)
         table = np.stack([p.table(width) for p in pages], 1).reshape(heads * len(pages), width)
-        if appended is None:
-            appended = [np.stack([p.slots(h, int(p.lengths[h]) - n, n) for h in range(heads)]) for p, n in zip(pages, counts.tolist())]
         slots = np.concatenate(appended, axis=1).reshape(-1)  # [Hkv, T] -> head-major, token-major within
         return cls(
             _on(loc, device).int(), _on(lens, device).int(), _on(table, device).int(), _on(slots, device),

@@ -434,7 +434,7 @@ class Worker:
 
     def _keep(self, name, s: Scheduled, kept, paged) -> None:
         if settings.per_head(s.cfg):
-            self._place(name, s, kept, paged)
+            self._place(name, s, kept)
         else:
             paged.write(s.kept_slots, *slot_rows(kept))
         if s.state.offset == 0 and self.observer is not None:
@@ -463,7 +463,7 @@ class Worker:
             obs = self._observed(name, s, paged, scale, softcap)
             self._keep(name, s, kept_entries(obs, s.cfg, sizes=size, scores=score), paged)
 
-    def _place(self, name, s: Scheduled, kept, paged) -> None:
+    def _place(self, name, s: Scheduled, kept) -> None:
         """Per-head budgets: each head's kept entries on pages of its own (``HeadPages.placed``; one host
         read of the heads' counts, at the eviction only), from the request's free pages once the layer's
         own are among them (read: its pages, or in its first eviction in its own blocks its part of

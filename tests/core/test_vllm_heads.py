@@ -168,7 +168,7 @@ def test_flattened_attention_equals_each_heads_own(make):
     cache = make(64, block_size, kv_heads, d)
     free = list(rng.permutation(64))
     counts = [1, 3, 1]
-    dense, pages = [], []
+    dense, pages, appended = [], [], []
     for r, c in enumerate(counts):
         budget = 5 + r
         lengths = rng.multinomial(kv_heads * budget, [0.8, 0.2])
@@ -183,7 +183,8 @@ def test_flattened_attention_equals_each_heads_own(make):
             cache.write_pages(torch.from_numpy(slots[h]), new_k[:, h], new_v[:, h])
         dense.append([(torch.cat([k, new_k[:, h]]), torch.cat([v, new_v[:, h]])) for h, (k, v) in enumerate(kept)])
         pages.append(p)
-    batch = heads.FlatBatch.of(pages, counts, "cpu")
+        appended.append(slots)
+    batch = heads.FlatBatch.of(pages, counts, "cpu", appended)
     q = torch.randn(sum(counts), kv_heads * group, d, dtype=torch.float64)
     scale = d**-0.5
     out = heads.unflatten(reference_paged_attention(heads.flatten(q, kv_heads), cache, batch, scale), kv_heads)

@@ -84,7 +84,8 @@ def test_a_uniform_request_reads_the_same_through_single_head_pages(dtype):
         block_table=torch.tensor([blocks[:width]], dtype=torch.int32),
     )
     pages = heads.HeadPages.uniform(blocks, n, kv_heads, bs)
-    batch = heads.FlatBatch.of([pages], [c], "cpu")
+    step = np.stack([pages.slots(h, n - c, c) for h in range(kv_heads)])  # the step's c tokens, last in every head
+    batch = heads.FlatBatch.of([pages], [c], "cpu", [step])
     torch.testing.assert_close(
         flat(query, cache, batch, kv_heads, isa, d**-0.5), kernel(query, cache, own, kv_heads, isa, d**-0.5)
     )
@@ -98,7 +99,7 @@ def test_heads_of_different_lengths_attend_to_their_own_entries(dtype):
     cache, paged, isa = setup(dtype, bs, kv_heads, d, blocks=40)
     free = list(rng.permutation(40))
     counts, budgets = [1, 5, 1], [40, 70, 33]
-    pages, dense = [], []
+    pages, dense, appended = [], [], []
     for c, budget in zip(counts, budgets):
         lengths = rng.multinomial(kv_heads * budget, [0.85, 0.15])
         blocks = [free.pop() for _ in range(heads.bound(budget, bs))]
@@ -112,8 +113,9 @@ def test_heads_of_different_lengths_attend_to_their_own_entries(dtype):
         for h, (k, v) in enumerate(held):
             paged.write_pages(torch.from_numpy(slots[h]), k[-c:], v[-c:])
         pages.append(p)
+        appended.append(slots)
         dense.append(held)
-    batch = heads.FlatBatch.of(pages, counts, "cpu")
+    batch = heads.FlatBatch.of(pages, counts, "cpu", appended)
     query = torch.randn(sum(counts), kv_heads * group, d, dtype=dtype)
     out = flat(query, cache, batch, kv_heads, isa, d**-0.5)
     start = 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 
+from vllm.exceptions import VLLMValidationError
+
 from .. import per_request, settings
 from .memory import config_model
 
@@ -46,8 +48,6 @@ def validate_params(orig):
         try:
             per_request.resolve(checked, knobs)
         except ValueError as e:
-            from vllm.exceptions import VLLMValidationError
-
             raise VLLMValidationError(str(e), parameter="vllm_xargs.restkv") from None
         return out
 
