@@ -344,3 +344,16 @@ class PeakBytes(TorchDispatchMode):
             self.live[ptr][0] += 1
             weakref.finalize(t, self._release, ptr)
         return out
+
+
+def fewest_length(lengths, bs: int) -> int:
+    """Brute force: the shortest count of entries whose blocks (one single-head page per head and layer
+    each: ``len(lengths)`` pages) hold the pages of heads holding ``lengths`` entries, while each head
+    appends one entry per token."""
+    lengths = [int(n) for layer in lengths for n in (layer if hasattr(layer, "__len__") else [layer])]
+    heads = len(lengths)
+
+    def fits(count):
+        return all(-(-(count + t) // bs) * heads >= sum(-(-(n + t) // bs) for n in lengths) for t in range(2 * bs))
+
+    return next(count for count in range(1, 2 * max(lengths) + 2 * bs) if fits(count))

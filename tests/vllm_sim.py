@@ -10,6 +10,7 @@ test can put restkv's vLLM path beside ``restkv.configure`` on the same model, p
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.modeling_utils import AttentionInterface
 
@@ -92,6 +93,10 @@ class PagedEngine:
             }
         )
         self.released = []  # blocks given back by first evictions under prefix caching: (block ids, contents)
+        # per step of a request whose heads hold their own pages: (its blocks, the entries the scheduler counts,
+        # its heads' lengths [layers, Hkv], whether it evicted); every page a head holds is checked to be in the
+        # request's blocks
+        self.pages_trace = []
         scale = cfg.head_dim**-0.5
         tensor, first = paged.whole(dict(zip(self.names, self.caches)))
         self.worker.space, self.worker.whole = Space(first, hkv), view(tensor)
@@ -129,6 +134,7 @@ class PagedEngine:
                     self.released.append((gone, [c[gone].clone() for c in self.caches]))
                 self.free += [b for b in gone if b not in hit_blocks]
                 offset += e.evicted
+            self._trace_pages(req, e, computed + n - offset)
             computed += n
             if computed >= len(ids):
                 token = int(logits.argmax())
@@ -137,6 +143,17 @@ class PagedEngine:
         self.worker.forget([req])
         self.worker.finish([req])
         return out
+
+    def _trace_pages(self, req, e, counted: int) -> None:
+        state = self.worker.requests.get(req)
+        if state is None or not state.pages:
+            return
+        inside = set(self.worker.space.pages(self.blocks))
+        held = [p for pages in state.pages.values() for row in pages.rows for p in row]
+        assert set(held) <= inside, f"pages {sorted(set(held) - inside)} outside the request's blocks"
+        assert len(held) == len(set(held)), "a page held twice"
+        lengths = np.stack([pages.lengths for pages in state.pages.values()])
+        self.pages_trace.append((len(self.blocks), counted, lengths, e is not None))
 
     @torch.no_grad()
     def forward(self, tokens: list[int], first: int):

@@ -59,9 +59,23 @@ def bound(budget: int, block_size: int) -> int:
 
 
 def equivalent_length(budget: int, block_size: int) -> int:
-    """The length the scheduler counts for a request whose heads hold ``budget`` entries on average:
-    ``bound(budget)`` blocks now, one more block every ``block_size`` decoded tokens."""
+    """The length the scheduler counts for a request whose heads hold ``budget`` entries on average, whatever
+    their split: ``bound(budget)`` blocks now, one more block every ``block_size`` decoded tokens (the bound
+    until the worker counts the heads' own, ``exact_length``)."""
     return budget + block_size
+
+
+def exact_length(lengths, block_size: int) -> int:
+    """The shortest length the scheduler can count a request at whose heads hold ``lengths`` [layers * Hkv]
+    entries (every layer's and head's, ``lengths.size`` pages to a block), so that while every head appends
+    one entry per token its blocks always hold the heads' pages: for each t of the next ``block_size`` tokens,
+    ``ceil((length + t) / block_size)`` blocks hold ``sum ceil((lengths + t) / block_size)`` pages (the need
+    repeats, one block more, every ``block_size`` tokens). At most ``equivalent_length`` of their mean."""
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    t = np.arange(block_size)
+    pages = pages_of(lengths[:, None] + t, block_size).sum(0)  # [block_size] the heads' pages after t tokens
+    blocks = -(-pages // lengths.size)
+    return int(max(1, ((blocks - 1) * block_size + 1 - t).max()))  # ceil((length + t) / bs) >= blocks
 
 
 @dataclass(frozen=True)

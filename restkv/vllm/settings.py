@@ -267,7 +267,8 @@ def room(cfg: CompressionConfig, budget: int, block_size: int, prompt_len: int) 
     """Entries a kept set is counted at, from the config alone (0: ``budget``, every head and layer
     keeping as many): where heads or layers keep their own counts (``per_head``), their mean over
     every layer and head and ``block_size`` more (``restkv.vllm.heads.equivalent_length``: any split
-    over the layers' and heads' pages fits)."""
+    over the layers' and heads' pages fits), the bound of the count the worker sends once the heads
+    kept theirs (``heads.exact_length``)."""
     if not per_head(cfg):
         return 0
     layers = layers_of(cfg) if cfg.get("layer_budget") in PER_LAYER else 1
@@ -321,12 +322,12 @@ class Eviction:
     block_size: int
     """Entries per block."""
     room: int = 0
-    """Entries the kept set is counted at (0: ``budget``; ``settings.room``): the largest layer's
-    budget, and with per-head budgets ``block_size`` more, whatever the heads' split; at most
-    ``held + block_size``."""
+    """Entries the kept set is counted at (0: ``budget``; ``settings.room``): with per-head budgets the mean
+    over every layer and head and ``block_size`` more, whatever the heads' split, until the worker's count
+    (``measured``); at most ``held + block_size``."""
     measured: bool = False
-    """Its kept count is the worker's, from the scores (``DEFERRED``): ``room`` is its bound until
-    ``kept`` gives it."""
+    """Its kept count is the worker's (``per_head``: from its heads' lengths, ``heads.exact_length``):
+    ``room`` is its bound until ``kept`` gives it."""
 
     @property
     def counted(self) -> int:
@@ -406,7 +407,7 @@ def eviction(
     counted = room(cfg, budget, block_size, prompt_len)
     counted = counted and min(counted, held + block_size)  # no head keeps more than it holds
     fresh = caching and offset == 0 and not deferred(cfg)  # ``uncached``: its blocks are its own
-    return Eviction(held, budget, fresh, block_size, counted, deferred(cfg))
+    return Eviction(held, budget, fresh, block_size, counted, per_head(cfg))
 
 
 def _checks_between(computed: int, end: int, prompt_len: int, interval: int) -> bool:

@@ -38,7 +38,7 @@ import torch
 from ..scoring.observe import wo_factor
 from . import per_request, settings
 from .memory import reads_factor
-from .heads import FlatBatch, HeadPages, flatten, settle, unflatten
+from .heads import FlatBatch, HeadPages, exact_length, flatten, settle, unflatten
 from ..strategies.budgets import shared_sizes
 from .scoring import chunk_score, entry_scores, kept_entries, observation, slot_rows
 
@@ -123,6 +123,7 @@ class Worker:
     def __init__(self, cfg, slots: int, caching: bool, block_size: int, engine=None):
         self.cfg = cfg
         self.engine = engine
+        self.tensor_parallel = 1 if engine is None else engine.tensor_parallel  # ranks, each with some heads
         self.configs: dict = {}  # request id -> the config it runs (``admit``), until it finishes
         self.caching = caching
         self.block_size = block_size
@@ -346,7 +347,7 @@ class Worker:
             start = time.perf_counter()
             if s.sums:
                 self._add_chunk(name, s, query, paged, scale, softcap)
-            if s.eviction is not None and s.eviction.measured:
+            if s.eviction is not None and settings.deferred(s.cfg):
                 self._score(name, s, paged, scale, softcap)
             elif s.eviction is not None:
                 self._evict(name, s, paged, scale, softcap)
@@ -448,15 +449,13 @@ class Worker:
 
     def _finish(self, s: Scheduled) -> None:
         """A deferred eviction once every layer has run: the layers' shares of the budget from all their
-        scores (``shared_sizes``, as ``restkv.configure``), its kept count from them (their mean over
-        every layer and head, and ``block_size`` more: any split fits, ``restkv.vllm.heads``), then each
+        scores (``shared_sizes``, as ``restkv.configure``), its kept count from them (``_counted``), then each
         layer's selection placed on its pages."""
         names = sorted(s.scores, key=self.rank.get)
         scores = [s.scores.pop(n) for n in names]
         sizes = shared_sizes(s.cfg, scores, s.eviction.budget)
         lengths = torch.stack(sizes)[:, 0] + s.cfg.window_size  # [layers, Hkv]
-        mean = int(-(-lengths.sum() // lengths.numel()))  # over every layer and head; one host read per eviction
-        s.eviction = s.eviction.kept(mean + self.block_size)
+        self._counted(s, lengths.cpu().numpy())  # one host read per eviction
         s.kept_pages = self.space.pages(s.blocks[: s.eviction.kept_blocks])  # its own blocks (``settings.uncached``)
         for name, size, score in zip(names, sizes, scores):
             paged, scale, softcap = self.later[name]
@@ -482,6 +481,14 @@ class Worker:
         slots = np.concatenate([pages.slots(h, 0, n) for h, n in enumerate(lengths)])
         self.whole.write_pages(torch.from_numpy(slots).to(kept.keys.device), kept.keys[0][valid], kept.values[0][valid])
         state.pages[name] = pages
+
+    def _counted(self, s: Scheduled, lengths: np.ndarray) -> None:
+        """Per-head budgets: the request's kept count from its heads' lengths [layers, Hkv] (every layer's,
+        ``heads.exact_length``), for the scheduler (``report``); the config's bound under tensor parallelism,
+        where each rank holds other heads and all must count alike."""
+        exact = lengths.size == len(self.space.first) * self.space.heads and self.tensor_parallel == 1
+        s.eviction = s.eviction.kept(exact_length(lengths, self.block_size) if exact else s.eviction.room)
+        self.counted[s.req_id] = s.eviction.counted
 
     def _settle(self, s: Scheduled) -> None:
         """Per-head budgets, after every layer's eviction: the pages outside the blocks the request keeps
@@ -512,11 +519,15 @@ class Worker:
                 "without the plugin in this step; stopping before its blocks are freed"
             )
         for s in self.step:
-            if s.eviction is not None and s.eviction.measured:
+            if s.eviction is not None and settings.deferred(s.cfg):
                 start = time.perf_counter()
                 self._finish(s)
                 self._spent(s, start)
-                self.counted[s.req_id] = s.eviction.counted
+            elif s.eviction is not None and settings.per_head(s.cfg):
+                lengths = np.stack([pages.lengths for pages in s.state.pages.values()])
+                self._counted(s, lengths)
+                first = s.eviction.first_kept_block
+                s.kept_pages = self.space.pages(s.blocks[first : first + s.eviction.kept_blocks])
             if s.eviction is not None and settings.per_head(s.cfg):
                 start = time.perf_counter()
                 self._settle(s)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import prompt, small, tiny_model
+from helpers import fewest_length, prompt, small, tiny_model
 from vllm_sim import PagedEngine, scrambled_writer
 
 import restkv
@@ -331,8 +331,51 @@ def test_global_budget_equals_configure_and_holds_its_measured_count(method, cac
     per_head = [int(n) for p in kept for n in (p >= 0).sum(-1)]
     # H2O's sums rank the earliest entries first everywhere: every head keeps as many on this prompt
     assert len(set(per_head)) > 1 or method == "h2o", "every layer and head kept the same count"
-    per_layer = [int((p >= 0).sum()) for p in kept]
-    hkv = kept[0].shape[0]
-    counted = max(-(-n // hkv) for n in per_layer) + eng.bs
-    assert counted < len(ids) + eng.bs
+    counted = fewest_length(per_head, eng.bs)
+    assert counted < len(ids)
     assert len(eng.blocks) == -(-(counted + 5) // eng.bs)  # 5 tokens written after the eviction
+    assert_pages_counted(eng)
+
+
+def assert_pages_counted(eng: PagedEngine) -> None:
+    """Every step: the request holds the blocks the scheduler counts; at an eviction the count is the fewest
+    its heads' pages need (the pages inside its blocks: ``vllm_sim``)."""
+    assert eng.pages_trace, "no step with single-head pages"
+    for step, (blocks, counted, lengths, evicted) in enumerate(eng.pages_trace):
+        assert blocks == -(-counted // eng.bs), f"step {step}: {blocks} blocks for {counted} entries"
+        if evicted:
+            assert counted == fewest_length(lengths, eng.bs), f"step {step}"
+
+
+def test_ranks_count_a_request_at_the_bound():
+    """Under tensor parallelism each rank holds some heads, whose pages can need other counts, and one rank's
+    count reaches the scheduler: every rank counts the config's bound (the mean and a block)."""
+    knobs = {**small("pyramidkv"), **BUDGET}
+    eng = engine(knobs)
+    eng.worker.tensor_parallel = 2
+    ids = prompt(80)[0].tolist()
+    eng.generate(ids, 3)
+    counted = [c for _, c, _, evicted in eng.pages_trace if evicted]
+    assert counted == [settings.room(eng.cfg, 40, eng.bs, 80)]
+    assert counted[0] > fewest_length(eng.pages_trace[0][2], eng.bs)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"method": "adakv"}, {"method": "pyramidkv"}, {"method": "pyramidkv", "head_budget": "adakv"}],
+    ids=["adakv", "pyramidkv", "pyramidkv-adakv"],
+)
+@pytest.mark.parametrize("caching", [False, True], ids=["own-blocks", "prefix-caching"])
+def test_per_head_request_holds_the_fewest_blocks_its_pages_need(knobs, caching):
+    """Per-head and per-layer budgets, evicting every 10 tokens: after each eviction the request is counted
+    at the fewest entries whose blocks hold its heads' pages while they decode (a brute-force search over
+    the next tokens), below the bound of the mean plus a block; the pages stay inside its blocks."""
+    knobs = {**small(knobs["method"]), **knobs, **BUDGET, "decode_interval": 10}
+    ids = prompt(80)[0].tolist()
+    tokens, _ = reference(knobs, ids, 30)
+    eng = engine(knobs, chunk=13, caching=caching)
+    assert eng.generate(ids, 30) == tokens
+    assert_pages_counted(eng)
+    evictions = [(counted, lengths) for _, counted, lengths, evicted in eng.pages_trace if evicted]
+    assert len(evictions) >= 3
+    assert any(counted < -(-int(lengths.sum()) // lengths.size) + eng.bs for counted, lengths in evictions)

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness import BLOCK, PROMPT_LEN, TP3_ENV, blocks, engine_run, reference
+from helpers import fewest_length
 
 from restkv.vllm import settings
 
@@ -104,21 +105,24 @@ def test_a_batch_and_a_prefix_hit(model_dir, text_ids, prompt):
 
 
 @pytest.mark.parametrize("knobs", [ADAKV, PYRAMIDKV], ids=["adakv", "pyramidkv"])
-def test_the_pool_holds_the_budget_plus_one_block(model_dir, prompt, knobs):
+def test_the_pool_holds_the_fewest_blocks_the_pages_need(model_dir, prompt, knobs):
     """With prefix caching the step that evicts holds the prompt's blocks and the 5 fresh ones its
-    heads' pages go to (``ceil(128 / 32) + 1``); after it, the 5 only, then one more once it
-    decodes past 160 counted entries; every block is back in the pool at the end. PyramidKV's first
-    layers keep up to 219 entries per head, its last 37: the layers' pages are one pool, so it holds
-    what AdaKV holds, the mean of 128 and a block."""
+    heads' pages may need (``ceil(128 / 32) + 1``, whatever the heads' split); after it, the fewest
+    blocks that hold its heads' pages while they decode (the worker's count, a brute-force search over
+    the kept lengths here), then as many as that count and one token need; every block is back in the
+    pool at the end. PyramidKV's first layers keep up to 219 entries per head, its last 37: the layers'
+    pages are one pool."""
+    ref = reference(prompt, knobs)
+    counted = fewest_length([[len(h) for h in heads_kept(layer)] for layer in ref["kept"]], BLOCK)
     run = engine_run(model_dir, [prompt], knobs)
     start = run["free_at_start"]
     last_chunk = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
     scheduled, after = run["steps"][last_chunk]
-    kept = blocks(ADAKV["max_capacity_prompt"]) + 1
-    assert start - scheduled == blocks(PROMPT_LEN) + kept
-    assert start - after == kept
-    assert start - run["steps"][last_chunk + 1][0] == blocks(ADAKV["max_capacity_prompt"] + BLOCK + 1)
-    assert run["held"][0] == blocks(PROMPT_LEN) + kept
+    bound = blocks(ADAKV["max_capacity_prompt"]) + 1
+    assert start - scheduled == blocks(PROMPT_LEN) + bound
+    assert start - after == blocks(counted) <= bound
+    assert start - run["steps"][last_chunk + 1][0] == blocks(counted + 1)
+    assert run["held"][0] == blocks(PROMPT_LEN) + bound
     assert run["steps"][-1][1] == start
 
 
@@ -162,12 +166,12 @@ def test_a_budget_shared_across_layers_keeps_decodes_and_frees_as_measured(model
     positions per layer and head and its tokens are the transformers path's; the step that evicts
     holds the bound's blocks (every layer keeping all it held, and a block), its own (never cached,
     prefix caching on); after it, the request holds the count the worker measured and sent with the step's output
-    (the mean over every layer and head, and a block), and every block is back at the end."""
+    (the fewest blocks its heads' pages need while they decode), and every block is back at the end."""
     keeps_and_decodes_as_restkv(model_dir, prompt, LAYER_DEFENSIVEKV, **vllm)
     ref = reference(prompt, LAYER_DEFENSIVEKV)
     per_layer = [sum(len(h) for h in heads_kept(layer)) for layer in ref["kept"]]
     assert len(set(per_layer)) > 1, "every layer kept the same count"
-    measured = -(-sum(per_layer) // (30 * 3)) + BLOCK
+    measured = fewest_length([[len(h) for h in heads_kept(layer)] for layer in ref["kept"]], BLOCK)
     assert max(-(-n // 3) for n in per_layer) + BLOCK > measured  # its largest layer would hold more
     run = engine_run(model_dir, [prompt], LAYER_DEFENSIVEKV, **vllm)
     start = run["free_at_start"]
@@ -195,9 +199,10 @@ def test_per_head_budgets_evict_while_decoding_as_restkv(model_dir, prompt, knob
     assert run["tokens"][0] == ref["tokens"]
     cfg = settings.from_env({"restkv": knobs})
     settings.bind_model(cfg, 30, 9, 3)
-    counted = settings.room(cfg, knobs["max_capacity_prompt"], BLOCK, PROMPT_LEN)
-    assert run["held"][0] <= blocks(PROMPT_LEN) + blocks(counted)
+    bound = settings.room(cfg, knobs["max_capacity_prompt"], BLOCK, PROMPT_LEN)
+    assert run["held"][0] <= blocks(PROMPT_LEN) + blocks(bound)
     evicting = next(i for i, (s, a) in enumerate(run["steps"]) if a != s)
     held_after = [run["free_at_start"] - after for _, after in run["steps"][evicting:-1]]
-    assert held_after[0] == blocks(counted) and max(held_after) <= blocks(counted + 32)
+    first = fewest_length([[len(h) for h in heads_kept(layer)] for layer in ref["kept"]], BLOCK)
+    assert held_after[0] == blocks(first) and max(held_after) <= blocks(bound + 32)
     assert run["steps"][-1][1] == run["free_at_start"]
