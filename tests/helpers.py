@@ -350,7 +350,7 @@ def fewest_length(lengths, bs: int) -> int:
     """Brute force: the shortest count of entries whose blocks (one single-head page per head and layer
     each: ``len(lengths)`` pages) hold the pages of heads holding ``lengths`` entries, while each head
     appends one entry per token."""
-    lengths = [int(n) for layer in lengths for n in (layer if hasattr(layer, "__len__") else [layer])]
+    lengths = [int(n) for n in np.asarray(lengths).reshape(-1)]
     heads = len(lengths)
 
     def fits(count):

@@ -455,8 +455,7 @@ class Worker:
         scores = [s.scores.pop(n) for n in names]
         sizes = shared_sizes(s.cfg, scores, s.eviction.budget)
         lengths = torch.stack(sizes)[:, 0] + s.cfg.window_size  # [layers, Hkv]
-        self._counted(s, lengths.cpu().numpy())  # one host read per eviction
-        s.kept_pages = self.space.pages(s.blocks[: s.eviction.kept_blocks])  # its own blocks (``settings.uncached``)
+        self._counted(s, lengths.cpu().numpy())  # one host read per eviction; its own blocks (``settings.uncached``)
         for name, size, score in zip(names, sizes, scores):
             paged, scale, softcap = self.later[name]
             obs = self._observed(name, s, paged, scale, softcap)
@@ -484,11 +483,13 @@ class Worker:
 
     def _counted(self, s: Scheduled, lengths: np.ndarray) -> None:
         """Per-head budgets: the request's kept count from its heads' lengths [layers, Hkv] (every layer's,
-        ``heads.exact_length``), for the scheduler (``report``); the config's bound under tensor parallelism,
-        where each rank holds other heads and all must count alike."""
+        ``heads.exact_length``), for the scheduler (``report``), and the pages of the blocks that count keeps
+        (``kept_pages``); the config's bound under tensor parallelism, where each rank holds other heads and
+        all must count alike."""
         exact = lengths.size == len(self.space.first) * self.space.heads and self.tensor_parallel == 1
-        s.eviction = s.eviction.kept(exact_length(lengths, self.block_size) if exact else s.eviction.room)
-        self.counted[s.req_id] = s.eviction.counted
+        e = s.eviction = s.eviction.kept(exact_length(lengths, self.block_size) if exact else s.eviction.room)
+        s.kept_pages = self.space.pages(s.blocks[e.first_kept_block : e.first_kept_block + e.kept_blocks])
+        self.counted[s.req_id] = e.counted
 
     def _settle(self, s: Scheduled) -> None:
         """Per-head budgets, after every layer's eviction: the pages outside the blocks the request keeps
@@ -524,10 +525,7 @@ class Worker:
                 self._finish(s)
                 self._spent(s, start)
             elif s.eviction is not None and settings.per_head(s.cfg):
-                lengths = np.stack([pages.lengths for pages in s.state.pages.values()])
-                self._counted(s, lengths)
-                first = s.eviction.first_kept_block
-                s.kept_pages = self.space.pages(s.blocks[first : first + s.eviction.kept_blocks])
+                self._counted(s, np.stack([pages.lengths for pages in s.state.pages.values()]))
             if s.eviction is not None and settings.per_head(s.cfg):
                 start = time.perf_counter()
                 self._settle(s)
