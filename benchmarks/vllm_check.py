@@ -269,14 +269,15 @@ def expected_blocks(cfg, trace: list, prompt_len: int, block_size: int, caching:
     kept ones' fresh blocks. ``cfg`` None: the full cache, every token's."""
     from restkv.vllm import settings
 
-    offset, out = 0, []
+    offset, evicted, out = 0, False, []
     for end, scheduled, _ in trace:
         e = None if cfg is None else settings.eviction(
-            cfg, end - scheduled, scheduled, prompt_len, offset, caching, block_size
+            cfg, end - scheduled, scheduled, prompt_len, offset, caching, block_size, evicted
         )  # fmt: skip
         out.append(-(-(end - offset) // block_size) if e is None else e.slots // block_size)
         if e is not None:
             offset += e.evicted
+            evicted = True
     return out
 
 

@@ -112,13 +112,15 @@ class PagedEngine:
         limit = len(ids) if cfg is None else settings.hit_limit(cfg, len(ids))
         hit = min(len(hit_blocks) * self.bs, limit) // self.bs
         self.blocks = list(hit_blocks[:hit])
-        computed, offset, seq, out = hit * self.bs, 0, list(ids), []
+        computed, offset, evicted, seq, out = hit * self.bs, 0, False, list(ids), []
         while len(out) < new_tokens:
             prompt_left = len(ids) - computed
             n = prompt_left if prompt_left > 0 else 1
             if prompt_left > 0 and self.chunk:
                 n = min(n, self.chunk)
-            e = None if cfg is None else settings.eviction(cfg, computed, n, len(ids), offset, self.caching, self.bs)
+            e = None if cfg is None else settings.eviction(
+                cfg, computed, n, len(ids), offset, self.caching, self.bs, evicted
+            )
             slots = computed + n - offset if e is None else max(computed + n - offset, e.slots)
             while len(self.blocks) * self.bs < slots:
                 self.blocks.append(self.free.pop(0))
@@ -134,6 +136,7 @@ class PagedEngine:
                     self.released.append((gone, [c[gone].clone() for c in self.caches]))
                 self.free += [b for b in gone if b not in hit_blocks]
                 offset += e.evicted
+                evicted = True
             self._trace_pages(req, e, computed + n - offset)
             computed += n
             if computed >= len(ids):

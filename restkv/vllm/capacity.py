@@ -80,15 +80,17 @@ def holding(cfg, prompt_len: int, output_len: int, block_size: int, caching: boo
 
     if cfg is None:
         return Holding(blocks(P), blocks(P), blocks(end))
-    e = settings.eviction(cfg, P - 1, 1, P, 0, caching, block_size)
+    e = settings.eviction(cfg, P - 1, 1, P, 0, caching, block_size, False)
     prompt = blocks(P if e is None else e.slots)
     offset = 0 if e is None else e.evicted
     after = largest = blocks(P - offset)
+    evicted = e is not None
     interval = cfg.get("decode_interval") or 0
     for check in range(P + interval, end + 1, interval) if interval else ():
-        e = settings.eviction(cfg, check - 1, 1, P, offset, caching, block_size)
+        e = settings.eviction(cfg, check - 1, 1, P, offset, caching, block_size, evicted)
         largest = max(largest, blocks(check - offset if e is None else e.slots))
         offset += 0 if e is None else e.evicted
+        evicted = evicted or e is not None
     if end == P:  # one token: done in its prompt's step
         return Holding(prompt, after, prompt)
     return Holding(prompt, after, max(largest, blocks(end - offset)))

@@ -21,7 +21,8 @@ Held for the worker's life (``fixed``):
 - per-head or per-layer budgets (``restkv.vllm.heads``): a layer's queries, keys, values and output
   of the step flattened by KV head, at most ``4 T Hq d es`` at once (the page tables are on the host);
   and at a step's end one request's pages moved into the blocks it keeps, at most its kept entries of
-  every layer, ``layers`` x the K+V of ``B + block_size`` entries.
+  every layer, ``layers`` x the K+V of ``B + block_size`` entries (LU-KV's curve and ``layer_ratios``:
+  their largest layer's count over the prompts up to ``max_model_len``, ``settings.most_kept``).
 
 During one eviction (one request in one layer at a time: the worker evicts them in turn):
 
@@ -167,13 +168,15 @@ def critical_stages(cfg: CompressionConfig) -> bool:
 def kept_width(cfg: CompressionConfig, model: Model, held: int) -> int:
     """Entries per head of a kept set as the selection returns it (at most all held): its longest
     head's where the heads keep their own counts (HeadKV's table's longest; AdaKV's at most every
-    head's share past the window, ``Hkv (B - w) + w``; a budget shared across layers, every layer's
-    ``layers Hkv (B - w) + w``), else the largest layer's (``largest_layer``)."""
+    head's share past the window, ``Hkv (B - w) + w``; LU-KV's all held; a budget shared across layers,
+    every layer's ``layers Hkv (B - w) + w``), else the largest layer's (``largest_layer``)."""
     budget = cfg.max_capacity_prompt
     if settings.deferred(cfg):  # one layer's head may take every layer's and head's share
         return min(held, model.layers * model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
     if cfg.get("head_budget") == "headkv":
         return min(held, int(settings.head_table(cfg).max()) + cfg.window_size)
+    if cfg.get("head_budget") == "lukv":  # a head may keep all it holds
+        return held
     if settings.shares_heads(cfg):
         return min(held, model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
     return largest_layer(cfg, model, held)
@@ -186,7 +189,7 @@ def largest_layer(cfg: CompressionConfig, model: Model, held: int) -> int:
     budget, w = cfg.max_capacity_prompt, cfg.window_size
     if settings.deferred(cfg):
         return min(held, model.layers * (budget - w) + w)
-    return min(held, settings.largest(cfg, budget))
+    return min(held, settings.largest(cfg, budget, held))
 
 
 def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
@@ -239,8 +242,8 @@ def decode_width(cfg: CompressionConfig, model: Model) -> int:
     """Positions an eviction while decoding reads with per-head budgets: the heads' pages laid out on
     the longest head's entries (its kept width and ``decode_interval`` more), every head padded to it."""
     interval = cfg.get("decode_interval") or 0
-    if not (settings.per_head(cfg) and interval):
-        return 0
+    if not (settings.per_head(cfg) and interval) or cfg.get("head_budget") == "lukv":
+        return 0  # LU-KV's widest head holds at most every token seen: the caller's max_model_len
     return kept_width(cfg, model, settings.UNBOUNDED) + interval
 
 
@@ -255,7 +258,8 @@ def fixed_bytes(
     """Every term that does not grow with the pool (bytes), the eviction's as one."""
     m, tokens = model, max_num_batched_tokens
     rows = settings.query_rows(cfg)
-    moved = min(max_model_len, cfg.max_capacity_prompt + block_size)  # a request's kept entries per head, on average
+    most = settings.most_kept(cfg, cfg.max_capacity_prompt, max_model_len)
+    moved = min(max_model_len, most + block_size)  # a request's kept entries per head, on average
     return {
         "step's staged indices": 8 * (tokens + 2 * min(tokens, rows * max_num_seqs) + max_num_seqs),
         "query ring": m.layers * max_num_seqs * rows * m.heads * m.head_dim * m.dtype_bytes,

@@ -17,15 +17,17 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+import torch
+
 from ..config import CompressionConfig
-from ..strategies.budgets import layer_budgets
-from ..strategies.head_budgets import headkv_budgets, load_head_importance
+from ..strategies.budgets import check_layers, fits, keeps_prompt, layer_budgets, ratio_budgets
+from ..strategies.head_budgets import headkv_budgets, load_head_importance, load_lukv_curve, lukv_sizes
 from .heads import equivalent_length
 
 ENV = "RESTKV_VLLM"
 """The environment variable holding the plugin's knobs as a JSON object."""
 
-PER_HEAD = ("adakv", "threshold", "headkv")
+PER_HEAD = ("adakv", "threshold", "headkv", "lukv")
 """``head_budget`` values served on single-head pages: each KV head keeps its own count."""
 SHARED = ("adakv", "headkv")
 """Those of ``PER_HEAD`` whose heads' counts depend on the other heads (refused under tensor parallelism)."""
@@ -44,7 +46,7 @@ _KNOB_NEEDS = {
         lambda v: v in ("uniform", *PER_LAYER, *DEFERRED),
         f"'uniform' or {', '.join(map(repr, (*PER_LAYER, *DEFERRED)))}",
     ),
-    "head_budget": (
+    "head_budget": (  # every value configure() has runs; a new one is refused until the plugin counts it
         lambda v: v in ("uniform", *PER_HEAD),
         f"'uniform' or {', '.join(map(repr, PER_HEAD))} (a share of the layer's budget per KV head)",
     ),
@@ -145,7 +147,13 @@ def shares_heads(cfg: CompressionConfig) -> bool:
 def per_head(cfg: CompressionConfig) -> bool:
     """Its KV heads keep counts other than ``max_capacity_prompt`` (per head or per layer): their
     entries go on single-head pages (``restkv.vllm.heads``)."""
-    return cfg.get("head_budget") in PER_HEAD or cfg.get("layer_budget") in (*PER_LAYER, *DEFERRED)
+    return cfg.get("head_budget") in PER_HEAD or per_layer(cfg) or deferred(cfg)
+
+
+def per_layer(cfg: CompressionConfig) -> bool:
+    """Its layers keep budgets of their own from the config: PyramidKV's schedule (``PER_LAYER``) or
+    ``layer_ratios`` (``restkv.strategies.budgets.layer_budgets``)."""
+    return cfg.get("layer_budget") in PER_LAYER or cfg.get("layer_ratios") is not None
 
 
 def deferred(cfg: CompressionConfig) -> bool:
@@ -158,13 +166,19 @@ def uncached(cfg: CompressionConfig, prompt_len: int) -> bool:
     """A request whose blocks are its own: it neither takes nor gives prefix-cache hits, so its
     eviction writes over its blocks (``deferred`` with a prompt over the budget: its evicting step may
     keep all it holds, and fresh blocks for that would hold the prompt twice)."""
-    return deferred(cfg) and prompt_len > cfg.max_capacity_prompt
+    return deferred(cfg) and prompt_evicts(cfg, prompt_len)
+
+
+def prompt_evicts(cfg: CompressionConfig, prompt_len: int) -> bool:
+    """Its prompt's end evicts, as ``restkv.configure`` decides (``keeps_prompt``): the prompt is longer
+    than its budget (with ``layer_ratios``, its smallest layer's), or a threshold selects."""
+    return not keeps_prompt(cfg, prompt_len)
 
 
 def budget_knobs(cfg: CompressionConfig) -> str:
     """Its per-layer and per-head budget knobs other than uniform, as ``knob='value'`` (for errors)."""
-    knobs = ("layer_budget", "head_budget")
-    return ", ".join(f"{k}={cfg[k]!r}" for k in knobs if cfg.get(k, "uniform") != "uniform")
+    knobs = ("layer_budget", "layer_ratios", "head_budget")
+    return ", ".join(f"{k}={cfg[k]!r}" for k in knobs if cfg.get(k, "uniform") not in ("uniform", None))
 
 
 def per_head_refusals(cfg: CompressionConfig) -> list[str]:
@@ -184,27 +198,34 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
     return lines
 
 
-_TABLES: dict = {}  # config -> (the model's layers, heads, KV heads; HeadKV's counts [layers, Hkv] for it)
+_TABLES: dict = {}  # config -> (the model's layers, heads, KV heads; HeadKV's counts [layers, Hkv] or
+# LU-KV's curve [99, layers, Hkv] for it)
 _LAYERS: dict = {}  # config -> the model's attention layers (``bind_model``)
 
 
 def bind_model(cfg: CompressionConfig, layers: int, heads: int, kv_heads: int) -> None:
     """Read what the config needs of the model before any request: its ``layers`` attention layers
     (PyramidKV's schedule over them), HeadKV's head-importance table, shared among their ``kv_heads``
-    heads (``heads`` query heads), as ``restkv.configure`` shares it; a file that does not fit the model
-    raises a one-line ValueError."""
+    heads (``heads`` query heads), as ``restkv.configure`` shares it, LU-KV's budget curve; a file that
+    does not fit the model raises a one-line ValueError."""
     model = (layers, heads, kv_heads)
+    check_layers(cfg, layers)
     _LAYERS[cfg] = layers
-    if cfg.get("head_budget") == "headkv" and _TABLES.get(cfg, (None,))[0] != model:
+    if _TABLES.get(cfg, (None,))[0] == model:
+        return
+    if cfg.get("head_budget") == "headkv":
         importance = load_head_importance(cfg.head_importance, layers, heads, kv_heads)
         base = cfg.max_capacity_prompt - cfg.window_size
         _TABLES[cfg] = (model, headkv_budgets(importance, base, cfg.headkv_beta))
+    if cfg.get("head_budget") == "lukv":
+        _TABLES[cfg] = (model, load_lukv_curve(cfg.lukv_curve, layers, kv_heads))
 
 
 def head_table(cfg: CompressionConfig):
-    """HeadKV's prefix entries per head [layers, Hkv] (window excluded), from ``bind_model``."""
+    """HeadKV's prefix entries per head [layers, Hkv] (window excluded), or LU-KV's curve [99, layers, Hkv],
+    from ``bind_model``."""
     if cfg not in _TABLES:
-        raise RuntimeError("restkv.vllm: head_budget='headkv' before settings.bind_model read its table")
+        raise RuntimeError(f"restkv.vllm: {budget_knobs(cfg)} before settings.bind_model read its table")
     return _TABLES[cfg][1]
 
 
@@ -212,46 +233,99 @@ def layer_budget(cfg: CompressionConfig, budget: int, prompt_len: int, layer: in
     """Entries each KV head of attention layer ``layer`` (of ``layers``) keeps at ``budget`` in every
     eviction of a request of ``prompt_len`` prompt tokens (as ``restkv.configure`` shares it among the
     layers at the prompt's end, and keeps it while decoding)."""
-    if cfg.get("layer_budget") not in PER_LAYER:
+    if not per_layer(cfg):
         return budget
     return layer_budgets(cfg, layers, prompt_len, budget)[layer]
 
 
-def largest(cfg: CompressionConfig, budget: int) -> int:
+def largest(cfg: CompressionConfig, budget: int, held: int = UNBOUNDED) -> int:
     """Entries per KV head, on average over its heads, of the layer that keeps the most at ``budget``,
     from the config alone: ``budget``; HeadKV's table's largest layer average; PyramidKV's first layer at
-    most ``window + ceil(2 (B - window) - (B - window) / beta)``; ``UNBOUNDED`` for ``DEFERRED``."""
+    most ``window + ceil(2 (B - window) - (B - window) / beta)``; ``layer_ratios``' and LU-KV's largest
+    over every prompt of at most ``held`` entries (``lukv_largest``); ``UNBOUNDED`` for ``DEFERRED``."""
     if deferred(cfg):
         return UNBOUNDED
+    if cfg.get("head_budget") == "lukv":
+        return lukv_largest(cfg, budget, held)
     most = budget
     if cfg.get("head_budget") == "headkv":
         table = head_table(cfg)
         most = cfg.window_size + -(-int(table.sum(-1).max()) // table.shape[-1])
-    if cfg.get("layer_budget") in PER_LAYER:
+    if cfg.get("layer_ratios") is not None:
+        return max(ratio_budgets(cfg, held))  # its layers' budgets over a prompt of ``held``
+    if per_layer(cfg):
         base = budget - cfg.window_size
         most = max(most, cfg.window_size + math.ceil(2 * base - base / cfg.beta))
     return most
 
 
 def layer_table(cfg: CompressionConfig, layer: int, device):
-    """HeadKV's counts [Hkv] of attention layer ``layer`` on ``device``, or None for other configs."""
-    if cfg.get("head_budget") != "headkv":
-        return None
-    return head_table(cfg)[layer].to(device)
+    """HeadKV's counts [Hkv] or LU-KV's curve [99, Hkv] of attention layer ``layer`` on ``device``, or None
+    for other configs."""
+    if cfg.get("head_budget") == "headkv":
+        return head_table(cfg)[layer].to(device)
+    if cfg.get("head_budget") == "lukv":
+        return head_table(cfg)[:, layer].to(device)
+    return None
+
+
+def most_kept(cfg: CompressionConfig, budget: int, max_len: int) -> int:
+    """Entries per KV head, on average over every layer and head, a request keeps at most over prompts of
+    up to ``max_len`` entries: ``budget`` where the layers and heads share it (uniform, AdaKV, HeadKV,
+    PyramidKV, a threshold, a budget shared across layers), else the largest layer's bound over those
+    prompts (LU-KV's curve, ``layer_ratios``: ``largest``), at most ``max_len``."""
+    if cfg.get("head_budget") == "lukv" or cfg.get("layer_ratios") is not None:
+        return min(max_len, largest(cfg, budget, max_len))
+    return min(max_len, budget)
+
+
+def lukv_kept(cfg: CompressionConfig, budget: int, prompt_len: int) -> int:
+    """Entries LU-KV's heads keep at the prompt's end, summed over every layer and head (window included,
+    ``lukv_sizes`` of each layer at its budget over ``prompt_len`` entries, as the worker selects)."""
+    curve, w = head_table(cfg), cfg.window_size
+    layers = curve.shape[1]
+    budgets = layer_budgets(cfg, layers, prompt_len, budget) if per_layer(cfg) else [budget] * layers
+    length = torch.tensor([prompt_len])
+    return sum(int((lukv_sizes(curve[:, i], length, b, w) + w).sum()) for i, b in enumerate(budgets))
+
+
+def lukv_largest(cfg: CompressionConfig, budget: int, held: int) -> int:
+    """Entries per KV head, on average over its heads, that LU-KV's largest layer keeps at ``budget`` over
+    any prompt of at most ``held`` entries (``held`` with PyramidKV's layer budgets, or ``UNBOUNDED``).
+    A prompt of L entries reads the curve's row ``round(100 (1 - B / L)) - 1``; over the lengths of one
+    row a layer's total grows with L, so each row's last length holding at most ``held`` gives its largest
+    (``lukv_sizes`` there, as the worker selects); a prompt within the budget keeps all it holds."""
+    if held >= UNBOUNDED or per_layer(cfg):
+        return held
+    curve, w = head_table(cfg), cfg.window_size
+    most = min(held, budget)
+    if held <= budget:
+        return most
+    lengths = torch.arange(budget + 1, held + 1, dtype=torch.float64)
+    rows = ((1.0 - budget / lengths) * 100).round().long().sub(1).clamp(0, 98)
+    last = torch.zeros(99, dtype=torch.float64).scatter_reduce(0, rows, lengths, "amax")
+    last = last[last > 0].long()  # [rows] each row's last length
+    for layer in range(curve.shape[1]):
+        kept = lukv_sizes(curve[:, layer], last, budget, w) + w  # [rows, Hkv]
+        most = max(most, -(-int(kept.sum(-1).max()) // kept.shape[-1]))
+    return most
 
 
 def mean_kept(cfg: CompressionConfig, budget: int, prompt_len: int, layers: int) -> int:
     """Entries per KV head a request keeps at ``budget``, on average over its ``layers`` layers and their
     heads, from the config alone (rounded up): ``budget`` where a layer's heads share ``Hkv * budget``
     (AdaKV) or keep ``budget`` each; HeadKV's table's mean; PyramidKV's schedule's mean over its layers
-    (``layers * budget`` in all, more where a short prompt clips its last layers); ``UNBOUNDED`` for
-    ``DEFERRED`` (measured by the worker)."""
+    (``layers * budget`` in all, more where a short prompt clips its last layers); LU-KV's counts from its
+    curve at ``prompt_len`` (``lukv_kept``); ``UNBOUNDED`` for ``DEFERRED`` (measured by the worker)."""
     if deferred(cfg):
         return UNBOUNDED
+    if cfg.get("head_budget") == "lukv":
+        heads = head_table(cfg).shape[1] * head_table(cfg).shape[2]
+        return -(-lukv_kept(cfg, budget, prompt_len) // heads)
     if cfg.get("head_budget") == "headkv":
         table = head_table(cfg)
         return cfg.window_size + -(-int(table.sum()) // table.numel())
-    if cfg.get("layer_budget") in PER_LAYER:
+    if per_layer(cfg):
         return -(-sum(layer_budgets(cfg, layers, prompt_len, budget)) // layers)
     return budget
 
@@ -263,15 +337,18 @@ def layers_of(cfg: CompressionConfig) -> int:
     return _LAYERS[cfg]
 
 
-def room(cfg: CompressionConfig, budget: int, block_size: int, prompt_len: int) -> int:
+def room(cfg: CompressionConfig, budget: int, block_size: int, prompt_len: int, decoding: bool = False) -> int:
     """Entries a kept set is counted at, from the config alone (0: ``budget``, every head and layer
     keeping as many): where heads or layers keep their own counts (``per_head``), their mean over
     every layer and head and ``block_size`` more (``restkv.vllm.heads.equivalent_length``: any split
     over the layers' and heads' pages fits), the bound of the count the worker sends once the heads
-    kept theirs (``heads.exact_length``)."""
+    kept theirs (``heads.exact_length``). ``decoding``: a check after the prompt's end, where LU-KV's
+    counts follow each layer's widest head (not known here): ``UNBOUNDED``, all it holds."""
     if not per_head(cfg):
         return 0
-    layers = layers_of(cfg) if cfg.get("layer_budget") in PER_LAYER else 1
+    if decoding and cfg.get("head_budget") == "lukv":
+        return UNBOUNDED
+    layers = layers_of(cfg) if per_layer(cfg) else 1
     return equivalent_length(mean_kept(cfg, budget, prompt_len, layers), block_size)
 
 
@@ -282,6 +359,8 @@ def mixes_heads(cfg: CompressionConfig) -> str | None:
         return f"layer_budget={cfg['layer_budget']!r} shares the budget among every layer's KV heads"
     if shares_heads(cfg):
         return f"head_budget={cfg['head_budget']!r} shares a layer's budget among all its KV heads"
+    if cfg.get("head_budget") == "lukv":
+        return "head_budget='lukv' rounds a layer's counts over all its KV heads (largest remainder)"
     if cfg.scorer.scorer == "restkv.methods.tova":
         return "TOVA scores an entry by the mean over every head"
     if cfg.scorer.scorer == "restkv.methods.random" or cfg.get("indicator") == "random":
@@ -386,6 +465,7 @@ def eviction(
     offset: int,
     caching: bool,
     block_size: int,
+    evicted: bool | None = None,
 ) -> Eviction | None:
     """The request's eviction at the end of a step that computes its tokens ``computed`` ..
     ``computed + scheduled - 1`` (logical positions), or None.
@@ -394,20 +474,40 @@ def eviction(
     ``decode_interval`` tokens after it (logical counts ``prompt_len + m * decode_interval``), as
     restkv's transformers path does; a request evicts at a check when it holds more than its budget:
     ``max_capacity_prompt``, or while decoding under ``decode_compression_ratio`` r
-    ``max(window_size + 1, int(n (1 - r)))`` of the n tokens it has seen. ``offset``: entries it
-    evicted before (logical - held); ``caching``: prefix caching is on.
+    ``max(window_size + 1, int(n (1 - r)))`` of the n tokens it has seen; a threshold's
+    (``head_budget="threshold"``) at every check, as ``restkv.configure`` selects; once a request's heads
+    hold their own pages (``per_head``, ``evicted``), at every check too: a layer's widest head may hold
+    more than the budget where the request holds fewer, and the worker keeps all of a layer that fits, as
+    ``configure()`` decides layer by layer. ``offset``: entries it evicted before (logical - held);
+    ``caching``: prefix caching is on; ``evicted``: it evicted before (default: ``offset != 0``).
     """
     end = computed + scheduled
     if not _checks_between(computed, end, prompt_len, cfg.get("decode_interval") or 0):
         return None
     held = end - offset
-    budget = budget_at(cfg, end, at_prefill=computed < prompt_len)
-    if held <= budget:
+    at_prefill = computed < prompt_len
+    budget = budget_at(cfg, end, at_prefill)
+    evicted = offset != 0 if evicted is None else evicted
+    if not evicts(cfg, held, budget, prompt_len, at_prefill, evicted):
         return None
-    counted = room(cfg, budget, block_size, prompt_len)
+    counted = room(cfg, budget, block_size, prompt_len, decoding=not at_prefill)
     counted = counted and min(counted, held + block_size)  # no head keeps more than it holds
-    fresh = caching and offset == 0 and not deferred(cfg)  # ``uncached``: its blocks are its own
+    fresh = caching and not evicted and not deferred(cfg)  # ``uncached``: its blocks are its own
     return Eviction(held, budget, fresh, block_size, counted, per_head(cfg))
+
+
+def evicts(cfg: CompressionConfig, held: int, budget: int, prompt_len: int, at_prefill: bool, evicted: bool) -> bool:
+    """Whether a check that finds ``held`` entries evicts, as ``restkv.configure`` decides: at the prompt's
+    end ``prompt_evicts``; while decoding, some layer holds more than its budget (``budget``, or the
+    smallest layer's of a ``per_layer`` config) or a threshold selects (``fits``); and once its heads hold
+    their own pages (``per_head``, ``evicted``) at every check, since a layer's widest head is not known
+    here: the worker keeps all of a layer that fits."""
+    if at_prefill:
+        return prompt_evicts(cfg, held)
+    if evicted and per_head(cfg):
+        return True
+    smallest = min(layer_budgets(cfg, layers_of(cfg), prompt_len, budget)) if per_layer(cfg) else budget
+    return not fits(cfg, held, smallest)
 
 
 def _checks_between(computed: int, end: int, prompt_len: int, interval: int) -> bool:
@@ -432,7 +532,7 @@ def hit_limit(cfg: CompressionConfig, num_tokens: int) -> int:
     queries of its last ``query_rows`` positions (and a ``SUMMED`` method's prefill every query),
     which only a computed token has; an ``uncached`` request takes none. ``num_tokens``: what the
     request's prefill computes up to."""
-    if (summed(cfg) and num_tokens > cfg.max_capacity_prompt) or uncached(cfg, num_tokens):
+    if (summed(cfg) and prompt_evicts(cfg, num_tokens)) or uncached(cfg, num_tokens):
         return 0
     return max(0, num_tokens - query_rows(cfg))
 
@@ -445,5 +545,5 @@ def extra_blocks(cfg: CompressionConfig, max_model_len: int, block_size: int) ->
         if cfg.get("decode_compression_ratio") is not None
         else cfg.max_capacity_prompt
     )
-    kept = max(most, equivalent_length(largest(cfg, most), block_size) if per_head(cfg) else 0)
+    kept = max(most, equivalent_length(largest(cfg, most, max_model_len), block_size) if per_head(cfg) else 0)
     return -(-min(kept, max_model_len + block_size) // block_size)

@@ -52,6 +52,7 @@ class RequestState:
     slot: int  # its row in the query ring
     cfg: object  # the config it runs (``per_request``; None: it keeps all)
     offset: int = 0  # entries evicted so far (logical - held)
+    evicted: bool = False  # it evicted before (``settings.eviction``'s ``evicted``)
     sums: dict = field(default_factory=dict)  # layer name -> [Hq or Hkv, n] summed chunk scores
     pages: dict = field(default_factory=dict)  # layer name -> its heads' pages (per-head budgets, once evicted)
     free: list = field(default_factory=list)  # pages of its blocks no head of any layer holds (shared by ``pages``)
@@ -238,8 +239,10 @@ class Worker:
             cfg = state.cfg
             eviction = None
             if cfg is not None:
-                eviction = settings.eviction(cfg, c, n, length, state.offset, self.caching, self.block_size)
-            sums = cfg is not None and settings.summed(cfg) and c < length and length > cfg.max_capacity_prompt
+                eviction = settings.eviction(
+                    cfg, c, n, length, state.offset, self.caching, self.block_size, state.evicted
+                )
+            sums = cfg is not None and settings.summed(cfg) and c < length and settings.prompt_evicts(cfg, length)
             s = Scheduled(req_id, state, start, n, c, length, row, eviction, sums)
             if eviction is not None and settings.per_head(cfg):
                 self._pool(s)
@@ -249,7 +252,7 @@ class Worker:
             index.append(state.slot * rows + np.arange(c + n - last, c + n) % rows)
             if sums or eviction is not None:
                 host.append(self._slots(row, 0, s.end - state.offset))
-                if eviction is not None:
+                if eviction is not None and not settings.per_head(cfg):  # else on its heads' pages
                     host.append(
                         self._slots(
                             row, eviction.first_kept_block * self.block_size, eviction.budget
@@ -269,7 +272,8 @@ class Worker:
         for s in self.step:
             if s.sums or s.eviction is not None:
                 s.held_slots = next(rest)
-                s.kept_slots = next(rest) if s.eviction is not None else None
+                uniform = s.eviction is not None and not settings.per_head(s.cfg)
+                s.kept_slots = next(rest) if uniform else None
         self._flatten(device)
         self.evicts = self.evicting()
 
@@ -438,7 +442,7 @@ class Worker:
             self._place(name, s, kept)
         else:
             paged.write(s.kept_slots, *slot_rows(kept))
-        if s.state.offset == 0 and self.observer is not None:
+        if not s.state.evicted and self.observer is not None:
             self.observer(s.req_id, name, kept.positions[0])
 
     def _score(self, name, s: Scheduled, paged, scale, softcap) -> None:
@@ -532,6 +536,7 @@ class Worker:
                 self._spent(s, start)
             if s.eviction is not None:
                 s.state.offset += s.eviction.evicted
+                s.state.evicted = True
                 s.state.placed = s.eviction.kept_blocks
                 s.state.sums.clear()
                 self.pending[s.req_id] = s.eviction

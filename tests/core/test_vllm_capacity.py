@@ -19,16 +19,17 @@ SNAPKV = {"method": "snapkv", "max_capacity_prompt": 1024}
 def stepped(cfg, prompt_len, output_len, block_size, caching, chunk) -> capacity.Holding:
     """Every step of one request as the scheduler runs it: its prompt ``chunk`` tokens a step, then
     a token a step up to P + O - 1 entries, each step's blocks from ``settings.eviction``."""
-    computed, offset, prompt, after, largest = 0, 0, 0, 0, 0
+    computed, offset, evicted, prompt, after, largest = 0, 0, False, 0, 0, 0
     while computed < prompt_len + output_len - 1:
         n = min(chunk, prompt_len - computed) if computed < prompt_len else 1
-        e = cfg and settings.eviction(cfg, computed, n, prompt_len, offset, caching, block_size)
+        e = cfg and settings.eviction(cfg, computed, n, prompt_len, offset, caching, block_size, evicted)
         blocks = -(-(e.slots if e else computed + n - offset) // block_size)
         if computed < prompt_len:
             prompt = max(prompt, blocks)
         else:
             largest = max(largest, blocks)
         offset += e.evicted if e else 0
+        evicted = evicted or bool(e)
         computed += n
         if computed == prompt_len:
             after = -(-(prompt_len - offset) // block_size)

@@ -4,6 +4,7 @@ tests/vllm_plugin)."""
 import json
 
 import pytest
+import torch
 
 from restkv.vllm import check_version, settings
 
@@ -27,7 +28,6 @@ def test_config_from_the_environment(monkeypatch):
     [
         ({"method": "layer_defensivekv", "decode_interval": 8}, "needs a budget per layer"),
         ({"method": "headkv"}, "head_budget='headkv' needs head_importance=FILE"),
-        ({**SNAPKV, "head_budget": "lukv", "lukv_curve": "x.npy"}, "head_budget='lukv' cannot run"),
         ({"method": "adakv", "decode_interval": 32, "decode_compression_ratio": 0.5}, "keeps its budget while decoding"),
         ({"method": "kvzip"}, "forward passes"),
         ({"method": "fullkv"}, "keeps every entry"),
@@ -68,18 +68,22 @@ def test_additional_config_is_named_in_its_errors():
 @pytest.mark.parametrize(
     "knobs, mixes",
     [
-        ({"method": "adakv"}, True),
-        ({"method": "defensivekv"}, True),
-        ({**SNAPKV, "head_budget": "threshold", "threshold": 0.01}, False),
-        ({"method": "pyramidkv"}, False),
+        ({"method": "adakv"}, "among all its KV heads"),
+        ({"method": "defensivekv"}, "among all its KV heads"),
+        ({**SNAPKV, "head_budget": "threshold", "threshold": 0.01}, None),
+        ({"method": "pyramidkv"}, None),
+        ({**SNAPKV, "head_budget": "lukv", "lukv_curve": "x.npy"}, "rounds a layer's counts over all its KV heads"),
+        ({**SNAPKV, "layer_ratios": "0.5,0.2,0.7"}, None),
     ],
 )
 def test_per_head_and_per_layer_budgets_run(knobs, mixes):
-    """They run; AdaKV's split (a layer's budget shared by its heads' scores) is refused under
-    tensor parallelism, a threshold's and PyramidKV's counts are each head's own."""
+    """They run; AdaKV's split (a layer's budget shared by its heads' scores) and LU-KV's rounding over a
+    layer's heads are refused under tensor parallelism, a threshold's, PyramidKV's and ``layer_ratios``'
+    counts are each head's own."""
     cfg = settings.from_env({"restkv": knobs})
     assert settings.per_head(cfg)
-    assert ("among all its KV heads" in (settings.mixes_heads(cfg) or "")) == mixes
+    why = settings.mixes_heads(cfg)
+    assert why is None if mixes is None else mixes in why
 
 
 @pytest.mark.parametrize("caching", [False, True])
@@ -165,3 +169,68 @@ def test_a_global_budget_is_counted_at_its_bound_until_the_worker_measures_it(ca
         with pytest.raises(RuntimeError, match="kept count"):
             e.kept(bad)
     assert not settings.eviction(uniform_cfg(), 0, 300, 300, 0, caching, 16).measured
+
+
+def test_lukv_is_counted_from_its_curve_and_bounded_over_every_prompt(tmp_path):
+    """LU-KV: the curve is read with the model (its shape checked in one line); a request is counted at the
+    mean of what its layers' heads keep at its prompt's length, plus a block; the largest layer's mean over
+    every prompt up to a length (each curve row's last length) equals a search over every length."""
+    from helpers import lukv_curve
+
+    from restkv.strategies.head_budgets import lukv_sizes
+
+    path = lukv_curve(tmp_path / "curve.npy", layers=4, hkv=2, spread=0.3)
+    cfg = settings.from_env({"restkv": {**SNAPKV, "head_budget": "lukv", "lukv_curve": path, "decode_interval": 10}})
+    with pytest.raises(ValueError, match=r"lukv_curve: .* has shape \(99, 4, 2\)"):
+        settings.bind_model(cfg, 5, 6, 2)
+    settings.bind_model(cfg, 4, 6, 2)
+    curve = settings.head_table(cfg)
+
+    def kept(layer, length):  # [Hkv] entries each head keeps, window included
+        return lukv_sizes(curve[:, layer], torch.tensor([length]), 128, 32)[0] + 32
+
+    for prompt_len in (129, 300, 1000):
+        total = sum(int(kept(layer, prompt_len).sum()) for layer in range(4))
+        assert settings.room(cfg, 128, 16, prompt_len) == -(-total // 8) + 16
+        e = settings.eviction(cfg, 0, prompt_len, prompt_len, 0, False, 16)
+        assert e.measured and e.counted == min(-(-total // 8) + 16, prompt_len + 16)
+    decoding = settings.eviction(cfg, 300, 10, 300, 100, False, 16, True)  # its widest head unknown
+    assert decoding.counted == 210 + 16
+    for held in (100, 128, 129, 700, 2000):
+        searched = max(
+            [min(held, 128)]
+            + [-(-int(kept(layer, n).sum()) // 2) for layer in range(4) for n in range(129, held + 1)]
+        )
+        assert settings.largest(cfg, 128, held) == searched, held
+
+
+def test_layer_ratios_are_each_layers_budget(tmp_path):
+    """``layer_ratios``: a prompt evicts when longer than its smallest layer's budget (configure()'s rule,
+    not ``max_capacity_prompt``'s); the request is counted at its layers' mean, plus a block; a count of
+    ratios other than the model's layers is one line."""
+    cfg = settings.from_env({"restkv": {**SNAPKV, "layer_ratios": "0.5,0.2,0.7"}})
+    with pytest.raises(ValueError, match="layer_ratios must give one value per evicted layer"):
+        settings.bind_model(cfg, 4, 6, 2)
+    settings.bind_model(cfg, 3, 6, 2)
+    assert settings.eviction(cfg, 0, 100, 100, 0, False, 16).counted == -(-(50 + 80 + 33) // 3) + 16  # 33: w + 1
+    ints = settings.from_env({"restkv": {**SNAPKV, "layer_ratios": "40,200,60"}})
+    settings.bind_model(ints, 3, 6, 2)
+    assert settings.eviction(ints, 0, 50, 50, 0, False, 16) is not None  # 50 > 40, under 128
+    assert settings.eviction(ints, 0, 40, 40, 0, False, 16) is None
+    assert settings.largest(ints, 128, 4096) == 200 and settings.largest(cfg, 128, 1000) == 800
+
+
+def test_checks_evict_as_configure_decides():
+    """A threshold selects at every check, whatever the request holds; a request whose heads hold their own
+    pages evicts at every check (its widest head is not known to the scheduler); one that never evicted,
+    when it holds more than its smallest layer's budget (PyramidKV's below B for a short prompt)."""
+    threshold = settings.from_env({"restkv": {**SNAPKV, "head_budget": "threshold", "threshold": 0.2}})
+    assert settings.eviction(threshold, 0, 40, 40, 0, False, 16) is not None
+    adakv = settings.from_env({"restkv": {"method": "adakv", "max_capacity_prompt": 128, "decode_interval": 8}})
+    assert settings.eviction(adakv, 107, 1, 100, 0, False, 16, False) is None
+    assert settings.eviction(adakv, 107, 1, 100, -60, False, 16, True) is not None
+    pyramid = settings.from_env({"restkv": {"method": "pyramidkv", "max_capacity_prompt": 128, "decode_interval": 8}})
+    settings.bind_model(pyramid, 4, 6, 2)
+    assert settings.eviction(pyramid, 0, 100, 100, 0, False, 16) is None  # the prompt fits B
+    assert settings.eviction(pyramid, 107, 1, 100, 0, False, 16, False) is not None  # a layer's budget is 100
+    assert settings.eviction(uniform_cfg(), 107, 1, 100, 0, False, 16, False) is None

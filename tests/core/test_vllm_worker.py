@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fewest_length, prompt, small, tiny_model
+from helpers import fewest_length, prompt, small, tiny_lukv_curve, tiny_model
 from vllm_sim import PagedEngine, scrambled_writer
 
 import restkv
@@ -91,8 +91,14 @@ def test_eviction_while_decoding_equals_configure(method, length):
         {"method": "pyramidkv"},
         {"method": "pyramidkv", "head_budget": "adakv"},
         {"method": "restkv", "head_budget": "adakv"},
+        {"method": "snapkv", "head_budget": "threshold", "threshold": 0.2},
+        {"method": "snapkv", "head_budget": "lukv", "lukv_curve": tiny_lukv_curve()},
+        {"method": "pyramidkv", "head_budget": "lukv", "lukv_curve": tiny_lukv_curve()},
+        {"method": "snapkv", "layer_ratios": "0.5,0.2,0.7"},
+        {"method": "snapkv", "layer_ratios": "20,40,30", "head_budget": "adakv"},
     ],
-    ids=["adakv", "defensivekv", "snapkv-threshold", "pyramidkv", "pyramidkv-adakv", "restkv-adakv"],
+    ids=["adakv", "defensivekv", "snapkv-threshold", "pyramidkv", "pyramidkv-adakv", "restkv-adakv",
+         "threshold-to-the-window", "lukv", "pyramidkv-lukv", "layer-ratios", "layer-budgets-adakv"],
 )
 @pytest.mark.parametrize("chunk", [None, 13], ids=["whole", "chunks-of-13"])
 def test_per_head_eviction_while_decoding_equals_configure(knobs, chunk):
@@ -103,6 +109,46 @@ def test_per_head_eviction_while_decoding_equals_configure(knobs, chunk):
     ids = prompt(80)[0].tolist()
     tokens, _ = reference(knobs, ids, 60)
     assert engine(knobs, chunk=chunk).generate(ids, 60) == tokens
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"method": "snapkv", "head_budget": "lukv", "lukv_curve": tiny_lukv_curve()},
+        {"method": "snapkv", "layer_ratios": "20,40,30"},
+        {"method": "snapkv", "layer_ratios": "0.5,0.2,0.7"},
+        {"method": "h2o", "layer_ratios": "20,50,60"},
+    ],
+    ids=["lukv", "layer-budgets", "layer-ratios", "h2o-layer-budgets"],
+)
+@pytest.mark.parametrize("chunk", [None, 13], ids=["whole", "chunks-of-13"])
+def test_lukv_and_layer_ratios_equal_configure(knobs, chunk):
+    """LU-KV's curve (each head's count from its row at the prompt's length) and ``layer_ratios`` (each
+    layer's budget, as integers or ratios of the prompt) keep configure()'s positions in every layer and
+    head, and its tokens."""
+    kept = equals_configure({**small(knobs["method"]), **knobs, **BUDGET}, chunk)
+    assert len({int(n) for layer in kept for n in (layer >= 0).sum(-1)}) > 1  # layers or heads kept different counts
+
+
+@pytest.mark.parametrize(
+    "knobs, length",
+    [
+        ({"method": "snapkv", "head_budget": "threshold", "threshold": 0.2}, 30),
+        ({"method": "pyramidkv"}, 30),
+        ({"method": "snapkv", "layer_ratios": "20,40,30"}, 30),
+        ({"method": "h2o", "layer_ratios": "20,50,60"}, 45),
+        ({"method": "adakv"}, 30),
+    ],
+    ids=["threshold", "pyramidkv", "layer-budgets", "h2o-layer-budgets", "adakv"],
+)
+def test_a_prompt_within_the_budget_evicts_as_configure(knobs, length):
+    """A prompt of at most max_capacity_prompt, evicting every 10 tokens: a threshold selects at the prompt's
+    end anyway, a layer whose budget is below B (PyramidKV's schedule for a short prompt, ``layer_ratios``)
+    evicts once it holds more than its own budget, as configure() does; 40 tokens are configure()'s."""
+    knobs = {**small(knobs["method"]), **knobs, **BUDGET, "decode_interval": 10}
+    ids = prompt(length)[0].tolist()
+    tokens, _ = reference(knobs, ids, 40)
+    assert engine(knobs).generate(ids, 40) == tokens
 
 
 def test_decode_compression_ratio_equals_configure():
@@ -362,8 +408,13 @@ def test_ranks_count_a_request_at_the_bound():
 
 @pytest.mark.parametrize(
     "knobs",
-    [{"method": "adakv"}, {"method": "pyramidkv"}, {"method": "pyramidkv", "head_budget": "adakv"}],
-    ids=["adakv", "pyramidkv", "pyramidkv-adakv"],
+    [
+        {"method": "adakv"},
+        {"method": "pyramidkv"},
+        {"method": "pyramidkv", "head_budget": "adakv"},
+        {"method": "snapkv", "head_budget": "lukv", "lukv_curve": tiny_lukv_curve()},
+    ],
+    ids=["adakv", "pyramidkv", "pyramidkv-adakv", "lukv"],
 )
 @pytest.mark.parametrize("caching", [False, True], ids=["own-blocks", "prefix-caching"])
 def test_per_head_request_holds_the_fewest_blocks_its_pages_need(knobs, caching):

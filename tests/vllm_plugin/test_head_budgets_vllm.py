@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness import BLOCK, PROMPT_LEN, TP3_ENV, blocks, engine_run, reference
-from helpers import fewest_length
+from helpers import fewest_length, lukv_curve
 
 from restkv.vllm import settings
 
@@ -26,6 +26,20 @@ pytestmark = pytest.mark.vllm
 ADAKV = {"method": "adakv", "max_capacity_prompt": 128, "window_size": 32}
 PYRAMIDKV = {"method": "pyramidkv", "max_capacity_prompt": 128, "window_size": 32}
 LAYER_DEFENSIVEKV = {"method": "layer_defensivekv", "value_norm": "l2", "max_capacity_prompt": 128, "window_size": 32}
+LAYER_RATIOS = {
+    "method": "snapkv",
+    "max_capacity_prompt": 128,
+    "window_size": 32,
+    "layer_ratios": ",".join(str(round(0.3 + 0.6 * (i % 5) / 4, 2)) for i in range(30)),  # 0.3 .. 0.9 by layer
+}
+
+
+@pytest.fixture
+def lukv(tmp_path) -> dict:
+    """SnapKV's scores with LU-KV's counts from a curve for SmolLM2's 30 layers and 3 KV heads (each row's
+    ratios +-0.15 around the row's own)."""
+    curve = lukv_curve(tmp_path / "curve.npy", layers=30, hkv=3)
+    return {"method": "snapkv", "head_budget": "lukv", "lukv_curve": curve, "max_capacity_prompt": 128, "window_size": 32}
 
 
 def heads_kept(layer: list) -> list:
@@ -71,6 +85,30 @@ def test_adakv_keeps_and_decodes_as_restkv(model_dir, prompt, vllm):
 )
 def test_other_per_head_budgets_keep_and_decode_as_restkv(model_dir, prompt, knobs):
     keeps_and_decodes_as_restkv(model_dir, prompt, knobs)
+
+
+@pytest.mark.parametrize(
+    "vllm",
+    [pytest.param({}, marks=pytest.mark.quick), {"max_num_batched_tokens": 2048}],
+    ids=["chunked-prefill", "whole-prefill"],
+)
+def test_lukv_keeps_and_decodes_as_restkv(model_dir, prompt, lukv, vllm):
+    """LU-KV: each head's count from its curve's row at the prompt's length, rounded over the layer's heads,
+    read by the scheduler and the worker as configure() reads it."""
+    keeps_and_decodes_as_restkv(model_dir, prompt, lukv, **vllm)
+
+
+def test_layer_ratios_keep_and_decode_as_restkv(model_dir, prompt):
+    """``layer_ratios``: each layer's budget a share of the prompt (kvpress's per-layer compression), its
+    layers' pages one pool."""
+    keeps_and_decodes_as_restkv(model_dir, prompt, LAYER_RATIOS)
+
+
+def test_a_threshold_selects_a_prompt_within_the_budget_as_restkv(model_dir, text_ids):
+    """A threshold selects at the prompt's end whatever its length, as configure() does: a 100-token prompt
+    (under B = 128) keeps the transformers path's positions in every layer and head, and its tokens."""
+    knobs = {"method": "snapkv", "head_budget": "threshold", "threshold": 0.004, "max_capacity_prompt": 128}
+    keeps_and_decodes_as_restkv(model_dir, text_ids[400:500], knobs)
 
 
 def test_per_layer_budgets_under_tensor_parallelism(model_dir, prompt):
@@ -188,6 +226,16 @@ def test_a_budget_shared_across_layers_keeps_decodes_and_frees_as_measured(model
     ids=["adakv", "pyramidkv", "pyramidkv-adakv"],
 )
 def test_per_head_budgets_evict_while_decoding_as_restkv(model_dir, prompt, knobs):
+    evicts_while_decoding_as_restkv(model_dir, prompt, knobs)
+
+
+def test_lukv_evicts_while_decoding_as_restkv(model_dir, prompt, lukv):
+    """LU-KV while decoding: each check's counts follow the curve's row at the heads' laid-out width, so the
+    scheduler gives the evicting step all the request holds and a block, then the worker's count."""
+    evicts_while_decoding_as_restkv(model_dir, prompt, lukv)
+
+
+def evicts_while_decoding_as_restkv(model_dir, prompt, knobs):
     """decode_interval=32 over 200 tokens: every check reads the heads' pages laid out as configure()
     lays out its heads (older entries, a gap, the newest window), selects again and places the heads on
     the blocks the scheduler keeps; the tokens are the transformers path's, the request never holds

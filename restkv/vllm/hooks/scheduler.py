@@ -137,6 +137,7 @@ def allocate_slots(orig):
                 state.offsets.get(request.request_id, 0),
                 state.caching,
                 state.block_size,
+                request.request_id in state.offsets,
             )
             if e is None:
                 state.due.pop(request.request_id, None)
