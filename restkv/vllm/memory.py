@@ -38,7 +38,9 @@ During one eviction (one request in one layer at a time: the worker evicts them 
 - the kept entries and their rows as vLLM writes them: ``4 Hkv B d es``; with per-head or
   per-layer budgets the kept set is as wide as its longest head (``kept_width``: up to ``Hkv B``
   where the heads share the layer's budget, the largest layer's budget for PyramidKV) and the
-  rows written ``Hkv B`` entries;
+  rows written ``Hkv B`` entries; the kept set's indices, 4 int64 per head and kept entry; under
+  ``decode_compression_ratio`` B is the largest budget of any check up to ``max_model_len``
+  (``settings.most_budget``);
 - for a config that reads the o_proj weight itself (``reads_weight``: CriticalKV's L1 norms, set-level
   refinement) the weight read back for the step: ``((Hq d)^2 + 2 Hq d hidden) es`` and one float32
   copy.
@@ -170,7 +172,7 @@ def kept_width(cfg: CompressionConfig, model: Model, held: int) -> int:
     head's where the heads keep their own counts (HeadKV's table's longest; AdaKV's at most every
     head's share past the window, ``Hkv (B - w) + w``; LU-KV's all held; a budget shared across layers,
     every layer's ``layers Hkv (B - w) + w``), else the largest layer's (``largest_layer``)."""
-    budget = cfg.max_capacity_prompt
+    budget = settings.most_budget(cfg, held)  # decode_compression_ratio: the largest up to ``held`` tokens
     if settings.deferred(cfg):  # one layer's head may take every layer's and head's share
         return min(held, model.layers * model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
     if cfg.get("head_budget") == "headkv":
@@ -186,7 +188,7 @@ def largest_layer(cfg: CompressionConfig, model: Model, held: int) -> int:
     """Entries per head, on average over its heads, of the layer that keeps the most (at most all
     held): ``settings.largest``; with a budget shared across layers (``settings.deferred``) one layer
     may take every layer's share past the window, ``layers (B - w) + w``."""
-    budget, w = cfg.max_capacity_prompt, cfg.window_size
+    budget, w = settings.most_budget(cfg, held), cfg.window_size
     if settings.deferred(cfg):
         return min(held, model.layers * (budget - w) + w)
     return min(held, settings.largest(cfg, budget, held))
@@ -232,19 +234,12 @@ def eviction_bytes(cfg: CompressionConfig, model: Model, held: int) -> dict:
             + block_multiple * m.kv_bytes(min(held, VALUE_BLOCK), 4)
             + fixed * 4
         ),
-        # the rows written: a layer's heads' entries together, at most the largest layer's
-        "kept entries and their rows": m.kv_bytes(kept) + m.kv_bytes(largest_layer(cfg, m, held)),
+        # the rows written: a layer's heads' entries together, at most the largest layer's; and the kept
+        # set's indices (where, which position, which slot: 4 int64 per head and entry)
+        "kept entries and their rows": m.kv_bytes(kept) + m.kv_bytes(largest_layer(cfg, m, held))
+        + 32 * m.kv_heads * kept,
         "o_proj weight read": weight,
     }
-
-
-def decode_width(cfg: CompressionConfig, model: Model) -> int:
-    """Positions an eviction while decoding reads with per-head budgets: the heads' pages laid out on
-    the longest head's entries (its kept width and ``decode_interval`` more), every head padded to it."""
-    interval = cfg.get("decode_interval") or 0
-    if not (settings.per_head(cfg) and interval) or cfg.get("head_budget") == "lukv":
-        return 0  # LU-KV's widest head holds at most every token seen: the caller's max_model_len
-    return kept_width(cfg, model, settings.UNBOUNDED) + interval
 
 
 def fixed_bytes(
@@ -258,13 +253,15 @@ def fixed_bytes(
     """Every term that does not grow with the pool (bytes), the eviction's as one."""
     m, tokens = model, max_num_batched_tokens
     rows = settings.query_rows(cfg)
-    most = settings.most_kept(cfg, cfg.max_capacity_prompt, max_model_len)
+    most = settings.most_kept(cfg, settings.most_budget(cfg, max_model_len), max_model_len)
     moved = min(max_model_len, most + block_size)  # a request's kept entries per head, on average
     return {
         "step's staged indices": 8 * (tokens + 2 * min(tokens, rows * max_num_seqs) + max_num_seqs),
         "query ring": m.layers * max_num_seqs * rows * m.heads * m.head_dim * m.dtype_bytes,
         "W_O factors": m.layers * m.heads * m.head_dim**2 * 4 if reads_factor(cfg) else 0,
-        "one eviction": sum(eviction_bytes(cfg, m, max(max_model_len, decode_width(cfg, m))).values()),
+        # while decoding with per-head budgets the heads are read laid out on the longest head's entries,
+        # at most every token seen: max_model_len too
+        "one eviction": sum(eviction_bytes(cfg, m, max_model_len).values()),
         # per-head or per-layer budgets: the step's queries, keys, values and output flattened by head
         "flattened attention": 4 * tokens * m.heads * m.head_dim * m.dtype_bytes if settings.per_head(cfg) else 0,
         # per-head or per-layer budgets: one request's pages moved into its kept blocks at a step's end

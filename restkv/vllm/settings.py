@@ -191,10 +191,6 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
             "head_budget='headkv' needs head_importance=FILE in vLLM (a HeadKV table; `python -m "
             "restkv.bench.head_scores --model_path MODEL` writes the one configure() computes)"
         )
-    if cfg.get("decode_compression_ratio") is not None:
-        lines.append(
-            f"{budget_knobs(cfg)} keeps its budget while decoding in vLLM: no decode_compression_ratio"
-        )
     return lines
 
 
@@ -229,10 +225,19 @@ def head_table(cfg: CompressionConfig):
     return _TABLES[cfg][1]
 
 
+def schedule_length(cfg: CompressionConfig, prompt_len: int, seen: int, at_prefill: bool) -> int:
+    """The length a per-layer schedule is read at in a check after ``seen`` tokens: the prompt's (the
+    budgets of the prompt's end are kept while decoding), or while decoding under
+    ``decode_compression_ratio`` the tokens seen (``restkv.strategies.decoding.decoding_budgets``)."""
+    if at_prefill or cfg.get("decode_compression_ratio") is None:
+        return prompt_len
+    return seen
+
+
 def layer_budget(cfg: CompressionConfig, budget: int, prompt_len: int, layer: int, layers: int) -> int:
-    """Entries each KV head of attention layer ``layer`` (of ``layers``) keeps at ``budget`` in every
-    eviction of a request of ``prompt_len`` prompt tokens (as ``restkv.configure`` shares it among the
-    layers at the prompt's end, and keeps it while decoding)."""
+    """Entries each KV head of attention layer ``layer`` (of ``layers``) keeps at ``budget`` in an
+    eviction whose schedule is read at ``prompt_len`` (``schedule_length``), as ``restkv.configure``
+    shares it among the layers."""
     if not per_layer(cfg):
         return budget
     return layer_budgets(cfg, layers, prompt_len, budget)[layer]
@@ -488,25 +493,26 @@ def eviction(
     at_prefill = computed < prompt_len
     budget = budget_at(cfg, end, at_prefill)
     evicted = offset != 0 if evicted is None else evicted
-    if not evicts(cfg, held, budget, prompt_len, at_prefill, evicted):
+    length = schedule_length(cfg, prompt_len, end, at_prefill)
+    if not evicts(cfg, held, budget, length, at_prefill, evicted):
         return None
-    counted = room(cfg, budget, block_size, prompt_len, decoding=not at_prefill)
+    counted = room(cfg, budget, block_size, length, decoding=not at_prefill)
     counted = counted and min(counted, held + block_size)  # no head keeps more than it holds
     fresh = caching and not evicted and not deferred(cfg)  # ``uncached``: its blocks are its own
     return Eviction(held, budget, fresh, block_size, counted, per_head(cfg))
 
 
-def evicts(cfg: CompressionConfig, held: int, budget: int, prompt_len: int, at_prefill: bool, evicted: bool) -> bool:
+def evicts(cfg: CompressionConfig, held: int, budget: int, length: int, at_prefill: bool, evicted: bool) -> bool:
     """Whether a check that finds ``held`` entries evicts, as ``restkv.configure`` decides: at the prompt's
     end ``prompt_evicts``; while decoding, some layer holds more than its budget (``budget``, or the
-    smallest layer's of a ``per_layer`` config) or a threshold selects (``fits``); and once its heads hold
-    their own pages (``per_head``, ``evicted``) at every check, since a layer's widest head is not known
-    here: the worker keeps all of a layer that fits."""
+    smallest layer's of a ``per_layer`` config, its schedule read at ``length``) or a threshold selects
+    (``fits``); and once its heads hold their own pages (``per_head``, ``evicted``) at every check, since
+    a layer's widest head is not known here: the worker keeps all of a layer that fits."""
     if at_prefill:
         return prompt_evicts(cfg, held)
     if evicted and per_head(cfg):
         return True
-    smallest = min(layer_budgets(cfg, layers_of(cfg), prompt_len, budget)) if per_layer(cfg) else budget
+    smallest = min(layer_budgets(cfg, layers_of(cfg), length, budget)) if per_layer(cfg) else budget
     return not fits(cfg, held, smallest)
 
 
@@ -517,6 +523,12 @@ def _checks_between(computed: int, end: int, prompt_len: int, interval: int) -> 
     if computed < prompt_len:
         return True
     return interval > 0 and (end - prompt_len) // interval > (computed - prompt_len) // interval
+
+
+def most_budget(cfg: CompressionConfig, seen: int) -> int:
+    """The largest budget of any check up to ``seen`` tokens: ``max_capacity_prompt``, or under
+    ``decode_compression_ratio`` the decoding budget of ``seen`` tokens where larger."""
+    return max(cfg.max_capacity_prompt, budget_at(cfg, seen, at_prefill=False))
 
 
 def budget_at(cfg: CompressionConfig, seen: int, at_prefill: bool) -> int:

@@ -428,7 +428,8 @@ class Worker:
             head_valid = None
         queries = self.ring.read(name, s.state.slot, s.end, min(settings.query_rows(s.cfg), s.end))
         rank, layers = self.rank.get(name, 0), max(len(self.rank), 1)
-        budget = settings.layer_budget(s.cfg, e.budget, s.prompt_len, rank, layers)  # as at the prompt's end
+        length = settings.schedule_length(s.cfg, s.prompt_len, s.end, s.computed < s.prompt_len)
+        budget = settings.layer_budget(s.cfg, e.budget, length, rank, layers)
         return self._observe(name, s, queries, keys, values, budget, scale, softcap, head_valid=head_valid)
 
     def _evict(self, name, s: Scheduled, paged, scale, softcap) -> None:

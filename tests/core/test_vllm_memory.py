@@ -141,3 +141,33 @@ def test_config_folder_equals_built_in(tmp_path, capsys):
         assert term in out
     with pytest.raises(ValueError, match="--model"):
         memory.model_of(str(tmp_path / "absent"))
+
+
+@pytest.mark.parametrize("method", ["snapkv", "adakv", "pyramidkv"])
+def test_a_check_under_a_decoding_ratio_within_the_estimate(method):
+    """decode_compression_ratio=0.5: a check after 4,096 tokens (a 64-token prompt kept whole) keeps 2,048
+    entries per head, 8x max_capacity_prompt; what its eviction allocates in one layer is within
+    ``memory.eviction_bytes`` at those 4,096 entries, which counts the largest budget of any check up to
+    them (``settings.most_budget``), and at least half of it."""
+    hq, hkv, d, L, block_size = 8, 2, 64, 4096, 16
+    knobs = {**small(method), "max_capacity_prompt": 256, "window_size": 32, "decode_interval": 8,
+             "decode_compression_ratio": 0.5}
+    cfg = CompressionConfig.from_kwargs(**knobs)
+    settings.check(cfg)
+    g = torch.Generator().manual_seed(0)
+    worker = Worker(cfg, slots=2, caching=False, block_size=block_size)
+    worker.index_layers({f"model.layers.{i}.attn": None for i in range(4)}, heads=hq)
+    blocks = L // block_size
+    cache = torch.randn(blocks, hkv, block_size, 2 * d, generator=g)
+    layer = paged.Paged(cache, cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2), block_size)
+    settings.bind_model(cfg, 4, hq, hkv)
+    if settings.per_head(cfg):
+        worker.space, worker.whole = Space({"model.layers.0.attn": 0}, hkv), layer
+    worker.blocks["r"] = list(range(blocks))
+    worker.begin(["r"], [L - 1], [1], [64], "cpu")
+    assert worker.step[0].eviction.budget == L // 2
+    with PeakBytes() as t:
+        worker.layer("model.layers.0.attn", torch.randn(1, hq, d, generator=g), layer, d**-0.5, None)
+    peak = t.peak - worker.ring.buffers["model.layers.0.attn"].nbytes
+    estimate = sum(memory.eviction_bytes(cfg, memory.Model(1, hq, hkv, d, 4 * d, 4), L).values())
+    assert peak <= estimate <= FACTOR * peak, f"measured {peak / 2**20:.2f} MiB, estimate {estimate / 2**20:.2f} MiB"

@@ -28,7 +28,6 @@ def test_config_from_the_environment(monkeypatch):
     [
         ({"method": "layer_defensivekv", "decode_interval": 8}, "needs a budget per layer"),
         ({"method": "headkv"}, "head_budget='headkv' needs head_importance=FILE"),
-        ({"method": "adakv", "decode_interval": 32, "decode_compression_ratio": 0.5}, "keeps its budget while decoding"),
         ({"method": "kvzip"}, "forward passes"),
         ({"method": "fullkv"}, "keeps every entry"),
         ({**SNAPKV, "gqa_agg": "none"}, "gqa_agg"),

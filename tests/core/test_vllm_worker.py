@@ -151,8 +151,23 @@ def test_a_prompt_within_the_budget_evicts_as_configure(knobs, length):
     assert engine(knobs).generate(ids, 40) == tokens
 
 
-def test_decode_compression_ratio_equals_configure():
-    knobs = {"method": "snapkv", **BUDGET, "decode_interval": 8, "decode_compression_ratio": 0.5}
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"method": "snapkv"},
+        {"method": "adakv"},
+        {"method": "pyramidkv"},
+        {"method": "pyramidkv", "head_budget": "adakv"},
+        {"method": "snapkv", "head_budget": "threshold", "threshold": 0.02},
+        {"method": "snapkv", "head_budget": "lukv", "lukv_curve": tiny_lukv_curve()},
+    ],
+    ids=["snapkv", "adakv", "pyramidkv", "pyramidkv-adakv", "threshold", "lukv"],
+)
+def test_decode_compression_ratio_equals_configure(knobs):
+    """decode_compression_ratio=0.5 every 8 tokens: each check keeps half the tokens seen (PyramidKV's
+    schedule read at that count, AdaKV's split of it, LU-KV's curve at the heads' width); 40 tokens are
+    configure()'s."""
+    knobs = {**small(knobs["method"]), **knobs, **BUDGET, "decode_interval": 8, "decode_compression_ratio": 0.5}
     ids = prompt(60)[0].tolist()
     tokens, _ = reference(knobs, ids, 40)
     assert engine(knobs).generate(ids, 40) == tokens

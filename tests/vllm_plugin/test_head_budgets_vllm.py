@@ -254,3 +254,15 @@ def evicts_while_decoding_as_restkv(model_dir, prompt, knobs):
     first = fewest_length([[len(h) for h in heads_kept(layer)] for layer in ref["kept"]], BLOCK)
     assert held_after[0] == blocks(first) and max(held_after) <= blocks(bound + 32)
     assert run["steps"][-1][1] == run["free_at_start"]
+
+
+@pytest.mark.parametrize("knobs", [ADAKV, PYRAMIDKV], ids=["adakv", "pyramidkv"])
+def test_a_decoding_ratio_with_per_head_budgets_as_restkv(model_dir, prompt, knobs):
+    """decode_compression_ratio=0.5 every 32 tokens over 200: each check keeps half the tokens seen, AdaKV's
+    split of it, PyramidKV's schedule read at that count; the tokens are the transformers path's and every
+    block is back at the end."""
+    knobs = {**knobs, "decode_interval": 32, "decode_compression_ratio": 0.5}
+    ref = reference(prompt, knobs, 200)
+    run = engine_run(model_dir, [prompt], knobs, new_tokens=200)
+    assert run["tokens"][0] == ref["tokens"]
+    assert run["steps"][-1][1] == run["free_at_start"]
