@@ -229,21 +229,33 @@ class FlatBatch:
     max_seq_len: int = 0
 
     @classmethod
-    def of(cls, pages: list, counts, device, appended: list) -> "FlatBatch":
-        """``pages``: each request's ``HeadPages`` after its step's tokens were appended, ``counts`` [R]
-        its tokens in the step, ``appended`` what each ``append`` returned (their slots [Hkv, count])."""
+    def layers(cls, pages: dict, counts, device, appended: dict) -> dict:
+        """Every layer's ``FlatBatch`` of a step, built at once: ``pages`` layer name -> each request's
+        ``HeadPages`` after its step's tokens were appended, ``counts`` [R] its tokens in the step,
+        ``appended`` layer name -> what each ``append`` returned (their slots [Hkv, count]). The query
+        offsets are every layer's (one tensor); the lengths, page tables and slots are one array each,
+        copied to the device once, a layer's batch holding views of its rows."""
+        names = list(pages)
         counts = np.asarray(counts, dtype=np.int64)
-        heads, total = len(pages[0].rows), int(counts.sum())
+        heads, total, requests = len(pages[names[0]][0].rows), int(counts.sum()), len(counts)
         starts = np.concatenate([[0], np.cumsum(counts)])
-        loc = np.concatenate([h * total + starts[:-1] for h in range(heads)] + [[heads * total]])
-        lens = np.stack([p.lengths for p in pages], 1).reshape(-1)  # [Hkv, R] -> head-major
-        width = max(max(len(row) for row in p.rows) for p in pages)
-        table = np.stack([p.table(width) for p in pages], 1).reshape(heads * len(pages), width)
-        slots = np.concatenate(appended, axis=1).reshape(-1)  # [Hkv, T] -> head-major, token-major within
-        return cls(
-            _on(loc, device).int(), _on(lens, device).int(), _on(table, device).int(), _on(slots, device),
-            torch.from_numpy(loc).int(), int(counts.max()), int(lens.max()),
-        )  # fmt: skip
+        loc = np.append((np.arange(heads)[:, None] * total + starts[None, :-1]).reshape(-1), heads * total)
+        lens = np.stack([np.stack([p.lengths for p in pages[n]], 1).reshape(-1) for n in names])  # [L, Hkv R]
+        width = max(len(row) for n in names for p in pages[n] for row in p.rows)
+        table = np.zeros((len(names), heads, requests, width), dtype=np.int64)
+        for i, n in enumerate(names):
+            for r, p in enumerate(pages[n]):
+                for h, row in enumerate(p.rows):
+                    table[i, h, r, : len(row)] = row
+        # [Hkv, T] per layer -> head-major, token-major within
+        slots = np.stack([np.concatenate(appended[n], axis=1).reshape(-1) for n in names])
+        loc_d, lens_d, slots_d = _on(loc, device).int(), _on(lens, device).int(), _on(slots, device)
+        table_d = _on(table.reshape(len(names), heads * requests, width), device).int()
+        loc_cpu, most = torch.from_numpy(loc).int(), lens.max(1).tolist()
+        return {
+            n: cls(loc_d, lens_d[i], table_d[i], slots_d[i], loc_cpu, int(counts.max()), most[i])
+            for i, n in enumerate(names)
+        }
 
 
 def _on(array: np.ndarray, device) -> torch.Tensor:

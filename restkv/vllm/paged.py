@@ -53,9 +53,21 @@ class Paged:
         return self._at(self.keys, slots, True), self._at(self.values, slots, True)
 
     def write_pages(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys, values [n, d] into single-head page ``slots`` [n]."""
+        """Write keys, values [n, d] into single-head page ``slots`` [n] (the keys' index, then the values',
+        never both held)."""
         self._put(self.keys, slots, keys, True)
         self._put(self.values, slots, values, True)
+
+    def page_index(self, slots: torch.Tensor, rows: int = 1) -> list:
+        """(block, offset, head) of single-head page ``slots`` [rows n], as ``write_at`` takes them: one
+        triple per row of ``rows`` equal parts, computed at once (a step's slots of every layer)."""
+        axes = self._index(self.keys, slots, True)
+        return list(zip(*(a.view(rows, -1).unbind(0) for a in axes)))
+
+    def write_at(self, axes: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys, values [n, d] at ``axes`` (one of ``page_index``'s), the keys then the values."""
+        for where, x in ((self.keys, keys), (self.values, values)):
+            self._put_at(where, self._locate(where, axes), x)
 
     def _index(self, where: torch.Tensor, slots: torch.Tensor, pages: bool) -> tuple:
         """(block, offset) of ``slots``, and with ``pages`` the head too (the slots then count
@@ -66,18 +78,30 @@ class Paged:
         heads = where.shape[-2]
         return page // heads, offset, page % heads
 
-    def _at(self, where: torch.Tensor, slots: torch.Tensor, pages: bool = False) -> torch.Tensor:
-        block, offset, *head = self._index(where, slots, pages)
+    def _where(self, where: torch.Tensor, slots: torch.Tensor, pages: bool = False):
+        """The index of ``slots``' entries in ``where`` (the keys or the values): ``_locate`` of their axes."""
+        return self._locate(where, self._index(where, slots, pages))
+
+    def _locate(self, where: torch.Tensor, axes: tuple):
+        """(block, offset[, head]) [n] each -> the index into ``where``: the axes themselves into a strided
+        view, or element offsets [n, d] into the flat cache."""
         if where.dim() == 4:
-            return where[(block, offset, *head)]
-        return self.cache.view(-1)[self._flat(block, where[(offset, *head)])]
+            return axes
+        block, *within = axes
+        return self._flat(block, where[tuple(within)])
+
+    def _at(self, where: torch.Tensor, slots: torch.Tensor, pages: bool = False) -> torch.Tensor:
+        index = self._where(where, slots, pages)
+        return where[index] if where.dim() == 4 else self.cache.view(-1)[index]
 
     def _put(self, where: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, pages: bool = False) -> None:
-        block, offset, *head = self._index(where, slots, pages)
+        self._put_at(where, self._where(where, slots, pages), x)
+
+    def _put_at(self, where: torch.Tensor, index, x: torch.Tensor) -> None:
         if where.dim() == 4:
-            where[(block, offset, *head)] = x.to(where.dtype)
+            where[index] = x.to(where.dtype)
         else:
-            self.cache.view(-1)[self._flat(block, where[(offset, *head)])] = x.to(self.cache.dtype)
+            self.cache.view(-1)[index] = x.to(self.cache.dtype)
 
     def _flat(self, block: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
         """Element offsets of ``within`` [n, ...] (offsets inside a block) in blocks ``block`` [n]."""

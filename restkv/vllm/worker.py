@@ -156,6 +156,7 @@ class Worker:
         self.space = None  # ``heads.Space``: where every layer's pages are in ``whole``
         self.whole = None  # ``paged.Paged`` of every layer's cache as one tensor of blocks (``paged.whole``)
         self.flat: dict = {}
+        self.flat_index: dict = {}  # layer name -> where its flattened keys and values go (``Paged.page_index``)
         self.flat_tokens = None
         # ``settings.deferred``: the step's layers to select in once all have run (name -> (paged, scale,
         # softcap)), and each request's kept count measured at its eviction, for the scheduler (``report``)
@@ -303,9 +304,10 @@ class Worker:
             s.state.placed = len(s.blocks)
             for name, pages in s.state.pages.items():
                 appended.setdefault(name, []).append(pages.append(s.count))
-        counts = [s.count for s in flat]
-        for name in flat[0].state.pages:
-            self.flat[name] = FlatBatch.of([s.state.pages[name] for s in flat], counts, device, appended[name])
+        pages = {name: [s.state.pages[name] for s in flat] for name in flat[0].state.pages}
+        self.flat = FlatBatch.layers(pages, [s.count for s in flat], device, appended)
+        slots = torch.stack([batch.slot_mapping for batch in self.flat.values()])  # [layers, Hkv T]
+        self.flat_index = dict(zip(self.flat, self.whole.page_index(slots.view(-1), len(self.flat))))
         tokens = np.concatenate([np.arange(s.start, s.start + s.count) for s in flat])
         self.flat_tokens = torch.from_numpy(tokens).to(device)
 
@@ -368,8 +370,8 @@ class Worker:
         query heads on one KV head per sequence; vLLM's own write of their tokens was masked, its
         output for them is replaced)."""
         batch, tokens, heads = self.flat[name], self.flat_tokens, key.shape[1]
-        self.whole.write_pages(
-            batch.slot_mapping,
+        self.whole.write_at(
+            self.flat_index[name],
             flatten(key.index_select(0, tokens), heads)[:, 0],
             flatten(value.index_select(0, tokens), heads)[:, 0],
         )

@@ -184,7 +184,7 @@ def test_flattened_attention_equals_each_heads_own(make):
         dense.append([(torch.cat([k, new_k[:, h]]), torch.cat([v, new_v[:, h]])) for h, (k, v) in enumerate(kept)])
         pages.append(p)
         appended.append(slots)
-    batch = heads.FlatBatch.of(pages, counts, "cpu", appended)
+    batch = heads.FlatBatch.layers({"layer": pages}, counts, "cpu", {"layer": appended})["layer"]
     q = torch.randn(sum(counts), kv_heads * group, d, dtype=torch.float64)
     scale = d**-0.5
     out = heads.unflatten(reference_paged_attention(heads.flatten(q, kv_heads), cache, batch, scale), kv_heads)
