@@ -19,7 +19,9 @@ Held for the worker's life (``fixed``):
   most ``r`` per request, ``max_num_batched_tokens`` ``T`` in all) and their rows, an offset per
   token and per request: ``8 (T + 2 min(T, r S) + S)``;
 - per-head or per-layer budgets (``restkv.vllm.heads``): a layer's queries, keys, values and output
-  of the step flattened by KV head, at most ``4 T Hq d es`` at once (the page tables are on the host);
+  of the step flattened by KV head, at most ``4 T Hq d es`` at once; every layer's page tables of the step
+  (``layers Hkv S`` rows as wide as the widest head, at most ``max_model_len / block_size`` pages, int32) and its
+  slots' page axes;
   and at a step's end one request's pages moved into the blocks it keeps, at most its kept entries of
   every layer, ``layers`` x the K+V of ``B + block_size`` entries (LU-KV's curve and ``layer_ratios``:
   their largest layer's count over the prompts up to ``max_model_len``, ``settings.most_kept``).
@@ -264,6 +266,13 @@ def fixed_bytes(
         "one eviction": sum(eviction_bytes(cfg, m, max_model_len).values()),
         # per-head or per-layer budgets: the step's queries, keys, values and output flattened by head
         "flattened attention": 4 * tokens * m.heads * m.head_dim * m.dtype_bytes if settings.per_head(cfg) else 0,
+        # per-head or per-layer budgets: every layer's flattened batch of the step, built at once (``FlatBatch.layers``):
+        # int32 page tables as wide as the widest head (at most max_model_len's pages) and lengths per (head,
+        # request), the slots and their three page axes (int64) per (head, token)
+        "flattened page tables": (
+            m.layers * m.kv_heads * (max_num_seqs * 4 * (-(-max_model_len // block_size) + 1) + tokens * 32)
+            if settings.per_head(cfg) else 0
+        ),
         # per-head or per-layer budgets: one request's pages moved into its kept blocks at a step's end
         "pages moved": m.layers * m.kv_bytes(moved) if settings.per_head(cfg) else 0,
     }
