@@ -57,6 +57,13 @@ def equals_configure(knobs: dict, chunk) -> list:
     return kept
 
 
+def decodes_as_configure(knobs: dict, length: int, new: int, **kw) -> None:
+    """The paged engine (``kw``: its options) decodes configure()'s ``new`` tokens after a ``length``-token prompt."""
+    ids = prompt(length)[0].tolist()
+    tokens, _ = reference(knobs, ids, new)
+    assert engine(knobs, **kw).generate(ids, new) == tokens
+
+
 def kept_of(eng: PagedEngine) -> list:
     recorded = eng.recorded.get("r", {})
     return [recorded.get(name) for name in eng.names]
@@ -76,10 +83,7 @@ def test_prefill_eviction_equals_configure(method, chunk):
 @pytest.mark.parametrize("length", [30, 80], ids=["prompt-under-budget", "prompt-over-budget"])
 def test_eviction_while_decoding_equals_configure(method, length):
     """decode_interval=10: evictions every 10 generated tokens give configure()'s tokens over 60."""
-    knobs = {**small(method), **BUDGET, "decode_interval": 10}
-    ids = prompt(length)[0].tolist()
-    tokens, _ = reference(knobs, ids, 60)
-    assert engine(knobs).generate(ids, 60) == tokens
+    decodes_as_configure({**small(method), **BUDGET, "decode_interval": 10}, length, 60)
 
 
 @pytest.mark.parametrize(
@@ -105,10 +109,7 @@ def test_per_head_eviction_while_decoding_equals_configure(knobs, chunk):
     """Per-head and per-layer budgets with decode_interval=10: each eviction reads the heads' pages laid
     out as configure() lays out its heads (older entries, a gap, the newest window), and 60 tokens are
     configure()'s."""
-    knobs = {**small(knobs["method"]), **knobs, **BUDGET, "decode_interval": 10}
-    ids = prompt(80)[0].tolist()
-    tokens, _ = reference(knobs, ids, 60)
-    assert engine(knobs, chunk=chunk).generate(ids, 60) == tokens
+    decodes_as_configure({**small(knobs["method"]), **knobs, **BUDGET, "decode_interval": 10}, 80, 60, chunk=chunk)
 
 
 @pytest.mark.parametrize(
@@ -145,10 +146,7 @@ def test_a_prompt_within_the_budget_evicts_as_configure(knobs, length):
     """A prompt of at most max_capacity_prompt, evicting every 10 tokens: a threshold selects at the prompt's
     end anyway, a layer whose budget is below B (PyramidKV's schedule for a short prompt, ``layer_ratios``)
     evicts once it holds more than its own budget, as configure() does; 40 tokens are configure()'s."""
-    knobs = {**small(knobs["method"]), **knobs, **BUDGET, "decode_interval": 10}
-    ids = prompt(length)[0].tolist()
-    tokens, _ = reference(knobs, ids, 40)
-    assert engine(knobs).generate(ids, 40) == tokens
+    decodes_as_configure({**small(knobs["method"]), **knobs, **BUDGET, "decode_interval": 10}, length, 40)
 
 
 @pytest.mark.parametrize(
@@ -167,10 +165,8 @@ def test_decode_compression_ratio_equals_configure(knobs):
     """decode_compression_ratio=0.5 every 8 tokens: each check keeps half the tokens seen (PyramidKV's
     schedule read at that count, AdaKV's split of it, LU-KV's curve at the heads' width); 40 tokens are
     configure()'s."""
-    knobs = {**small(knobs["method"]), **knobs, **BUDGET, "decode_interval": 8, "decode_compression_ratio": 0.5}
-    ids = prompt(60)[0].tolist()
-    tokens, _ = reference(knobs, ids, 40)
-    assert engine(knobs).generate(ids, 40) == tokens
+    ratio = {"decode_interval": 8, "decode_compression_ratio": 0.5}
+    decodes_as_configure({**small(knobs["method"]), **knobs, **BUDGET, **ratio}, 60, 40)
 
 
 @pytest.mark.parametrize("method", ["snapkv", "restkv", "h2o"])
