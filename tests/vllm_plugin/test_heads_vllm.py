@@ -85,7 +85,7 @@ def test_a_uniform_request_reads_the_same_through_single_head_pages(dtype):
     )
     pages = heads.HeadPages.uniform(blocks, n, kv_heads, bs)
     step = np.stack([pages.slots(h, n - c, c) for h in range(kv_heads)])  # the step's c tokens, last in every head
-    batch = heads.FlatBatch.of([pages], [c], "cpu", [step])
+    batch = heads.FlatBatch.layers({"layer": [pages]}, [c], "cpu", {"layer": [step]})["layer"]
     torch.testing.assert_close(
         flat(query, cache, batch, kv_heads, isa, d**-0.5), kernel(query, cache, own, kv_heads, isa, d**-0.5)
     )
@@ -115,7 +115,7 @@ def test_heads_of_different_lengths_attend_to_their_own_entries(dtype):
         pages.append(p)
         appended.append(slots)
         dense.append(held)
-    batch = heads.FlatBatch.of(pages, counts, "cpu", appended)
+    batch = heads.FlatBatch.layers({"layer": pages}, counts, "cpu", {"layer": appended})["layer"]
     query = torch.randn(sum(counts), kv_heads * group, d, dtype=dtype)
     out = flat(query, cache, batch, kv_heads, isa, d**-0.5)
     start = 0
