@@ -200,13 +200,6 @@ class HeadPages:
             slots[h, width - newest :], held[h, width - newest :] = entries[n - newest :], True
         return slots, held
 
-    def table(self, width: int) -> np.ndarray:
-        """[Hkv, width] each head's pages, padded with 0 (a kernel reads only its length's)."""
-        table = np.zeros((len(self.rows), width), dtype=np.int64)
-        for h, row in enumerate(self.rows):
-            table[h, : len(row)] = row
-        return table
-
 
 @dataclass
 class FlatBatch:

@@ -295,7 +295,7 @@ class Worker:
         """The step's requests whose heads hold their own pages: their new blocks' pages, room for
         their tokens in every layer, each layer's ``FlatBatch`` and their tokens (``flat_tokens``)."""
         flat = [s for s in self.step if s.state.pages]
-        self.flat, self.flat_tokens = {}, None
+        self.flat, self.flat_index, self.flat_tokens = {}, {}, None
         if not flat:
             return
         appended: dict = {}  # layer name -> each request's new slots [Hkv, count]
