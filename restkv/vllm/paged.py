@@ -53,10 +53,8 @@ class Paged:
         return self._at(self.keys, slots, True), self._at(self.values, slots, True)
 
     def write_pages(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys, values [n, d] into single-head page ``slots`` [n] (the keys' index, then the values',
-        never both held)."""
-        self._put(self.keys, slots, keys, True)
-        self._put(self.values, slots, values, True)
+        """Write keys, values [n, d] into single-head page ``slots`` [n]."""
+        self.write_at(self._index(self.keys, slots, True), keys, values)
 
     def page_index(self, slots: torch.Tensor, rows: int = 1) -> list:
         """(block, offset, head) of single-head page ``slots`` [rows n], as ``write_at`` takes them: one
@@ -65,7 +63,8 @@ class Paged:
         return list(zip(*(a.view(rows, -1).unbind(0) for a in axes)))
 
     def write_at(self, axes: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys, values [n, d] at ``axes`` (one of ``page_index``'s), the keys then the values."""
+        """Write keys, values [n, d] at ``axes`` (block, offset, head) [n] each (one of ``page_index``'s): the
+        keys' index, then the values', never both held."""
         for where, x in ((self.keys, keys), (self.values, values)):
             self._put_at(where, self._locate(where, axes), x)
 
