@@ -98,6 +98,7 @@ def select(
     sizes: Tensor | None = None,
     scores: Tensor | None = None,
     width: int | None = None,
+    fit: bool | None = None,
 ) -> Kept:
     """Keep the top prefix entries of each KV head, plus the window, in position order, then merge.
 
@@ -109,10 +110,11 @@ def select(
     reads the scores. With ``gqa_agg="none"`` the heads are the query heads (GQA models), each with
     its own kept set. ``width``: with per-head budgets, the slots of every head (at least the
     longest head's kept entries plus the window; the slots past a head's entries invalid), which
-    spares the host read of the longest.
+    spares the host read of the longest. ``fit``: every head keeps all it holds (default: the n slots fit
+    the budget; under tensor parallelism, the widest head over every rank's decides).
     """
     b, hkv, n, d = obs.keys.shape
-    fit = fits(cfg, n, obs.budget)
+    fit = fits(cfg, n, obs.budget) if fit is None else fit
     per_query_head = cfg.get("gqa_agg") == "none" and obs.queries.shape[1] != hkv and not fit
     if fit:
         idx = torch.arange(n, device=obs.keys.device).expand(b, hkv, n)

@@ -157,7 +157,7 @@ def capacity(
     m = model
     if not isinstance(model, memory.Model):
         m = memory.model_of(model, dtype).per_rank(tensor_parallel_size)
-    settings.bind_model(cfg, m.layers, m.heads, m.kv_heads)
+    settings.bind_model(cfg, m.layers, m.heads * m.ranks, m.kv_heads * m.ranks, m.ranks)
     block_bytes = block_size * m.layers * m.kv_bytes(1)
     sizes = (max_num_seqs, max_model_len)
     if explicit:  # as hooks.memory logs it: fixed bytes, and per_token for each token of the pool

@@ -107,6 +107,7 @@ class Model:
     head_dim: int
     hidden: int
     dtype_bytes: int
+    ranks: int = 1  # tensor-parallel ranks sharing the heads (``heads``, ``kv_heads``: one rank's)
 
     def per_rank(self, tensor_parallel: int) -> Model:
         """One rank's heads (KV heads replicated when fewer than the ranks, as vLLM does)."""
@@ -114,6 +115,7 @@ class Model:
             self,
             heads=self.heads // tensor_parallel,
             kv_heads=max(1, self.kv_heads // tensor_parallel),
+            ranks=tensor_parallel,
         )
 
     def kv_bytes(self, entries: int, element: int | None = None) -> int:
@@ -173,16 +175,18 @@ def kept_width(cfg: CompressionConfig, model: Model, held: int) -> int:
     """Entries per head of a kept set as the selection returns it (at most all held): its longest
     head's where the heads keep their own counts (HeadKV's table's longest; AdaKV's at most every
     head's share past the window, ``Hkv (B - w) + w``; LU-KV's all held; a budget shared across layers,
-    every layer's ``layers Hkv (B - w) + w``), else the largest layer's (``largest_layer``)."""
+    every layer's ``layers Hkv (B - w) + w``; Hkv every rank's heads), else the largest layer's
+    (``largest_layer``)."""
     budget = settings.most_budget(cfg, held)  # decode_compression_ratio: the largest up to ``held`` tokens
+    kv_heads = model.kv_heads * model.ranks
     if settings.deferred(cfg):  # one layer's head may take every layer's and head's share
-        return min(held, model.layers * model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
+        return min(held, model.layers * kv_heads * (budget - cfg.window_size) + cfg.window_size)
     if cfg.get("head_budget") == "headkv":
         return min(held, int(settings.head_table(cfg).max()) + cfg.window_size)
     if cfg.get("head_budget") == "lukv":  # a head may keep all it holds
         return held
     if settings.shares_heads(cfg):
-        return min(held, model.kv_heads * (budget - cfg.window_size) + cfg.window_size)
+        return min(held, kv_heads * (budget - cfg.window_size) + cfg.window_size)
     return largest_layer(cfg, model, held)
 
 

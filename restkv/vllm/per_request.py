@@ -48,6 +48,7 @@ class Engine:
     max_num_batched_tokens: int
     block_size: int
     tensor_parallel: int = 1
+    replicated: bool = False  # the ranks do not split the KV heads evenly (vLLM replicates them)
     resolved: dict = field(default_factory=dict, compare=False)  # knobs as JSON -> config or None
 
     def terms(self, cfg: CompressionConfig) -> dict:
@@ -102,7 +103,7 @@ def parse(engine: Engine, knobs) -> CompressionConfig | None:
         cfg = CompressionConfig.with_defaults(base, **knobs)
         settings.check(cfg, FIELD)
         m = engine.model
-        settings.bind_model(cfg, m.layers, m.heads, m.kv_heads)
+        settings.bind_model(cfg, m.layers, m.heads * m.ranks, m.kv_heads * m.ranks, m.ranks)
     except (ValueError, TypeError) as e:
         message = str(e)
         raise ValueError(message if message.startswith(FIELD) else f"{FIELD}: {message}") from None
@@ -114,6 +115,11 @@ def refusal(engine: Engine, cfg: CompressionConfig) -> str | None:
     mixes = settings.mixes_heads(cfg)
     if engine.tensor_parallel > 1 and mixes:
         return f"{mixes}, and this engine gives each of its {engine.tensor_parallel} ranks some heads"
+    if engine.replicated and settings.sized_across_heads(cfg):
+        return (
+            f"{settings.budget_knobs(cfg)} splits a budget across the KV heads, which this engine's "
+            f"{engine.tensor_parallel} ranks do not split evenly"
+        )
     if settings.per_head(cfg) and not settings.per_head(engine.cfg):
         return (
             f"{settings.budget_knobs(cfg)} needs an engine started with per-head or per-layer budgets; "

@@ -87,19 +87,28 @@ def entry_scores(obs: Observation, cfg: CompressionConfig, summed: torch.Tensor 
 
 @torch.no_grad()
 def kept_entries(
-    obs: Observation, cfg: CompressionConfig, summed: torch.Tensor | None = None, table=None, sizes=None, scores=None
+    obs: Observation,
+    cfg: CompressionConfig,
+    summed: torch.Tensor | None = None,
+    table=None,
+    sizes=None,
+    scores=None,
+    fit: bool | None = None,
 ) -> Kept:
     """What one request keeps in one layer: keys / values [1, Hkv, B, d], positions [1, Hkv, B]
     (indices among the entries held). ``summed``: as ``entry_scores``; ``table`` [Hkv]: HeadKV's counts
     for the layer (``settings.head_table``); ``sizes`` [1, Hkv] each head's prefix entries and
-    ``scores`` its ``entry_scores``, under a budget shared across layers."""
-    if obs.head_valid is not None and fits(cfg, obs.keys.shape[2], obs.budget):  # every head keeps all it holds
+    ``scores`` its ``entry_scores``, where the heads' split is decided elsewhere (a budget shared across
+    layers, or across tensor-parallel ranks: ``ranks.layer_sizes``); ``fit``: every head keeps all it holds
+    (default: its slots fit the budget)."""
+    fit = fits(cfg, obs.keys.shape[2], obs.budget) if fit is None else fit
+    if obs.head_valid is not None and fit:  # every head keeps all it holds
         valid = obs.head_valid
         return Kept(obs.keys, obs.values, obs.positions[:, None].masked_fill(~valid, -1), valid, per_head=True)
     if scores is None and summed is not None:
         scores = entry_scores(obs, cfg, summed)
     with float32_scoring(obs.keys.device.type):
-        return select(obs, cfg, table=table, sizes=sizes, scores=scores)
+        return select(obs, cfg, table=table, sizes=sizes, scores=scores, fit=fit)
 
 
 @torch.no_grad()

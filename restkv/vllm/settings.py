@@ -197,16 +197,19 @@ def per_head_refusals(cfg: CompressionConfig) -> list[str]:
 _TABLES: dict = {}  # config -> (the model's layers, heads, KV heads; HeadKV's counts [layers, Hkv] or
 # LU-KV's curve [99, layers, Hkv] for it)
 _LAYERS: dict = {}  # config -> the model's attention layers (``bind_model``)
+_RANKS: dict = {}  # config -> its tensor-parallel ranks (``bind_model``)
 
 
-def bind_model(cfg: CompressionConfig, layers: int, heads: int, kv_heads: int) -> None:
+def bind_model(cfg: CompressionConfig, layers: int, heads: int, kv_heads: int, ranks: int = 1) -> None:
     """Read what the config needs of the model before any request: its ``layers`` attention layers
     (PyramidKV's schedule over them), HeadKV's head-importance table, shared among their ``kv_heads``
-    heads (``heads`` query heads), as ``restkv.configure`` shares it, LU-KV's budget curve; a file that
-    does not fit the model raises a one-line ValueError."""
+    heads (``heads`` query heads; every rank's), as ``restkv.configure`` shares it, LU-KV's budget curve;
+    ``ranks`` the tensor-parallel ranks sharing the heads. A file that does not fit the model raises a
+    one-line ValueError."""
     model = (layers, heads, kv_heads)
     check_layers(cfg, layers)
     _LAYERS[cfg] = layers
+    _RANKS[cfg] = ranks
     if _TABLES.get(cfg, (None,))[0] == model:
         return
     if cfg.get("head_budget") == "headkv":
@@ -348,24 +351,32 @@ def room(cfg: CompressionConfig, budget: int, block_size: int, prompt_len: int, 
     every layer and head and ``block_size`` more (``restkv.vllm.heads.equivalent_length``: any split
     over the layers' and heads' pages fits), the bound of the count the worker sends once the heads
     kept theirs (``heads.exact_length``). ``decoding``: a check after the prompt's end, where LU-KV's
-    counts follow each layer's widest head (not known here): ``UNBOUNDED``, all it holds."""
+    counts follow each layer's widest head (not known here): ``UNBOUNDED``, all it holds. Under tensor
+    parallelism where the heads' split is across ranks (``sized_across_heads``), each rank's heads may
+    hold all of it: the mean times the ranks."""
     if not per_head(cfg):
         return 0
     if decoding and cfg.get("head_budget") == "lukv":
         return UNBOUNDED
     layers = layers_of(cfg) if per_layer(cfg) else 1
-    return equivalent_length(mean_kept(cfg, budget, prompt_len, layers), block_size)
+    ranks = _RANKS.get(cfg, 1) if sized_across_heads(cfg) else 1
+    return equivalent_length(min(UNBOUNDED, ranks * mean_kept(cfg, budget, prompt_len, layers)), block_size)
+
+
+def sized_across_heads(cfg: CompressionConfig) -> bool:
+    """A head's count depends on the other heads' (AdaKV and HeadKV share a layer's budget, LU-KV rounds
+    a layer's counts over its heads, ``DEFERRED`` shares one over every layer's): under tensor parallelism
+    every rank gathers every head's scores and keeps its own heads' part (``ranks``)."""
+    return deferred(cfg) or shares_heads(cfg) or cfg.get("head_budget") == "lukv"
 
 
 def mixes_heads(cfg: CompressionConfig) -> str | None:
-    """Why a head's kept entries depend on the other heads (tensor parallelism gives each rank some
-    of them), or None."""
-    if deferred(cfg):
-        return f"layer_budget={cfg['layer_budget']!r} shares the budget among every layer's KV heads"
-    if shares_heads(cfg):
-        return f"head_budget={cfg['head_budget']!r} shares a layer's budget among all its KV heads"
-    if cfg.get("head_budget") == "lukv":
-        return "head_budget='lukv' rounds a layer's counts over all its KV heads (largest remainder)"
+    """Why a head's scores depend on the other heads (tensor parallelism gives each rank some of them),
+    or None (a split of the budget across heads is gathered over the ranks: ``sized_across_heads``)."""
+    if cfg.scorer.scorer == "restkv.methods.defensivekv":
+        return "DefensiveKV weighs an entry by its value norm over the sum of every KV head's"
+    if cfg.scorer.scorer == "restkv.methods.kvcompose" and cfg.get("add_mean_across_heads"):
+        return "KVCompose's add_mean_across_heads adds every KV head's mean to each head's scores"
     if cfg.scorer.scorer == "restkv.methods.tova":
         return "TOVA scores an entry by the mean over every head"
     if cfg.scorer.scorer == "restkv.methods.random" or cfg.get("indicator") == "random":

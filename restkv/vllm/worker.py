@@ -40,6 +40,7 @@ from . import per_request, settings
 from .memory import reads_factor
 from .heads import FlatBatch, HeadPages, exact_length, flatten, settle, unflatten
 from ..strategies.budgets import shared_sizes
+from .ranks import layer_sizes, layers_sizes
 from .scoring import chunk_score, entry_scores, kept_entries, observation, slot_rows
 
 _LAYER = re.compile(r"\.(\d+)\.")
@@ -125,6 +126,7 @@ class Worker:
         self.cfg = cfg
         self.engine = engine
         self.tensor_parallel = 1 if engine is None else engine.tensor_parallel  # ranks, each with some heads
+        self.ranks = None  # ``ranks.Ranks``: their collectives, under tensor parallelism (set by the hooks)
         self.configs: dict = {}  # request id -> the config it runs (``admit``), until it finishes
         self.caching = caching
         self.block_size = block_size
@@ -437,7 +439,13 @@ class Worker:
     def _evict(self, name, s: Scheduled, paged, scale, softcap) -> None:
         obs = self._observed(name, s, paged, scale, softcap)
         table = settings.layer_table(s.cfg, self.rank.get(name, 0), obs.keys.device)
-        kept = kept_entries(obs, s.cfg, s.state.sums.pop(name, None), table)
+        summed = s.state.sums.pop(name, None)
+        if self.ranks is None or not settings.sized_across_heads(s.cfg):
+            kept = kept_entries(obs, s.cfg, summed, table)
+        else:  # the heads' split over every rank's heads
+            scores = entry_scores(obs, s.cfg, summed)
+            fit, sizes = layer_sizes(self.ranks, obs, s.cfg, scores, table)
+            kept = kept_entries(obs, s.cfg, sizes=sizes, scores=scores, fit=fit)
         self._keep(name, s, kept, paged)
 
     def _keep(self, name, s: Scheduled, kept, paged) -> None:
@@ -460,13 +468,16 @@ class Worker:
         layer's selection placed on its pages."""
         names = sorted(s.scores, key=self.rank.get)
         scores = [s.scores.pop(n) for n in names]
-        sizes = shared_sizes(s.cfg, scores, s.eviction.budget)
+        if self.ranks is None:
+            fit, sizes = [None] * len(names), shared_sizes(s.cfg, scores, s.eviction.budget)
+        else:  # over every rank's heads
+            fit, sizes = layers_sizes(self.ranks, s.cfg, scores, s.eviction.budget)
         lengths = torch.stack(sizes)[:, 0] + s.cfg.window_size  # [layers, Hkv]
         self._counted(s, lengths.cpu().numpy())  # one host read per eviction; its own blocks (``settings.uncached``)
-        for name, size, score in zip(names, sizes, scores):
+        for name, size, score, whole in zip(names, sizes, scores, fit):
             paged, scale, softcap = self.later[name]
             obs = self._observed(name, s, paged, scale, softcap)
-            self._keep(name, s, kept_entries(obs, s.cfg, sizes=size, scores=score), paged)
+            self._keep(name, s, kept_entries(obs, s.cfg, sizes=size, scores=score, fit=whole), paged)
 
     def _place(self, name, s: Scheduled, kept) -> None:
         """Per-head budgets: each head's kept entries on pages of its own (``HeadPages.placed``; one host
@@ -491,10 +502,14 @@ class Worker:
     def _counted(self, s: Scheduled, lengths: np.ndarray) -> None:
         """Per-head budgets: the request's kept count from its heads' lengths [layers, Hkv] (every layer's,
         ``heads.exact_length``), for the scheduler (``report``), and the pages of the blocks that count keeps
-        (``kept_pages``); the config's bound under tensor parallelism, where each rank holds other heads and
-        all must count alike."""
-        exact = lengths.size == len(self.space.first) * self.space.heads and self.tensor_parallel == 1
-        e = s.eviction = s.eviction.kept(exact_length(lengths, self.block_size) if exact else s.eviction.room)
+        (``kept_pages``). Under tensor parallelism each rank holds other heads and all must count alike: the
+        largest rank's count (``ranks``; the config's bound where no collective is given)."""
+        exact = lengths.size == len(self.space.first) * self.space.heads
+        exact = exact and (self.tensor_parallel == 1 or self.ranks is not None)
+        length = exact_length(lengths, self.block_size) if exact else s.eviction.room
+        if self.ranks is not None:
+            (length,) = self.ranks.most([length])
+        e = s.eviction = s.eviction.kept(length)
         s.kept_pages = self.space.pages(s.blocks[e.first_kept_block : e.first_kept_block + e.kept_blocks])
         self.counted[s.req_id] = e.counted
 

@@ -11,7 +11,7 @@ from helpers import prompt
 from test_vllm_worker import engine, kept_of, reference
 
 from restkv.config import CompressionConfig
-from restkv.vllm import memory, per_request
+from restkv.vllm import memory, per_request, settings
 
 MODEL = memory.Model(layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, dtype_bytes=4)
 SNAPKV = dict(method="snapkv", max_capacity_prompt=128, window_size=16)
@@ -109,3 +109,20 @@ def test_a_requests_own_knobs_evict_as_configure_with_them(engine_knobs, knobs, 
         for layer, (ours, ref) in enumerate(zip(kept_of(eng), kept)):
             assert torch.equal(ours, ref), f"layer {layer}"
     assert eng.generate(ids, 8) == reference(engine_knobs, ids, 8)[0]  # the next request runs the engine's
+
+
+def test_under_tensor_parallelism_a_requests_split_across_heads_is_counted_over_the_ranks():
+    """A request running AdaKV on an engine of three ranks (one KV head each, PyramidKV's): its heads' split
+    is gathered over the ranks, so one rank's head may keep every head's share: it is counted at three
+    times the mean until the worker's count; where the ranks replicate the KV heads it is refused."""
+    pyramid = CompressionConfig.from_kwargs(method="pyramidkv", max_capacity_prompt=128)
+    sizes = dict(max_num_seqs=8, max_model_len=2048, max_num_batched_tokens=2048, block_size=16)
+    engine = per_request.Engine(pyramid, MODEL.per_rank(3), tensor_parallel=3, **sizes)
+    cfg = per_request.resolve(engine, {"method": "adakv", "max_capacity_prompt": 64})
+    try:
+        assert settings.eviction(cfg, 0, 1000, 1000, 0, False, 16).counted == 3 * 64 + 16
+    finally:  # the config is a key of settings' tables: the other tests' run on one rank
+        settings.bind_model(cfg, 30, 9, 3)
+    replicated = per_request.Engine(pyramid, MODEL.per_rank(3), tensor_parallel=3, replicated=True, **sizes)
+    with pytest.raises(ValueError, match="ranks do not split evenly"):
+        per_request.resolve(replicated, {"method": "adakv", "max_capacity_prompt": 64})

@@ -65,24 +65,46 @@ def test_additional_config_is_named_in_its_errors():
 
 
 @pytest.mark.parametrize(
-    "knobs, mixes",
+    "knobs, across, mixes",
     [
-        ({"method": "adakv"}, "among all its KV heads"),
-        ({"method": "defensivekv"}, "among all its KV heads"),
-        ({**SNAPKV, "head_budget": "threshold", "threshold": 0.01}, None),
-        ({"method": "pyramidkv"}, None),
-        ({**SNAPKV, "head_budget": "lukv", "lukv_curve": "x.npy"}, "rounds a layer's counts over all its KV heads"),
-        ({**SNAPKV, "layer_ratios": "0.5,0.2,0.7"}, None),
+        ({"method": "adakv"}, True, None),
+        ({"method": "defensivekv"}, True, "sum of every KV head's"),
+        ({**SNAPKV, "layer_budget": "global"}, True, None),
+        ({**SNAPKV, "head_budget": "threshold", "threshold": 0.01}, False, None),
+        ({"method": "pyramidkv"}, False, None),
+        ({**SNAPKV, "head_budget": "lukv", "lukv_curve": "x.npy"}, True, None),
+        ({**SNAPKV, "layer_ratios": "0.5,0.2,0.7"}, False, None),
     ],
 )
-def test_per_head_and_per_layer_budgets_run(knobs, mixes):
-    """They run; AdaKV's split (a layer's budget shared by its heads' scores) and LU-KV's rounding over a
-    layer's heads are refused under tensor parallelism, a threshold's, PyramidKV's and ``layer_ratios``'
-    counts are each head's own."""
+def test_per_head_and_per_layer_budgets_run(knobs, across, mixes):
+    """They run. Under tensor parallelism, AdaKV's split (a layer's budget shared by its heads' scores),
+    LU-KV's rounding over a layer's heads and a budget shared across layers gather every rank's scores
+    (``sized_across_heads``); DefensiveKV's scores read every head's value norms, so it is refused; a
+    threshold's, PyramidKV's and ``layer_ratios``' counts are each head's own."""
     cfg = settings.from_env({"restkv": knobs})
     assert settings.per_head(cfg)
+    assert settings.sized_across_heads(cfg) == across
     why = settings.mixes_heads(cfg)
     assert why is None if mixes is None else mixes in why
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_under_tensor_parallelism_a_split_across_heads_is_counted_at_the_ranks_mean(ranks):
+    """AdaKV at budget 128, blocks of 32, over ``ranks`` ranks: one rank's heads may take every head's share,
+    so until the worker's count the request is counted at ``ranks`` times the mean (at most all it holds);
+    PyramidKV's heads keep their layer's budget on every rank."""
+    cfg = settings.from_env({"restkv": {"method": "adakv", "max_capacity_prompt": 128}})
+    pyramid = settings.from_env({"restkv": {"method": "pyramidkv", "max_capacity_prompt": 128}})
+    try:
+        settings.bind_model(cfg, 30, 9, 3, ranks)
+        e = settings.eviction(cfg, 0, 1000, 1000, 0, False, 32)
+        assert e.counted == ranks * 128 + 32
+        assert settings.eviction(cfg, 0, 200, 200, 0, False, 32).counted == (160 if ranks == 1 else 232)
+        settings.bind_model(pyramid, 30, 9, 3, ranks)
+        assert settings.eviction(pyramid, 0, 1000, 1000, 0, False, 32).counted == 128 + 32
+    finally:  # the configs are keys of the module's tables: the other tests' are one rank's
+        settings.bind_model(cfg, 30, 9, 3)
+        settings.bind_model(pyramid, 30, 9, 3)
 
 
 @pytest.mark.parametrize("caching", [False, True])
@@ -154,9 +176,11 @@ def test_a_global_budget_is_counted_at_its_bound_until_the_worker_measures_it(ca
     the bound (every layer keeping all it holds, and a block: ``held + block_size``), over its own
     blocks, prefix caching or not (a request over the budget takes and gives no hits); the worker's
     measured count then sets what the request keeps, within 1 .. that bound; it shares the budget
-    among every head, so tensor parallelism is refused."""
+    among every head (``sized_across_heads``), and DefensiveKV's scores read every head's value norms, so
+    tensor parallelism is refused."""
     cfg = settings.from_env({"restkv": {"method": "layer_defensivekv", "value_norm": "l2", "max_capacity_prompt": 64}})
-    assert settings.per_head(cfg) and settings.deferred(cfg) and "every layer" in settings.mixes_heads(cfg)
+    assert settings.per_head(cfg) and settings.deferred(cfg) and settings.sized_across_heads(cfg)
+    assert "every KV head" in settings.mixes_heads(cfg)
     e = settings.eviction(cfg, 0, 300, 300, 0, caching, 16)
     assert e.measured and e.counted == 316 and not e.fresh
     assert e.slots == 20 * 16  # the bound's blocks, one more than the held ones

@@ -257,8 +257,10 @@ def test_fresh_blocks_only_for_a_first_eviction_under_prefix_caching():
 def test_heads_split_over_ranks_keep_what_all_heads_keep(method):
     """Tensor parallelism gives each rank some KV heads (their query heads, their o_proj columns): a
     config ``settings.mixes_heads`` lets through keeps, from one KV head's share, what it keeps for
-    that head from all; one it refuses does not (so it refuses what it must)."""
+    that head from all (a split of the budget across heads, ``sized_across_heads``, from every rank's
+    gathered scores: ``ranks``); one it refuses does not (so it refuses what it must)."""
     from restkv.strategies.budgets import shared_sizes
+    from restkv.vllm import ranks as tp
     from restkv.vllm.scoring import entry_scores, kept_entries, observation
 
     g = torch.Generator().manual_seed(3)
@@ -270,19 +272,36 @@ def test_heads_split_over_ranks_keep_what_all_heads_keep(method):
     cfg = CompressionConfig.from_kwargs(**small(method), **BUDGET, **first)
     rows = settings.query_rows(cfg)
 
-    def kept(heads: slice, kv: slice) -> list:
+    def observe(heads: slice, kv: slice):
         w = weight.view(hidden, hq, d)[:, heads].reshape(hidden, -1)
-        obs = observation(cfg, q[-rows:, heads], k[:, kv], v[:, kv], 40, d**-0.5, None, 1, 3, lambda: w)
+        return observation(cfg, q[-rows:, heads], k[:, kv], v[:, kv], 40, d**-0.5, None, 1, 3, lambda: w)
+
+    def kept(obs, ranks=None, every=None) -> list:
+        """``every``: each rank's scores, which ``ranks``' gather returns."""
+        fit = None
         if settings.deferred(cfg):  # one layer's heads sharing the budget as every layer's do
             scores = entry_scores(obs, cfg)
-            (sizes,) = shared_sizes(cfg, [scores], 40)
-            positions = kept_entries(obs, cfg, sizes=sizes, scores=scores).positions[0]
+            if ranks is None:
+                (sizes,) = shared_sizes(cfg, [scores], 40)
+            else:
+                (fit,), (sizes,) = tp.layers_sizes(ranks, cfg, [scores], 40)
+            positions = kept_entries(obs, cfg, sizes=sizes, scores=scores, fit=fit).positions[0]
+        elif ranks is not None:
+            scores = entry_scores(obs, cfg)
+            fit, sizes = tp.layer_sizes(ranks, obs, cfg, scores)
+            positions = kept_entries(obs, cfg, sizes=sizes, scores=scores, fit=fit).positions[0]
         else:
             positions = kept_entries(obs, cfg).positions[0]
         return [sorted(p for p in head.tolist() if p >= 0) for head in positions]
 
-    whole = kept(slice(None), slice(None))
-    split = [head for r in range(hkv) for head in kept(slice(3 * r, 3 * r + 3), slice(r, r + 1))]
+    whole = kept(observe(slice(None), slice(None)))
+    views = [observe(slice(3 * r, 3 * r + 3), slice(r, r + 1)) for r in range(hkv)]
+    if settings.sized_across_heads(cfg) and not settings.mixes_heads(cfg):
+        every = [entry_scores(o, cfg) for o in views]
+        gather = lambda x: torch.cat(every, 1)  # noqa: E731 (every rank holds as many entries)
+        split = [head for r, o in enumerate(views) for head in kept(o, tp.Ranks(r, hkv, gather, lambda m: m))]
+    else:
+        split = [head for o in views for head in kept(o)]
     if settings.mixes_heads(cfg):
         assert whole != split
     else:

@@ -165,20 +165,56 @@ def test_the_pool_holds_the_fewest_blocks_the_pages_need(model_dir, prompt, knob
 
 
 @pytest.mark.quick
-def test_refused_under_tensor_parallelism_before_the_engine_starts(model_dir, monkeypatch):
-    """AdaKV shares a layer's budget among all its KV heads; tensor parallelism gives each rank some."""
+@pytest.mark.parametrize(
+    "knobs, ranks, why",
+    [
+        (ADAKV, 3, None),
+        (LAYER_DEFENSIVEKV, 3, "every KV head's"),
+        (ADAKV, 2, "does not divide the model's 3 KV heads"),
+    ],
+    ids=["adakv", "layer-defensivekv", "adakv-replicated"],
+)
+def test_tensor_parallelism_refused_where_a_heads_scores_read_the_others(model_dir, monkeypatch, knobs, ranks, why):
+    """AdaKV shares a layer's budget among all its KV heads, which every rank gathers (``ranks``); DefensiveKV's
+    scores read every head's value norms, which a rank does not hold; ranks that do not divide the KV heads
+    replicate them, so the gathered heads are not the model's."""
     from vllm.engine.arg_utils import EngineArgs
 
     from restkv.vllm.hooks import install
     from restkv.vllm.hooks.refusals import refusals
 
-    monkeypatch.setenv("RESTKV_VLLM", json.dumps(ADAKV))
+    monkeypatch.setenv("RESTKV_VLLM", json.dumps(knobs))
     install()
     config = EngineArgs(model=model_dir, dtype="float32", max_model_len=1024).create_engine_config()
     assert refusals(config, settings.from_env()) == []
-    config.parallel_config.tensor_parallel_size = 3
-    (line,) = refusals(config, settings.from_env())
-    assert "among all its KV heads" in line and "--tensor-parallel-size 1" in line
+    config.parallel_config.tensor_parallel_size = ranks
+    lines = refusals(config, settings.from_env())
+    if why is None:
+        assert lines == []
+    else:
+        (line,) = lines
+        assert why in line and "--tensor-parallel-size" in line
+
+
+@pytest.mark.parametrize("name", ["adakv", "lukv", "snapkv-global"])
+def test_a_split_across_heads_under_tensor_parallelism(model_dir, prompt, lukv, name):
+    """AdaKV's, LU-KV's and a cross-layer budget's counts depend on every head's scores: three ranks of one
+    KV head each gather them (``restkv.vllm.ranks``) and keep, head by head, the transformers path's
+    positions, and give its tokens; AdaKV and LU-KV evict again every 32 tokens (the heads' laid-out widths
+    differ by rank then; a cross-layer budget evicts at the prompt's end only, as ``configure()``)."""
+    knobs = {
+        "adakv": {**ADAKV, "decode_interval": 32},
+        "lukv": {**lukv, "decode_interval": 32},
+        "snapkv-global": {"method": "snapkv", "layer_budget": "global", "max_capacity_prompt": 128, "window_size": 32},
+    }[name]
+    ref = reference(prompt, knobs, 64)
+    run = engine_run(model_dir, [prompt], knobs, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
+    ranks = run["kept"][0]
+    assert len(ranks) == 3
+    joined = [[h for rank in ranks for h in rank[layer]] for layer in range(30)]  # each rank's head
+    assert len({len(heads_kept([h])[0]) for layer in joined for h in layer}) > 1, "every head kept the same count"
+    assert_kept_as_reference(joined, ref["kept"])
+    assert run["tokens"][0] == ref["tokens"]
 
 
 def test_headkv_keeps_and_decodes_as_restkv(model_dir, prompt, tmp_path):

@@ -194,7 +194,10 @@ READS = {
     "vllm.model_executor.layers.attention.attention.Attention": (
         "layer_name", "impl", "kv_cache", "attn_backend", "kv_cache_dtype", "kv_cache_torch_dtype", "dtype",
     ),
-    "vllm.config.model.ModelConfig": ("get_num_layers", "get_num_attention_heads", "get_num_kv_heads"),
+    "vllm.config.model.ModelConfig": (
+        "get_num_layers", "get_num_attention_heads", "get_num_kv_heads", "get_total_num_kv_heads",
+    ),
+    "vllm.distributed.parallel_state.GroupCoordinator": ("rank_in_group", "world_size", "cpu_group", "all_gather"),
     "vllm.v1.core.sched.output.SchedulerOutput": (
         "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens",
         "finished_req_ids",

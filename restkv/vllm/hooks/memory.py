@@ -42,6 +42,7 @@ def config_model(config, parallel, layers: int = 0) -> memory.Model:
         head_dim=config.get_head_size(),
         hidden=config.get_hidden_size(),
         dtype_bytes=config.dtype.itemsize,
+        ranks=parallel.tensor_parallel_size,
     )
 
 

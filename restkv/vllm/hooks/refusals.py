@@ -53,6 +53,13 @@ def refusals(vllm_config, cfg) -> list[str]:
             "(vllm serve: --tensor-parallel-size 1) or another method",
         ),
         (
+            settings.sized_across_heads(cfg) and replicated(vllm_config),
+            f"{settings.budget_knobs(cfg)} splits a budget across the KV heads, and "
+            f"tensor_parallel_size={parallel.tensor_parallel_size} does not divide the model's "
+            f"{vllm_config.model_config.get_total_num_kv_heads()} KV heads (vLLM replicates them): a "
+            "tensor_parallel_size that divides them (vllm serve: --tensor-parallel-size)",
+        ),
+        (
             getattr(parallel, "prefill_context_parallel_size", 1) > 1,
             "prefill context parallelism: prefill_context_parallel_size=1 "
             "(vllm serve: --prefill-context-parallel-size 1)",
@@ -102,12 +109,21 @@ def check_config(vllm_config, unhooked=lambda config: ()):
     return cfg
 
 
+def replicated(vllm_config) -> bool:
+    """Tensor parallelism over more ranks than KV heads, or a count that does not divide them."""
+    ranks = vllm_config.parallel_config.tensor_parallel_size
+    return ranks > 1 and vllm_config.model_config.get_total_num_kv_heads() % ranks != 0
+
+
 def bind_model(vllm_config, cfg) -> None:
-    """``settings.bind_model`` with this engine's model (one rank's heads); a table that does not fit it
-    raises a one-line ValueError naming the knob's file."""
+    """``settings.bind_model`` with this engine's model (every rank's heads) and ranks; a table that does not
+    fit it raises a one-line ValueError naming the knob's file."""
     m, p = vllm_config.model_config, vllm_config.parallel_config
+    ranks = p.tensor_parallel_size
     try:
-        settings.bind_model(cfg, m.get_num_layers(p), m.get_num_attention_heads(p), m.get_num_kv_heads(p))
+        settings.bind_model(
+            cfg, m.get_num_layers(p), m.get_num_attention_heads(p) * ranks, m.get_total_num_kv_heads(), ranks
+        )
     except ValueError as e:
         raise ValueError(f"{settings.ENV}: {e}") from None
 

@@ -15,6 +15,7 @@ import functools
 from vllm.exceptions import VLLMValidationError
 
 from .. import per_request, settings
+from . import refusals
 from .memory import config_model
 
 
@@ -29,6 +30,7 @@ def engine(vllm_config, cfg) -> per_request.Engine:
         scheduler.max_num_batched_tokens,
         vllm_config.cache_config.block_size,
         parallel.tensor_parallel_size,
+        refusals.replicated(vllm_config),
     )
 
 

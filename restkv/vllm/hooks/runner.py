@@ -21,6 +21,7 @@ import inspect
 import torch
 
 from .. import settings
+from ..ranks import Ranks
 from ..worker import Worker
 from . import refusals
 from .requests import engine
@@ -35,11 +36,11 @@ def runner_init(orig):
         cfg = settings.from_env(vllm_config.additional_config)
         cache = vllm_config.cache_config
         max_len = vllm_config.model_config.max_model_len
+        if cfg is not None:  # in this process too (a tensor-parallel rank's): its tables, before its sizes
+            refusals.bind_model(vllm_config, cfg)
         _WIDER[0] = 0 if cfg is None else settings.extra_blocks(cfg, max_len, cache.block_size)
         orig(self, vllm_config, *args, **kwargs)
         caching = bool(cache.enable_prefix_caching)
-        if cfg is not None:
-            refusals.bind_model(vllm_config, cfg)
         self._restkv = None
         if cfg is not None:
             self._restkv = Worker(cfg, self.max_num_reqs, caching, cache.block_size, engine(vllm_config, cfg))
@@ -71,6 +72,8 @@ def load_model(orig):
     def wrapped(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
         worker = getattr(self, "_restkv", None)
+        if worker is not None and worker.tensor_parallel > 1:
+            worker.ranks = tensor_ranks()
         if worker is not None:
             layers = [m.attn for m in self.model.modules() if hasattr(getattr(m, "attn", None), "layer_name")]
             heads = {getattr(a, "num_heads", None) for a in layers}  # this rank's Hq, one for all layers
@@ -78,6 +81,21 @@ def load_model(orig):
         return out
 
     return wrapped
+
+
+def tensor_ranks() -> Ranks:
+    """This rank among vLLM's tensor-parallel group: the scores gathered over its device group, host
+    counts' maxima over its CPU group."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+
+    def most(values: list) -> list:
+        counts = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return counts.tolist()
+
+    return Ranks(group.rank_in_group, group.world_size, lambda x: group.all_gather(x.contiguous(), dim=1), most)
 
 
 def o_proj_readers(model) -> dict:
