@@ -357,3 +357,44 @@ def fewest_length(lengths, bs: int) -> int:
         return all(-(-(count + t) // bs) * heads >= sum(-(-(n + t) // bs) for n in lengths) for t in range(2 * bs))
 
     return next(count for count in range(1, 2 * max(lengths) + 2 * bs) if fits(count))
+
+
+def on_ranks(n: int, work) -> list:
+    """``work(ranks)`` on ``n`` threads, one per tensor-parallel rank, each given a ``restkv.vllm.ranks.Ranks``
+    whose gather and maxima go through the other threads as vLLM's collectives go through the other ranks
+    (each call waits for every rank's) -> each rank's result."""
+    import threading
+
+    from restkv.vllm.ranks import Ranks
+
+    barrier = threading.Barrier(n, timeout=120)
+    given: list = [None] * n
+
+    def exchange(r: int, x) -> list:
+        given[r] = x
+        barrier.wait()
+        every = list(given)
+        barrier.wait()
+        return every
+
+    def ranks(r: int) -> Ranks:
+        return Ranks(r, n, lambda x: torch.cat(exchange(r, x), 1), lambda v: [max(c) for c in zip(*exchange(r, v))])
+
+    out: list = [None] * n
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = work(ranks(r))
+        except BaseException as e:  # noqa: BLE001 (raised again below, the others released)
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out

@@ -103,8 +103,8 @@ def score(obs, cfg):
     w = obs.window
     s, mean_attention = defensive_scores(obs, cfg.kernel_size)
     norms = group_view(obs.projected_value_norms(cfg.value_norm), hkv).mean(2)  # [b, Hkv, P]
-    s = s * (norms / norms.sum(1, keepdim=True).clamp_min(_TINY))
-    bias = obs.window_attention[..., max(0, P - w) : P].sum(-1).mean(dim=(1, 2))  # [b]
+    s = s * (norms / obs.every_head(norms).sum(1, keepdim=True).clamp_min(_TINY))
+    bias = obs.every_head(obs.window_attention[..., max(0, P - w) : P].sum(-1)).mean(dim=(1, 2))  # [b]
     first = first_stage(mean_attention, cfg.first_stage_mass - bias, obs.budget - w)
-    top = s.amax(dim=(1, 2), keepdim=True)
+    top = obs.every_head(s).amax(dim=(1, 2), keepdim=True)
     return torch.where(first, torch.nextafter(top, torch.full_like(top, float("inf"))), s)

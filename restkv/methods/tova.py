@@ -16,4 +16,4 @@ KNOBS = ()
 
 def score(obs, cfg):
     """Attention of the last prompt query over the prefix, mean over all query heads -> [b, 1, P]."""
-    return obs.window_attention[:, :, -1, : obs.prefix_len].mean(1, keepdim=True)
+    return obs.every_head(obs.window_attention[:, :, -1, : obs.prefix_len]).mean(1, keepdim=True)

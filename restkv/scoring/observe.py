@@ -62,6 +62,13 @@ class Observation:
     hidden: "torch.Tensor | None" = (
         None  # [b, L, D] the layer's attention input (after its input norm), for a method that reads it
     )
+    gather_heads: Any = None  # x [b, h, ...] -> [b, H, ...]: every device's heads where each holds some (vLLM's ranks)
+
+    def every_head(self, x: "torch.Tensor") -> "torch.Tensor":
+        """[b, h, ...] of the heads this observation holds -> [b, H, ...] of every head of the layer: ``x``
+        itself on one device; under tensor parallelism every rank's, in rank order (``gather_heads``), so a
+        score that reads every head computes on every rank what it computes on one device."""
+        return x if self.gather_heads is None else self.gather_heads(x)
 
     @property
     def prefix_len(self) -> int:

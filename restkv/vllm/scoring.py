@@ -35,6 +35,7 @@ def observation(
     factor=None,
     window: int | None = None,
     head_valid: torch.Tensor | None = None,
+    gather_heads=None,
 ) -> Observation:
     """What the scorer sees of one request in one layer.
 
@@ -54,6 +55,9 @@ def observation(
     head_valid : Tensor, optional
         [1, Hkv, H] which slots each head holds, where heads hold different entries (each head's older
         entries first, its newest ``window`` in the last slots: ``restkv.eviction.reselect.relayout``).
+    gather_heads : callable, optional
+        Under tensor parallelism, [b, h, ...] of this rank's heads -> every rank's (``ranks.Ranks.gather``),
+        for a score that reads every head (``Observation.every_head``).
     """
     n = keys.shape[0]
     hq, d = queries.shape[1], queries.shape[2]
@@ -73,6 +77,7 @@ def observation(
         wo_factor=factor or (None if weight is None else (lambda: wo_factor(weight(), hq))),
         wo_weight=weight,
         wo_gram=None if weight is None else (lambda heads: wo_gram(weight(), heads, d)),
+        gather_heads=gather_heads,
     )
 
 

@@ -81,6 +81,9 @@ _METHOD_NEEDS = {
 # Methods whose score is a sum over the queries it is given: over a prompt computed in chunks it is
 # the sum of the chunks' scores (each chunk's queries over the keys before them).
 SUMMED = ("restkv.methods.h2o",)
+EVERY_HEAD = ("restkv.methods.defensivekv", "restkv.methods.tova")
+"""Scores that read every head of the layer (``Observation.every_head``: gathered over the ranks under tensor
+parallelism)."""
 """Scorer modules whose score is a sum over the queries it is given (so chunked prefill adds up chunks)."""
 
 
@@ -373,12 +376,13 @@ def sized_across_heads(cfg: CompressionConfig) -> bool:
 def mixes_heads(cfg: CompressionConfig) -> str | None:
     """Why a head's scores depend on the other heads (tensor parallelism gives each rank some of them),
     or None (a split of the budget across heads is gathered over the ranks: ``sized_across_heads``)."""
-    if cfg.scorer.scorer == "restkv.methods.defensivekv":
-        return "DefensiveKV weighs an entry by its value norm over the sum of every KV head's"
+    if cfg.scorer.scorer in EVERY_HEAD and per_head(cfg) and cfg.get("decode_interval"):
+        return (
+            f"{cfg.method} reads every head's scores slot by slot, and once a request's heads hold their own "
+            "pages (decode_interval) each rank lays out its heads at its own width"
+        )
     if cfg.scorer.scorer == "restkv.methods.kvcompose" and cfg.get("add_mean_across_heads"):
         return "KVCompose's add_mean_across_heads adds every KV head's mean to each head's scores"
-    if cfg.scorer.scorer == "restkv.methods.tova":
-        return "TOVA scores an entry by the mean over every head"
     if cfg.scorer.scorer == "restkv.methods.random" or cfg.get("indicator") == "random":
         return "random scores are drawn for every head at once"
     if cfg.get("chunk_size"):

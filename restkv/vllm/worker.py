@@ -398,6 +398,7 @@ class Worker:
             (lambda: self._factor(name, queries.shape[1])) if name in self.o_proj else None,
             window,
             head_valid,
+            None if self.ranks is None else self.ranks.gather,
         )
 
     def _factor(self, name: str, heads: int) -> torch.Tensor:

@@ -4,11 +4,13 @@ heads and every rank's gathered scores, keeps what one device keeps of those hea
 import numpy as np
 import pytest
 import torch
+from helpers import on_ranks
 
 from restkv.config import CompressionConfig
 from restkv.strategies.budgets import shared_sizes
 from restkv.strategies.head_budgets import headkv_budgets
 from restkv.vllm import ranks as tp
+from restkv.vllm import settings
 from restkv.vllm.scoring import entry_scores, kept_entries, observation
 
 HKV, GROUP, D, WINDOW, BUDGET, RANKS = 6, 2, 16, 8, 40, 3
@@ -18,7 +20,14 @@ CONFIGS = {
     "adakv": {**SNAPKV, "head_budget": "adakv"},
     "headkv": {**SNAPKV, "head_budget": "headkv"},
     "lukv": {**SNAPKV, "head_budget": "lukv"},
+    # DefensiveKV's first stage would fill each head's share alike on flat random attention
+    "defensivekv": {"method": "defensivekv", "max_capacity_prompt": BUDGET, "window_size": WINDOW, "first_stage_mass": 0.05},
+    "tova": {"method": "tova", "max_capacity_prompt": BUDGET, "window_size": WINDOW},
     "snapkv-global": {**SNAPKV, "layer_budget": "global"},
+    "layer-defensivekv": {
+        "method": "layer_defensivekv", "value_norm": "l2", "max_capacity_prompt": BUDGET, "window_size": WINDOW,
+        "first_stage_mass": 0.05,
+    },
 }
 
 
@@ -69,12 +78,14 @@ def rank_view(r, queries, keys, values, held):
 W_O = torch.randn(32, HKV * GROUP * D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
 
 
-def observe(cfg, q, k, v, held, number=0, rank=None):
+def observe(cfg, q, k, v, held, number=0, rank=None, gather=None):
     """The observation of one device's heads, or of ``rank``'s (W_O's columns of its query heads, as a
-    row-parallel o_proj holds them)."""
+    row-parallel o_proj holds them; ``gather`` its ranks' gather)."""
     width = HKV * GROUP * D // RANKS
     weight = W_O if rank is None else W_O[:, rank * width : (rank + 1) * width]
-    return observation(cfg, q, k, v, BUDGET, D**-0.5, None, number, 2, lambda: weight, head_valid=held)
+    return observation(
+        cfg, q, k, v, BUDGET, D**-0.5, None, number, 2, lambda: weight, head_valid=held, gather_heads=gather
+    )
 
 
 def each_heads_kept(kept):
@@ -82,64 +93,62 @@ def each_heads_kept(kept):
     return [kept.keys[0, h][kept.valid[0, h] if kept.valid.dim() == 3 else kept.valid[0]] for h in range(kept.keys.shape[1])]
 
 
-def fake_ranks(r, gathered, widest):
-    """Rank r whose collectives return what every rank gave (``gathered``: each rank's tensor before
-    padding, or a list per call; ``widest``: the widths' maxima)."""
-    calls = iter(widest)
-
-    def gather(x):
-        parts = [x if i == r else tp.padded(gathered[i], x.shape[-1]) for i in range(RANKS)]
-        return torch.cat(parts, 1)
-
-    return tp.Ranks(r, RANKS, gather, lambda values: next(calls))
-
-
 @pytest.mark.parametrize("lengths", [None, [90, 30, 12, 60, 45, 20]], ids=["prefill", "per-head-layout"])
-@pytest.mark.parametrize("name", ["adakv", "headkv", "lukv"])
+@pytest.mark.parametrize("name", ["adakv", "headkv", "lukv", "defensivekv", "tova"])
 def test_each_rank_keeps_its_heads_part_of_one_devices_selection(name, lengths, tmp_path):
+    """Every rank's heads keep, entry for entry, what one device keeps of them (DefensiveKV's and TOVA's
+    scores read every head, ``Observation.every_head``; a per-head layout re-evicts while decoding, where the
+    ranks' widths differ: refused for those two under tensor parallelism, so not run)."""
+    if lengths is not None and name in ("defensivekv", "tova"):
+        pytest.skip("refused under tensor parallelism (settings.mixes_heads)")
     cfg = config(name, tmp_path)
     whole = layer(1, lengths)
-    one = kept_entries(observe(cfg, *whole), cfg, table=table(name, 0))
-    views = [rank_view(r, *whole) for r in range(RANKS)]
-    obs = [observe(cfg, *view) for view in views]
-    scores = [entry_scores(o, cfg) for o in obs]
-    widest = [[max(o.prefix_len for o in obs)]]
-    kept = []
-    for r in range(RANKS):
-        fit, sizes = tp.layer_sizes(fake_ranks(r, scores, widest), obs[r], cfg, scores[r], table(name, 0))
-        kept += each_heads_kept(kept_entries(obs[r], cfg, sizes=sizes, scores=scores[r], fit=fit))
-    expected = each_heads_kept(one)
+    expected = each_heads_kept(kept_entries(observe(cfg, *whole), cfg, table=table(name, 0)))
+
+    def rank(ranks):
+        obs = observe(cfg, *rank_view(ranks.rank, *whole), rank=ranks.rank, gather=ranks.gather)
+        if not settings.sized_across_heads(cfg):  # as the worker: its own selection
+            return each_heads_kept(kept_entries(obs, cfg))
+        scores = entry_scores(obs, cfg)
+        fit, sizes = tp.layer_sizes(ranks, obs, cfg, scores, table(name, 0))
+        return each_heads_kept(kept_entries(obs, cfg, sizes=sizes, scores=scores, fit=fit))
+
+    kept = [head for heads in on_ranks(RANKS, rank) for head in heads]
     assert [len(k) for k in kept] == [len(k) for k in expected]
+    assert len({len(k) for k in kept}) > 1 or name == "tova", "every head kept the same count"
     for mine, theirs in zip(kept, expected):
         assert torch.equal(mine, theirs)
 
 
 def test_a_layer_whose_widest_head_fits_keeps_all_on_every_rank(tmp_path):
+    """The ranks' heads 4 and 5 hold fewer than the layer's widest; the layer fits its budget, so every
+    rank keeps all (none gathers the scores)."""
     cfg = config("adakv", tmp_path)
     whole = layer(2, [BUDGET, 20, 12, 30, BUDGET - 1, 9])
-    obs = observe(cfg, *rank_view(2, *whole))  # the rank of heads 4 and 5, narrower than the layer
-    scores = entry_scores(obs, cfg)
-    fit, sizes = tp.layer_sizes(fake_ranks(2, [scores] * RANKS, [[BUDGET - WINDOW]]), obs, cfg, scores)
-    assert fit and sizes is None
+
+    def rank(ranks):
+        obs = observe(cfg, *rank_view(ranks.rank, *whole))
+        return tp.layer_sizes(ranks, obs, cfg, entry_scores(obs, cfg))
+
+    assert on_ranks(RANKS, rank) == [(True, None)] * RANKS
 
 
-def test_a_budget_shared_across_layers_splits_over_every_ranks_heads(tmp_path):
-    cfg = config("snapkv-global", tmp_path)
-
-    layers = [layer(10 + i, n=100 + 20 * i) for i in range(2)]  # two layers, prompts held alike per layer
-    obs = [observe(cfg, *x, number=i) for i, x in enumerate(layers)]
-    scores = [entry_scores(o, cfg) for o in obs]
+@pytest.mark.parametrize("name", ["snapkv-global", "layer-defensivekv"])
+def test_a_budget_shared_across_layers_splits_over_every_ranks_heads(name, tmp_path):
+    """Two layers of different lengths, one top-k over every layer's and head's scores: each rank's heads get
+    one device's counts."""
+    cfg = config(name, tmp_path)
+    layers = [layer(10 + i, n=100 + 20 * i) for i in range(2)]
+    scores = [entry_scores(observe(cfg, *x, number=i), cfg) for i, x in enumerate(layers)]
     width = max(s.shape[-1] for s in scores)
     expected = shared_sizes(cfg, [tp.padded(s, width) for s in scores], BUDGET)
-    for r in range(RANKS):
-        views = [observe(cfg, *rank_view(r, *x), number=i, rank=r) for i, x in enumerate(layers)]
-        mine = [entry_scores(o, cfg) for o in views]
-        theirs = [
-            torch.cat([tp.padded(entry_scores(observe(cfg, *rank_view(i, *x), number=j, rank=i), cfg), width) for j, x in enumerate(layers)])
-            for i in range(RANKS)
-        ]
-        ranks = fake_ranks(r, theirs, [[s.shape[-1] for s in scores]])
-        fit, sizes = tp.layers_sizes(ranks, cfg, mine, BUDGET)
+
+    def rank(ranks):
+        r = ranks.rank
+        views = [observe(cfg, *rank_view(r, *x), number=i, rank=r, gather=ranks.gather) for i, x in enumerate(layers)]
+        return tp.layers_sizes(ranks, cfg, [entry_scores(o, cfg) for o in views], BUDGET)
+
+    for r, (fit, sizes) in enumerate(on_ranks(RANKS, rank)):
         assert fit == [False, False]
         h = slice(r * HKV // RANKS, (r + 1) * HKV // RANKS)
         for got, want in zip(sizes, expected):

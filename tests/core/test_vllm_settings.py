@@ -68,7 +68,9 @@ def test_additional_config_is_named_in_its_errors():
     "knobs, across, mixes",
     [
         ({"method": "adakv"}, True, None),
-        ({"method": "defensivekv"}, True, "sum of every KV head's"),
+        ({"method": "defensivekv"}, True, None),
+        ({"method": "defensivekv", "decode_interval": 32}, True, "at its own width"),
+        ({"method": "tova"}, False, None),
         ({**SNAPKV, "layer_budget": "global"}, True, None),
         ({**SNAPKV, "head_budget": "threshold", "threshold": 0.01}, False, None),
         ({"method": "pyramidkv"}, False, None),
@@ -79,10 +81,12 @@ def test_additional_config_is_named_in_its_errors():
 def test_per_head_and_per_layer_budgets_run(knobs, across, mixes):
     """They run. Under tensor parallelism, AdaKV's split (a layer's budget shared by its heads' scores),
     LU-KV's rounding over a layer's heads and a budget shared across layers gather every rank's scores
-    (``sized_across_heads``); DefensiveKV's scores read every head's value norms, so it is refused; a
-    threshold's, PyramidKV's and ``layer_ratios``' counts are each head's own."""
+    (``sized_across_heads``), as DefensiveKV and TOVA gather every head's terms of their scores
+    (``Observation.every_head``), except where a request's heads re-evict from their own pages, laid out at
+    each rank's own width (DefensiveKV's ``decode_interval``: refused); a threshold's, PyramidKV's and
+    ``layer_ratios``' counts are each head's own."""
     cfg = settings.from_env({"restkv": knobs})
-    assert settings.per_head(cfg)
+    assert settings.per_head(cfg) or knobs["method"] == "tova"
     assert settings.sized_across_heads(cfg) == across
     why = settings.mixes_heads(cfg)
     assert why is None if mixes is None else mixes in why
@@ -176,11 +180,10 @@ def test_a_global_budget_is_counted_at_its_bound_until_the_worker_measures_it(ca
     the bound (every layer keeping all it holds, and a block: ``held + block_size``), over its own
     blocks, prefix caching or not (a request over the budget takes and gives no hits); the worker's
     measured count then sets what the request keeps, within 1 .. that bound; it shares the budget
-    among every head (``sized_across_heads``), and DefensiveKV's scores read every head's value norms, so
-    tensor parallelism is refused."""
+    among every head (``sized_across_heads``: gathered over the ranks under tensor parallelism)."""
     cfg = settings.from_env({"restkv": {"method": "layer_defensivekv", "value_norm": "l2", "max_capacity_prompt": 64}})
     assert settings.per_head(cfg) and settings.deferred(cfg) and settings.sized_across_heads(cfg)
-    assert "every KV head" in settings.mixes_heads(cfg)
+    assert settings.mixes_heads(cfg) is None
     e = settings.eviction(cfg, 0, 300, 300, 0, caching, 16)
     assert e.measured and e.counted == 316 and not e.fresh
     assert e.slots == 20 * 16  # the bound's blocks, one more than the held ones

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fewest_length, prompt, small, tiny_lukv_curve, tiny_model
+from helpers import fewest_length, on_ranks, prompt, small, tiny_lukv_curve, tiny_model
 from vllm_sim import PagedEngine, scrambled_writer
 
 import restkv
@@ -272,12 +272,14 @@ def test_heads_split_over_ranks_keep_what_all_heads_keep(method):
     cfg = CompressionConfig.from_kwargs(**small(method), **BUDGET, **first)
     rows = settings.query_rows(cfg)
 
-    def observe(heads: slice, kv: slice):
+    def observe(heads: slice, kv: slice, ranks=None):
         w = weight.view(hidden, hq, d)[:, heads].reshape(hidden, -1)
-        return observation(cfg, q[-rows:, heads], k[:, kv], v[:, kv], 40, d**-0.5, None, 1, 3, lambda: w)
+        gather = None if ranks is None else ranks.gather
+        return observation(
+            cfg, q[-rows:, heads], k[:, kv], v[:, kv], 40, d**-0.5, None, 1, 3, lambda: w, gather_heads=gather
+        )
 
-    def kept(obs, ranks=None, every=None) -> list:
-        """``every``: each rank's scores, which ``ranks``' gather returns."""
+    def kept(obs, ranks=None) -> list:
         fit = None
         if settings.deferred(cfg):  # one layer's heads sharing the budget as every layer's do
             scores = entry_scores(obs, cfg)
@@ -286,7 +288,7 @@ def test_heads_split_over_ranks_keep_what_all_heads_keep(method):
             else:
                 (fit,), (sizes,) = tp.layers_sizes(ranks, cfg, [scores], 40)
             positions = kept_entries(obs, cfg, sizes=sizes, scores=scores, fit=fit).positions[0]
-        elif ranks is not None:
+        elif ranks is not None and settings.sized_across_heads(cfg):
             scores = entry_scores(obs, cfg)
             fit, sizes = tp.layer_sizes(ranks, obs, cfg, scores)
             positions = kept_entries(obs, cfg, sizes=sizes, scores=scores, fit=fit).positions[0]
@@ -295,13 +297,12 @@ def test_heads_split_over_ranks_keep_what_all_heads_keep(method):
         return [sorted(p for p in head.tolist() if p >= 0) for head in positions]
 
     whole = kept(observe(slice(None), slice(None)))
-    views = [observe(slice(3 * r, 3 * r + 3), slice(r, r + 1)) for r in range(hkv)]
-    if settings.sized_across_heads(cfg) and not settings.mixes_heads(cfg):
-        every = [entry_scores(o, cfg) for o in views]
-        gather = lambda x: torch.cat(every, 1)  # noqa: E731 (every rank holds as many entries)
-        split = [head for r, o in enumerate(views) for head in kept(o, tp.Ranks(r, hkv, gather, lambda m: m))]
-    else:
-        split = [head for o in views for head in kept(o)]
+
+    def rank(ranks):  # its query heads, KV head and o_proj columns, and the ranks' collectives
+        r = ranks.rank
+        return kept(observe(slice(3 * r, 3 * r + 3), slice(r, r + 1), ranks), ranks)
+
+    split = [head for heads in on_ranks(hkv, rank) for head in heads]
     if settings.mixes_heads(cfg):
         assert whole != split
     else:

@@ -42,6 +42,17 @@ def lukv(tmp_path) -> dict:
     return {"method": "snapkv", "head_budget": "lukv", "lukv_curve": curve, "max_capacity_prompt": 128, "window_size": 32}
 
 
+@pytest.fixture
+def headkv(tmp_path) -> dict:
+    """HeadKV with a skewed head-importance table for SmolLM2's 30 layers x 9 heads."""
+    import numpy as np
+
+    table = np.random.default_rng(0).gamma(0.5, size=(30, 9)).round(4).tolist()
+    path = tmp_path / "head_importance.json"
+    path.write_text(json.dumps(table))
+    return {"method": "headkv", "max_capacity_prompt": 128, "window_size": 32, "head_importance": str(path)}
+
+
 def heads_kept(layer: list) -> list:
     """[Hkv][B] kept positions -> each head's, sorted, padding (-1) dropped."""
     return [sorted(p for p in head if p >= 0) for head in layer]
@@ -169,15 +180,17 @@ def test_the_pool_holds_the_fewest_blocks_the_pages_need(model_dir, prompt, knob
     "knobs, ranks, why",
     [
         (ADAKV, 3, None),
-        (LAYER_DEFENSIVEKV, 3, "every KV head's"),
+        (LAYER_DEFENSIVEKV, 3, None),
+        ({"method": "defensivekv", "decode_interval": 32}, 3, "at its own width"),
         (ADAKV, 2, "does not divide the model's 3 KV heads"),
     ],
-    ids=["adakv", "layer-defensivekv", "adakv-replicated"],
+    ids=["adakv", "layer-defensivekv", "defensivekv-decoding", "adakv-replicated"],
 )
 def test_tensor_parallelism_refused_where_a_heads_scores_read_the_others(model_dir, monkeypatch, knobs, ranks, why):
-    """AdaKV shares a layer's budget among all its KV heads, which every rank gathers (``ranks``); DefensiveKV's
-    scores read every head's value norms, which a rank does not hold; ranks that do not divide the KV heads
-    replicate them, so the gathered heads are not the model's."""
+    """AdaKV shares a layer's budget among all its KV heads and Layer-DefensiveKV's scores read every head's
+    value norms: every rank gathers them (``ranks``). DefensiveKV re-evicting while decoding would gather
+    per-head layouts of each rank's own width: refused. Ranks that do not divide the KV heads replicate them,
+    so the gathered heads are not the model's: refused."""
     from vllm.engine.arg_utils import EngineArgs
 
     from restkv.vllm.hooks import install
@@ -196,16 +209,19 @@ def test_tensor_parallelism_refused_where_a_heads_scores_read_the_others(model_d
         assert why in line and "--tensor-parallel-size" in line
 
 
-@pytest.mark.parametrize("name", ["adakv", "lukv", "snapkv-global"])
-def test_a_split_across_heads_under_tensor_parallelism(model_dir, prompt, lukv, name):
-    """AdaKV's, LU-KV's and a cross-layer budget's counts depend on every head's scores: three ranks of one
-    KV head each gather them (``restkv.vllm.ranks``) and keep, head by head, the transformers path's
+@pytest.mark.parametrize("name", ["adakv", "headkv", "lukv", "snapkv-global", "layer-defensivekv"])
+def test_a_split_across_heads_under_tensor_parallelism(model_dir, prompt, lukv, headkv, name):
+    """AdaKV's, HeadKV's, LU-KV's and a cross-layer budget's counts depend on every head's (Layer-DefensiveKV's
+    scores on every head's value norms too): three ranks of one KV head each gather them
+    (``restkv.vllm.ranks``, ``Observation.every_head``) and keep, head by head, the transformers path's
     positions, and give its tokens; AdaKV and LU-KV evict again every 32 tokens (the heads' laid-out widths
     differ by rank then; a cross-layer budget evicts at the prompt's end only, as ``configure()``)."""
     knobs = {
         "adakv": {**ADAKV, "decode_interval": 32},
+        "headkv": headkv,
         "lukv": {**lukv, "decode_interval": 32},
         "snapkv-global": {"method": "snapkv", "layer_budget": "global", "max_capacity_prompt": 128, "window_size": 32},
+        "layer-defensivekv": LAYER_DEFENSIVEKV,
     }[name]
     ref = reference(prompt, knobs, 64)
     run = engine_run(model_dir, [prompt], knobs, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
@@ -217,16 +233,10 @@ def test_a_split_across_heads_under_tensor_parallelism(model_dir, prompt, lukv, 
     assert run["tokens"][0] == ref["tokens"]
 
 
-def test_headkv_keeps_and_decodes_as_restkv(model_dir, prompt, tmp_path):
+def test_headkv_keeps_and_decodes_as_restkv(model_dir, prompt, headkv):
     """HeadKV's counts from a head-importance table (a skewed one, SmolLM2's 30 layers x 9 heads),
     read by the scheduler and the worker as configure() reads it."""
-    import numpy as np
-
-    table = np.random.default_rng(0).gamma(0.5, size=(30, 9)).round(4).tolist()
-    path = tmp_path / "head_importance.json"
-    path.write_text(json.dumps(table))
-    knobs = {"method": "headkv", "max_capacity_prompt": 128, "window_size": 32, "head_importance": str(path)}
-    keeps_and_decodes_as_restkv(model_dir, prompt, knobs)
+    keeps_and_decodes_as_restkv(model_dir, prompt, headkv)
 
 
 @pytest.mark.parametrize(

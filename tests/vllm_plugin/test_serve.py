@@ -142,7 +142,7 @@ def _metrics(url: str, wanted: str, seconds: int = 60) -> dict:
 @pytest.mark.quick
 def test_serve_refuses_in_lines_before_starting(model_dir):
     """A configuration the plugin cannot run: one line per cause, exit code 2, no engine started."""
-    knobs = {"method": "tova", "max_capacity_prompt": 128}
+    knobs = {"method": "random", "max_capacity_prompt": 128}
     command = serve(model_dir, knobs, "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "3")
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stderr.splitlines() if line.startswith("RESTKV_VLLM: ")]

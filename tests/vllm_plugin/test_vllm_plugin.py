@@ -108,10 +108,12 @@ def test_eviction_while_generating(model_dir, text_ids, length):
     assert run["steps"][-1][1] == run["free_at_start"]  # every block back at the end
 
 
-def test_tensor_parallel_ranks_evict_their_own_heads(model_dir, prompt):
+@pytest.mark.parametrize("method", ["restkv", "tova"])
+def test_tensor_parallel_ranks_evict_their_own_heads(model_dir, prompt, method):
     """TP=3 (one of SmolLM2's 3 KV heads per rank): each rank keeps the transformers path's positions
-    for its head, with ReST-KV's W_O its own columns; the tokens are the transformers path's."""
-    knobs = {**RESTKV, "decode_interval": 32}
+    for its head, with ReST-KV's W_O its own columns, TOVA's mean over every rank's heads (gathered:
+    ``Observation.every_head``); the tokens are the transformers path's."""
+    knobs = {**RESTKV, "decode_interval": 32} if method == "restkv" else {**SNAPKV, "method": "tova", "decode_interval": 32}
     ref = reference(prompt, knobs, 64)
     run = engine_run(model_dir, [prompt], knobs, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
     ranks = run["kept"][0]
@@ -142,7 +144,7 @@ def test_refusals_at_startup_all_at_once(model_dir, monkeypatch):
     from restkv.vllm.hooks import install
     from restkv.vllm.hooks.refusals import refusals
 
-    monkeypatch.setenv("RESTKV_VLLM", json.dumps({"method": "tova", "max_capacity_prompt": 128}))
+    monkeypatch.setenv("RESTKV_VLLM", json.dumps({"method": "random", "max_capacity_prompt": 128}))
     install()
     args = dict(model=model_dir, dtype="float32", max_model_len=1024)
     config = EngineArgs(**args).create_engine_config()  # vLLM's defaults start
