@@ -3,8 +3,9 @@
 Each rank holds some KV heads of every layer (rank r the r-th run of them). Where a head's count depends
 on the other heads' (``settings.sized_across_heads``: AdaKV, HeadKV, LU-KV, a budget shared across
 layers), every rank gathers the scores of all the heads, computes the split ``restkv.configure`` computes
-on one device (``head_sizes``, ``shared_sizes``), and keeps its own heads' part. Every rank makes the same
-calls in the same order (the same requests, layers and steps), as collectives need.
+on one device (``head_sizes``, ``shared_sizes``), and keeps its own heads' part; a score that reads every
+head gathers those terms through the same ``gather`` (``Observation.every_head``). Every rank makes the
+same calls in the same order (the same requests, layers and steps), as collectives need.
 """
 
 from __future__ import annotations

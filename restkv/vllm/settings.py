@@ -81,10 +81,10 @@ _METHOD_NEEDS = {
 # Methods whose score is a sum over the queries it is given: over a prompt computed in chunks it is
 # the sum of the chunks' scores (each chunk's queries over the keys before them).
 SUMMED = ("restkv.methods.h2o",)
+"""Scorer modules whose score is a sum over the queries it is given (so chunked prefill adds up chunks)."""
 EVERY_HEAD = ("restkv.methods.defensivekv", "restkv.methods.tova")
 """Scores that read every head of the layer (``Observation.every_head``: gathered over the ranks under tensor
 parallelism)."""
-"""Scorer modules whose score is a sum over the queries it is given (so chunked prefill adds up chunks)."""
 
 
 
@@ -362,8 +362,13 @@ def room(cfg: CompressionConfig, budget: int, block_size: int, prompt_len: int, 
     if decoding and cfg.get("head_budget") == "lukv":
         return UNBOUNDED
     layers = layers_of(cfg) if per_layer(cfg) else 1
-    ranks = _RANKS.get(cfg, 1) if sized_across_heads(cfg) else 1
-    return equivalent_length(min(UNBOUNDED, ranks * mean_kept(cfg, budget, prompt_len, layers)), block_size)
+    return equivalent_length(min(UNBOUNDED, rank_share(cfg) * mean_kept(cfg, budget, prompt_len, layers)), block_size)
+
+
+def rank_share(cfg: CompressionConfig) -> int:
+    """How many times the mean over every head one rank's heads may hold: the ranks where the heads' split is
+    across them (``sized_across_heads``: all of it may be one rank's), else 1."""
+    return _RANKS.get(cfg, 1) if sized_across_heads(cfg) else 1
 
 
 def sized_across_heads(cfg: CompressionConfig) -> bool:
@@ -566,11 +571,12 @@ def hit_limit(cfg: CompressionConfig, num_tokens: int) -> int:
 
 def extra_blocks(cfg: CompressionConfig, max_model_len: int, block_size: int) -> int:
     """Blocks a request can hold beyond ``max_model_len``'s: the kept ones during a first eviction
-    with prefix caching on."""
+    with prefix caching on (under tensor parallelism, as many as ``room`` may count: ``rank_share``)."""
     most = (
         max_model_len
         if cfg.get("decode_compression_ratio") is not None
         else cfg.max_capacity_prompt
     )
-    kept = max(most, equivalent_length(largest(cfg, most, max_model_len), block_size) if per_head(cfg) else 0)
+    largest_kept = min(UNBOUNDED, rank_share(cfg) * largest(cfg, most, max_model_len))
+    kept = max(most, equivalent_length(largest_kept, block_size) if per_head(cfg) else 0)
     return -(-min(kept, max_model_len + block_size) // block_size)

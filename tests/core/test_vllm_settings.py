@@ -104,6 +104,9 @@ def test_under_tensor_parallelism_a_split_across_heads_is_counted_at_the_ranks_m
         e = settings.eviction(cfg, 0, 1000, 1000, 0, False, 32)
         assert e.counted == ranks * 128 + 32
         assert settings.eviction(cfg, 0, 200, 200, 0, False, 32).counted == (160 if ranks == 1 else 232)
+        # a first eviction's fresh blocks (prefix caching) fit the block-table row's extra blocks
+        fresh = settings.eviction(cfg, 0, 2000, 2000, 0, True, 32)
+        assert fresh.kept_blocks == settings.extra_blocks(cfg, 2048, 32) == -(-(ranks * 128 + 32) // 32)
         settings.bind_model(pyramid, 30, 9, 3, ranks)
         assert settings.eviction(pyramid, 0, 1000, 1000, 0, False, 32).counted == 128 + 32
     finally:  # the configs are keys of the module's tables: the other tests' are one rank's
