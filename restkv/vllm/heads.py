@@ -184,12 +184,16 @@ class HeadPages:
         self.lengths += count
         return np.asarray(out, dtype=np.int64).reshape(len(self.rows), count)
 
-    def layout(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+    def width(self) -> int:
+        """The longest head's entries."""
+        return int(self.lengths.max())
+
+    def layout(self, window: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The heads' entries as the scorer lays them out while decoding (``restkv.eviction.reselect.relayout``)
-        -> slots [Hkv, W] and held [Hkv, W] (W the longest head's entries): each head's older entries
-        first, its newest ``window`` in the last slots, a shorter head's gap between (slot of its first entry,
-        not held)."""
-        width = int(self.lengths.max())
+        -> slots [Hkv, W] and held [Hkv, W] (W ``width``, at least the longest head's entries, its default):
+        each head's older entries first, its newest ``window`` in the last slots, a shorter head's gap between
+        (slot of its first entry, not held)."""
+        width = self.width() if width is None else width
         slots = np.zeros((len(self.rows), width), dtype=np.int64)
         held = np.zeros((len(self.rows), width), dtype=bool)
         for h, n in enumerate(self.lengths.tolist()):

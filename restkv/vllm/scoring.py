@@ -54,7 +54,8 @@ def observation(
         The observation window (default ``cfg.window_size``; 0 scores every entry held).
     head_valid : Tensor, optional
         [1, Hkv, H] which slots each head holds, where heads hold different entries (each head's older
-        entries first, its newest ``window`` in the last slots: ``restkv.eviction.reselect.relayout``).
+        entries first, its newest ``window`` in the last slots: ``restkv.eviction.reselect.relayout``), H
+        the layer's widest head's count (over every rank: its slots are all held, so is each slot by some head).
     gather_heads : callable, optional
         Under tensor parallelism, [b, h, ...] of this rank's heads -> every rank's (``ranks.Ranks.gather``),
         for a score that reads every head (``Observation.every_head``).
@@ -66,7 +67,7 @@ def observation(
         queries=queries.transpose(0, 1)[None],
         keys=keys.transpose(0, 1)[None],
         values=values.transpose(0, 1)[None],
-        key_valid=torch.ones(1, n, dtype=torch.bool, device=keys.device) if head_valid is None else head_valid.any(1),
+        key_valid=torch.ones(1, n, dtype=torch.bool, device=keys.device),  # each slot some head's (the widest's)
         head_valid=head_valid,
         window=cfg.window_size if window is None else window,
         budget=budget,

@@ -381,11 +381,6 @@ def sized_across_heads(cfg: CompressionConfig) -> bool:
 def mixes_heads(cfg: CompressionConfig) -> str | None:
     """Why a head's scores depend on the other heads (tensor parallelism gives each rank some of them),
     or None (a split of the budget across heads is gathered over the ranks: ``sized_across_heads``)."""
-    if cfg.scorer.scorer in EVERY_HEAD and per_head(cfg) and cfg.get("decode_interval"):
-        return (
-            f"{cfg.method} reads every head's scores slot by slot, and once a request's heads hold their own "
-            "pages (decode_interval) each rank lays out its heads at its own width"
-        )
     if cfg.scorer.scorer == "restkv.methods.kvcompose" and cfg.get("add_mean_across_heads"):
         return "KVCompose's add_mean_across_heads adds every KV head's mean to each head's scores"
     if cfg.scorer.scorer == "restkv.methods.random" or cfg.get("indicator") == "random":

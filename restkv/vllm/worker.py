@@ -419,11 +419,14 @@ class Worker:
 
     def _observed(self, name, s: Scheduled, paged, scale, softcap):
         """The request's observation in layer ``name`` at its eviction: the entries it holds, read back
-        (from its heads' pages, laid out as ``HeadPages.layout``, once it evicted with per-head budgets),
-        and its most recent queries from the ring."""
+        (from its heads' pages once it evicted with per-head budgets, laid out as ``HeadPages.layout`` at
+        the widest head's width over every rank, as one device lays them out), and its most recent queries
+        from the ring."""
         e = s.eviction
         if name in s.state.pages:
-            slots, held = s.state.pages[name].layout(s.cfg.window_size)
+            pages = s.state.pages[name]
+            width = pages.width() if self.ranks is None else self.ranks.most([pages.width()])[0]
+            slots, held = pages.layout(s.cfg.window_size, width)  # every rank at one device's width
             heads, width = held.shape
             slots, held = self._stage([slots.reshape(-1), held.reshape(-1).astype(np.int64)], paged.cache.device)
             keys, values = (x.view(heads, width, -1).transpose(0, 1) for x in self.whole.read_pages(slots))

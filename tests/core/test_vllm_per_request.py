@@ -64,12 +64,7 @@ def test_off_keeps_the_whole_cache(knobs):
         ({"method": "triattention"}, SNAPKV, 1, "queries and keys before RoPE"),
         ({"max_capacity_prompt": 64}, None, 1, "this engine runs without restkv"),
         ({"method": "random"}, SNAPKV, 2, "drawn for every head at once, and this engine gives each of its 2 ranks"),
-        (
-            {"method": "defensivekv", "decode_interval": 32},
-            dict(method="adakv", max_capacity_prompt=128),
-            3,
-            "each rank lays out its heads at its own width",
-        ),
+        ({"method": "chunkkv"}, SNAPKV, 3, "ChunkKV ranks chunks by the score summed over every head"),
         ({"method": "adakv"}, SNAPKV, 1, "head_budget='adakv' needs an engine started with per-head"),
         ({"max_capacity_prompt": 1024}, SNAPKV, 1, "needs 64 blocks per request past max_model_len's, over the 8"),
         ({"window_size": 32}, SNAPKV, 1, "reads a request's 32 most recent queries; the engine keeps 16"),

@@ -63,14 +63,16 @@ def layer(seed, lengths=None, n=120):
     return queries, keys, values, held[None]
 
 
-def rank_view(r, queries, keys, values, held):
-    """Rank r's heads of a layer, laid out at its own widest head's width."""
+def rank_view(ranks, queries, keys, values, held):
+    """A rank's heads of a layer, laid out as the worker lays them out: at the widest head's width over
+    every rank (``Ranks.most`` of each rank's own widest)."""
+    r = ranks.rank
     h = slice(r * HKV // RANKS, (r + 1) * HKV // RANKS)
     q = queries[:, r * HKV * GROUP // RANKS : (r + 1) * HKV * GROUP // RANKS]
     if held is None:
         return q, keys[:, h], values[:, h], None
     mine = held[:, h]
-    width = int(mine.sum(-1).max())
+    (width,) = ranks.most([int(mine.sum(-1).max())])
     columns = torch.cat([torch.arange(width - WINDOW), torch.arange(keys.shape[0] - WINDOW, keys.shape[0])])
     return q, keys[columns][:, h], values[columns][:, h], mine[..., columns]
 
@@ -97,16 +99,16 @@ def each_heads_kept(kept):
 @pytest.mark.parametrize("name", ["adakv", "headkv", "lukv", "defensivekv", "tova"])
 def test_each_rank_keeps_its_heads_part_of_one_devices_selection(name, lengths, tmp_path):
     """Every rank's heads keep, entry for entry, what one device keeps of them (DefensiveKV's and TOVA's
-    scores read every head, ``Observation.every_head``; a per-head layout re-evicts while decoding, where the
-    ranks' widths differ: refused for those two under tensor parallelism, so not run)."""
-    if lengths is not None and name in ("defensivekv", "tova"):
-        pytest.skip("refused under tensor parallelism (settings.mixes_heads)")
+    scores read every head, ``Observation.every_head``; a per-head layout re-evicts while decoding, each
+    rank's widest head holding another count: laid out at the widest over every rank)."""
     cfg = config(name, tmp_path)
+    if lengths is not None and not settings.per_head(cfg):
+        pytest.skip("its heads never hold their own pages")
     whole = layer(1, lengths)
     expected = each_heads_kept(kept_entries(observe(cfg, *whole), cfg, table=table(name, 0)))
 
     def rank(ranks):
-        obs = observe(cfg, *rank_view(ranks.rank, *whole), rank=ranks.rank, gather=ranks.gather)
+        obs = observe(cfg, *rank_view(ranks, *whole), rank=ranks.rank, gather=ranks.gather)
         if not settings.sized_across_heads(cfg):  # as the worker: its own selection
             return each_heads_kept(kept_entries(obs, cfg))
         scores = entry_scores(obs, cfg)
@@ -127,7 +129,7 @@ def test_a_layer_whose_widest_head_fits_keeps_all_on_every_rank(tmp_path):
     whole = layer(2, [BUDGET, 20, 12, 30, BUDGET - 1, 9])
 
     def rank(ranks):
-        obs = observe(cfg, *rank_view(ranks.rank, *whole))
+        obs = observe(cfg, *rank_view(ranks, *whole))
         return tp.layer_sizes(ranks, obs, cfg, entry_scores(obs, cfg))
 
     assert on_ranks(RANKS, rank) == [(True, None)] * RANKS
@@ -145,7 +147,7 @@ def test_a_budget_shared_across_layers_splits_over_every_ranks_heads(name, tmp_p
 
     def rank(ranks):
         r = ranks.rank
-        views = [observe(cfg, *rank_view(r, *x), number=i, rank=r, gather=ranks.gather) for i, x in enumerate(layers)]
+        views = [observe(cfg, *rank_view(ranks, *x), number=i, rank=r, gather=ranks.gather) for i, x in enumerate(layers)]
         return tp.layers_sizes(ranks, cfg, [entry_scores(o, cfg) for o in views], BUDGET)
 
     for r, (fit, sizes) in enumerate(on_ranks(RANKS, rank)):

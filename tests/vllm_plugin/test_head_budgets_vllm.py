@@ -181,16 +181,15 @@ def test_the_pool_holds_the_fewest_blocks_the_pages_need(model_dir, prompt, knob
     [
         (ADAKV, 3, None),
         (LAYER_DEFENSIVEKV, 3, None),
-        ({"method": "defensivekv", "decode_interval": 32}, 3, "at its own width"),
+        ({"method": "defensivekv", "decode_interval": 32}, 3, None),
         (ADAKV, 2, "does not divide the model's 3 KV heads"),
     ],
     ids=["adakv", "layer-defensivekv", "defensivekv-decoding", "adakv-replicated"],
 )
 def test_tensor_parallelism_refused_where_a_heads_scores_read_the_others(model_dir, monkeypatch, knobs, ranks, why):
-    """AdaKV shares a layer's budget among all its KV heads and Layer-DefensiveKV's scores read every head's
-    value norms: every rank gathers them (``ranks``). DefensiveKV re-evicting while decoding would gather
-    per-head layouts of each rank's own width: refused. Ranks that do not divide the KV heads replicate them,
-    so the gathered heads are not the model's: refused."""
+    """AdaKV shares a layer's budget among all its KV heads and (Layer-)DefensiveKV's scores read every head's
+    value norms: every rank gathers them (``ranks``), re-evicting while decoding too. Ranks that do not divide
+    the KV heads replicate them, so the gathered heads are not the model's: refused."""
     from vllm.engine.arg_utils import EngineArgs
 
     from restkv.vllm.hooks import install
@@ -209,19 +208,21 @@ def test_tensor_parallelism_refused_where_a_heads_scores_read_the_others(model_d
         assert why in line and "--tensor-parallel-size" in line
 
 
-@pytest.mark.parametrize("name", ["adakv", "headkv", "lukv", "snapkv-global", "layer-defensivekv"])
+@pytest.mark.parametrize("name", ["adakv", "headkv", "lukv", "snapkv-global", "layer-defensivekv", "defensivekv"])
 def test_a_split_across_heads_under_tensor_parallelism(model_dir, prompt, lukv, headkv, name):
     """AdaKV's, HeadKV's, LU-KV's and a cross-layer budget's counts depend on every head's (Layer-DefensiveKV's
     scores on every head's value norms too): three ranks of one KV head each gather them
     (``restkv.vllm.ranks``, ``Observation.every_head``) and keep, head by head, the transformers path's
-    positions, and give its tokens; AdaKV and LU-KV evict again every 32 tokens (the heads' laid-out widths
-    differ by rank then; a cross-layer budget evicts at the prompt's end only, as ``configure()``)."""
+    positions, and give its tokens; AdaKV, LU-KV and DefensiveKV evict again every 32 tokens (the ranks' widest
+    heads differ then: every rank lays its heads out at the widest over the ranks, as one device does; a
+    cross-layer budget evicts at the prompt's end only, as ``configure()``)."""
     knobs = {
         "adakv": {**ADAKV, "decode_interval": 32},
         "headkv": headkv,
         "lukv": {**lukv, "decode_interval": 32},
         "snapkv-global": {"method": "snapkv", "layer_budget": "global", "max_capacity_prompt": 128, "window_size": 32},
         "layer-defensivekv": LAYER_DEFENSIVEKV,
+        "defensivekv": {"method": "defensivekv", "max_capacity_prompt": 128, "window_size": 32, "decode_interval": 32},
     }[name]
     ref = reference(prompt, knobs, 64)
     run = engine_run(model_dir, [prompt], knobs, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
