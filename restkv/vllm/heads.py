@@ -260,14 +260,19 @@ def _on(array: np.ndarray, device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
-def flatten(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[T, Hq, d] (queries or an output) -> [Hkv T, G, d]: head h's G query heads for every token,
-    head-major (the row order of ``FlatBatch``). Keys and values [T, Hkv, d] -> [Hkv T, 1, d]."""
-    t, hq, d = x.shape
-    return x.view(t, kv_heads, hq // kv_heads, d).transpose(0, 1).reshape(kv_heads * t, hq // kv_heads, d)
+def flat_rows(tokens: np.ndarray, kv_heads: int) -> list:
+    """Each flattened row's token and KV head, [Hkv n] each, head-major as ``FlatBatch`` orders its
+    sequences: row ``h n + i`` is token ``tokens[i]``'s head h (what ``flatten`` and ``unflatten`` index)."""
+    return [np.tile(tokens, kv_heads), np.repeat(np.arange(kv_heads), len(tokens))]
 
 
-def unflatten(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[Hkv T, G, d] -> [T, Hq, d], the inverse of ``flatten``."""
-    rows, g, d = x.shape
-    return x.view(kv_heads, rows // kv_heads, g, d).transpose(0, 1).reshape(rows // kv_heads, kv_heads * g, d)
+def flatten(x: torch.Tensor, rows: tuple, kv_heads: int) -> torch.Tensor:
+    """[T, Hq, d] (queries or an output; keys and values [T, Hkv, d]) -> [Hkv n, G, d] (G = 1 for keys
+    and values): rows ``rows`` (``flat_rows`` on x's device), one gather whatever x's strides."""
+    return x.unflatten(1, (kv_heads, -1))[rows]
+
+
+def unflatten(out: torch.Tensor, rows: tuple, kv_heads: int, x: torch.Tensor) -> None:
+    """Write ``x`` [Hkv n, G, d] into rows ``rows`` of ``out`` [T, Hq, d] or [T, Hq d] (contiguous):
+    the inverse of ``flatten``, one scatter."""
+    out.view(out.shape[0], kv_heads, -1).index_put_(rows, x.flatten(1).to(out.dtype))

@@ -38,7 +38,7 @@ import torch
 from ..scoring.observe import wo_factor
 from . import per_request, settings
 from .memory import reads_factor
-from .heads import FlatBatch, HeadPages, exact_length, flatten, settle, unflatten
+from .heads import FlatBatch, HeadPages, exact_length, flat_rows, flatten, settle, unflatten
 from ..strategies.budgets import shared_sizes
 from .ranks import layer_sizes, layers_sizes
 from .scoring import chunk_score, entry_scores, kept_entries, observation, slot_rows
@@ -139,7 +139,6 @@ class Worker:
         # per token and per request on the device
         self.request_offsets = np.zeros(0, dtype=np.int64)
         self.token_offsets_device = self.request_offsets_device = None
-        self.pinned = None  # the host buffer of a step's slots (CUDA)
         self.o_proj: dict = {}  # attention layer name -> a function returning its W_O [hidden, Hq d]
         self.factors: dict = {}  # attention layer name -> its W_O factor R [Hq, d, d]
         self.rank: dict = {}  # attention layer name -> its index among the attention layers
@@ -160,6 +159,7 @@ class Worker:
         self.flat: dict = {}
         self.flat_index: dict = {}  # layer name -> where its flattened keys and values go (``Paged.page_index``)
         self.flat_tokens = None
+        self.flat_rows: tuple = ()  # [Hkv m] each: every flattened row's token and KV head (``_flatten``)
         # ``settings.deferred``: the step's layers to select in once all have run (name -> (paged, scale,
         # softcap)), and each request's kept count measured at its eviction, for the scheduler (``report``)
         self.later: dict = {}
@@ -295,7 +295,8 @@ class Worker:
 
     def _flatten(self, device) -> None:
         """The step's requests whose heads hold their own pages: their new blocks' pages, room for
-        their tokens in every layer, each layer's ``FlatBatch`` and their tokens (``flat_tokens``)."""
+        their tokens in every layer, each layer's ``FlatBatch``, their tokens (``flat_tokens``) and the
+        (token, KV head) of each flattened row (``flat_rows``)."""
         flat = [s for s in self.step if s.state.pages]
         self.flat, self.flat_index, self.flat_tokens = {}, {}, None
         if not flat:
@@ -311,7 +312,9 @@ class Worker:
         slots = torch.stack([batch.slot_mapping for batch in self.flat.values()])  # [layers, Hkv T]
         self.flat_index = dict(zip(self.flat, self.whole.page_index(slots.view(-1), len(self.flat))))
         tokens = np.concatenate([np.arange(s.start, s.start + s.count) for s in flat])
-        self.flat_tokens = torch.from_numpy(tokens).to(device)
+        heads = len(flat[0].state.pages[next(iter(pages))].rows)
+        *rows, self.flat_tokens = self._stage([*flat_rows(tokens, heads), tokens], device)
+        self.flat_rows = tuple(rows)
 
     def _slots(self, blocks: np.ndarray, first: int, count: int) -> np.ndarray:
         """The slots of entries ``first`` .. ``first + count - 1`` of a request with ``blocks``."""
@@ -320,16 +323,13 @@ class Worker:
 
     def _stage(self, arrays: list, device) -> list:
         """``arrays`` (int64) on ``device``, with one host-to-device copy that does not wait for the
-        device (through a pinned buffer on CUDA)."""
+        device: on CUDA from pinned memory of torch's caching host allocator, which reuses a buffer only
+        once the copy that read it has run (one buffer of the worker's own, rewritten by the next call
+        while the device may not have read it yet, would race)."""
         flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
         host = torch.from_numpy(flat.astype(np.int64))
         if torch.device(device).type == "cuda":
-            if self.pinned is None or self.pinned.numel() < host.numel():
-                self.pinned = torch.empty(
-                    max(host.numel(), 1 << 16), dtype=torch.long, pin_memory=True
-                )
-            self.pinned[: host.numel()].copy_(host)
-            host = self.pinned[: host.numel()]
+            host = host.pin_memory()
         moved = host.to(device, non_blocking=True)
         return list(torch.split(moved, [len(a) for a in arrays]))
 
@@ -371,15 +371,10 @@ class Worker:
         pages, and their rows of ``output`` from the layer's backend over the flattened batch (its G
         query heads on one KV head per sequence; vLLM's own write of their tokens was masked, its
         output for them is replaced)."""
-        batch, tokens, heads = self.flat[name], self.flat_tokens, key.shape[1]
-        self.whole.write_at(
-            self.flat_index[name],
-            flatten(key.index_select(0, tokens), heads)[:, 0],
-            flatten(value.index_select(0, tokens), heads)[:, 0],
-        )
-        out = self.attends[name](flatten(query.index_select(0, tokens), heads), batch, self.whole.cache)
-        rows = output.view(output.shape[0], -1)
-        rows.index_copy_(0, tokens, unflatten(out, heads).reshape(len(tokens), -1).to(rows.dtype))
+        rows, heads = self.flat_rows, key.shape[1]
+        self.whole.write_at(self.flat_index[name], flatten(key, rows, heads)[:, 0], flatten(value, rows, heads)[:, 0])
+        out = self.attends[name](flatten(query, rows, heads), self.flat[name], self.whole.cache)
+        unflatten(output, rows, heads, out)
 
     def _observe(
         self, name, s: Scheduled, queries, keys, values, budget, scale, softcap, window=None, head_valid=None

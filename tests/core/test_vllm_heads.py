@@ -187,7 +187,9 @@ def test_flattened_attention_equals_each_heads_own(make):
     batch = heads.FlatBatch.layers({"layer": pages}, counts, "cpu", {"layer": appended})["layer"]
     q = torch.randn(sum(counts), kv_heads * group, d, dtype=torch.float64)
     scale = d**-0.5
-    out = heads.unflatten(reference_paged_attention(heads.flatten(q, kv_heads), cache, batch, scale), kv_heads)
+    rows = every_row(len(q), kv_heads)
+    out = torch.zeros_like(q)
+    heads.unflatten(out, rows, kv_heads, reference_paged_attention(heads.flatten(q, rows, kv_heads), cache, batch, scale))
     start = 0
     for c, held in zip(counts, dense):
         for h, (k, v) in enumerate(held):
@@ -205,10 +207,23 @@ def test_flattened_attention_equals_each_heads_own(make):
             j += c
 
 
+def every_row(tokens: int, kv_heads: int) -> tuple:
+    """Every token's flattened rows (``heads.flat_rows``) as tensors."""
+    return tuple(torch.from_numpy(a) for a in heads.flat_rows(np.arange(tokens), kv_heads))
+
+
 def test_flatten_round_trips():
     x = torch.randn(7, 6, 4)
-    assert torch.equal(heads.unflatten(heads.flatten(x, 2), 2), x)
-    assert torch.equal(heads.flatten(x, 2)[7 + 3], x[3, 3:6])  # head 1, token 3: query heads 3..5
+    out = torch.zeros_like(x)
+    heads.unflatten(out, every_row(7, 2), 2, heads.flatten(x, every_row(7, 2), 2))
+    assert torch.equal(out, x)
+    assert torch.equal(heads.flatten(x, every_row(7, 2), 2)[7 + 3], x[3, 3:6])  # head 1, token 3: query heads 3..5
+    some = tuple(torch.from_numpy(a) for a in heads.flat_rows(np.array([1, 4]), 2))
+    strided = torch.randn(7, 12, 4)[:, ::2]  # queries as a view of a wider projection
+    assert torch.equal(heads.flatten(strided, some, 2), torch.stack([strided[t, 3 * h : 3 * h + 3] for h in (0, 1) for t in (1, 4)]))
+    part = torch.zeros(7, 24)
+    heads.unflatten(part, some, 2, heads.flatten(x, some, 2))
+    assert torch.equal(part.view(7, 6, 4)[[1, 4]], x[[1, 4]]) and not part.view(7, 6, 4)[[0, 2, 3, 5, 6]].any()
 
 
 @pytest.mark.parametrize("kv_heads", [1, 3])

@@ -56,8 +56,10 @@ def single_head_pages(cache):
 
 
 def flat(query, cache, batch, kv_heads, isa, scale):
-    out = kernel(heads.flatten(query, kv_heads), single_head_pages(cache), batch, 1, isa, scale)
-    return heads.unflatten(out, kv_heads)
+    rows = tuple(torch.from_numpy(a) for a in heads.flat_rows(np.arange(len(query)), kv_heads))
+    out = torch.zeros_like(query)
+    heads.unflatten(out, rows, kv_heads, kernel(heads.flatten(query, rows, kv_heads), single_head_pages(cache), batch, 1, isa, scale))
+    return out
 
 
 def setup(dtype, block_size=32, kv_heads=2, d=64, blocks=24):

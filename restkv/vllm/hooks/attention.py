@@ -119,7 +119,11 @@ def single_head(layer, vllm_config, block_size: int, device):
     forward = type(impl).forward
     forward = getattr(forward, "__wrapped__", forward)  # the backend's own, not the plugin's wrapper
 
+    seen = [None, None]  # the cache last attended and its pages (every step's, a view made once)
+
     def attend(query, batch, kv_cache):
+        if seen[0] is not kv_cache:
+            seen[:] = kv_cache, paged.head_pages(kv_cache)
         rows = query.shape[0]
         values = (
             batch.query_start_loc, batch.query_start_loc_cpu, batch.seq_lens, len(batch.seq_lens), rows,
@@ -127,8 +131,7 @@ def single_head(layer, vllm_config, block_size: int, device):
         )  # fmt: skip
         common = CommonAttentionMetadata(**dict(zip(COMMON_FIELDS, values)))
         output = query.new_empty(query.shape)
-        pages = paged.head_pages(kv_cache)
-        forward(flat, layer, query, query[:, :1], query[:, :1], pages, builder.build(0, common), output=output)
+        forward(flat, layer, query, query[:, :1], query[:, :1], seen[1], builder.build(0, common), output=output)
         return output
 
     return attend
