@@ -82,10 +82,6 @@ _METHOD_NEEDS = {
 # the sum of the chunks' scores (each chunk's queries over the keys before them).
 SUMMED = ("restkv.methods.h2o",)
 """Scorer modules whose score is a sum over the queries it is given (so chunked prefill adds up chunks)."""
-EVERY_HEAD = ("restkv.methods.defensivekv", "restkv.methods.tova")
-"""Scores that read every head of the layer (``Observation.every_head``: gathered over the ranks under tensor
-parallelism)."""
-
 
 
 def from_env(additional: dict | None = None) -> CompressionConfig | None:

@@ -312,7 +312,7 @@ class Worker:
         slots = torch.stack([batch.slot_mapping for batch in self.flat.values()])  # [layers, Hkv T]
         self.flat_index = dict(zip(self.flat, self.whole.page_index(slots.view(-1), len(self.flat))))
         tokens = np.concatenate([np.arange(s.start, s.start + s.count) for s in flat])
-        heads = len(flat[0].state.pages[next(iter(pages))].rows)
+        heads = len(next(iter(pages.values()))[0].rows)  # KV heads
         *rows, self.flat_tokens = self._stage([*flat_rows(tokens, heads), tokens], device)
         self.flat_rows = tuple(rows)
 
