@@ -226,7 +226,7 @@ class Worker:
         step and prompt length (its blocks: ``blocks``). The host's part of the step (slots, ring
         rows) goes to ``device`` in one copy."""
         self.step = []
-        self.flat, self.flat_tokens = {}, None
+        self.flat, self.flat_tokens, self.flat_rows = {}, None, ()
         start = 0
         host = []  # arrays for the device: ring tokens, ring rows, offsets per token and per request, slots
         rows = self.ring.rows
@@ -298,7 +298,7 @@ class Worker:
         their tokens in every layer, each layer's ``FlatBatch``, their tokens (``flat_tokens``) and the
         (token, KV head) of each flattened row (``flat_rows``)."""
         flat = [s for s in self.step if s.state.pages]
-        self.flat, self.flat_index, self.flat_tokens = {}, {}, None
+        self.flat, self.flat_index, self.flat_tokens, self.flat_rows = {}, {}, None, ()
         if not flat:
             return
         appended: dict = {}  # layer name -> each request's new slots [Hkv, count]
@@ -372,7 +372,8 @@ class Worker:
         query heads on one KV head per sequence; vLLM's own write of their tokens was masked, its
         output for them is replaced)."""
         rows, heads = self.flat_rows, key.shape[1]
-        self.whole.write_at(self.flat_index[name], flatten(key, rows, heads)[:, 0], flatten(value, rows, heads)[:, 0])
+        keys, values = flatten(key, rows, heads)[:, 0], flatten(value, rows, heads)[:, 0]  # [Hkv T, d]
+        self.whole.write_at(self.flat_index[name], keys, values)
         out = self.attends[name](flatten(query, rows, heads), self.flat[name], self.whole.cache)
         unflatten(output, rows, heads, out)
 
@@ -560,7 +561,7 @@ class Worker:
             elif s.sums and s.end >= s.prompt_len:
                 s.state.sums.clear()
         self.step = []
-        self.flat, self.flat_tokens = {}, None
+        self.flat, self.flat_tokens, self.flat_rows = {}, None, ()
         self.later = {}
 
     def report(self) -> tuple[dict, dict]:

@@ -187,7 +187,7 @@ def test_flattened_attention_equals_each_heads_own(make):
     batch = heads.FlatBatch.layers({"layer": pages}, counts, "cpu", {"layer": appended})["layer"]
     q = torch.randn(sum(counts), kv_heads * group, d, dtype=torch.float64)
     scale = d**-0.5
-    rows = every_row(len(q), kv_heads)
+    rows = rows_of(range(len(q)), kv_heads)
     out = torch.zeros_like(q)
     heads.unflatten(out, rows, kv_heads, reference_paged_attention(heads.flatten(q, rows, kv_heads), cache, batch, scale))
     start = 0
@@ -207,18 +207,18 @@ def test_flattened_attention_equals_each_heads_own(make):
             j += c
 
 
-def every_row(tokens: int, kv_heads: int) -> tuple:
-    """Every token's flattened rows (``heads.flat_rows``) as tensors."""
-    return tuple(torch.from_numpy(a) for a in heads.flat_rows(np.arange(tokens), kv_heads))
+def rows_of(tokens, kv_heads: int) -> tuple:
+    """The flattened rows of ``tokens`` (``heads.flat_rows``) as tensors."""
+    return tuple(torch.from_numpy(a) for a in heads.flat_rows(np.asarray(tokens), kv_heads))
 
 
 def test_flatten_round_trips():
     x = torch.randn(7, 6, 4)
     out = torch.zeros_like(x)
-    heads.unflatten(out, every_row(7, 2), 2, heads.flatten(x, every_row(7, 2), 2))
+    every, some = rows_of(range(7), 2), rows_of([1, 4], 2)
+    heads.unflatten(out, every, 2, heads.flatten(x, every, 2))
     assert torch.equal(out, x)
-    assert torch.equal(heads.flatten(x, every_row(7, 2), 2)[7 + 3], x[3, 3:6])  # head 1, token 3: query heads 3..5
-    some = tuple(torch.from_numpy(a) for a in heads.flat_rows(np.array([1, 4]), 2))
+    assert torch.equal(heads.flatten(x, every, 2)[7 + 3], x[3, 3:6])  # head 1, token 3: query heads 3..5
     strided = torch.randn(7, 12, 4)[:, ::2]  # queries as a view of a wider projection
     assert torch.equal(heads.flatten(strided, some, 2), torch.stack([strided[t, 3 * h : 3 * h + 3] for h in (0, 1) for t in (1, 4)]))
     part = torch.zeros(7, 24)
