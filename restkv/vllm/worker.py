@@ -38,7 +38,7 @@ import torch
 from ..scoring.observe import wo_factor
 from . import per_request, settings
 from .memory import reads_factor
-from .heads import FlatBatch, HeadPages, exact_length, flat_rows, flatten, settle, unflatten
+from .heads import FlatBatch, HeadPages, exact_length, flat_rows, flatten, settle, stage, unflatten
 from ..strategies.budgets import shared_sizes
 from .ranks import layer_sizes, layers_sizes
 from .scoring import chunk_score, entry_scores, kept_entries, observation, slot_rows
@@ -269,7 +269,7 @@ class Worker:
         )
         per_token = np.repeat(self.request_offsets, [s.count for s in self.step])
         arrays = [np.concatenate(tokens), np.concatenate(index), per_token, self.request_offsets, *host]
-        staged = self._stage(arrays, device)
+        staged = stage(arrays, device)
         self.ring_tokens, self.ring_index, self.token_offsets_device, self.request_offsets_device = staged[:4]
         rest = iter(staged[4:])
         for s in self.step:
@@ -313,25 +313,13 @@ class Worker:
         self.flat_index = dict(zip(self.flat, self.whole.page_index(slots.view(-1), len(self.flat))))
         tokens = np.concatenate([np.arange(s.start, s.start + s.count) for s in flat])
         heads = len(next(iter(pages.values()))[0].rows)  # KV heads
-        *rows, self.flat_tokens = self._stage([*flat_rows(tokens, heads), tokens], device)
+        *rows, self.flat_tokens = stage([*flat_rows(tokens, heads), tokens], device)
         self.flat_rows = tuple(rows)
 
     def _slots(self, blocks: np.ndarray, first: int, count: int) -> np.ndarray:
         """The slots of entries ``first`` .. ``first + count - 1`` of a request with ``blocks``."""
         j = np.arange(first, first + count)
         return blocks[j // self.block_size].astype(np.int64) * self.block_size + j % self.block_size
-
-    def _stage(self, arrays: list, device) -> list:
-        """``arrays`` (int64) on ``device``, with one host-to-device copy that does not wait for the
-        device: on CUDA from pinned memory of torch's caching host allocator, which reuses a buffer only
-        once the copy that read it has run (one buffer of the worker's own, rewritten by the next call
-        while the device may not have read it yet, would race)."""
-        flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-        host = torch.from_numpy(flat.astype(np.int64))
-        if torch.device(device).type == "cuda":
-            host = host.pin_memory()
-        moved = host.to(device, non_blocking=True)
-        return list(torch.split(moved, [len(a) for a in arrays]))
 
     def evicting(self) -> bool:
         return any(s.eviction is not None or s.sums for s in self.step)
@@ -424,7 +412,7 @@ class Worker:
             width = pages.width() if self.ranks is None else self.ranks.most([pages.width()])[0]
             slots, held = pages.layout(s.cfg.window_size, width)  # every rank at one device's width
             heads, width = held.shape
-            slots, held = self._stage([slots.reshape(-1), held.reshape(-1).astype(np.int64)], paged.cache.device)
+            slots, held = stage([slots.reshape(-1), held.reshape(-1).astype(np.int64)], paged.cache.device)
             keys, values = (x.view(heads, width, -1).transpose(0, 1) for x in self.whole.read_pages(slots))
             head_valid = held.view(1, heads, width).bool()
         else:
@@ -520,7 +508,7 @@ class Worker:
         if len(moved_from):
             j = np.arange(self.block_size)
             slots = [(p[:, None] * self.block_size + j).reshape(-1) for p in (moved_from, moved_to)]
-            source, target = self._stage(slots, self.whole.cache.device)
+            source, target = stage(slots, self.whole.cache.device)
             self.whole.write_pages(target, *self.whole.read_pages(source))
 
     def end(self, scheduled: int | None = None) -> None:

@@ -28,6 +28,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import numpy as np
 import torch
 from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
@@ -39,7 +40,7 @@ from vllm.v1.worker.utils import (
     select_common_block_size,
 )
 
-from restkv.vllm import hooks, paged
+from restkv.vllm import heads, hooks, paged
 from restkv.vllm.hooks import attention
 
 GPU = [name for name, (_, _, layout) in hooks.BACKENDS.items() if layout is attention.declared]
@@ -254,3 +255,171 @@ def test_a_page_of_2_hkv_head_slots_is_read_on_its_head_axis(monkeypatch, layout
     blank, blank_caches, _ = pages(None, spec, block_size, layout, block_size)
     page(blank_caches["l1"]).write(slots, keys, values)
     assert torch.equal(blank, written)
+
+
+def model_config(tmp_path, heads: int, kv_heads: int, d: int):
+    """vLLM's ``ModelConfig`` of a Llama with these heads (a config file only: nothing loads weights)."""
+    from transformers import LlamaConfig
+    from vllm.config import ModelConfig
+
+    LlamaConfig(
+        hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=3,
+        intermediate_size=4 * heads * d, vocab_size=256,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    return ModelConfig(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True)
+
+
+def interpreted_triton(monkeypatch):
+    """vLLM's Triton attention module, its kernels run by Triton's interpreter on CPU tensors, and a
+    record of whether each ``unified_attention`` call ran the split-K (3D) kernel: its scratch
+    is filled with NaN before the call, and the 3D kernel alone writes it."""
+    triton_writer(monkeypatch)  # skips where vLLM's Triton does not run on CPU
+    module, backend, impl_cls = declaration("TRITON_ATTN")
+    used_3d = []
+    original = module.unified_attention
+
+    def spy(**kwargs):
+        kwargs["softmax_segm_max"].fill_(float("nan"))
+        original(**kwargs)
+        used_3d.append(bool(kwargs["softmax_segm_max"].isfinite().any()))
+
+    monkeypatch.setattr(module, "unified_attention", spy)
+    return backend, impl_cls, used_3d
+
+
+@pytest.mark.parametrize(
+    "counts, max_num_seqs, split_k",
+    [([1, 1], 2, False), ([1, 1], 256, True), ([5, 1], 256, None)],
+    ids=["decode, 2D kernel", "decode, 3D kernel", "a chunk and a token"],
+)
+def test_triton_attends_each_heads_own_pages(monkeypatch, tmp_path, counts, max_num_seqs, split_k):
+    """Per-head budgets through vLLM's own Triton backend (``attention.single_head``: its metadata
+    builder and ``forward`` for G query heads on one KV head), on three layers' caches as vLLM
+    allocates them in its head-major layer-compact layout (``VLLM_KV_CACHE_LAYOUT=HND``, LBHNC),
+    their pages one pool (``paged.whole``): two requests whose heads hold different numbers of
+    entries, written through the backend's declared page, attend to each head's own entries,
+    against a float64 softmax over them. The builder sizes its split-K scratch from ``max_num_seqs``,
+    which the flattened batch (Hkv times the sequences) outgrows at 2: vLLM then runs the 2D kernel,
+    and at 256 the 3D one (both checked)."""
+    backend, impl_cls, used_3d = interpreted_triton(monkeypatch)
+    bs, kv_heads, group, d, dtype = 16, 3, 3, 64, torch.float32
+    spec = customize_attention_spec(
+        backend, FullAttentionSpec(block_size=bs, num_kv_heads=kv_heads, head_size=d, dtype=dtype)
+    )
+    _, caches, _ = pages(backend, spec, bs, "LBHNC", None)
+    whole, first = paged.whole(caches)
+    impl = impl_cls(
+        num_heads=kv_heads * group, head_size=d, scale=d**-0.5, num_kv_heads=kv_heads, alibi_slopes=None,
+        sliding_window=None, kv_cache_dtype="auto",
+    )  # fmt: skip
+    layer = layer_of(backend, spec, dtype)
+    layer.impl, layer.layer_name, layer._q_scale = impl, "l1", torch.tensor(1.0)
+    config = VllmConfig(
+        model_config=model_config(tmp_path, kv_heads * group, kv_heads, d),
+        cache_config=CacheConfig(block_size=bs), device_config=DeviceConfig(device="cpu"),
+    )  # fmt: skip
+    config.scheduler_config.max_num_seqs = max_num_seqs
+    attend = attention.single_head(layer, config, bs, torch.device("cpu"))
+    page = attention.declared(impl, layer, caches["l1"], bs)
+
+    rng, g = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    free = [int(b) for b in rng.permutation(caches["l1"].shape[0])]
+    held_pages, appended, dense = [], [], []
+    for c, budget in zip(counts, [20, 30]):
+        lengths = rng.multinomial(kv_heads * budget, [0.6, 0.3, 0.1])  # a head over two pages, one under one
+        blocks = [free.pop() for _ in range(heads.bound(budget, bs) + 1)]
+        p = heads.HeadPages.placed(heads.Space({"l1": 0}, kv_heads).pages(blocks), lengths, bs)
+        entries = [(torch.randn(n + c, d, generator=g), torch.randn(n + c, d, generator=g)) for n in lengths]
+        for h, (k, v) in enumerate(entries):
+            page.write_pages(torch.from_numpy(p.slots(h, 0, lengths[h])), k[:-c], v[:-c])
+        slots = p.append(c)  # the step's tokens, on pages of their own
+        for h, (k, v) in enumerate(entries):
+            page.write_pages(torch.from_numpy(slots[h]), k[-c:], v[-c:])
+        held_pages.append(p)
+        appended.append(slots)
+        dense.append(entries)
+    batch = heads.FlatBatch.layers({"l1": held_pages}, counts, "cpu", {"l1": appended})["l1"]
+    query = torch.randn(sum(counts), kv_heads * group, d, generator=g)
+    rows = tuple(torch.from_numpy(a) for a in heads.flat_rows(np.arange(len(query)), kv_heads))
+    out = torch.zeros_like(query)
+    heads.unflatten(out, rows, kv_heads, attend(heads.flatten(query, rows, kv_heads), batch, caches["l1"]))
+
+    start = 0
+    for c, entries in zip(counts, dense):
+        for h, (k, v) in enumerate(entries):
+            for t in range(c):
+                seen = len(k) - c + t + 1
+                q = query[start + t, h * group : (h + 1) * group].double()
+                w = torch.softmax(q @ k[:seen].double().T * d**-0.5, -1)
+                got = out[start + t, h * group : (h + 1) * group].double()
+                torch.testing.assert_close(got, w @ v[:seen].double(), rtol=1e-5, atol=1e-5)
+        start += c
+    assert whole.shape[0] == sum(c.shape[0] for c in caches.values()) and first["l1"] == caches["l0"].shape[0]
+    if split_k is not None:
+        assert used_3d == [split_k]
+
+
+def test_per_head_pages_need_a_head_major_layout():
+    """The same caches in vLLM's default layout (NHD, LBNHC) interleave each block's heads: the
+    worker refuses per-head budgets at start-up (``paged.head_pages``, as ``hooks.covered`` calls it)."""
+    _, backend, _ = declaration("TRITON_ATTN")
+    spec = customize_attention_spec(
+        backend, FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    )
+    _, caches, _ = pages(backend, spec, 16, "LBNHC", None)
+    with pytest.raises(ValueError, match="not head-major"):
+        paged.head_pages(caches["l1"])
+    _, caches, _ = pages(backend, spec, 16, "LBHNC", None)
+    assert paged.head_pages(caches["l1"]).shape == (caches["l1"].shape[0] * 3, 1, 16, 128)
+
+
+@pytest.mark.parametrize(
+    "name, layout, refused",
+    [
+        ("TRITON_ATTN", "LBHNC", None),
+        ("TRITON_ATTN", "LBNHC", "not head-major .*needs VLLM_KV_CACHE_LAYOUT=HND$"),
+        ("FLASH_ATTN", "LBHNC", "runs FLASH_ATTN .*--attention-backend TRITON_ATTN"),
+    ],
+)
+def test_a_worker_takes_per_head_budgets_on_triton_in_a_head_major_layout_only(
+    monkeypatch, tmp_path, name, layout, refused
+):
+    """``hooks.covered``, as the worker calls it once the KV cache exists: AdaKV on Triton's caches in
+    vLLM's head-major layer-compact layout gets each layer's single-head attention and one pool of
+    pages; in vLLM's default layout (NHD) it is refused in one line naming the variable to set, and on
+    FlashAttention (whose builder plans for the model's heads) naming the backend that runs it."""
+    from restkv.vllm import settings
+    from restkv.vllm.worker import Worker
+
+    _, backend, impl_cls = declaration(name)
+    wrapped = attention.forward(attention.declared)(impl_cls.forward)
+    wrapped._restkv = True  # as ``hooks.install`` marks it
+    monkeypatch.setattr(impl_cls, "forward", wrapped)
+    kv_heads, group, d, bs = 3, 3, 64, 16
+    spec = customize_attention_spec(
+        backend, FullAttentionSpec(block_size=bs, num_kv_heads=kv_heads, head_size=d, dtype=torch.float32)
+    )
+    _, caches, _ = pages(backend, spec, bs, layout, None)
+    config = VllmConfig(
+        model_config=model_config(tmp_path, kv_heads * group, kv_heads, d),
+        cache_config=CacheConfig(block_size=bs), device_config=DeviceConfig(device="cpu"),
+    )  # fmt: skip
+    for name, cache in caches.items():
+        impl = impl_cls(
+            num_heads=kv_heads * group, head_size=d, scale=d**-0.5, num_kv_heads=kv_heads, alibi_slopes=None,
+            sliding_window=None, kv_cache_dtype="auto",
+        )  # fmt: skip
+        layer = layer_of(backend, spec, torch.float32)
+        layer.impl, layer.layer_name, layer.kv_cache = impl, name, cache
+        config.compilation_config.static_forward_context[name] = layer
+    cfg = settings.from_env({"restkv": {"method": "adakv", "max_capacity_prompt": 64}})
+    worker = Worker(cfg, slots=4, caching=False, block_size=bs)
+    runner = SimpleNamespace(_restkv=worker, vllm_config=config, device=torch.device("cpu"), model_state=None)
+    if refused:
+        with pytest.raises(RuntimeError, match=refused):
+            hooks.covered(runner)
+        return
+    hooks.covered(runner)
+    assert set(worker.attends) == set(LAYERS) and worker.backends == dict.fromkeys(LAYERS, "TRITON_ATTN")
+    assert worker.space.first == {"l0": 0, "l1": BLOCKS, "l2": 2 * BLOCKS} and worker.space.heads == kv_heads
+

@@ -356,10 +356,14 @@ def covered(model_runner) -> None:
             if backend not in attention.HEAD_PAGES or parts[1] is not None:
                 raise RuntimeError(
                     f"restkv.vllm: {settings.budget_knobs(worker.cfg)} runs on the "
-                    f"{', '.join(attention.HEAD_PAGES)} backend's head-major blocks with the V1 model runner; "
-                    f"layer {layer_name} runs {backend} in {type(model_runner).__qualname__}: use "
-                    "uniform budgets here"
+                    f"{', '.join(attention.HEAD_PAGES)} backends with the V1 model runner "
+                    f"(VLLM_USE_V2_MODEL_RUNNER=0); layer {layer_name} runs {backend} in "
+                    f"{type(model_runner).__qualname__}: {refusals.HEAD_BACKEND_FLAG}, or uniform budgets"
                 )
+            try:
+                paged.head_pages(layer.kv_cache)
+            except ValueError as e:
+                raise RuntimeError(f"{e}; {settings.budget_knobs(worker.cfg)} needs VLLM_KV_CACHE_LAYOUT=HND") from None
             worker.attends[layer_name] = attention.single_head(
                 layer, model_runner.vllm_config, worker.block_size, model_runner.device
             )

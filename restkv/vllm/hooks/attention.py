@@ -96,9 +96,13 @@ COMMON_FIELDS = (
     "max_seq_len", "block_table_tensor", "slot_mapping",
 )  # fmt: skip
 
-# backends whose cache is head-major within a block, so block b is pages b * Hkv + h of one head
-# (``restkv.vllm.heads``); the only ones per-head budgets run on
-HEAD_PAGES = ("CPU_ATTN",)
+# the backends per-head budgets run on: their kernel reads the pages through the cache's strides (any
+# head-major layout: block b is pages b * Hkv + h of one head, ``restkv.vllm.heads``) and their builder
+# sizes nothing the flattened batch (Hkv times the sequences and tokens) can outgrow: the CPU backend's;
+# Triton's, whose split-K scratch is sized from ``max_num_seqs`` but read only where it has a row per query
+# token (vLLM 0.33.0's ``unified_attention`` runs its 2D kernel otherwise). FlashAttention's builder plans
+# FA3's schedule for the model's query heads and FlashInfer's its wrappers for the model's heads: refused.
+HEAD_PAGES = ("CPU_ATTN", "TRITON_ATTN")
 
 
 def single_head(layer, vllm_config, block_size: int, device):

@@ -14,6 +14,11 @@ BACKEND_FLAG = (
     "backend the plugin hooks"
 )
 
+HEAD_BACKEND_FLAG = (
+    "attention_config={'backend': 'TRITON_ATTN'} (vllm serve: --attention-backend TRITON_ATTN) with "
+    "VLLM_KV_CACHE_LAYOUT=HND"
+)
+
 
 def refusals(vllm_config, cfg) -> list[str]:
     """One line per cause the plugin cannot run with, naming the ``LLM(...)`` keyword and the
