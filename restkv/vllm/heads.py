@@ -246,8 +246,9 @@ class FlatBatch:
                     table[i, h, r, : len(row)] = row
         # [Hkv, T] per layer -> head-major, token-major within
         slots = np.stack([np.concatenate(appended[n], axis=1).reshape(-1) for n in names])
-        loc_d, lens_d, slots_d = _on(loc, device).int(), _on(lens, device).int(), _on(slots, device)
-        table_d = _on(table.reshape(len(names), heads * requests, width), device).int()
+        loc_d, lens_d, slots_d, table_d = stage([loc, lens.reshape(-1), slots.reshape(-1), table.reshape(-1)], device)
+        lens_d, slots_d = lens_d.view(lens.shape).int(), slots_d.view(slots.shape)
+        loc_d, table_d = loc_d.int(), table_d.view(len(names), heads * requests, width).int()
         loc_cpu, most = torch.from_numpy(loc).int(), lens.max(1).tolist()
         return {
             n: cls(loc_d, lens_d[i], table_d[i], slots_d[i], loc_cpu, int(counts.max()), most[i])
@@ -255,9 +256,18 @@ class FlatBatch:
         }
 
 
-def _on(array: np.ndarray, device) -> torch.Tensor:
-    """A host array on ``device`` (one copy)."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+def stage(arrays: list, device) -> list:
+    """``arrays`` (host integer arrays, 1-D) on ``device`` as int64, with one host-to-device copy that does
+    not wait for the device: on CUDA from pinned memory of torch's caching host allocator, which reuses a
+    buffer only once the copy that read it has run (one buffer of one's own, rewritten by the next call
+    while the device may not have read it yet, would race; a copy from pageable memory waits for the
+    device)."""
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    host = torch.from_numpy(flat.astype(np.int64))
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    moved = host.to(device, non_blocking=True)
+    return list(torch.split(moved, [len(a) for a in arrays]))
 
 
 def flat_rows(tokens: np.ndarray, kv_heads: int) -> list:

@@ -250,3 +250,26 @@ def test_head_pages_view_the_cache_the_backend_reads(kv_heads):
         interleaved = torch.zeros(7, block_size, kv_heads, 2 * d).transpose(1, 2)  # NHD in memory
         with pytest.raises(ValueError, match="not head-major"):
             head_pages(interleaved)
+
+
+def test_a_steps_flattened_batch_goes_to_the_device_in_one_copy_that_does_not_wait(monkeypatch):
+    """``FlatBatch.layers`` moves every layer's offsets, lengths, page tables and slots with one copy
+    (``heads.stage``): on CUDA non-blocking from pinned memory (a copy from pageable memory waits for the
+    device: a host sync per decoded token). The CUDA tensor is faked (its copy recorded, the data kept
+    on the CPU), so the batch read back must be the one built on the CPU."""
+
+    def batch(device):  # two requests of two heads (5 and 9 entries), one token and two in the step
+        pages = [heads.HeadPages.placed(list(range(r * 8, r * 8 + 8)), [5, 9], 4) for r in range(2)]
+        appended = {"l0": [p.append(c) for p, c in zip(pages, (1, 2))]}
+        return heads.FlatBatch.layers({"l0": pages}, [1, 2], device, appended)["l0"]
+
+    want = batch("cpu")
+    copies, to = [], torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append("pinned") or self)
+    monkeypatch.setattr(
+        torch.Tensor, "to", lambda self, device, **kw: copies.append((str(device), kw)) or to(self, "cpu")
+    )
+    got = batch(torch.device("cuda"))
+    assert copies == ["pinned", ("cuda", {"non_blocking": True})]
+    for field in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
