@@ -9,8 +9,9 @@ any failure, one ``FAIL <check>: <why>`` line each.
 
 The checks (``failures``): the plugin evicted; in each run the pool's free blocks at the end are
 those at the start; at every step the request held the blocks ``restkv.vllm.settings`` gives (the
-entries it holds, plus the kept ones' fresh blocks in a first eviction under prefix caching; the
-full cache: every token's); with ``--reference PYTHON`` (restkv's own environment) the plugin's
+entries it holds, plus the kept ones' fresh blocks in a first eviction under prefix caching; with
+per-head or per-layer budgets, after the first eviction, the fewest blocks its heads' kept entries
+need, ``heads.exact_length``; the full cache: every token's); with ``--reference PYTHON`` (restkv's own environment) the plugin's
 greedy tokens and every layer's and KV head's kept positions are those of ``restkv.configure`` on
 the same prompt (a model transformers loads, float32): the tokens equal up to the first difference,
 which passes only as a tie (the reference's token within ``gpu_check.TIE`` of vLLM's by vLLM's
@@ -262,12 +263,18 @@ def reference(python: str | None, saved: str | None, model: str, knobs: dict, pr
     return data
 
 
-def expected_blocks(cfg, trace: list, prompt_len: int, block_size: int, caching: bool) -> list[int]:
+def expected_blocks(
+    cfg, trace: list, prompt_len: int, block_size: int, caching: bool, kept: list | None = None
+) -> list[int]:
     """Blocks the request holds after scheduling at each step of ``trace`` ([end, scheduled, _]) by
     ``restkv.vllm.settings``: the entries it holds (logical tokens minus those evicted before), or
     during an eviction's step the held ones plus, in a first eviction under prefix caching, the
-    kept ones' fresh blocks. ``cfg`` None: the full cache, every token's."""
-    from restkv.vllm import settings
+    kept ones' fresh blocks. ``cfg`` None: the full cache, every token's. Where the worker counts the
+    kept entries (per-head and per-layer budgets: ``Eviction.measured``), its count after the first
+    eviction is the fewest entries whose blocks hold every layer's and head's pages
+    (``heads.exact_length`` of the positions ``kept`` holds, -1 padding a head to its layer's widest:
+    per rank, per layer, per KV head, the largest over the ranks); the steps after a later such eviction, whose kept sets are not recorded, are left out."""
+    from restkv.vllm import heads, settings
 
     offset, evicted, out = 0, False, []
     for end, scheduled, _ in trace:
@@ -275,6 +282,11 @@ def expected_blocks(cfg, trace: list, prompt_len: int, block_size: int, caching:
             cfg, end - scheduled, scheduled, prompt_len, offset, caching, block_size, evicted
         )  # fmt: skip
         out.append(-(-(end - offset) // block_size) if e is None else e.slots // block_size)
+        if e is not None and e.measured:
+            if evicted or not kept:
+                return out
+            lengths = [[sum(p >= 0 for p in h) for layer in rank for h in layer] for rank in kept]  # -1: padding
+            e = e.kept(max(heads.exact_length(n, block_size) for n in lengths))
         if e is not None:
             offset += e.evicted
             evicted = True
@@ -288,7 +300,8 @@ def _blocks(name: str, run: dict, cfg, prompt_len: int) -> list[str]:
     if end != start:
         fails.append(f"blocks given back: {name}: {end} free blocks at the end, {start} at the start")
     trace = run["trace"][0]
-    want = expected_blocks(cfg, trace, prompt_len, run["block_size"], run["caching"])
+    kept = run["kept"][0] if run["kept"] else None
+    want = expected_blocks(cfg, trace, prompt_len, run["block_size"], run["caching"], kept)
     for step, ((tokens, scheduled, got), expected) in enumerate(zip(trace, want)):
         if got != expected:
             fails.append(

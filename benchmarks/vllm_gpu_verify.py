@@ -1,7 +1,9 @@
 """The vLLM plugin's GPU verification in one command: ``vllm_check.py`` in every combination of the
-attention backends (FlashAttention, FlashInfer), vLLM's model runners (V1, V2) and graph modes
-(piecewise CUDA graphs, eager), then ``gpu_check.py`` (restkv's transformers path on the GPU); one
-report, a table of each arm: pass, FAIL and why, or not run and why.
+attention backends (FlashAttention, FlashInfer, Triton), vLLM's model runners (V1, V2) and graph modes
+(piecewise CUDA graphs, eager); per-head budgets (``--head_knobs``: AdaKV) on the backend that runs them
+on a GPU, Triton with the V1 runner and head-major pages (``VLLM_KV_CACHE_LAYOUT=HND``), in both graph
+modes; then ``gpu_check.py`` (restkv's transformers path on the GPU); one report, a table of each arm:
+pass, FAIL and why, or not run and why.
 
     python benchmarks/vllm_gpu_verify.py --model /path/to/Llama-3.1-8B-Instruct \\
         --reference .venv/bin/python --out report.md
@@ -9,7 +11,8 @@ report, a table of each arm: pass, FAIL and why, or not run and why.
 
 Run it with the vLLM environment's Python (``vllm==0.33.0``, restkv and the plugin installed);
 ``--reference``: restkv's own Python (``pip install -e .``), which computes ``configure()``'s tokens
-and kept positions once for every arm (kept next to ``--out``: ``*.reference.json``) and runs ``gpu_check.py``. The
+and kept positions once for every arm of the same knobs (kept next to ``--out``: ``*.reference.json``,
+``*.heads.reference.json``) and runs ``gpu_check.py``. The
 backend goes to vLLM as ``attention_config={"backend": ...}`` (``--attention-backend`` of ``vllm
 serve``), the runner as ``VLLM_USE_V2_MODEL_RUNNER`` (0 or 1), the graph mode as
 ``compilation_config={"cudagraph_mode": "PIECEWISE"}`` or ``enforce_eager=True``. An arm vLLM itself
@@ -35,31 +38,42 @@ from vllm_check import NOT_RUN as REFUSED  # vllm_check's exit status when vLLM 
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BACKENDS = {"FlashAttention": "FLASH_ATTN", "FlashInfer": "FLASHINFER"}  # vLLM's AttentionBackendEnum
+BACKENDS = {"FlashAttention": "FLASH_ATTN", "FlashInfer": "FLASHINFER", "Triton": "TRITON_ATTN"}  # vLLM's AttentionBackendEnum
 RUNNERS = {"V1 runner": "0", "V2 runner": "1"}  # VLLM_USE_V2_MODEL_RUNNER
 GRAPHS = {
     "piecewise CUDA graphs": {"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
     "eager": {"enforce_eager": True},
 }
 KNOBS = '{"method": "restkv", "max_capacity_prompt": 1024, "decode_interval": 128}'
+HEAD_KNOBS = '{"method": "adakv", "max_capacity_prompt": 1024}'
+# where per-head budgets run on a GPU (``restkv.vllm.hooks.attention.HEAD_PAGES``): backend, environment
+HEADS = ("TRITON_ATTN", {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_KV_CACHE_LAYOUT": "HND"})
 PASSED, FAILED, NOT_RUN = "pass", "FAIL", "not run"
 
 
 def arms(args) -> list[tuple[str, list[str], dict]]:
     """(name, command, environment variables) of every arm, in order."""
+
+    def check(knobs: str, backend: str, engine: dict, saved: str) -> list[str]:
+        cmd = [
+            sys.executable, str(HERE / "vllm_check.py"), "--model", args.model or "MODEL", "--knobs", knobs,
+            "--prompt_len", str(args.prompt_len), "--new_tokens", str(args.new_tokens),
+            "--engine", json.dumps({"attention_config": {"backend": backend}, **engine}),
+            "--reference_json", str(args.out.with_suffix(saved)),
+        ]  # fmt: skip
+        return cmd + ["--reference", args.reference] if args.reference else cmd
+
     out = []
     for (backend, enum), (runner, v2), (graphs, engine) in itertools.product(
         BACKENDS.items(), RUNNERS.items(), GRAPHS.items()
     ):
-        cmd = [
-            sys.executable, str(HERE / "vllm_check.py"), "--model", args.model or "MODEL", "--knobs", args.knobs,
-            "--prompt_len", str(args.prompt_len), "--new_tokens", str(args.new_tokens),
-            "--engine", json.dumps({"attention_config": {"backend": enum}, **engine}),
-            "--reference_json", str(args.out.with_suffix(".reference.json")),
-        ]  # fmt: skip
-        if args.reference:
-            cmd += ["--reference", args.reference]
+        cmd = check(args.knobs, enum, engine, ".reference.json")
         out.append((f"vllm_check: {backend}, {runner}, {graphs}", cmd, {"VLLM_USE_V2_MODEL_RUNNER": v2}))
+    enum, env = HEADS
+    backend = next(name for name, e in BACKENDS.items() if e == enum)
+    for graphs, engine in GRAPHS.items():
+        cmd = check(args.head_knobs, enum, engine, ".heads.reference.json")
+        out.append((f"vllm_check: per-head budgets, {backend}, V1 runner, HND pages, {graphs}", cmd, dict(env)))
     gpu = [args.reference or sys.executable, str(HERE / "gpu_check.py"), *shlex.split(args.gpu_check)]
     out.append(("gpu_check: transformers path", gpu, {}))
     return out
@@ -100,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--reference", default=None, help="restkv's own Python: configure()'s reference, gpu_check.py")
     p.add_argument("--out", type=Path, default=Path("vllm_gpu_verify.md"), help="the report (markdown)")
     p.add_argument("--knobs", default=KNOBS, help="restkv's knobs, JSON")
+    p.add_argument("--head_knobs", default=HEAD_KNOBS, help="the per-head budgets' arms' knobs, JSON")
     p.add_argument("--prompt_len", type=int, default=4000)
     p.add_argument("--new_tokens", type=int, default=160, help="default: past one decode_interval's eviction")
     p.add_argument("--gpu_check", default="", help="gpu_check.py's flags, e.g. '--lengths 32768' (under 48 GiB)")
@@ -112,10 +127,13 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from restkv.vllm import settings
 
-    try:
-        settings.from_env({"restkv": json.loads(args.knobs)})
-    except ValueError as e:  # JSONDecodeError included
-        p.error(f"--knobs: {e}")
+    for flag in ("knobs", "head_knobs"):
+        try:
+            cfg = settings.from_env({"restkv": json.loads(getattr(args, flag))})
+        except ValueError as e:  # JSONDecodeError included
+            p.error(f"--{flag}: {e}")
+    if not settings.per_head(cfg):
+        p.error(f"--head_knobs: {args.head_knobs} gives every head of a layer the same budget (no per-head budgets)")
     args.out = args.out.resolve()  # the arms run in the repository's root
     if args.reference and Path(args.reference).exists():
         args.reference = os.path.abspath(args.reference)  # a venv's python: its link kept

@@ -21,23 +21,32 @@ import vllm_gpu_verify as verify  # noqa: E402
 
 def _plan(*flags: str) -> list:
     return verify.arms(argparse.Namespace(
-        model="M", reference="/r/python", out=ROOT / "r.md", knobs=verify.KNOBS, prompt_len=4000, new_tokens=160,
-        gpu_check=" ".join(flags),
+        model="M", reference="/r/python", out=ROOT / "r.md", knobs=verify.KNOBS, head_knobs=verify.HEAD_KNOBS,
+        prompt_len=4000, new_tokens=160, gpu_check=" ".join(flags),
     ))  # fmt: skip
 
 
 def test_plan_covers_every_backend_runner_and_graph_mode():
     plan = _plan("--lengths", "32768")
     wanted = set(itertools.product(verify.BACKENDS.values(), verify.RUNNERS.values(), ("graphs", "eager")))
-    seen = set()
+    seen, heads = set(), set()
     for _, cmd, env in plan[:-1]:
         engine = json.loads(cmd[cmd.index("--engine") + 1])
         assert set(engine) <= set(vllm_check.ENGINE_KEYS)  # vllm_check passes each on to LLM(...)
         graphs = "eager" if engine.get("enforce_eager") else engine["compilation_config"]["cudagraph_mode"]
-        seen.add((engine["attention_config"]["backend"], env["VLLM_USE_V2_MODEL_RUNNER"], graphs))
+        arm = (engine["attention_config"]["backend"], env["VLLM_USE_V2_MODEL_RUNNER"], graphs)
+        knobs = cmd[cmd.index("--knobs") + 1]
+        if knobs == verify.HEAD_KNOBS:  # per-head budgets: Triton, the V1 runner, head-major pages
+            assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_KV_CACHE_LAYOUT": "HND"}
+            assert cmd[cmd.index("--reference_json") + 1].endswith("r.heads.reference.json")
+            heads.add(arm)
+        else:
+            assert knobs == verify.KNOBS and cmd[cmd.index("--reference_json") + 1].endswith("r.reference.json")
+            seen.add(arm)
         assert cmd[cmd.index("--reference") + 1] == "/r/python" and cmd[cmd.index("--model") + 1] == "M"
     assert seen == {(b, r, "eager" if g == "eager" else "PIECEWISE") for b, r, g in wanted}
-    assert len(plan) == len(wanted) + 1
+    assert heads == {("TRITON_ATTN", "0", "PIECEWISE"), ("TRITON_ATTN", "0", "eager")}
+    assert len(plan) == len(wanted) + len(heads) + 1
     assert plan[-1][1] == ["/r/python", str(ROOT / "benchmarks" / "gpu_check.py"), "--lengths", "32768"]
 
 

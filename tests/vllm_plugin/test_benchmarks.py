@@ -24,7 +24,8 @@ pytestmark = pytest.mark.vllm
 def plan() -> list:
     """vllm_gpu_verify.py's arms for a model M."""
     return arms(argparse.Namespace(
-        model="M", reference=None, out=ROOT / "r.md", knobs="{}", prompt_len=4000, new_tokens=160, gpu_check="",
+        model="M", reference=None, out=ROOT / "r.md", knobs="{}", head_knobs="{}", prompt_len=4000, new_tokens=160,
+        gpu_check="",
     ))  # fmt: skip
 
 
@@ -103,6 +104,31 @@ def test_check_passes_the_plugin_and_names_each_failure(model_dir, prompt):
     kept = spoiled(evicted, lambda r: r["steps"][-1].__setitem__(1, r["steps"][-1][1] - 1))
     assert first_word(failures(plain, kept, cfg, PROMPT_LEN)) == ["blocks given back"]
     assert first_word(failures(plain, plain, cfg, PROMPT_LEN)) == ["blocks held", "eviction"]
+
+
+def test_check_counts_a_per_head_request_at_its_heads_pages(model_dir, prompt):
+    """AdaKV (per-head budgets): after its eviction the request holds the fewest blocks its heads' kept
+    entries need (``heads.exact_length``, which the worker sends), not the bound from its config; the
+    check expects that at every step and names a block more."""
+    from vllm_check import expected_blocks, failures
+
+    from restkv.vllm import heads, settings
+
+    knobs = {"method": "adakv", "max_capacity_prompt": 64}
+    cfg = settings.from_env({"restkv": knobs})
+    plain, evicted = engine_run(model_dir, [prompt], None), engine_run(model_dir, [prompt], knobs)
+    assert failures(plain, evicted, cfg, PROMPT_LEN, reference(prompt, knobs)) == []
+    trace, size = evicted["trace"][0], evicted["block_size"]
+    want = expected_blocks(cfg, trace, PROMPT_LEN, size, evicted["caching"], evicted["kept"][0])
+    assert len(want) == len(trace)  # every step checked
+    lengths = [sum(p >= 0 for p in h) for layer in evicted["kept"][0][0] for h in layer]  # -1: padding
+    count = heads.exact_length(lengths, size)
+    after = [(held, end - PROMPT_LEN) for end, _, held in trace if end > PROMPT_LEN]  # decoded since the eviction
+    assert after and all(held == -(-(count + t) // size) for held, t in after)
+    assert any(held < -(-(64 + size + t) // size) for held, t in after)  # below the config's bound
+    grown = copy.deepcopy(evicted)
+    grown["trace"][0][-1][2] += 1
+    assert [f.split(":")[0] for f in failures(plain, grown, cfg, PROMPT_LEN)] == ["blocks held"]
 
 
 def test_check_exits_1_on_a_reference_that_differs(model_dir, tmp_path):
