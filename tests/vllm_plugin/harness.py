@@ -106,3 +106,50 @@ def reference(prompt: list[int], knobs: dict, new_tokens=NEW_TOKENS) -> dict:
 
 def blocks(tokens: int) -> int:
     return -(-tokens // BLOCK)
+
+
+def heads_on_pages(write_pages, counts, budgets, shares, block_size: int, free: list, rng, g, d: int, dtype):
+    """Requests whose KV heads hold different numbers of entries on single-head pages (``restkv.vllm.heads``),
+    then a step of ``counts[r]`` tokens each: request r's heads share ``len(shares) * budgets[r]`` entries
+    drawn by ``shares``, on pages of blocks popped from ``free``, written by ``write_pages(slots, keys,
+    values)`` -> (the step's ``FlatBatch``, per request per head its entries (keys, values) [n + count, d],
+    the step's last)."""
+    import torch
+
+    from restkv.vllm import heads
+
+    kv_heads = len(shares)
+    held, appended, entries = [], [], []
+    for c, budget in zip(counts, budgets):
+        lengths = rng.multinomial(kv_heads * budget, shares)
+        blocks = [free.pop() for _ in range(heads.bound(budget, block_size) + 1)]
+        pages = heads.HeadPages.placed(heads.Space({"layer": 0}, kv_heads).pages(blocks), lengths, block_size)
+        kv = [tuple(torch.randn(n + c, d, generator=g).to(dtype) for _ in range(2)) for n in lengths]
+        for h, (k, v) in enumerate(kv):
+            write_pages(torch.from_numpy(pages.slots(h, 0, lengths[h])), k[:-c], v[:-c])
+        slots = pages.append(c)  # the step's tokens, on pages of their own
+        for h, (k, v) in enumerate(kv):
+            write_pages(torch.from_numpy(slots[h]), k[-c:], v[-c:])
+        held.append(pages)
+        appended.append(slots)
+        entries.append(kv)
+    return heads.FlatBatch.layers({"layer": held}, counts, "cpu", {"layer": appended})["layer"], entries
+
+
+def assert_each_head_attends_its_entries(out, query, entries, counts, scale: float, tol: float) -> None:
+    """``out`` [T, Hq, d] for ``query`` [T, Hq, d] (requests of ``counts`` tokens, their heads' entries
+    ``entries`` as ``heads_on_pages`` gives them): each KV head's query heads attend causally to that
+    head's entries, against a float64 softmax."""
+    import torch
+
+    group = query.shape[1] // len(entries[0])
+    start = 0
+    for c, kv in zip(counts, entries):
+        for h, (k, v) in enumerate(kv):
+            for t in range(c):
+                seen = len(k) - c + t + 1
+                q = query[start + t, h * group : (h + 1) * group].double()
+                w = torch.softmax(q @ k[:seen].double().T * scale, -1)
+                got = out[start + t, h * group : (h + 1) * group].double()
+                torch.testing.assert_close(got, w @ v[:seen].double(), rtol=tol, atol=tol)
+        start += c

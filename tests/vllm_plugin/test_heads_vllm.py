@@ -23,6 +23,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+from harness import assert_each_head_attends_its_entries, heads_on_pages  # noqa: E402
 from restkv.vllm import heads
 from restkv.vllm.hooks import attention
 
@@ -95,40 +96,12 @@ def test_a_uniform_request_reads_the_same_through_single_head_pages(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_heads_of_different_lengths_attend_to_their_own_entries(dtype):
-    torch.manual_seed(1)
-    rng = np.random.default_rng(1)
+    rng, g = np.random.default_rng(1), torch.Generator().manual_seed(1)
     kv_heads, group, d, bs = 2, 3, 64, 32
     cache, paged, isa = setup(dtype, bs, kv_heads, d, blocks=40)
     free = list(rng.permutation(40))
-    counts, budgets = [1, 5, 1], [40, 70, 33]
-    pages, dense, appended = [], [], []
-    for c, budget in zip(counts, budgets):
-        lengths = rng.multinomial(kv_heads * budget, [0.85, 0.15])
-        blocks = [free.pop() for _ in range(heads.bound(budget, bs))]
-        p = heads.HeadPages.placed(heads.Space({"layer": 0}, kv_heads).pages(blocks), lengths, bs)
-        held = []
-        for h, n in enumerate(lengths):
-            k, v = torch.randn(n + c, d, dtype=dtype), torch.randn(n + c, d, dtype=dtype)
-            paged.write_pages(torch.from_numpy(p.slots(h, 0, n)), k[:n], v[:n])
-            held.append((k, v))
-        slots = p.append(c)
-        for h, (k, v) in enumerate(held):
-            paged.write_pages(torch.from_numpy(slots[h]), k[-c:], v[-c:])
-        pages.append(p)
-        appended.append(slots)
-        dense.append(held)
-    batch = heads.FlatBatch.layers({"layer": pages}, counts, "cpu", {"layer": appended})["layer"]
-    query = torch.randn(sum(counts), kv_heads * group, d, dtype=dtype)
+    counts = [1, 5, 1]
+    batch, entries = heads_on_pages(paged.write_pages, counts, [40, 70, 33], [0.85, 0.15], bs, free, rng, g, d, dtype)
+    query = torch.randn(sum(counts), kv_heads * group, d, generator=g).to(dtype)
     out = flat(query, cache, batch, kv_heads, isa, d**-0.5)
-    start = 0
-    for c, held in zip(counts, dense):
-        for h, (k, v) in enumerate(held):
-            for t in range(c):
-                seen = len(k) - c + t + 1
-                q = query[start + t, h * group : (h + 1) * group].double()
-                w = torch.softmax(q @ k[:seen].double().T * d**-0.5, -1)
-                tol = 1e-5 if dtype == torch.float32 else 2e-2
-                torch.testing.assert_close(
-                    out[start + t, h * group : (h + 1) * group].double(), w @ v[:seen].double(), rtol=tol, atol=tol
-                )
-        start += c
+    assert_each_head_attends_its_entries(out, query, entries, counts, d**-0.5, 1e-5 if dtype == torch.float32 else 2e-2)

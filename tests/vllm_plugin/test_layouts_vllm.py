@@ -40,6 +40,7 @@ from vllm.v1.worker.utils import (
     select_common_block_size,
 )
 
+from harness import assert_each_head_attends_its_entries, heads_on_pages  # noqa: E402
 from restkv.vllm import heads, hooks, paged
 from restkv.vllm.hooks import attention
 
@@ -324,36 +325,13 @@ def test_triton_attends_each_heads_own_pages(monkeypatch, tmp_path, counts, max_
 
     rng, g = np.random.default_rng(0), torch.Generator().manual_seed(0)
     free = [int(b) for b in rng.permutation(caches["l1"].shape[0])]
-    held_pages, appended, dense = [], [], []
-    for c, budget in zip(counts, [20, 30]):
-        lengths = rng.multinomial(kv_heads * budget, [0.6, 0.3, 0.1])  # a head over two pages, one under one
-        blocks = [free.pop() for _ in range(heads.bound(budget, bs) + 1)]
-        p = heads.HeadPages.placed(heads.Space({"l1": 0}, kv_heads).pages(blocks), lengths, bs)
-        entries = [(torch.randn(n + c, d, generator=g), torch.randn(n + c, d, generator=g)) for n in lengths]
-        for h, (k, v) in enumerate(entries):
-            page.write_pages(torch.from_numpy(p.slots(h, 0, lengths[h])), k[:-c], v[:-c])
-        slots = p.append(c)  # the step's tokens, on pages of their own
-        for h, (k, v) in enumerate(entries):
-            page.write_pages(torch.from_numpy(slots[h]), k[-c:], v[-c:])
-        held_pages.append(p)
-        appended.append(slots)
-        dense.append(entries)
-    batch = heads.FlatBatch.layers({"l1": held_pages}, counts, "cpu", {"l1": appended})["l1"]
+    # a head over two pages, one under one
+    batch, entries = heads_on_pages(page.write_pages, counts, [20, 30], [0.6, 0.3, 0.1], bs, free, rng, g, d, dtype)
     query = torch.randn(sum(counts), kv_heads * group, d, generator=g)
     rows = tuple(torch.from_numpy(a) for a in heads.flat_rows(np.arange(len(query)), kv_heads))
     out = torch.zeros_like(query)
     heads.unflatten(out, rows, kv_heads, attend(heads.flatten(query, rows, kv_heads), batch, caches["l1"]))
-
-    start = 0
-    for c, entries in zip(counts, dense):
-        for h, (k, v) in enumerate(entries):
-            for t in range(c):
-                seen = len(k) - c + t + 1
-                q = query[start + t, h * group : (h + 1) * group].double()
-                w = torch.softmax(q @ k[:seen].double().T * d**-0.5, -1)
-                got = out[start + t, h * group : (h + 1) * group].double()
-                torch.testing.assert_close(got, w @ v[:seen].double(), rtol=1e-5, atol=1e-5)
-        start += c
+    assert_each_head_attends_its_entries(out, query, entries, counts, d**-0.5, 1e-5)
     assert whole.shape[0] == sum(c.shape[0] for c in caches.values()) and first["l1"] == caches["l0"].shape[0]
     if split_k is not None:
         assert used_3d == [split_k]
