@@ -11,11 +11,11 @@ The checks (``failures``): the plugin evicted; in each run the pool's free block
 those at the start; at every step the request held the blocks ``restkv.vllm.settings`` gives (the
 entries it holds, plus the kept ones' fresh blocks in a first eviction under prefix caching; with
 per-head or per-layer budgets, after the first eviction, the fewest blocks its heads' kept entries
-need, ``heads.exact_length``; the full cache: every token's); with ``--reference PYTHON`` (restkv's own environment) the plugin's
-greedy tokens and every layer's and KV head's kept positions are those of ``restkv.configure`` on
-the same prompt (a model transformers loads, float32): the tokens equal up to the first difference,
-which passes only as a tie (the reference's token within ``gpu_check.TIE`` of vLLM's by vLLM's
-logprobs), the kept positions equal in float32 and at least ``--kept_share`` of them shared in a
+need, ``heads.exact_length``; the full cache: every token's); with ``--reference PYTHON`` (restkv's
+own environment) the plugin's greedy tokens and every layer's and KV head's kept positions are
+those of ``restkv.configure`` on the same prompt (a model transformers loads, float32): the tokens
+equal up to the first difference, which passes only as a tie (the reference's token within
+``gpu_check.TIE`` of vLLM's by vLLM's logprobs), the kept positions equal in float32 and at least ``--kept_share`` of them shared in a
 reduced precision (the reference is float32). ``--reference_json FILE`` keeps the reference's
 result (computed once, read by later runs with the same model, knobs and lengths).
 
@@ -273,7 +273,8 @@ def expected_blocks(
     kept entries (per-head and per-layer budgets: ``Eviction.measured``), its count after the first
     eviction is the fewest entries whose blocks hold every layer's and head's pages
     (``heads.exact_length`` of the positions ``kept`` holds, -1 padding a head to its layer's widest:
-    per rank, per layer, per KV head, the largest over the ranks); the steps after a later such eviction, whose kept sets are not recorded, are left out."""
+    per rank, per layer, per KV head, the largest over the ranks); the steps after a later such
+    eviction, whose kept sets are not recorded, are left out."""
     from restkv.vllm import heads, settings
 
     offset, evicted, out = 0, False, []

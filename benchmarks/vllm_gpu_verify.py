@@ -127,12 +127,13 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from restkv.vllm import settings
 
+    configs = {}
     for flag in ("knobs", "head_knobs"):
         try:
-            cfg = settings.from_env({"restkv": json.loads(getattr(args, flag))})
+            configs[flag] = settings.from_env({"restkv": json.loads(getattr(args, flag))})
         except ValueError as e:  # JSONDecodeError included
             p.error(f"--{flag}: {e}")
-    if not settings.per_head(cfg):
+    if not settings.per_head(configs["head_knobs"]):
         p.error(f"--head_knobs: {args.head_knobs} gives every head of a layer the same budget (no per-head budgets)")
     args.out = args.out.resolve()  # the arms run in the repository's root
     if args.reference and Path(args.reference).exists():
