@@ -45,6 +45,10 @@ def scrambled_writer(cache, keys, values, slots):
         flat[order[inner + size]] = v
 
 
+class Failed(RuntimeError):
+    """A request whose eviction failed on the worker (``Worker.report``): vLLM's scheduler finishes it."""
+
+
 class PagedEngine:
     """One request at a time, greedy; ``chunk``: prefill tokens per step (None: the whole prompt)."""
 
@@ -113,39 +117,56 @@ class PagedEngine:
         hit = min(len(hit_blocks) * self.bs, limit) // self.bs
         self.blocks = list(hit_blocks[:hit])
         computed, offset, evicted, seq, out = hit * self.bs, 0, False, list(ids), []
-        while len(out) < new_tokens:
-            prompt_left = len(ids) - computed
-            n = prompt_left if prompt_left > 0 else 1
-            if prompt_left > 0 and self.chunk:
-                n = min(n, self.chunk)
-            e = None if cfg is None else settings.eviction(
-                cfg, computed, n, len(ids), offset, self.caching, self.bs, evicted
-            )
-            slots = computed + n - offset if e is None else max(computed + n - offset, e.slots)
-            while len(self.blocks) * self.bs < slots:
-                self.blocks.append(self.free.pop(0))
-            self.step = (computed, n, offset)
-            self.worker.blocks[req] = list(self.blocks)
-            self.worker.begin([req], [computed], [n], [len(ids)], "cpu")
-            logits = self.forward(seq[computed : computed + n], computed)
-            self.worker.end()
-            e = self.worker.cut(req)  # a deferred count as the worker measured it (``Worker.report``)
-            if e is not None:
-                gone = e.cut(self.blocks)
-                if e.fresh:
-                    self.released.append((gone, [c[gone].clone() for c in self.caches]))
-                self.free += [b for b in gone if b not in hit_blocks]
-                offset += e.evicted
-                evicted = True
-            self._trace_pages(req, e, computed + n - offset)
-            computed += n
-            if computed >= len(ids):
-                token = int(logits.argmax())
-                out.append(token)
-                seq.append(token)
-        self.worker.forget([req])
-        self.worker.finish([req])
+        try:
+            while len(out) < new_tokens:
+                prompt_left = len(ids) - computed
+                n = prompt_left if prompt_left > 0 else 1
+                if prompt_left > 0 and self.chunk:
+                    n = min(n, self.chunk)
+                e = None if cfg is None else settings.eviction(
+                    cfg, computed, n, len(ids), offset, self.caching, self.bs, evicted
+                )
+                slots = computed + n - offset if e is None else max(computed + n - offset, e.slots)
+                while len(self.blocks) * self.bs < slots:
+                    self.blocks.append(self.free.pop(0))
+                self.step = (computed, n, offset)
+                self.worker.blocks[req] = list(self.blocks)
+                self.worker.begin([req], [computed], [n], [len(ids)], "cpu")
+                logits = self.forward(seq[computed : computed + n], computed)
+                self.worker.end()
+                rule = e
+                e = self.worker.cut(req)  # a deferred count as the worker measured it (``Worker.report``)
+                self._check(req, rule, e)
+                if e is not None:
+                    gone = e.cut(self.blocks)
+                    if e.fresh:
+                        self.released.append((gone, [c[gone].clone() for c in self.caches]))
+                    self.free += [b for b in gone if b not in hit_blocks]
+                    offset += e.evicted
+                    evicted = True
+                self._trace_pages(req, e, computed + n - offset)
+                computed += n
+                if computed >= len(ids):
+                    token = int(logits.argmax())
+                    out.append(token)
+                    seq.append(token)
+        finally:  # finished, or failed (``Failed``): vLLM's scheduler tells the worker
+            self.worker.forget([req])
+            self.worker.finish([req])
         return out
+
+    def _check(self, req, rule, e) -> None:
+        """As vLLM's scheduler checks the worker's report of a step (``restkv.vllm.hooks.scheduler``): a
+        failed request stops here (``Failed``); an eviction the rule gives is reported with its entries
+        held, the count it is cut to and a count of dropped positions never below 0; no other."""
+        report = self.worker.report()
+        if req in report.failed:
+            raise Failed(report.failed[req])
+        kept = report.kept.get(req)
+        assert (kept is None) == (rule is None), (kept, rule)
+        if kept is not None:
+            assert (kept.held, kept.counted) == (rule.held, e.counted), (kept, e)
+            assert kept.dropped >= 0 and kept.heads == len(self.names) * self.model.config.num_key_value_heads
 
     def _trace_pages(self, req, e, counted: int) -> None:
         state = self.worker.requests.get(req)

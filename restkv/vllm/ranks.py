@@ -27,6 +27,7 @@ class Ranks:
     size: int
     gather: Callable  # [n, h, P] on every rank -> [n, size * h, P], the ranks' heads in rank order
     most: Callable  # a list of host ints -> the largest of each over every rank
+    share: Callable  # a host object -> every rank's, in rank order (``restkv.vllm.outcome.merged``)
 
     def own(self, heads: int) -> slice:
         """This rank's ``heads`` among every rank's."""

@@ -38,6 +38,7 @@ import torch
 from ..scoring.observe import wo_factor
 from . import per_request, settings
 from .memory import reads_factor
+from .outcome import Kept, Outcome, merged, why
 from .heads import FlatBatch, HeadPages, exact_length, flat_rows, flatten, settle, stage, unflatten
 from ..strategies.budgets import shared_sizes
 from .ranks import layer_sizes, layers_sizes
@@ -79,6 +80,8 @@ class Scheduled:
     kept_slots: torch.Tensor | None = None  # [budget] where its kept entries go
     scores: dict = field(default_factory=dict)  # layer name -> [1, Hkv, P] its selection scores (deferred)
     kept_pages: list = field(default_factory=list)  # per-head budgets: every page of the blocks it keeps
+    dropped: int = 0  # positions its eviction dropped so far in the step, over its layers and KV heads
+    heads: int = 0  # the (layer, KV head) pairs ``dropped`` sums over
 
     @property
     def end(self) -> int:
@@ -161,10 +164,13 @@ class Worker:
         self.flat_tokens = None
         self.flat_rows: tuple = ()  # [Hkv m] each: every flattened row's token and KV head (``_flatten``)
         # ``settings.deferred``: the step's layers to select in once all have run (name -> (paged, scale,
-        # softcap)), and each request's kept count measured at its eviction, for the scheduler (``report``)
+        # softcap))
         self.later: dict = {}
-        self.counted: dict = {}
-        self.seconds: dict = {}  # method -> host time in its evictions and chunk scores since the last report
+        # the step's evictions as they ran (``restkv.vllm.outcome``): request id -> why its eviction failed
+        # (the request is skipped from there on), and a failure that is not one request's
+        self.failed: dict = {}
+        self.fault: str | None = None
+        self.outcome = Outcome()  # every step's since the last report, for the scheduler (``report``)
         self.evicts = False  # the step has evictions or chunk scores
 
     # ---- the model's layers ----
@@ -239,23 +245,15 @@ class Worker:
                 cfg = self.configs.get(req_id, self.cfg)
                 state = self.requests[req_id] = RequestState(self.free_slots.pop(), cfg)
                 self.ring.slots = max(self.ring.slots, state.slot + 1)
-            cfg = state.cfg
-            eviction = None
-            if cfg is not None:
-                eviction = settings.eviction(
-                    cfg, c, n, length, state.offset, self.caching, self.block_size, state.evicted
-                )
-            sums = cfg is not None and settings.summed(cfg) and c < length and settings.prompt_evicts(cfg, length)
-            s = Scheduled(req_id, state, start, n, c, length, row, eviction, sums)
-            if eviction is not None and settings.per_head(cfg):
-                self._pool(s)
+            s = self._scheduled(req_id, state, start, n, c, length, row)
+            eviction, sums = s.eviction, s.sums
             self.step.append(s)
             last = min(n, rows)
             tokens.append(np.arange(start + n - last, start + n))
             index.append(state.slot * rows + np.arange(c + n - last, c + n) % rows)
             if sums or eviction is not None:
                 host.append(self._slots(row, 0, s.end - state.offset))
-                if eviction is not None and not settings.per_head(cfg):  # else on its heads' pages
+                if eviction is not None and not settings.per_head(state.cfg):  # else on its heads' pages
                     host.append(
                         self._slots(
                             row, eviction.first_kept_block * self.block_size, eviction.budget
@@ -279,6 +277,25 @@ class Worker:
                 s.kept_slots = next(rest) if uniform else None
         self._flatten(device)
         self.evicts = self.evicting()
+
+    def _scheduled(self, req_id, state, start, count, computed, prompt_len, blocks) -> Scheduled:
+        """One request's part of the step: whether it evicts at the step's end (``settings.eviction``) and
+        adds chunk scores. A request whose rule raises does neither and fails (``failed``)."""
+        s = Scheduled(req_id, state, start, count, computed, prompt_len, blocks, None, False)
+        cfg = state.cfg
+        if cfg is None:
+            return s
+        try:
+            s.eviction = settings.eviction(
+                cfg, computed, count, prompt_len, state.offset, self.caching, self.block_size, state.evicted
+            )
+            s.sums = settings.summed(cfg) and computed < prompt_len and settings.prompt_evicts(cfg, prompt_len)
+            if s.eviction is not None and settings.per_head(cfg):
+                self._pool(s)
+        except Exception as e:  # noqa: BLE001 (contained to this request: ``failed``)
+            self.failed[req_id] = why(e, "its eviction's rule")
+            s.eviction, s.sums = None, False
+        return s
 
     def _pool(self, s: Scheduled) -> None:
         """Per-head budgets, an evicting request: the pages of the blocks it keeps (``kept_pages``) and the
@@ -324,6 +341,10 @@ class Worker:
     def evicting(self) -> bool:
         return any(s.eviction is not None or s.sums for s in self.step)
 
+    def _working(self, s: Scheduled) -> bool:
+        """Whether request ``s`` has eviction work in this step (not once it failed)."""
+        return (s.sums or s.eviction is not None) and s.req_id not in self.failed
+
     def layer(
         self, name: str, query: torch.Tensor, paged, scale: float, softcap, key=None, value=None, output=None
     ) -> None:
@@ -332,27 +353,36 @@ class Worker:
         backend's), its queries [T, Hq, d] of the step to the ring, then each request's summed chunk
         scores and evictions, on ``paged`` (``restkv.vllm.paged.Paged``)."""
         self.done.add(name)
-        if self.flat_tokens is not None:
-            self.attend_heads(name, query, key, value, output, paged)
-        self.ring.write(name, query, self.ring_tokens, self.ring_index)
+        try:
+            if self.flat_tokens is not None:
+                self.attend_heads(name, query, key, value, output, paged)
+            self.ring.write(name, query, self.ring_tokens, self.ring_index)
+        except Exception as e:  # noqa: BLE001 (every rank reaches the step's end: ``end`` stops the engine)
+            self.fault = self.fault or f"restkv.vllm: {why(e, f'layer {name}')}; stopping before blocks are freed"
         if not self.evicts:
             return
-        for s in self.step:
-            if not (s.sums or s.eviction is not None):
-                continue
+        for s in filter(self._working, self.step):
             start = time.perf_counter()
-            if s.sums:
-                self._add_chunk(name, s, query, paged, scale, softcap)
-            if s.eviction is not None and settings.deferred(s.cfg):
-                self._score(name, s, paged, scale, softcap)
-            elif s.eviction is not None:
-                self._evict(name, s, paged, scale, softcap)
+            try:
+                self._request_layer(name, s, query, paged, scale, softcap)
+            except Exception as e:  # noqa: BLE001 (contained to this request: ``failed``)
+                self.failed[s.req_id] = why(e, f"{s.cfg.method} in layer {name}")
             self._spent(s, start)
+
+    def _request_layer(self, name, s: Scheduled, query, paged, scale, softcap) -> None:
+        """Request ``s``'s work in layer ``name``: its chunk scores, then its eviction (or a deferred one's
+        scores)."""
+        if s.sums:
+            self._add_chunk(name, s, query, paged, scale, softcap)
+        if s.eviction is not None and settings.deferred(s.cfg):
+            self._score(name, s, paged, scale, softcap)
+        elif s.eviction is not None:
+            self._evict(name, s, paged, scale, softcap)
 
     def _spent(self, s: Scheduled, start: float) -> None:
         """Host time since ``start`` on request ``s``, counted to its method."""
-        method = s.cfg.method
-        self.seconds[method] = self.seconds.get(method, 0.0) + time.perf_counter() - start
+        seconds = self.outcome.seconds
+        seconds[s.cfg.method] = seconds.get(s.cfg.method, 0.0) + time.perf_counter() - start
 
     def attend_heads(self, name, query, key, value, output, paged) -> None:
         """The requests whose heads hold their own pages: their step's keys and values to their heads'
@@ -437,10 +467,13 @@ class Worker:
         self._keep(name, s, kept, paged)
 
     def _keep(self, name, s: Scheduled, kept, paged) -> None:
+        heads = kept.keys.shape[1]
         if settings.per_head(s.cfg):
             self._place(name, s, kept)
         else:
             paged.write(s.kept_slots, *slot_rows(kept))
+            s.dropped += heads * max(0, s.eviction.held - kept.positions.shape[-1])
+        s.heads += heads
         if not s.state.evicted and self.observer is not None:
             self.observer(s.req_id, name, kept.positions[0])
 
@@ -474,6 +507,7 @@ class Worker:
         them), those of the blocks it keeps first; ``_settle`` moves the others in at the step's end."""
         e, state = s.eviction, s.state
         own = state.pages.pop(name, None)
+        held = e.held * kept.keys.shape[1] if own is None else int(own.lengths.sum())
         if own is not None:
             state.free += own.release()
         elif not e.fresh:
@@ -482,6 +516,7 @@ class Worker:
         state.free.sort(key=lambda p: p not in inside)
         valid = kept.valid[0] if kept.valid.dim() == 3 else kept.valid.expand(kept.keys.shape[1], -1)
         lengths = valid.sum(-1).tolist()
+        s.dropped += max(0, held - sum(lengths))
         pages = HeadPages.placed(state.free, lengths, self.block_size)
         slots = np.concatenate([pages.slots(h, 0, n) for h, n in enumerate(lengths)])
         self.whole.write_pages(torch.from_numpy(slots).to(kept.keys.device), kept.keys[0][valid], kept.values[0][valid])
@@ -499,7 +534,6 @@ class Worker:
             (length,) = self.ranks.most([length])
         e = s.eviction = s.eviction.kept(length)
         s.kept_pages = self.space.pages(s.blocks[e.first_kept_block : e.first_kept_block + e.kept_blocks])
-        self.counted[s.req_id] = e.counted
 
     def _settle(self, s: Scheduled) -> None:
         """Per-head budgets, after every layer's eviction: the pages outside the blocks the request keeps
@@ -512,10 +546,13 @@ class Worker:
             self.whole.write_pages(target, *self.whole.read_pages(source))
 
     def end(self, scheduled: int | None = None) -> None:
-        """After the step: each evicting request's new offset, and its blocks to cut before the next
-        step (``pending``, ``cut``). A step the plugin did not see whole raises instead, since the
-        scheduler would free blocks still read: ``scheduled`` tokens ran without ``begin``, or an
-        attention layer did not call ``layer`` (its queries not in the ring, its eviction not run)."""
+        """After the step: each evicting request's new offset, its blocks to cut before the next step
+        (``pending``, ``cut``) and its ``outcome.Kept`` for the scheduler; a request whose eviction failed
+        is left as it was and reported failed (the scheduler finishes it with an error). Under tensor
+        parallelism every rank's outcome is gathered first (``outcome.merged``). A step the plugin did
+        not see whole raises instead, since the scheduler would free blocks still read: ``scheduled``
+        tokens ran without ``begin``, or an attention layer did not call ``layer`` (its queries not in
+        the ring, its eviction not run); so does a fault on any rank."""
         if scheduled and not self.step:
             raise RuntimeError(
                 f"restkv.vllm: the model runner ran a step of {scheduled} tokens without the plugin's batch "
@@ -523,38 +560,58 @@ class Worker:
             )
         missed = sorted(self.rank.keys() - self.done, key=self.rank.get) if self.step else []
         self.done = set()
-        if missed:
+        if missed and not self.fault:
             name = missed[0]
-            raise RuntimeError(
+            self.fault = (
                 f"restkv.vllm: layer {name} ({self.backends.get(name, 'an unknown backend')}) ran its attention "
                 "without the plugin in this step; stopping before its blocks are freed"
             )
+        shared = self.ranks is not None and (self.evicts or self.flat_tokens is not None)
+        kept = {}
+        for s in filter(self._working, self.step):
+            start = time.perf_counter()
+            try:
+                if s.eviction is not None:
+                    kept[s.req_id] = self._conclude(s)
+            except Exception as e:  # noqa: BLE001 (contained to this request: ``failed``)
+                self.failed[s.req_id] = why(e, f"{s.cfg.method} at the step's end")
+            self._spent(s, start)
+        step = Outcome(kept, self.failed, fault=self.fault)
+        step = merged(self.ranks.share(step) if shared else [step])  # raises a fault of any rank
         for s in self.step:
-            if s.eviction is not None and settings.deferred(s.cfg):
-                start = time.perf_counter()
-                self._finish(s)
-                self._spent(s, start)
-            elif s.eviction is not None and settings.per_head(s.cfg):
-                self._counted(s, np.stack([pages.lengths for pages in s.state.pages.values()]))
-            if s.eviction is not None and settings.per_head(s.cfg):
-                start = time.perf_counter()
-                self._settle(s)
-                self._spent(s, start)
-            if s.eviction is not None:
-                s.state.offset += s.eviction.evicted
-                s.state.evicted = True
-                s.state.placed = s.eviction.kept_blocks
-                s.state.sums.clear()
-                self.pending[s.req_id] = s.eviction
+            if s.req_id in step.failed:
+                self.pending.pop(s.req_id, None)
+            elif s.req_id in step.kept:
+                self._advance(s)
             elif s.sums and s.end >= s.prompt_len:
                 s.state.sums.clear()
-        self.step = []
+        self.outcome.kept.update(step.kept)
+        self.outcome.failed.update(step.failed)
+        self.step, self.failed, self.fault = [], {}, None
         self.flat, self.flat_tokens, self.flat_rows = {}, None, ()
         self.later = {}
 
-    def report(self) -> tuple[dict, dict]:
-        """Since the last report: the kept counts measured (request id -> entries) and the host seconds
-        spent evicting per method, for the scheduler."""
-        counted, seconds = self.counted, self.seconds
-        self.counted, self.seconds = {}, {}
-        return counted, seconds
+    def _conclude(self, s: Scheduled) -> Kept:
+        """Evicting request ``s`` after every layer ran: a deferred eviction selected (``_finish``), per-head
+        budgets counted and their pages settled -> its ``outcome.Kept``."""
+        if settings.deferred(s.cfg):
+            self._finish(s)
+        elif settings.per_head(s.cfg):
+            self._counted(s, np.stack([pages.lengths for pages in s.state.pages.values()]))
+        if settings.per_head(s.cfg):
+            self._settle(s)
+        return Kept(s.eviction.held, s.eviction.counted, s.dropped, s.heads)
+
+    def _advance(self, s: Scheduled) -> None:
+        """Request ``s`` evicted: its new offset, its blocks to cut before the next step."""
+        s.state.offset += s.eviction.evicted
+        s.state.evicted = True
+        s.state.placed = s.eviction.kept_blocks
+        s.state.sums.clear()
+        self.pending[s.req_id] = s.eviction
+
+    def report(self) -> Outcome:
+        """Every step's outcome since the last report (the evictions and their counts, the failed
+        requests, the host seconds spent evicting per method), for the scheduler."""
+        out, self.outcome = self.outcome, Outcome()
+        return out

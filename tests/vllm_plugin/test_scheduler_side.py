@@ -34,6 +34,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from restkv.integration.models import cache_dir
 from restkv.vllm import hooks
+from restkv.vllm.outcome import Kept, Outcome
 
 pytestmark = [pytest.mark.vllm, pytest.mark.quick]
 
@@ -57,9 +58,9 @@ def installed():
     hooks.install()
 
 
-def scheduler(knobs: dict | None, num_blocks: int = 64) -> Scheduler:
+def scheduler(knobs: dict | None, num_blocks: int = 64, chunk: int = CHUNK) -> Scheduler:
     """vLLM's scheduler at its defaults for the plugin (prefix caching, chunked prefill in steps of
-    ``CHUNK`` tokens, no asynchronous scheduling), ``knobs`` as ``additional_config["restkv"]``
+    ``chunk`` tokens, no asynchronous scheduling), ``knobs`` as ``additional_config["restkv"]``
     (None: from ``RESTKV_VLLM``), ``num_blocks`` of ``BLOCK`` tokens (one is vLLM's null block)."""
     from vllm.platforms import current_platform
 
@@ -79,7 +80,7 @@ def scheduler(knobs: dict | None, num_blocks: int = 64) -> Scheduler:
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True, cache_dtype="auto"),
         scheduler_config=SchedulerConfig(
             max_num_seqs=4,
-            max_num_batched_tokens=CHUNK,
+            max_num_batched_tokens=chunk,
             max_model_len=1024,
             is_encoder_decoder=False,
             enable_chunked_prefill=True,
@@ -119,9 +120,11 @@ def request(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int, add=
     return req
 
 
-def finish(sched: Scheduler, out) -> None:
+def finish(sched: Scheduler, out, outcome=None):
     """What a model runner returns for ``out``: one sampled token for each request whose tokens
-    are all computed, none for a prompt chunk."""
+    are all computed, none for a prompt chunk; with ``outcome`` (``restkv.vllm.outcome.Outcome``) the
+    workers' report, else workers that ran every eviction the scheduler's rule gave (``agreeing``)
+    -> the scheduler's outputs."""
     ids = list(out.num_scheduled_tokens)
     sampled = [
         [SAMPLED] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else []
@@ -130,7 +133,14 @@ def finish(sched: Scheduler, out) -> None:
     output = ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
     )
-    sched.update_from_output(out, output)
+    output.restkv = agreeing(sched) if outcome is None else outcome
+    return sched.update_from_output(out, output)
+
+
+def agreeing(sched: Scheduler) -> Outcome:
+    """The report of workers whose every eviction is the one the scheduler's rule gives."""
+    due = sched.kv_cache_manager._restkv.due if sched.kv_cache_manager._restkv else {}
+    return Outcome({r: Kept(e.held, e.counted) for r, e in due.items()})
 
 
 def run(sched: Scheduler, out=None) -> None:
@@ -287,3 +297,56 @@ def test_a_preempted_request_is_counted_from_its_logical_tokens(reset_cache):
     out = sched.schedule()  # the next decoded token: entry 129
     assert len(blocks(sched, "a")) == cdiv(BUDGET + 1, BLOCK)
     finish(sched, out)
+
+
+def test_a_request_whose_eviction_failed_is_finished_with_an_error_and_the_others_go_on():
+    """Two requests reach their prompt's end in one step; the workers report that one's eviction
+    raised: it is finished with vLLM's error (its output says so), all its blocks go back to the
+    pool, the failure is counted; the other evicts as the rule says and runs to its end."""
+    sched = scheduler(SNAPKV, num_blocks=128, chunk=512)
+    start = free(sched)
+    a = request(sched, "a", PROMPT[:200], max_tokens=8)
+    b = request(sched, "b", PROMPT[100:300], max_tokens=8)
+    out = sched.schedule()  # both prompts whole
+    state = sched.kv_cache_manager._restkv
+    assert set(state.due) == {"a", "b"}
+    e = state.due["b"]
+    outputs = finish(sched, out, Outcome({"b": Kept(e.held, e.counted)}, {"a": "RuntimeError: injected"}))
+    assert a.is_finished() and str(a.get_finished_reason()) == "error"
+    (told,) = [o for eco in outputs.values() for o in eco.outputs if o.request_id == "a" and o.finish_reason]
+    assert str(told.finish_reason) == "error"
+    assert blocks(sched, "a") == []
+    assert len(blocks(sched, "b")) == cdiv(BUDGET, BLOCK)  # b kept its budget's blocks only
+    sent = [eco.scheduler_stats for eco in outputs.values() if eco.scheduler_stats is not None]
+    counts = (sent[0].kv_connector_stats or {}).get("restkv", {}) if sent else state.counts
+    assert counts["snapkv"]["failed_requests"] == 1 and counts["snapkv"]["evictions"] == 1
+    run(sched)
+    assert b.is_finished() and str(b.get_finished_reason()) == "length"
+    assert free(sched) == start
+
+
+@pytest.mark.parametrize("report", ["other count", "other held", "none", "unasked"])
+def test_an_eviction_the_workers_ran_otherwise_stops_before_any_block_is_freed(report):
+    """The workers' report of an eviction is checked against the scheduler's own rule: a kept count or
+    a held count that differs, no report, or an eviction the rule does not give raises, naming the
+    request, before a block goes back to the pool."""
+    sched = scheduler(SNAPKV)
+    request(sched, "a", PROMPT, max_tokens=8)
+    for _ in range(2):
+        finish(sched, sched.schedule())
+    out = sched.schedule()  # the prompt's end: evicts
+    e = sched.kv_cache_manager._restkv.due["a"]
+    kept = {
+        "other count": {"a": Kept(e.held, e.counted + 1)},
+        "other held": {"a": Kept(e.held - 1, e.counted)},
+        "none": {},
+        "unasked": {"a": Kept(e.held, e.counted)},
+    }[report]
+    if report == "unasked":  # one step earlier: the rule gives no eviction yet
+        sched = scheduler(SNAPKV)
+        request(sched, "a", PROMPT, max_tokens=8)
+        out = sched.schedule()
+    before = free(sched)
+    with pytest.raises(RuntimeError, match="request a"):
+        finish(sched, out, Outcome(kept))
+    assert free(sched) == before

@@ -205,7 +205,9 @@ READS = {
     ),
     "vllm.v1.core.sched.output.NewRequestData": ("req_id", "block_ids", "sampling_params"),
     "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "new_block_ids", "resumed_req_ids"),
-    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "requests"),
+    "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "requests", "finish_requests"),
+    "vllm.v1.engine.EngineCoreOutputs": ("outputs",),
+    "vllm.v1.engine.EngineCoreOutput": ("request_id", "new_token_ids", "finish_reason"),
     "vllm.v1.engine.input_processor.InputProcessor": ("vllm_config",),
     "vllm.v1.engine.core.EngineCore": ("model_executor",),
     "vllm.sampling_params.SamplingParams": ("extra_args",),
@@ -217,7 +219,8 @@ READS = {
     ),
     "vllm.v1.core.block_pool.BlockPool": ("free_blocks",),
     "vllm.v1.request.Request": (
-        "request_id", "sampling_params", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens", "is_finished",
+        "request_id", "sampling_params", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens",
+        "is_finished", "client_index", "get_finished_reason",
     ),
 }
 

@@ -11,11 +11,13 @@ engine:
 
 - ``restkv:evictions_total``: evictions run (a request's eviction at the prompt's end, then at each
   ``decode_interval`` check that found it over its budget);
-- ``restkv:evicted_tokens_total``: positions evicted, per KV head and layer (held minus kept at each
-  eviction; per-head budgets: on average over the heads);
+- ``restkv:evicted_tokens_total``: positions evicted, per KV head and layer (each eviction's entries held
+  minus kept, summed over its layers and KV heads as the workers dropped them, over their count);
 - ``restkv:freed_blocks_total``: blocks the evictions gave back to the pool;
 - ``restkv:eviction_seconds_total``: the worker's time in the evictions (host time: on a GPU, the
-  launches).
+  launches);
+- ``restkv:failed_requests_total``: requests finished with an error because their eviction raised
+  (``restkv.vllm.outcome``; the others go on).
 
 It also writes one line per logging interval (``--disable-log-stats`` off) when the counts moved.
 """
@@ -35,6 +37,7 @@ HELP = {
     "evicted_tokens": "positions evicted, per KV head and layer",
     "freed_blocks": "KV blocks the evictions gave back to the pool",
     "eviction_seconds": "seconds the worker spent evicting (host time)",
+    "failed_requests": "requests finished with an error because their eviction failed",
 }
 _COUNTERS: dict = {}  # name -> prometheus Counter, one per process (vLLM may build several loggers)
 
@@ -87,18 +90,21 @@ class StatLogger(StatLoggerBase):
         for method, values in counts.items():
             for name, series in self.of(method).items():
                 value = values.get(name, 0)
-                if value:
+                if value > 0:  # a counter only grows; one that did not is logged, never raised
                     series.inc(value)
                     self.totals[name] += value
+                elif value < 0:
+                    logger.warning("restkv: a negative count of %s (%s) left out of /metrics", name, value)
 
     def log(self):
         if self.totals == self.logged:
             return
         t = self.totals
         logger.info(
-            "restkv (engine %s): %d evictions, %d positions evicted per head and layer, %d blocks given "
-            "back, %.2f s evicting",
+            "restkv (engine %s): %d evictions, %.0f positions evicted per head and layer, %d blocks given "
+            "back, %.2f s evicting, %d requests failed",
             self.engine, t["evictions"], t["evicted_tokens"], t["freed_blocks"], t["eviction_seconds"],
+            t["failed_requests"],
         )  # fmt: skip
         self.logged = dict(t)
 

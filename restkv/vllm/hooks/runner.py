@@ -8,8 +8,8 @@
 - ``load_model``: each layer's o_proj, read on its own device;
 - ``execute_model``: the step's ``Worker`` visible to the attention layers, its cuts kept for the
   next step (V2: not for its dummy runs);
-- ``sample_tokens`` (and ``execute_model`` when it returns the output): the kept counts the worker
-  measured go to the scheduler with the step's output (``report``).
+- ``sample_tokens`` (and ``execute_model`` when it returns the output): what the worker's evictions
+  did (``restkv.vllm.outcome``) goes to the scheduler with the step's output (``report``).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def load_model(orig):
 
 def tensor_ranks() -> Ranks:
     """This rank among vLLM's tensor-parallel group: the scores gathered over its device group, host
-    counts' maxima over its CPU group."""
+    counts' maxima and the step's outcomes over its CPU group."""
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
@@ -95,7 +95,12 @@ def tensor_ranks() -> Ranks:
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
         return counts.tolist()
 
-    return Ranks(group.rank_in_group, group.world_size, lambda x: group.all_gather(x.contiguous(), dim=1), most)
+    def share(value) -> list:
+        every = [None] * group.world_size
+        torch.distributed.all_gather_object(every, value, group=group.cpu_group)
+        return every
+
+    return Ranks(group.rank_in_group, group.world_size, lambda x: group.all_gather(x.contiguous(), dim=1), most, share)
 
 
 def o_proj_readers(model) -> dict:
@@ -158,14 +163,14 @@ def sample_tokens(orig):
 
 
 def report(worker: Worker, out):
-    """``out``, a ``ModelRunnerOutput``, with ``restkv_kept``: the kept counts the worker measured
-    in the step (``settings.deferred``), which the scheduler frees by (``scheduler.update_from_output``),
-    and ``restkv_seconds``, its time evicting per method since the last report (``metrics``); a copy, as vLLM
-    returns one shared output for an empty step. Any other output passes."""
-    if not (worker.counted or worker.seconds) or not hasattr(out, "sampled_token_ids"):
+    """``out``, a ``ModelRunnerOutput``, with ``restkv``: the worker's ``outcome.Outcome`` since the last
+    report (each eviction's counts, which the scheduler checks and frees by, the failed requests, its
+    time evicting per method: ``scheduler.update_from_output``, ``metrics``); a copy, as vLLM returns
+    one shared output for an empty step. Any other output passes."""
+    if not worker.outcome or not hasattr(out, "sampled_token_ids"):
         return out
     out = copy.copy(out)
-    out.restkv_kept, out.restkv_seconds = worker.report()
+    out.restkv = worker.report()
     return out
 
 

@@ -28,13 +28,17 @@ import inspect
 import logging
 from dataclasses import dataclass, field
 
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
+
 from .. import per_request, settings
+from ..outcome import Outcome
 from .refusals import check_config
 from .requests import engine
 
 NEVER_CACHED = 1 << 62  # an evicted request's count of cached blocks: none of its blocks is hashed again
 STATS_KEY = "restkv"  # the plugin's entry in the stats sent to the front end (``metrics``)
-COUNTS = ("evictions", "evicted_tokens", "freed_blocks", "eviction_seconds")
+COUNTS = ("evictions", "evicted_tokens", "freed_blocks", "eviction_seconds", "failed_requests")
 logger = logging.getLogger("vllm.restkv")  # under vLLM's logger: its handler and level
 
 
@@ -208,14 +212,20 @@ def forget(orig):
 
 
 def update_from_output(orig):
-    """After the original: each request that evicted in the step keeps its kept blocks only; a
-    preempted request that will evict at another point is logged (``log_preempted``)."""
+    """Around the original: first the requests whose eviction failed on a worker are finished with an
+    error (``fail``) and every other eviction of the step is checked against the scheduler's own rule
+    (``checked``: a count that differs stops the engine before any block is freed); after it, each
+    request that evicted keeps its kept blocks only, and a preempted request that will evict at another
+    point is logged (``log_preempted``)."""
 
     @functools.wraps(orig)
     def wrapped(self, scheduler_output, model_runner_output):
         state = getattr(self.kv_cache_manager, "_restkv", None)
         if state is None:
             return orig(self, scheduler_output, model_runner_output)
+        outcome = getattr(model_runner_output, "restkv", None) or Outcome()
+        failed = fail(self, state, outcome.failed)
+        evictions = checked(self, state, scheduler_output, outcome)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         counts = {  # as they were when preempted: this step may resume them
             r: (self.requests[r].num_output_tokens, self.requests[r].num_tokens, state.config(self.requests[r]))
@@ -223,22 +233,20 @@ def update_from_output(orig):
             if r in self.requests
         }
         out = orig(self, scheduler_output, model_runner_output)
-        measured = getattr(model_runner_output, "restkv_kept", None) or {}
-        for method, seconds in (getattr(model_runner_output, "restkv_seconds", None) or {}).items():
+        for method, seconds in outcome.seconds.items():
             state.tally(method)["eviction_seconds"] += seconds
-        for req_id in scheduler_output.num_scheduled_tokens:
-            e = state.due.pop(req_id, None)
+        for request in failed:
+            errored(out, request)
+        for req_id, (e, kept) in evictions.items():
             request = self.requests.get(req_id)
-            if e is None or request is None or request.is_finished():
+            if request is None or request.is_finished():
                 continue
-            if e.measured:
-                e = e.kept(measured_count(measured, req_id))
             tally = state.tally(state.config(request).method)
             for manager in self.kv_cache_manager.coordinator.single_type_managers:
                 tally["freed_blocks"] += keep_evicted(manager, req_id, e, state.caching)
             state.offsets[req_id] = state.offsets.get(req_id, 0) + e.evicted
             tally["evictions"] += 1
-            tally["evicted_tokens"] += e.held - e.budget
+            tally["evicted_tokens"] += kept.evicted
         for req_id, (generated, tokens, cfg) in counts.items():
             log_preempted(state, req_id, generated, tokens, cfg)
         state.freed.clear()
@@ -246,6 +254,70 @@ def update_from_output(orig):
         return out
 
     return wrapped
+
+
+def fail(scheduler, state: Blocks, failed: dict) -> list:
+    """The requests whose eviction failed on a worker (``failed``: request id -> why), finished with an
+    error before the step's outputs are made: their blocks go back to the pool whole, their client gets
+    vLLM's error for the request, the others go on. Each is logged once and counted -> those finished."""
+    live = [r for r in failed if r in scheduler.requests and not scheduler.requests[r].is_finished()]
+    for req_id in live:
+        method = (state.config(scheduler.requests[req_id]) or state.cfg).method
+        state.tally(method)["failed_requests"] += 1
+        logger.error(
+            "restkv: request %s failed in its eviction, %s; it is finished with an error and its blocks go "
+            "back to the pool; the other requests go on",
+            req_id,
+            failed[req_id],
+        )
+    return scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR) if live else []
+
+
+def errored(outputs: dict, request) -> None:
+    """The output telling ``request``'s client it finished with an error (as vLLM tells it of its own)."""
+    eco = outputs.get(request.client_index)
+    if eco is None:
+        eco = outputs[request.client_index] = EngineCoreOutputs()
+    eco.outputs.append(
+        EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason())
+    )
+
+
+def checked(scheduler, state: Blocks, scheduler_output, outcome: Outcome) -> dict:
+    """The step's evictions, each the scheduler's own rule's (``settings.Eviction``) checked against what
+    the workers report (``outcome.Kept``: every rank's agreed, ``outcome.merged``) -> request id -> (the
+    eviction, with the worker's count where it is the worker's to measure, and its ``Kept``). An eviction
+    the workers did not report, or whose entries held or kept count differ, stops the engine, naming the
+    request, before any block is freed; so does an eviction the workers ran and the rule does not give."""
+    evictions = {}
+    for req_id in scheduler_output.num_scheduled_tokens:
+        e = state.due.pop(req_id, None)
+        request = scheduler.requests.get(req_id)
+        if e is None or request is None or request.is_finished():
+            continue
+        kept = outcome.kept.get(req_id)
+        if kept is None:
+            raise RuntimeError(
+                f"restkv.vllm: request {req_id} evicted without its kept count from the worker; "
+                "stopping before its blocks are freed"
+            )
+        if e.measured:
+            e = e.kept(kept.counted)
+        if (kept.held, kept.counted) != (e.held, e.counted):
+            raise RuntimeError(
+                f"restkv.vllm: request {req_id}'s eviction on the workers held {kept.held} entries and kept "
+                f"{kept.counted}; the scheduler's rule gives {e.held} and {e.counted}: stopping before its blocks "
+                "are freed"
+            )
+        evictions[req_id] = (e, kept)
+    for req_id in outcome.kept.keys() - evictions.keys():
+        request = scheduler.requests.get(req_id)
+        if request is not None and not request.is_finished():
+            raise RuntimeError(
+                f"restkv.vllm: request {req_id} evicted on the workers where the scheduler's rule gives no "
+                "eviction; stopping before its blocks are read again"
+            )
+    return evictions
 
 
 def send(state: Blocks, outputs: dict) -> None:
@@ -259,16 +331,6 @@ def send(state: Blocks, outputs: dict) -> None:
             stats.kv_connector_stats = {**(stats.kv_connector_stats or {}), STATS_KEY: state.counts}
             state.counts = {}
             return
-
-
-def measured_count(measured: dict, req_id: str) -> int:
-    """The kept count the worker measured for ``req_id`` (``runner.report``); raises without one."""
-    if req_id not in measured:
-        raise RuntimeError(
-            f"restkv.vllm: request {req_id} evicted without its kept count from the worker; "
-            "stopping before its blocks are freed"
-        )
-    return measured[req_id]
 
 
 def log_preempted(state: Blocks, req_id: str, generated: int, tokens: int, cfg) -> None:
