@@ -228,3 +228,106 @@ def test_per_head_attention_metadata_fields_are_checked(monkeypatch):
     lines = hooks.unhooked()
     assert any(line.endswith("field query_start_loc") for line in lines)
     assert any(line.endswith("field no_such_field") for line in lines)
+
+
+def test_kv_connectors_and_offloading_are_refused_at_start_up():
+    """A KV connector (``kv_transfer_config``) or KV offloading (``kv_offloading_size``, which installs
+    vLLM's offloading connector) with the plugin: refused when the engine's config is made, one line
+    naming both flags; without the plugin the same engine is built."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from restkv.integration.models import cache_dir
+
+    _platform()
+    hooks.install()
+    connector = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    for extra in ({"kv_offloading_size": 1}, {"kv_transfer_config": connector}):
+        args = EngineArgs(
+            model=str(cache_dir("smollm2-135m")), dtype="float32", max_model_len=1024, enforce_eager=True,
+            skip_tokenizer_init=True, additional_config={"restkv": {"method": "snapkv"}}, **extra,
+        )  # fmt: skip
+        with pytest.raises(ValueError) as refused:
+            args.create_engine_config()
+        (line,) = str(refused.value).splitlines()
+        assert "KV connector or KV offloading" in line and "--kv-transfer-config, --kv-offloading-size" in line
+        args.additional_config = {}
+        assert args.create_engine_config() is not None
+
+
+MODELS = {  # config.json of models the plugin cannot evict -> what its refusal says
+    "falcon-alibi": (
+        {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "alibi": True, "multi_query": True},
+        "ALiBi",
+    ),
+    "jamba": (
+        {"model_type": "jamba", "architectures": ["JambaForCausalLM"], "num_key_value_heads": 2,
+         "attn_layer_period": 2, "attn_layer_offset": 1},
+        "Mamba or linear-attention state",
+    ),
+    "llama4-chunked": (
+        {"model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "num_key_value_heads": 2,
+         "attention_chunk_size": 256, "head_dim": 16},
+        "chunked-local attention",
+    ),
+    "deepseek-mla": (
+        {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "kv_lora_rank": 32,
+         "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+         "num_key_value_heads": 4},
+        "latent per token (MLA)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_whose_cache_the_plugin_cannot_evict_are_refused(name, tmp_path):
+    """vLLM's own ``ModelConfig`` of an ALiBi model (its bias reads each key's index, which eviction
+    changes), a Mamba hybrid, chunked-local attention and MLA: ``check_config`` refuses each in one
+    line naming the model and what it has."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    _platform()
+    config = _engine_config({"method": "snapkv", "max_capacity_prompt": 128})
+    body, said = MODELS[name]
+    sizes = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 128,
+             "intermediate_size": 128, "max_position_embeddings": 1024}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({**sizes, **body}))
+    config.model_config = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=512)
+    with pytest.raises(ValueError) as refused:
+        refusals.check_config(config)
+    (line,) = str(refused.value).splitlines()
+    assert said in line and str(tmp_path) in line
+
+
+def test_kv_cache_groups_other_than_one_of_full_attention_are_refused():
+    """vLLM's own KV cache groups: one group of plain full attention passes; a sliding window (its own
+    group, or recorded on a full-attention spec with the hybrid manager off), chunked-local attention,
+    MLA, cross-attention, Mamba state, or more than one group, are refused one line each."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+        MambaSpec, MLAAttentionSpec, SlidingWindowSpec,
+    )  # fmt: skip
+
+    kw = dict(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
+
+    def groups(*specs):
+        return KVCacheConfig(1, [], [KVCacheGroupSpec([f"layers.{i}"], s) for i, s in enumerate(specs)])
+
+    full = FullAttentionSpec(**kw)
+    assert refusals.cache_groups(groups(full)) == []
+    refused = [
+        FullAttentionSpec(**kw, sliding_window=512),
+        SlidingWindowSpec(**kw, sliding_window=512),
+        ChunkedLocalAttentionSpec(**kw, attention_chunk_size=256),
+        MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32),
+        CrossAttentionSpec(**kw),
+        MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)),
+    ]
+    for spec in refused:
+        (line,) = refusals.cache_groups(groups(spec))
+        assert type(spec).__name__ in line and "the plugin evicts one full-attention group" in line
+    lines = refusals.cache_groups(groups(full, SlidingWindowSpec(**kw, sliding_window=512)))
+    assert len(lines) == 2 and "has 2 groups" in lines[0]

@@ -58,10 +58,11 @@ def installed():
     hooks.install()
 
 
-def scheduler(knobs: dict | None, num_blocks: int = 64, chunk: int = CHUNK) -> Scheduler:
+def scheduler(knobs: dict | None, num_blocks: int = 64, chunk: int = CHUNK, specs=None) -> Scheduler:
     """vLLM's scheduler at its defaults for the plugin (prefix caching, chunked prefill in steps of
     ``chunk`` tokens, no asynchronous scheduling), ``knobs`` as ``additional_config["restkv"]``
-    (None: from ``RESTKV_VLLM``), ``num_blocks`` of ``BLOCK`` tokens (one is vLLM's null block)."""
+    (None: from ``RESTKV_VLLM``), ``num_blocks`` of ``BLOCK`` tokens (one is vLLM's null block), a KV cache
+    group per spec of ``specs`` (default: one of full attention)."""
     from vllm.platforms import current_platform
 
     # 0.33's CUDA build on a machine without a GPU detects no platform (its device type is empty)
@@ -89,11 +90,11 @@ def scheduler(knobs: dict | None, num_blocks: int = 64, chunk: int = CHUNK) -> S
         device_config=DeviceConfig(device=device),
         additional_config={} if knobs is None else {"restkv": knobs},
     )
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    specs = specs or [FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)]
     kv = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)],
     )
     config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
@@ -350,3 +351,16 @@ def test_an_eviction_the_workers_ran_otherwise_stops_before_any_block_is_freed(r
     with pytest.raises(RuntimeError, match="request a"):
         finish(sched, out, Outcome(kept))
     assert free(sched) == before
+
+
+def test_a_kv_cache_the_plugin_does_not_evict_is_refused_when_the_scheduler_is_built():
+    """The engine's KV cache groups as vLLM's ``KVCacheConfig`` gives them to the scheduler: a
+    sliding-window group beside the full-attention one stops the engine before any request (its
+    blocks would be cut with the full-attention group's); without the plugin it is built."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    kw = dict(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    specs = [FullAttentionSpec(**kw), SlidingWindowSpec(**kw, sliding_window=128)]
+    with pytest.raises(ValueError, match="the model's KV cache has 2 groups"):
+        scheduler(SNAPKV, specs=specs)
+    assert scheduler(None, specs=specs).kv_cache_manager._restkv is None

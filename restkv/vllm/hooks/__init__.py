@@ -79,7 +79,7 @@ TARGETS = {
     },
     "vllm.v1.core.sched.scheduler": {
         "Scheduler": {
-            "__init__": (scheduler.scheduler_init, ("vllm_config",)),
+            "__init__": (scheduler.scheduler_init, ("vllm_config", "kv_cache_config")),
             "update_from_output": (scheduler.update_from_output, (*_STEP, "model_runner_output")),
         }
     },
@@ -195,8 +195,14 @@ READS = {
         "layer_name", "impl", "kv_cache", "attn_backend", "kv_cache_dtype", "kv_cache_torch_dtype", "dtype",
     ),
     "vllm.config.model.ModelConfig": (
-        "get_num_layers", "get_num_attention_heads", "get_num_kv_heads", "get_total_num_kv_heads",
+        "get_num_layers", "get_num_attention_heads", "get_num_kv_heads", "get_total_num_kv_heads", "uses_alibi",
+        "is_hybrid", "has_inner_state", "is_attention_free", "is_encoder_decoder", "attention_chunk_size", "use_mla",
     ),
+    "vllm.config.vllm.VllmConfig": ("kv_transfer_config",),
+    "vllm.config.cache.CacheConfig": ("kv_offloading_size",),
+    "vllm.v1.kv_cache_interface.KVCacheConfig": ("kv_cache_groups",),
+    "vllm.v1.kv_cache_interface.KVCacheGroupSpec": ("layer_names", "kv_cache_spec"),
+    "vllm.v1.kv_cache_interface.FullAttentionSpec": ("sliding_window", "attention_chunk_size"),
     "vllm.distributed.parallel_state.GroupCoordinator": ("rank_in_group", "world_size", "cpu_group", "all_gather"),
     "vllm.v1.core.sched.output.SchedulerOutput": (
         "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens",

@@ -24,6 +24,7 @@ def refusals(vllm_config, cfg) -> list[str]:
     """One line per cause the plugin cannot run with, naming the ``LLM(...)`` keyword and the
     ``vllm serve`` flag."""
     parallel = vllm_config.parallel_config
+    model = vllm_config.model_config
     compilation = vllm_config.compilation_config
     mode = getattr(compilation, "cudagraph_mode", None)
     mixes = settings.mixes_heads(cfg)
@@ -78,8 +79,55 @@ def refusals(vllm_config, cfg) -> list[str]:
             vllm_config.cache_config.cache_dtype != "auto",
             "a quantized KV cache: kv_cache_dtype='auto' (vllm serve: --kv-cache-dtype auto)",
         ),
+        (
+            vllm_config.kv_transfer_config is not None or getattr(vllm_config.cache_config, "kv_offloading_size", None),
+            "a KV connector or KV offloading supplies and stores blocks by hashes of tokens the plugin "
+            "rewrote, and tokens whose queries the eviction never saw: drop kv_transfer_config= and "
+            "kv_offloading_size= (vllm serve: --kv-transfer-config, --kv-offloading-size)",
+        ),
     ]
+    causes += [(True, f"{model.model} {why}; the plugin serves decoder-only full-attention models") for why in _model_kinds(model)]
     return [f"{settings.ENV}: {why}" for refused, why in causes if refused]
+
+
+def _model_kinds(model_config) -> list[str]:
+    """What of the model the plugin cannot evict, from vLLM's ``ModelConfig``: one line each."""
+    kinds = [
+        (model_config.uses_alibi, "biases attention by ALiBi from each key's index, which eviction changes"),
+        (model_config.is_hybrid or model_config.has_inner_state, "keeps Mamba or linear-attention state"),
+        (model_config.is_attention_free, "has no attention layers"),
+        (model_config.is_encoder_decoder, "is an encoder-decoder model (cross-attention)"),
+        (getattr(model_config, "attention_chunk_size", None), "has chunked-local attention layers"),
+        (model_config.use_mla, "caches a latent per token (MLA), not keys and values per head"),
+    ]
+    return [why for found, why in kinds if found]
+
+
+def cache_groups(kv_cache_config) -> list[str]:
+    """Why the engine's KV cache groups are not ones the plugin evicts (one line each): it evicts one
+    group of plain full attention (``FullAttentionSpec`` itself, no sliding window or chunk), reading
+    and cutting that group's blocks; any other group (a sliding window, chunked-local, MLA,
+    cross-attention, Mamba state) would lose blocks it still reads."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    lines = []
+    if len(groups) > 1:
+        lines.append(f"the model's KV cache has {len(groups)} groups ({', '.join(_group(g) for g in groups)})")
+    for group in groups:
+        spec = group.kv_cache_spec
+        plain = type(spec) is FullAttentionSpec and spec.sliding_window is None and spec.attention_chunk_size is None
+        if not plain or getattr(spec, "non_causal", False):
+            lines.append(f"the KV cache group {_group(group)} is not plain full attention")
+    return [f"{settings.ENV}: {line}; the plugin evicts one full-attention group" for line in lines]
+
+
+def _group(group) -> str:
+    """``FullAttentionSpec(sliding_window=512) of 12 layers (model.layers.0 ...)``."""
+    spec = group.kv_cache_spec
+    extra = [f"{k}={getattr(spec, k)}" for k in ("sliding_window", "attention_chunk_size") if getattr(spec, k, None)]
+    names = group.layer_names
+    return f"{type(spec).__name__}({', '.join(extra)}) of {len(names)} layers ({names[0] if names else ''} ...)"
 
 
 def unreached(vllm_config, backends) -> list[str]:

@@ -33,7 +33,7 @@ from vllm.v1.request import RequestStatus
 
 from .. import per_request, settings
 from ..outcome import Outcome
-from .refusals import check_config
+from .refusals import cache_groups, check_config
 from .requests import engine
 
 NEVER_CACHED = 1 << 62  # an evicted request's count of cached blocks: none of its blocks is hashed again
@@ -86,10 +86,16 @@ class Blocks:
 
 
 def scheduler_init(orig):
+    """The original, then the plugin's ``Blocks`` where it runs; a KV cache of groups it does not evict
+    (``refusals.cache_groups``) is refused here, before any request."""
+
     @functools.wraps(orig)
-    def init(self, vllm_config, *args, **kwargs):
-        orig(self, vllm_config, *args, **kwargs)
+    def init(self, vllm_config, kv_cache_config, *args, **kwargs):
+        orig(self, vllm_config, kv_cache_config, *args, **kwargs)
         cfg = check_config(vllm_config)
+        refused = [] if cfg is None else cache_groups(kv_cache_config)
+        if refused:
+            raise ValueError("\n".join(refused))
         manager = self.kv_cache_manager
         block_size = vllm_config.cache_config.block_size
         state = None if cfg is None else Blocks(cfg, bool(manager.enable_caching), block_size, engine(vllm_config, cfg))
