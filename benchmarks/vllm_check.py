@@ -41,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_KEYS = (
+    "max_num_seqs",
     "enable_prefix_caching",
     "enable_chunked_prefill",
     "max_num_batched_tokens",
@@ -123,7 +124,8 @@ def kept_on_worker(worker) -> dict:
 
 def run_spec(spec: dict) -> dict:
     """One engine (engine core in this process). ``prompts``: lists of token ids, or ``{"ids": [...]}``
-    to submit once the ones before have finished. Returns per prompt its ``tokens``, ``kept`` (per
+    to submit once the ones before have finished. Returns per prompt its ``tokens``, ``finish`` (vLLM's
+    finish reason), ``kept`` (per
     tensor-parallel rank, per layer, per KV head: the positions its first eviction kept; empty
     without eviction), ``held`` (the most blocks it held at once), ``cached`` (prompt tokens a
     prefix-cache hit gave it), ``trace`` (per step it ran in: [tokens computed by the step's end,
@@ -183,6 +185,7 @@ def run_spec(spec: dict) -> dict:
         kept.append([[r[i] for i in sorted(r)] for r in per_rank] if per_rank[0] else [])
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "finish": [o.outputs[0].finish_reason for o in outs],
         "kept": kept,
         "steps": steps,
         "free_at_start": free_at_start,
@@ -205,7 +208,12 @@ def run_spec(spec: dict) -> dict:
 def run_in_subprocess(spec: dict, knobs: dict | None, env: dict | None = None) -> dict:
     """``run_spec`` in a fresh process (the plugin's config is process-wide): ``knobs`` through
     ``RESTKV_VLLM`` (None: plain vLLM)."""
-    return script_result([__file__, "--spec", json.dumps(spec)], knobs, env)
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:  # a spec of many prompts outgrows argv
+        json.dump(spec, f)
+        f.flush()
+        return script_result([__file__, "--spec", "@" + f.name], knobs, env)
 
 
 def script_result(argv: list[str], knobs: dict | None, env: dict | None = None, log: str | None = None) -> dict:
@@ -390,7 +398,8 @@ def main(argv=None) -> int:
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.spec:
-        print("RESULT " + json.dumps(run_spec(json.loads(args.spec))))
+        text = Path(args.spec[1:]).read_text() if args.spec.startswith("@") else args.spec
+        print("RESULT " + json.dumps(run_spec(json.loads(text))))
         return 0
     import torch
 

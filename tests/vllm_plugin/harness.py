@@ -78,7 +78,7 @@ def engine_run(model_dir: str, prompts: list, knobs: dict | None, new_tokens=NEW
     key = json.dumps([knobs, prompts, new_tokens, env, vllm], sort_keys=True)
     if key not in _RUNS:
         spec = {"model": model_dir, "prompts": prompts, "max_tokens": new_tokens, "block_size": BLOCK}
-        spec.update(kv_tokens=4096, **vllm)
+        spec.update({"kv_tokens": 4096, **vllm})
         _RUNS[key] = run_in_subprocess(spec, knobs, env)
     return _RUNS[key]
 
