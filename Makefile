@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
-.PHONY: demo test test-all docs test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick vllm033-test
+.PHONY: demo test test-all docs test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick vllm033-test \
+	vllm-audit vllm033-audit
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -80,7 +81,20 @@ $(VLLM033_STAMP):
 vllm033-test: $(VLLM033_STAMP)
 	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(VLLM033_VENV)/bin/python -m pytest -q \
 		tests/vllm_plugin/test_scheduler_side.py tests/vllm_plugin/test_layouts_vllm.py \
-		tests/vllm_plugin/test_hooks_vllm.py tests/vllm_plugin/test_benchmarks.py::test_each_arm_reads_as_vllm_reads_it
+		tests/vllm_plugin/test_hooks_vllm.py tests/vllm_plugin/test_audit_vllm.py \
+		tests/vllm_plugin/test_benchmarks.py::test_each_arm_reads_as_vllm_reads_it
+
+# python -m restkv.vllm.audit in a vLLM's environment: per function of the hook table (restkv/vllm/hooks) and
+# attribute its wrappers read, present or not (exit status 1 if any is not); each wrapped function's source
+# against the digests restkv/vllm/targets.json records per version. AUDIT="--against DIR" diffs each source
+# with an unpacked vLLM tree; AUDIT="--record VERSION" records the installed version's digests.
+audit = CUDA_VISIBLE_DEVICES= PYTHONPATH=$(CURDIR) $(1)/bin/python -m restkv.vllm.audit $(AUDIT)
+
+vllm-audit: $(VLLM_STAMP)
+	$(call audit,$(VLLM_VENV))
+
+vllm033-audit: $(VLLM033_STAMP)
+	$(call audit,$(VLLM033_VENV))
 
 # The quick suite on the lowest transformers requirements.txt allows: a venv that installs only that version
 # and takes everything else from $(VENV) (a .pth file); `make test` covers the highest.
