@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
-.PHONY: demo test test-all docs test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick vllm033-test
+.PHONY: demo test test-all docs test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick vllm033-test \
+	vllm034-install vllm-audit vllm033-audit vllm034-audit
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -80,7 +81,41 @@ $(VLLM033_STAMP):
 vllm033-test: $(VLLM033_STAMP)
 	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(VLLM033_VENV)/bin/python -m pytest -q \
 		tests/vllm_plugin/test_scheduler_side.py tests/vllm_plugin/test_layouts_vllm.py \
-		tests/vllm_plugin/test_hooks_vllm.py tests/vllm_plugin/test_benchmarks.py::test_each_arm_reads_as_vllm_reads_it
+		tests/vllm_plugin/test_hooks_vllm.py tests/vllm_plugin/test_audit_vllm.py \
+		tests/vllm_plugin/test_benchmarks.py::test_each_arm_reads_as_vllm_reads_it
+
+# vllm 0.34.0 (the CUDA build), not supported yet, in .venv-vllm034 as 0.33.0 above: its Python sources import
+# here, its engine cannot start; `make vllm034-audit` prints what of the hook table it lacks.
+VLLM034_VENV ?= .venv-vllm034
+VLLM034_STAMP := $(VLLM034_VENV)/.restkv-vllm034-installed
+
+$(VLLM034_STAMP):
+	$(PY) -m venv $(VLLM034_VENV)
+	$(VLLM034_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM034_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM034_VENV)/bin/python -m pip install -q --no-deps vllm==0.34.0
+	$(VLLM034_VENV)/bin/python -m pip install -q packaging pydantic regex numpy cbor2 psutil pyzmq urllib3 \
+		"transformers<5.25" aiohttp requests openai-harmony openai pillow pybase64 cachetools msgspec \
+		cloudpickle uvloop py-cpuinfo prometheus-client xgrammar fastapi partial-json-parser llguidance \
+		einops pytest safetensors
+	touch $(VLLM034_STAMP)
+
+vllm034-install: $(VLLM034_STAMP)
+
+# python -m restkv.vllm.audit in a vLLM's environment: per function of the hook table (restkv/vllm/hooks) and
+# attribute its wrappers read, present or not (exit status 1 if any is not); each wrapped function's source
+# against the digests restkv/vllm/targets.json records per version. AUDIT="--against DIR" diffs each source
+# with an unpacked vLLM tree; AUDIT="--record VERSION" records the installed version's digests.
+audit = CUDA_VISIBLE_DEVICES= PYTHONPATH=$(CURDIR) $(1)/bin/python -m restkv.vllm.audit $(AUDIT)
+
+vllm-audit: $(VLLM_STAMP)
+	$(call audit,$(VLLM_VENV))
+
+vllm033-audit: $(VLLM033_STAMP)
+	$(call audit,$(VLLM033_VENV))
+
+vllm034-audit: $(VLLM034_STAMP)
+	$(call audit,$(VLLM034_VENV))
 
 # The quick suite on the lowest transformers requirements.txt allows: a venv that installs only that version
 # and takes everything else from $(VENV) (a .pth file); `make test` covers the highest.
@@ -96,7 +131,7 @@ test-lowest: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(LOWEST)/bin/python -m pytest -q -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) $(LOWEST)
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM033_VENV) $(VLLM034_VENV) $(LOWEST)
 
 # kvpress (transformers < 5.3) in a venv of its own, for benchmarks/kvpress_compare.py; never a dependency
 kvpress-venv:

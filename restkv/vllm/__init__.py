@@ -24,8 +24,9 @@ in one layer: restkv's ``Observation`` and ``select``), ``paged`` (a layer's pag
 the backend's own layout), ``heads`` (per-head budgets on single-head pages), ``worker`` (a worker's
 steps), ``memory`` and ``capacity`` (the plugin's bytes, the requests that fit), ``startup`` (the line
 each worker logs), ``hooks`` (every vLLM function wrapped,
-in one table: the refusals, the scheduler, both model runners, every attention backend). Only
-``hooks`` imports vLLM.
+in one table: the refusals, the scheduler, both model runners, every attention backend), ``audit``
+(the table against any installed vLLM: ``python -m restkv.vllm.audit``). Only ``hooks`` and the
+audit's command import vLLM.
 
 The wrapped functions are private to vLLM's V1 engine and were read from the versions in
 ``SUPPORTED``; another version is refused at start-up when the plugin is configured.

@@ -1,6 +1,6 @@
 """The plugin's hook table (``restkv.vllm.hooks``) against the installed vLLM's own code: every wrapped
 function exists with the parameters its wrapper binds, every attribute the wrappers read exists on
-vLLM's classes, and what does not exist is refused.
+vLLM's classes (``restkv.vllm.audit``'s checks), and what does not exist is refused.
 
 Runs in both supported builds: 0.32.0 (``make vllm-test``) and the CUDA build 0.33.0 (``make
 vllm033-test``, where modules that need CUDA at import are read from their source instead).
@@ -9,18 +9,14 @@ vllm033-test``, where modules that need CUDA at import are read from their sourc
 from __future__ import annotations
 
 import ast
-import dataclasses
-import importlib
-import importlib.util
 import inspect
 import textwrap
-from pathlib import Path
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from restkv.vllm import SUPPORTED, hooks  # noqa: E402
+from restkv.vllm import SUPPORTED, audit, hooks  # noqa: E402
 from restkv.vllm.hooks import refusals  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.quick]
@@ -34,56 +30,20 @@ def test_every_target_and_parameter_exists_in_this_vllm():
     assert hooks.unhooked() == []
 
 
-def _source_class(module: str, owner: str) -> ast.ClassDef:
-    """The class ``owner`` of ``module``'s source file, without importing the module."""
-    origin = importlib.util.find_spec(module).origin
-    tree = ast.parse(Path(origin).read_text())
-    found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner]
-    assert found, f"{module} has no class {owner}"
-    return found[0]
-
-
 @pytest.mark.parametrize("backend", sorted(hooks.BACKENDS))
 def test_every_backend_forward_binds_in_its_source(backend):
     """Each hooked backend's ``forward``, read from its source (a module that needs its kernel
     package or CUDA to import is read, not imported): the parameters the wrapper binds, in order."""
     module, impl, _ = hooks.BACKENDS[backend]
-    cls = _source_class(module, impl)
-    forward = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+    forward = audit.Tree.installed().function(module, impl, "forward")
     assert forward is not None, f"{impl} defines no forward"
-    names = [a.arg for a in forward.args.args]
     _, binds = hooks.TARGETS[module][impl]["forward"]
-    assert names[1 : 1 + len(binds)] == list(binds)
-
-
-def _attributes(cls) -> set:
-    """Names an instance of ``cls`` has: class attributes, dataclass fields, and every ``self.x``
-    assigned in the source of the class or its bases."""
-    names = set(dir(cls))
-    if dataclasses.is_dataclass(cls):
-        names |= {f.name for f in dataclasses.fields(cls)}
-    for klass in cls.__mro__:
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.ctx, ast.Store)
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "self"
-            ):
-                names.add(node.attr)
-    return names
+    assert forward.parameters[1 : 1 + len(binds)] == binds
 
 
 @pytest.mark.parametrize("path", sorted(hooks.READS))
 def test_every_attribute_the_hooks_read_exists(path):
-    module, _, name = path.rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    missing = [a for a in hooks.READS[path] if a not in _attributes(cls)]
-    assert missing == [], f"{path} has no {missing}"
+    assert audit.lacks_attributes(path, hooks.READS[path]) is None
 
 
 def test_v2_prepare_attn_returns_the_pair_the_hook_unpacks():

@@ -19,7 +19,8 @@ vLLM cannot select it either); ``covered()`` refuses, once the worker's model an
 model runner, model state or attention backend the wrappers do not reach; and a step in which a
 layer's attention ran without the plugin raises (``restkv.vllm.worker.Worker.end``). ``READS``
 names the attributes of vLLM's classes the wrappers read; the tests check them against each
-version's code.
+version's code. ``python -m restkv.vllm.audit`` prints the whole table against any installed vLLM,
+and which wrapped functions' sources moved since the versions read (``restkv.vllm.audit``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import functools
 import importlib
 import inspect
 
-from .. import paged, settings, startup
+from .. import audit, paged, settings, startup
 from ..heads import Space
 from . import attention, memory, refusals, requests, runner, runner_v1, runner_v2, scheduler
 
@@ -164,10 +165,6 @@ TARGETS = {
 }
 
 
-def _wrapper(entry) -> tuple:
-    """(wrapper, parameters it binds) of a ``TARGETS`` entry."""
-    return entry if isinstance(entry, tuple) else (entry, ())
-
 # class -> the attributes of its instances the wrappers read (checked against each version's code)
 READS = {
     "vllm.v1.worker.gpu.input_batch.InputBatch": (
@@ -233,31 +230,16 @@ READS = {
 
 def unhooked() -> list[str]:
     """What the running vLLM lacks of ``TARGETS``: one line per module, class, function or parameter
-    (an attention backend whose module does not import aside)."""
+    (``audit.lacks``; an attention backend whose module does not import aside)."""
     backends = {module for module, _, _ in BACKENDS.values()}
-    lines = _metadata_fields()
-    for module, owners in TARGETS.items():
-        try:
-            imported = importlib.import_module(module)
-        except ImportError as e:
-            if module not in backends:
-                lines.append(f"module {module} ({e})")
-            continue
-        for owner, functions in owners.items():
-            cls = getattr(imported, owner, None)
-            for name, entry in functions.items():
-                function = None if cls is None else cls.__dict__.get(name)
-                if function is None:
-                    lines.append(f"{module}.{owner}.{name}")
-                    continue
-                parameters = inspect.signature(function).parameters
-                absent = [p for p in _wrapper(entry)[1] if p not in parameters]
-                if absent:
-                    lines.append(f"{module}.{owner}.{name}: no parameter {', '.join(absent)}")
-    return lines
+    lines = metadata_fields()
+    for target in audit.targets(TARGETS):
+        if not (target.module in backends and audit.import_error(target.module)):
+            lines.append(audit.lacks(target))
+    return list(dict.fromkeys(line for line in lines if line))
 
 
-def _metadata_fields() -> list[str]:
+def metadata_fields() -> list[str]:
     """vLLM's ``CommonAttentionMetadata`` as ``attention.single_head`` builds it: every field it needs
     given, every field given known."""
     import dataclasses
@@ -284,7 +266,7 @@ def targets() -> list:
         for owner, functions in owners.items():
             cls = getattr(imported, owner, None)
             if cls is not None:
-                found += [(cls, name, _wrapper(e)[0]) for name, e in functions.items() if name in cls.__dict__]
+                found += [(cls, name, audit.entry(e)[0]) for name, e in functions.items() if name in cls.__dict__]
     return found
 
 
