@@ -1,13 +1,15 @@
 """``restkv-vllm serve`` under bounded bursts of concurrent HTTP requests on 127.0.0.1, with the
-plugin on (SnapKV, B=128, window 32, evicting every 32 generated tokens) and a KV pool of 24 blocks
-of 32 tokens, so that requests queue and are preempted.
+plugin on (SnapKV, AdaKV's per-head split and PyramidKV's per-layer budgets, B=128, window 32,
+evicting every 32 generated tokens) and a KV pool of 24 blocks of 32 tokens, so that requests queue
+and are preempted.
 
 Each burst sends at once (the second staggered, in reverse order) long prompts (450 and 500
 tokens), prompts sharing their first 256 tokens, short ones that never exceed the budget, a long
 generation evicting while it decodes, two streamed requests whose client closes the connection
-after 3 chunks and a prompt over ``--max-model-len`` (HTTP 400). After each burst vLLM's own
-``/metrics`` say that nothing runs or waits and no KV block is in use; after both, that the pool
-preempted requests.
+after 3 chunks, a prompt over ``--max-model-len`` (HTTP 400) and a request whose eviction the
+server is made to raise in (HTTP 500, logged once, counted; the others go on). After each burst
+vLLM's own ``/metrics`` say that nothing runs or waits and no KV block is in use; after both, that
+the pool preempted requests, and the plugin's counters that two requests failed, none below 0.
 
 What is compared: every request that completes is sent again alone to the same server, and its
 greedy tokens must equal the burst's, all of them, unless the server logged it as preempted after
@@ -38,7 +40,13 @@ from test_serve import _free_port, _stop, _wait, serve
 
 pytestmark = pytest.mark.vllm
 
-KNOBS = {"method": "snapkv", "max_capacity_prompt": 128, "window_size": 32, "decode_interval": 32}
+EVERY = {"max_capacity_prompt": 128, "window_size": 32, "decode_interval": 32}
+KNOBS = {  # a uniform budget, per-head budgets (AdaKV's split), per-layer budgets (PyramidKV's)
+    "snapkv": {"method": "snapkv", **EVERY},
+    "adakv": {"method": "adakv", **EVERY},
+    "pyramidkv": {"method": "pyramidkv", **EVERY},
+}
+FAILING = 333  # the prompt length whose eviction the server is made to raise in (``failing``)
 MAX_LEN, BLOCK, POOL_BLOCKS = 640, 32, 24
 PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2's K and V bytes per token in float32
 PREEMPTED = re.compile(r"restkv: request (\S+) preempted after (\d+) generated tokens")
@@ -60,7 +68,26 @@ def requests(ids: list[int]) -> dict:
         "drop-400": (ids[50:450], 200, "drop"),
         "drop-shared": (shared + ids[260:300], 200, "drop"),
         "too-long": (ids[:MAX_LEN] + ids[:8], 8, "too_long"),
+        "fails": (ids[300:300 + FAILING], 16, "fails"),  # its eviction raises: HTTP 500, the others go on
     }
+
+
+def failing(tmp_path) -> dict:
+    """The environment of a server whose worker raises in layer 5 of every eviction of a request of
+    ``FAILING`` prompt tokens (a ``sitecustomize`` every process of the server imports at start)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "from restkv.vllm import worker\n"
+        "layer = worker.Worker._request_layer\n"
+        "def failing(self, name, s, *args):\n"
+        f"    if s.prompt_len == {FAILING} and '.layers.5.' in name:\n"
+        "        raise RuntimeError('a fault made by the test')\n"
+        "    return layer(self, name, s, *args)\n"
+        "worker.Worker._request_layer = failing\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(site), env.get("PYTHONPATH", "")])}
 
 
 class Client:
@@ -108,12 +135,13 @@ class Client:
         return response.status, seen
 
     def metrics(self) -> dict:
+        """vLLM's and the plugin's series, each summed over its labels."""
         url = f"http://127.0.0.1:{self.port}/metrics"
         with urllib.request.urlopen(url, timeout=30) as response:
             text = response.read().decode()
         values: dict = {}
         for line in text.splitlines():
-            if line.startswith("vllm:"):
+            if line.startswith(("vllm:", "restkv:")):
                 name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
                 values[name] = values.get(name, 0.0) + value
         return values
@@ -140,16 +168,17 @@ def burst(client: Client, reqs: dict, tag: str, stagger: float) -> dict:
         return {name: f.result(timeout=600) for name, f in futures.items()}
 
 
-def test_bursts_over_http_give_each_completed_request_its_tokens(model_dir, text_ids, tmp_path):
+@pytest.mark.parametrize("method", sorted(KNOBS))
+def test_bursts_over_http_give_each_completed_request_its_tokens(method, model_dir, text_ids, tmp_path):
     reqs = requests(text_ids)
     port = _free_port()
     flags = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
     pool = POOL_BLOCKS * BLOCK * PER_TOKEN
     flags += ["--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(pool)]
     flags += ["--max-num-batched-tokens", "256", "--max-num-seqs", "8"]
-    command = serve(model_dir, KNOBS, *flags)
+    command = serve(model_dir, KNOBS[method], *flags)
     command[command.index("--max-model-len") + 1] = str(MAX_LEN)
-    env = {k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}
+    env = failing(tmp_path)
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -162,6 +191,8 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(model_dir, text
             after = client.idle()
             assert after["vllm:kv_cache_usage_perc"] == 0.0, f"{tag}: blocks still held: {after}"
         preemptions = after["vllm:num_preemptions_total"]
+        assert after["restkv:failed_requests_total"] == 2, after  # one per burst
+        assert min(v for k, v in after.items() if k.startswith("restkv:")) >= 0
         alone = {
             name: client.complete(prompt, max_tokens, f"alone-{name}")
             for name, (prompt, max_tokens, kind) in reqs.items()
@@ -170,6 +201,8 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(model_dir, text
     finally:
         _stop(server)
     text = log.read_text()
+    assert text.count("restkv: request cmpl-b1-fails") == 1, "the failure is logged once"
+    assert "failed in its eviction, RuntimeError: a fault made by the test" in text
     assert preemptions > 0, "the pool never preempted a request: make it tighter"
     first_preempted: dict = {}
     for request_id, k in PREEMPTED.findall(text):
@@ -181,6 +214,8 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(model_dir, text
             status, out = got[name]
             if kind == "too_long":
                 assert status == 400, f"{tag} {name}"
+            elif kind == "fails":
+                assert status == 500, f"{tag} {name}: {status} {out}"
             elif kind == "drop":
                 assert status == 200 and 0 < out, f"{tag} {name}: {out} chunks"
             else:
