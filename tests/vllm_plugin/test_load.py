@@ -52,7 +52,15 @@ PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2's K and V bytes per token in float32
 PREEMPTED = re.compile(r"restkv: request (\S+) preempted after (\d+) generated tokens")
 
 
-def requests(ids: list[int]) -> dict:
+THRESHOLD = {"method": "simlayerkv"}  # a request's own knobs: a threshold, selecting at any prompt length
+
+
+def own(name: str) -> dict | None:
+    """The knobs request ``name`` carries (``vllm_xargs``), or None: the server's."""
+    return THRESHOLD if name.startswith("threshold") else None
+
+
+def requests(ids: list[int], per_head: bool) -> dict:
     """name -> (prompt, max_tokens, kind): ``complete``, ``drop`` (streamed, closed after 3 chunks)
     or ``too_long``."""
     shared = ids[:256]
@@ -69,6 +77,9 @@ def requests(ids: list[int]) -> dict:
         "drop-shared": (shared + ids[260:300], 200, "drop"),
         "too-long": (ids[:MAX_LEN] + ids[:8], 8, "too_long"),
         "fails": (ids[300:300 + FAILING], 16, "fails"),  # its eviction raises: HTTP 500, the others go on
+        # a threshold's requests under the budget (an engine of per-head budgets serves them): they evict
+        # fewer positions than the budget would, never a negative count
+        **({f"threshold-{n}": (ids[n : 2 * n], 24, "complete") for n in (1, 7, 40)} if per_head else {}),
     }
 
 
@@ -105,10 +116,11 @@ class Client:
             **more,
         }
 
-    def complete(self, prompt, max_tokens, request_id: str) -> tuple[int, list[int] | None]:
+    def complete(self, prompt, max_tokens, request_id: str, knobs=None) -> tuple[int, list[int] | None]:
+        more = {} if knobs is None else {"vllm_xargs": {"restkv": json.dumps(knobs)}}
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/completions",
-            json.dumps(self.body(prompt, max_tokens)).encode(),
+            json.dumps(self.body(prompt, max_tokens, **more)).encode(),
             {"Content-Type": "application/json", "X-Request-Id": request_id},
         )
         try:
@@ -162,15 +174,17 @@ def burst(client: Client, reqs: dict, tag: str, stagger: float) -> dict:
     with ThreadPoolExecutor(len(reqs)) as pool:
         futures = {}
         for name, (prompt, max_tokens, kind) in reqs.items():
-            call = client.drop if kind == "drop" else client.complete
-            futures[name] = pool.submit(call, prompt, max_tokens, f"{tag}-{name}")
+            if kind == "drop":
+                futures[name] = pool.submit(client.drop, prompt, max_tokens, f"{tag}-{name}")
+            else:
+                futures[name] = pool.submit(client.complete, prompt, max_tokens, f"{tag}-{name}", own(name))
             time.sleep(stagger)
         return {name: f.result(timeout=600) for name, f in futures.items()}
 
 
 @pytest.mark.parametrize("method", sorted(KNOBS))
 def test_bursts_over_http_give_each_completed_request_its_tokens(method, model_dir, text_ids, tmp_path):
-    reqs = requests(text_ids)
+    reqs = requests(text_ids, per_head=method != "snapkv")
     port = _free_port()
     flags = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
     pool = POOL_BLOCKS * BLOCK * PER_TOKEN
@@ -194,7 +208,7 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(method, model_d
         assert after["restkv:failed_requests_total"] == 2, after  # one per burst
         assert min(v for k, v in after.items() if k.startswith("restkv:")) >= 0
         alone = {
-            name: client.complete(prompt, max_tokens, f"alone-{name}")
+            name: client.complete(prompt, max_tokens, f"alone-{name}", own(name))
             for name, (prompt, max_tokens, kind) in reqs.items()
             if kind == "complete"
         }
@@ -229,7 +243,7 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(method, model_d
     print(
         f"preemptions {preemptions:.0f}; preempted after evicting or past the budget: "
         f"{first_preempted} (later tokens differ: {later_differ}); completed requests compared "
-        f"whole: {compared_whole} of 16"
+        f"whole: {compared_whole} of {2 * len(alone)}"
     )
     assert compared_whole >= 8, f"only {compared_whole} requests compared whole"
 
