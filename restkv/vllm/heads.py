@@ -246,9 +246,11 @@ class FlatBatch:
                     table[i, h, r, : len(row)] = row
         # [Hkv, T] per layer -> head-major, token-major within
         slots = np.stack([np.concatenate(appended[n], axis=1).reshape(-1) for n in names])
-        loc_d, lens_d, slots_d, table_d = stage([loc, lens.reshape(-1), slots.reshape(-1), table.reshape(-1)], device)
-        lens_d, slots_d = lens_d.view(lens.shape).int(), slots_d.view(slots.shape)
-        loc_d, table_d = loc_d.int(), table_d.view(len(names), heads * requests, width).int()
+        # the backend's int32 arrays in one copy, the slots (an index into every layer's pages) in another
+        loc_d, lens_d, table_d = stage([loc, lens.reshape(-1), table.reshape(-1)], device, torch.int32)
+        (slots_d,) = stage([slots.reshape(-1)], device)
+        lens_d, slots_d = lens_d.view(lens.shape), slots_d.view(slots.shape)
+        table_d = table_d.view(len(names), heads * requests, width)
         loc_cpu, most = torch.from_numpy(loc).int(), lens.max(1).tolist()
         return {
             n: cls(loc_d, lens_d[i], table_d[i], slots_d[i], loc_cpu, int(counts.max()), most[i])
@@ -256,14 +258,17 @@ class FlatBatch:
         }
 
 
-def stage(arrays: list, device) -> list:
-    """``arrays`` (host integer arrays, 1-D) on ``device`` as int64, with one host-to-device copy that does
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def stage(arrays: list, device, dtype=torch.int64) -> list:
+    """``arrays`` (host integer arrays, 1-D) on ``device`` as ``dtype``, with one host-to-device copy that does
     not wait for the device: on CUDA from pinned memory of torch's caching host allocator, which reuses a
     buffer only once the copy that read it has run (one buffer of one's own, rewritten by the next call
     while the device may not have read it yet, would race; a copy from pageable memory waits for the
     device)."""
     flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-    host = torch.from_numpy(flat.astype(np.int64))
+    host = torch.from_numpy(flat.astype(_NUMPY[dtype]))
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     moved = host.to(device, non_blocking=True)

@@ -20,8 +20,9 @@ Held for the worker's life (``fixed``):
   token and per request: ``8 (T + 2 min(T, r S) + S)``;
 - per-head or per-layer budgets (``restkv.vllm.heads``): a layer's queries, keys, values and output
   of the step flattened by KV head, at most ``4 T Hq d es`` at once; every layer's page tables of the step
-  (``layers Hkv S`` rows as wide as the widest head, at most ``max_model_len / block_size`` pages, int32) and its
-  slots' page axes;
+  (``layers Hkv S`` rows as wide as the widest head, at most ``max_model_len / block_size`` pages, int32 as
+  staged) and its slots and their page axes (int64); one metadata builder for every layer (Triton's split-K
+  scratch, ``builder_bytes``);
   and at a step's end one request's pages moved into the blocks it keeps, at most its kept entries of
   every layer, ``layers`` x the K+V of ``B + block_size`` entries (LU-KV's curve and ``layer_ratios``:
   their largest layer's count over the prompts up to ``max_model_len``, ``settings.most_kept``).
@@ -279,7 +280,23 @@ def fixed_bytes(
         ),
         # per-head or per-layer budgets: one request's pages moved into its kept blocks at a step's end
         "pages moved": m.layers * m.kv_bytes(moved) if settings.per_head(cfg) else 0,
+        # per-head or per-layer budgets: the one metadata builder every layer's flattened batch shares
+        # (``hooks.attention.single_head``), Triton's with its split-K scratch (the CPU backend's holds none)
+        "attention builder": builder_bytes(m) if settings.per_head(cfg) else 0,
     }
+
+
+TRITON_ROWS = 128  # vLLM's Triton builder: its scratch has MIN_LAUNCH_GRID_SIZE_2D // Hkv rows (0.32.0, 0.33.0)
+TRITON_SEGMENTS = 16  # ... of NUM_PAR_SOFTMAX_SEGMENTS segments each
+
+
+def builder_bytes(model: Model) -> int:
+    """vLLM's Triton metadata builder's split-K scratch as the per-head path builds it (one, shared by the
+    layers): ``max(1, 128 // Hkv)`` rows of every query head's 16 segments, each a float32 output of the head
+    size padded to a power of 2 and its maximum and sum."""
+    m = model
+    rows, padded = max(1, TRITON_ROWS // m.kv_heads), 1 << (m.head_dim - 1).bit_length()
+    return rows * m.heads * TRITON_SEGMENTS * (padded + 2) * 4
 
 
 def per_token(cfg: CompressionConfig, model: Model) -> int:

@@ -252,11 +252,12 @@ def test_head_pages_view_the_cache_the_backend_reads(kv_heads):
             head_pages(interleaved)
 
 
-def test_a_steps_flattened_batch_goes_to_the_device_in_one_copy_that_does_not_wait(monkeypatch):
-    """``FlatBatch.layers`` moves every layer's offsets, lengths, page tables and slots with one copy
-    (``heads.stage``): on CUDA non-blocking from pinned memory (a copy from pageable memory waits for the
-    device: a host sync per decoded token). The CUDA tensor is faked (its copy recorded, the data kept
-    on the CPU), so the batch read back must be the one built on the CPU."""
+def test_a_steps_flattened_batch_goes_to_the_device_in_two_copies_that_do_not_wait(monkeypatch):
+    """``FlatBatch.layers`` moves every layer's offsets, lengths and page tables (int32, as the backends
+    read them) with one copy and the slots (int64) with another (``heads.stage``): on CUDA non-blocking from
+    pinned memory (a copy from pageable memory waits for the device: a host sync per decoded token). The
+    CUDA tensor is faked (its copy recorded, the data kept on the CPU), so the batch read back must be
+    the one built on the CPU, each array in the dtype it is staged in (no second copy of another)."""
 
     def batch(device):  # two requests of two heads (5 and 9 entries), one token and two in the step
         pages = [heads.HeadPages.placed(list(range(r * 8, r * 8 + 8)), [5, 9], 4) for r in range(2)]
@@ -270,6 +271,8 @@ def test_a_steps_flattened_batch_goes_to_the_device_in_one_copy_that_does_not_wa
         torch.Tensor, "to", lambda self, device, **kw: copies.append((str(device), kw)) or to(self, "cpu")
     )
     got = batch(torch.device("cuda"))
-    assert copies == ["pinned", ("cuda", {"non_blocking": True})]
-    for field in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+    assert copies == ["pinned", ("cuda", {"non_blocking": True})] * 2
+    for field, dtype in [("query_start_loc", torch.int32), ("seq_lens", torch.int32), ("block_table", torch.int32),
+                         ("slot_mapping", torch.int64)]:  # fmt: skip
         assert torch.equal(getattr(got, field), getattr(want, field)), field
+        assert getattr(got, field).dtype == dtype, field

@@ -171,3 +171,59 @@ def test_a_check_under_a_decoding_ratio_within_the_estimate(method):
     peak = t.peak - worker.ring.buffers["model.layers.0.attn"].nbytes
     estimate = sum(memory.eviction_bytes(cfg, memory.Model(1, hq, hkv, d, 4 * d, 4), L).values())
     assert peak <= estimate <= FACTOR * peak, f"measured {peak / 2**20:.2f} MiB, estimate {estimate / 2**20:.2f} MiB"
+
+
+STEP_TERMS = ("step's staged indices", "flattened attention", "flattened page tables")
+
+
+@pytest.mark.parametrize("knobs", [{"method": "adakv"}, {"method": "pyramidkv"}], ids=["adakv", "pyramidkv"])
+def test_a_per_head_steps_allocations_within_the_estimate(knobs, monkeypatch):
+    """Decoding steps of a request whose heads hold their own pages (one token, no eviction): everything
+    the worker allocates in the step, from ``begin`` to ``end`` (the arrays it stages, held as a device
+    holds them: one buffer per copy; the page axes; the flattened queries, keys, values and output), peaks
+    at most at the estimate's per-step terms for that step's sizes (``STEP_TERMS``, ``max_model_len`` the
+    request's length), and at least at a quarter of them."""
+    from restkv.vllm import heads, worker
+
+    def staged(arrays, device, dtype=torch.int64):  # one allocation per copy, as on a device
+        out = heads.stage.__wrapped__(arrays, device, dtype)
+        return list(torch.split(torch.cat(out).clone(), [len(a) for a in arrays]))
+
+    staged.__wrapped__ = heads.stage
+    monkeypatch.setattr(heads, "stage", staged)
+    monkeypatch.setattr(worker, "stage", staged)
+    knobs = {**small(knobs["method"]), **knobs, "max_capacity_prompt": 40, "window_size": 8}
+    # blocks of 2: page tables as wide as the step's other terms
+    eng = PagedEngine(tiny_model(attn_implementation="restkv_paged_sim"), knobs, block_size=2, num_blocks=512)
+    eng.worker.attends = {n: (lambda q, batch, cache: torch.zeros_like(q)) for n in eng.names}  # the backend's output
+    peaks, mode = [], PeakBytes()
+    for name in ("begin", "layer", "end"):
+        orig = getattr(eng.worker, name)
+
+        def measured(*args, _orig=orig, _name=name):
+            if _name == "begin":
+                mode.held = mode.peak = 0
+            with mode:
+                out = _orig(*args)
+            if _name == "end" and flat[0]:
+                peaks.append(mode.peak)
+            return out
+
+        setattr(eng.worker, name, measured)
+    flat = [False]
+    begin = eng.worker.begin
+
+    def noting(*args):  # whether the step's request decodes on its heads' pages without evicting
+        begin(*args)
+        flat[0] = eng.worker.flat_tokens is not None and not eng.worker.evicts
+
+    eng.worker.begin = noting
+    ids, new = prompt(80)[0].tolist(), 20
+    eng.generate(ids, new)
+    assert len(peaks) >= 10
+    c = eng.model.config
+    model = memory.Model(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size, 4)
+    terms = memory.fixed_bytes(eng.cfg, model, 1, len(ids) + new, 1, eng.bs)
+    estimate = sum(terms[t] for t in STEP_TERMS)
+    assert max(peaks) <= estimate, f"measured {max(peaks)} B over the estimate {estimate} B"
+    assert estimate <= 4 * max(peaks), f"estimate {estimate} B, measured {max(peaks)} B"

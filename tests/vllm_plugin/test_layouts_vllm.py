@@ -41,7 +41,7 @@ from vllm.v1.worker.utils import (
 )
 
 from harness import assert_each_head_attends_its_entries, heads_on_pages  # noqa: E402
-from restkv.vllm import heads, hooks, paged
+from restkv.vllm import heads, hooks, memory, paged
 from restkv.vllm.hooks import attention
 
 GPU = [name for name, (_, _, layout) in hooks.BACKENDS.items() if layout is attention.declared]
@@ -321,8 +321,19 @@ def test_triton_attends_each_heads_own_pages(monkeypatch, tmp_path, counts, max_
         cache_config=CacheConfig(block_size=bs), device_config=DeviceConfig(device="cpu"),
     )  # fmt: skip
     config.scheduler_config.max_num_seqs = max_num_seqs
-    attend = attention.single_head(layer, config, bs, torch.device("cpu"))
+    builders: dict = {}
+    attend = attention.single_head(layer, config, bs, torch.device("cpu"), builders)
     page = attention.declared(impl, layer, caches["l1"], bs)
+    # every layer shares one builder: one split-K scratch, as restkv.vllm.memory counts it
+    other = layer_of(backend, spec, dtype)
+    other.impl, other.layer_name, other._q_scale = impl, "l2", torch.tensor(1.0)
+    attention.single_head(other, config, bs, torch.device("cpu"), builders)
+    (builder,) = builders.values()
+    declared = sum(t.nbytes for t in vars(builder).values() if isinstance(t, torch.Tensor))
+    estimate = memory.builder_bytes(memory.Model(3, kv_heads * group, kv_heads, d, 4 * d, 4))
+    assert declared <= estimate, (declared, estimate)
+    if max_num_seqs >= memory.TRITON_ROWS // kv_heads:  # 0.33.0 sizes it by max_num_seqs where fewer
+        assert estimate <= 2 * declared, (declared, estimate)
 
     rng, g = np.random.default_rng(0), torch.Generator().manual_seed(0)
     free = [int(b) for b in rng.permutation(caches["l1"].shape[0])]

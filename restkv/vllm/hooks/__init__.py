@@ -333,6 +333,7 @@ def covered(model_runner) -> None:
         except ImportError:
             continue
     worker.backends = {}
+    builders: dict = {}  # the per-head path's metadata builders, one per backend and geometry
     layers = refusals.attention_layers(model_runner.vllm_config)
     for layer_name, layer in layers.items():
         backend = next((n for n, (cls, _) in layouts.items() if isinstance(layer.impl, cls)), None)
@@ -356,7 +357,7 @@ def covered(model_runner) -> None:
             except ValueError as e:
                 raise RuntimeError(f"{e}; {settings.budget_knobs(worker.cfg)} needs VLLM_KV_CACHE_LAYOUT=HND") from None
             worker.attends[layer_name] = attention.single_head(
-                layer, model_runner.vllm_config, worker.block_size, model_runner.device
+                layer, model_runner.vllm_config, worker.block_size, model_runner.device, builders
             )
     if settings.per_head(worker.cfg):  # every layer's pages in one pool (``restkv.vllm.heads``)
         tensor, first = paged.whole({name: layer.kv_cache for name, layer in layers.items()})

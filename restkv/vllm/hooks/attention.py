@@ -105,19 +105,24 @@ COMMON_FIELDS = (
 HEAD_PAGES = ("CPU_ATTN", "TRITON_ATTN")
 
 
-def single_head(layer, vllm_config, block_size: int, device):
+def single_head(layer, vllm_config, block_size: int, device, builders: dict):
     """Layer ``layer``'s attention over single-head pages through its own backend: a function
     ``attend(query [Hkv T, G, d], batch: heads.FlatBatch, kv_cache) -> [Hkv T, G, d]`` running the backend's
     metadata builder and implementation for G query heads on one KV head, on the layer's cache
-    viewed as ``[blocks Hkv, 1, block_size, 2 d]`` (its pages). No attention code of its own."""
+    viewed as ``[blocks Hkv, 1, block_size, 2 d]`` (its pages). No attention code of its own. The layers
+    share one builder per backend and geometry (``builders``, filled here): its buffers (Triton's split-K
+    scratch) are one set for every layer, which run one after another (``restkv.vllm.memory``)."""
     impl = layer.impl
     group = impl.num_heads // impl.num_kv_heads
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=impl.head_size,
         dtype=layer.kv_cache_torch_dtype, kv_quant_mode=get_kv_quant_mode(layer.kv_cache_dtype),
     )  # fmt: skip
-    builder = layer.attn_backend.get_builder_cls()(spec, [layer.layer_name], vllm_config, device)
-    builder.num_heads = group
+    kind = (layer.attn_backend.get_builder_cls(), group, spec)
+    if kind not in builders:
+        builders[kind] = kind[0](spec, [layer.layer_name], vllm_config, device)
+        builders[kind].num_heads = group
+    builder = builders[kind]
     flat = copy.copy(impl)
     flat.num_heads, flat.num_kv_heads, flat.num_queries_per_kv = group, 1, group
     forward = type(impl).forward
