@@ -107,6 +107,16 @@ def test_eval_on_needle_results_says_how_to_tabulate_them(tmp_path, capsys):
     assert "fullkv" in capsys.readouterr().out
 
 
+def test_the_needle_report_of_an_empty_file_says_so_in_one_line(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(path), "--no_plots"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert f"error: results: {path} holds no records (a needle run appends one per prompt it answers)" in err[0]
+
+
 def test_run_ruler_on_a_missing_folder_points_to_the_generator(capsys, tmp_path):
     with pytest.raises(SystemExit):
         run_ruler.main(["--data_dir", str(tmp_path / "none"), "--save_dir", str(tmp_path / "o")])

@@ -189,6 +189,8 @@ def main(argv=None):
         records = distinct_labels(list(read_jsonl(args.results)))
     except ValueError as err:
         parser.error(str(err))
+    if not records:
+        parser.error(f"results: {args.results} holds no records (a needle run appends one per prompt it answers)")
     return show(args.results, records, plots=not args.no_plots)
 
 
