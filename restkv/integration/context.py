@@ -134,16 +134,15 @@ def compress_context(
         (``method="fullkv"``) is attached so its attention reads the compressed layers; a configuration
         set earlier stays (it does not touch a cache that is already compressed).
     """
-    if context_ids.dim() != 2 or context_ids.shape[1] < 1:
-        raise ValueError(
-            f"context_ids must be [batch, n] with n >= 1, got shape {tuple(context_ids.shape)}"
-        )
+    check_family(model)
+    if not isinstance(context_ids, Tensor) or context_ids.dim() != 2 or context_ids.shape[1] < 1:
+        got = f"shape {tuple(context_ids.shape)}" if isinstance(context_ids, Tensor) else type(context_ids).__name__
+        raise ValueError(f"context_ids must be [batch, n] with n >= 1, got {got}")
     if attention_mask is not None and attention_mask.shape != context_ids.shape:
         raise ValueError(
             f"attention_mask must match context_ids {tuple(context_ids.shape)}, "
             f"got {tuple(attention_mask.shape)}"
         )
-    check_family(model)
     pre = prefill_caches(model, context_ids, attention_mask, [knobs])
     if getattr(model, "_restkv", None) is None:
         configure(model, method="fullkv")

@@ -1,6 +1,7 @@
 """What a first use of ``configure()`` and friends gets wrong, refused in one line naming it: NumPy and 0-d tensor
 numbers taken as numbers, a misspelt knob with its nearest names, an unsupported family by name, a folder that is
-no checkpoint, questions of another batch than a compressed context's; a script saved beside the clone."""
+no checkpoint, questions of another batch than a compressed context's, a name or a tokenizer in place of the
+model; a script saved beside the clone."""
 
 import os
 import subprocess
@@ -80,3 +81,19 @@ def test_a_script_saved_beside_the_clone_imports_the_package(tmp_path):
     package = ROOT / "restkv"
     assert out.stdout.split() == [str(package / "__init__.py"), "True", str(package / "integration" / "__init__.py")], (
         out.stderr[-2000:])
+
+
+def test_a_name_or_a_tokenizer_in_place_of_the_model_is_named_with_load():
+    from transformers import AutoTokenizer
+
+    from helpers import tiny_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer())
+    for wrong, got in ((tokenizer, f"got a {type(tokenizer).__name__};"), ("smollm2-135m", "got the str 'smollm2-135m';")):
+        for call in (lambda: restkv.configure(wrong, method="snapkv"), lambda: restkv.kept_positions(wrong),
+                     lambda: restkv.compress_context(wrong, prompt(8), method="snapkv")):
+            with pytest.raises(TypeError) as err:
+                call()
+            text = str(err.value)
+            assert text.startswith("model: restkv takes a loaded model (a torch.nn.Module), ") and got in text
+            assert "restkv.load(name) loads one: model, tokenizer = restkv.load(" in text and "\n" not in text
