@@ -240,6 +240,8 @@ def test_the_original_flag_and_method_names(capsys, fake_8k, no_model):
     stops(capsys, run_needle_in_haystack.main, ["--s_len", "1000", "--model_name", fake_8k],
           "--s_len, --e_len and --step go together")
     assert cli.parse_methods(["FullKV", "full", "SnapKV"]) == ["fullkv", "snapkv"]
+    stops(capsys, run_longbench.main, ["--method", "snap_kv,rest-kv"],
+          "method: unknown method 'snap_kv'; did you mean snapkv?; unknown method 'rest-kv'; did you mean restkv?")
     stops(capsys, run_longbench.main, ["--use_cache", "False"], "--use_cache: restkv always decodes on the KV cache")
 
 

@@ -97,3 +97,16 @@ def test_a_name_or_a_tokenizer_in_place_of_the_model_is_named_with_load():
             text = str(err.value)
             assert text.startswith("model: restkv takes a loaded model (a torch.nn.Module), ") and got in text
             assert "restkv.load(name) loads one: model, tokenizer = restkv.load(" in text and "\n" not in text
+
+
+def test_the_originals_method_names_are_read_and_a_near_name_is_suggested():
+    model = tiny_model("llama", "sdpa")
+    for given, method in (("SnapKV", "snapkv"), ("H2O", "h2o"), ("FullKV", "fullkv"), ("full", "fullkv"),
+                          ("StreamingLLM", "streamingllm")):
+        assert CompressionConfig.from_kwargs(method=given).method == method
+    assert restkv.configure(model, method="SnapKV", max_capacity_prompt=16, window_size=4).method == "snapkv"
+    for typo, near in (("snap_kv", "snapkv"), ("rest-kv", "restkv"), ("Expected-Attention", "expected_attention")):
+        with pytest.raises(ValueError, match=rf"^method: unknown method '{typo}'; did you mean {near}( or \w+)?\?$"):
+            CompressionConfig.from_kwargs(method=typo)
+    with pytest.raises(ValueError, match=r"^method: unknown method 'qqq'; one of fullkv, restkv, snapkv, "):
+        restkv.configure(model, method="qqq")
