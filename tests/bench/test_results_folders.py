@@ -4,6 +4,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import statistics
 
 import pytest
@@ -59,6 +60,16 @@ def test_the_needle_table_says_what_a_score_is_with_its_prompts_and_standard_err
     assert "score: graded answer in [0, 1]" in out and "3 prompts per length cell, 3 per label (all)" in out
     row = next(line for line in out.splitlines() if line.startswith("snapkv_128"))
     assert row.split()[1:4] == ["0.500", "±", "0.289"]  # mean 0.5, s.e. sqrt(0.25 / 3)
+
+
+def test_each_needle_table_header_stands_over_its_columns_means(capsys):
+    records = [needle_record("snapkv_128", 128, s, length=L, depth=d) for L in (1024, 2048)
+               for s, d in ((1.0, 0), (0.0, 50), (0.5, 100))]
+    records += [needle_record("fullkv", None, 1.0, length=L) for L in (1024, 2048)]  # one prompt a cell
+    table = report.summary_table(records).splitlines()
+    heads = [table[0].index(h) for h in ("1024", "2048", "all")]
+    for row in table[1:]:
+        assert [m.start() for m in re.finditer(r"(?<!± )\b\d\.\d{3}", row)] == heads, (table[0], row)
 
 
 def test_a_one_prompt_cell_shows_its_score_alone_and_the_tables_go_to_a_csv(tmp_path, capsys):
