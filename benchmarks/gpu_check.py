@@ -34,7 +34,8 @@ Needs restkv installed first (``pip install -e .`` in the clone: torch, transfor
 of requirements.txt; restkv imports accelerate) and nothing else: no flash_attn (used when importable), no
 network (the model is random, the prompts random ids). What a run takes on a 141 GiB GPU, measured on an NVIDIA
 H200, is in docs/gpu.md ("Measured on an NVIDIA H200"). Exit status 1 when a greedy
-row reads ``NO`` (one ``FAIL greedy:`` line each), else 0.
+row reads ``NO`` (one ``FAIL greedy:`` line each), 2 (one line) when ``--device cuda`` finds no CUDA device,
+else 0.
 """
 
 from __future__ import annotations
@@ -389,6 +390,9 @@ def main(argv=None):
         help="backends (default: sdpa and every importable flash)",
     )
     args = p.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: gpu_check.py checks restkv on a GPU (--device cpu --tiny runs the same code on CPU)")
+        raise SystemExit(2)
     shape = "tiny" if args.tiny else "llama3.1-8b"
     run = dict(RUNS[shape])
     if args.budget is not None:

@@ -10,9 +10,12 @@ everything that touches a model is imported on first use.
 
 import importlib
 
-from . import config, methods
-from .config import CompressionConfig, knob_table
-from .lazy import install_excepthook
+from .lazy import install_excepthook, use_restkvs_python
+
+use_restkvs_python()  # a runner of the clone started with a Python that lacks restkv's packages: .venv's
+
+from . import config, methods  # noqa: E402  (after the Python is chosen: they import numpy)
+from .config import CompressionConfig, knob_table  # noqa: E402
 
 METHODS: tuple[str, ...] = methods.METHODS
 """Every registered method's name (``configure(model, method=...)``), in the registry's order

@@ -66,11 +66,13 @@ class Knob:
         """Whether this knob is read, given the other knobs' values."""
         return all(values.get(k) in allowed for k, allowed in self.when)
 
-    def condition(self, values: dict | None = None) -> str:
-        """The ``when`` clause in words (``"pooling is adaptive"``); given ``values``, only its unmet parts."""
+    def condition(self, values: dict | None = None, say=None) -> str:
+        """The ``when`` clause in words (``"pooling is adaptive"``); given ``values``, only its unmet parts;
+        ``say(allowed)`` writes a tuple of allowed values (default: ``a or b``)."""
         parts = [(k, v) for k, v in self.when if values is None or values.get(k) not in v]
+        say = say or (lambda allowed: " or ".join(map(str, allowed)))
         return " and ".join(
-            f"{k} is {' or '.join(map(str, v))}"
+            f"{k} is {say(v)}"
             + ("" if values is None else f" (not {values.get(k)!r})")
             for k, v in parts
         )

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
+from pathlib import Path
 
 # module -> the extra of ``setup.py`` that installs it (``pip install -e '.[bench]'``)
 EXTRAS = {
@@ -26,6 +28,11 @@ EXTRAS = {
     "optimum": "quant",
     "flash_attn": "flash",
 }
+
+
+# the packages of requirements.txt (their modules): what a top-level runner needs
+PACKAGES = ("torch", "transformers", "accelerate", "numpy", "tqdm", "safetensors", "gguf")
+CLONE = Path(os.path.abspath(__file__)).parents[1]  # a clone, when restkv runs from one
 
 
 class MissingExtra(ModuleNotFoundError):
@@ -57,6 +64,31 @@ def install_excepthook() -> None:
     itself, keep their own display)."""
     if not getattr(sys.excepthook, "restkv", False):
         sys.excepthook = _one_line(sys.excepthook)
+
+
+def use_restkvs_python() -> None:
+    """The Python a top-level runner of the clone (``run_*.py``, ``eval*.py``) runs under, chosen as
+    ``scripts/lib/python.sh`` chooses it for the scripts: the one it was started with when that has
+    ``PACKAGES``; else the clone's ``.venv/bin/python`` (what ``make install`` sets up), run again with the same
+    arguments; else none: one line on stderr saying how to set it up, exit status 2. Anything else (a module,
+    a notebook, a script elsewhere) returns at once."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    script = Path(os.path.abspath(main)) if main else None
+    if script is None or script.suffix != ".py" or not os.path.samefile(script.parent, CLONE):
+        return
+    missing = [name for name in PACKAGES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    venv = CLONE / ".venv"
+    python = venv / "bin" / "python"
+    if python.is_file() and Path(sys.prefix).resolve() != venv.resolve():
+        os.execv(python, [str(python), *sys.argv])
+    print(
+        f"{script.name}: this Python ({sys.executable}) lacks restkv's packages ({', '.join(missing)}): "
+        f"`make install` in {CLONE} sets up .venv, which the clone's runners then use",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
 
 
 def missing_extra(*modules: str, needed_by: str = "this") -> MissingExtra | None:

@@ -37,6 +37,17 @@ def row_names(path, column="avg"):
     return out
 
 
+def per_cell(path):
+    """The prompts per cell of the table at ``path`` over its rows (``eval.py``'s ``prompts`` column,
+    ``eval_ruler.py``'s ``samples``): ``"20"`` or ``"1-20"``; None when the table has neither."""
+    with open(path, newline="", encoding="utf-8") as fh:
+        cells = [row.get("prompts") or row.get("samples") or "" for row in csv.DictReader(fh)]
+    counts = [int(n) for cell in cells for n in cell.split("-") if n.strip()]
+    if not counts:
+        return None
+    return str(min(counts)) if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+
+
 def _pattern(x):
     if x == "budget":  # the budget of a run label: restkv_128, restkv_128-kernel_size=5, restkv_paper_128
         return re.compile(r"_(?P<v>\d+)(?=-|$)")
@@ -66,9 +77,9 @@ def series(named, x="budget"):
     return dict(lines), levels
 
 
-def draw(lines, levels, path, x="budget", ylabel="avg", title=None):
+def draw(lines, levels, path, x="budget", ylabel="avg", title=None, n=None):
     """One line per entry of ``lines`` (x ascending), a dashed level per entry of ``levels``; the budget on a
-    log2 axis. Returns ``path``."""
+    log2 axis; ``n``, the prompts per cell (:func:`per_cell`), in the title. Returns ``path``."""
     from visualization.plots import _save, plt
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -86,7 +97,8 @@ def draw(lines, levels, path, x="budget", ylabel="avg", title=None):
         ax.set_xticks(points, [f"{v:g}" for v in points])
     ax.set_xlabel("KV budget per head (max_capacity_prompt)" if x == "budget" else x)
     ax.set_ylabel(ylabel)
-    ax.set_title(title or f"{ylabel} against {'the KV budget' if x == 'budget' else x}", fontsize=9)
+    count = f" · n={n} prompt{'s' * (n != '1')} per cell" if n else ""
+    ax.set_title(title or f"{ylabel} against {'the KV budget' if x == 'budget' else x}{count}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6 if len(lines) + len(levels) > 8 else 8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
@@ -107,7 +119,7 @@ def main(argv=None):
     if not lines:
         parser.error(f"--x {args.x}: no row of {args.table} names a value of it")
     out = args.out or f"{os.path.splitext(args.table)[0]}_{args.x}.png"
-    print(draw(lines, levels, out, args.x, args.column))
+    print(draw(lines, levels, out, args.x, args.column, n=per_cell(args.table)))
     return out
 
 

@@ -13,6 +13,7 @@ import sys
 
 from restkv import METHODS, PRESETS
 from restkv.config import CompressionConfig
+from restkv.methods import unknown_method
 
 from .cli import knob_flags, parse_methods, settings_suffix
 from .grid_knobs import ABLATION, ABLATION_FLAGS, ablation_knobs, parse_knobs, read_flags  # noqa: F401
@@ -87,7 +88,7 @@ def method_configs(args):
     methods = parse_methods(args.method if args.method is not None else default)
     unknown = [m for m in methods if m not in (*METHODS, "ablation")]
     if unknown:
-        raise ValueError(f"method: unknown {unknown}; choose from {list(METHODS)}")
+        raise ValueError(f"method: {'; '.join(map(unknown_method, unknown))}")
     sizes = budget_sizes(args)
     knobs = flag_knobs(args)
     grid = [(m, ablation_knobs(knobs) if m == "ablation" else {"method": m}, None) for m in methods]

@@ -144,6 +144,7 @@ class Predictor:
                 f"--query_agnostic: task {task.name} does not say where its questions start"
             )
         store.open(task.units, shard)
+        bar = None
         try:
 
             def todo(unit):
@@ -199,6 +200,7 @@ class Predictor:
                                 }
                             store.write(label, record)
                 bar.update(len(batch))
-            bar.close()
         finally:
+            if bar is not None:
+                bar.close()  # Ctrl-C too: drawn once before the run's last line, never again after it
             store.close()

@@ -73,19 +73,29 @@ def write_metadata(save_dir, args, extra=None):
 def check_rerun(save_dir, extra):
     """The checks :func:`write_metadata` makes of a run into a folder that holds one (``ValueError`` naming
     ``save_dir/run_meta.json`` and what differs), made by each runner before its model loads too; returns the
-    earlier ``run_meta.json`` (``{}``: none).
+    earlier ``run_meta.json`` (``{}``: none). Results without a readable ``run_meta.json`` (moved away,
+    corrupted) are refused too: nothing says what they were made with, and a rerun would add records of its
+    own settings to theirs.
 
     ``extra`` holds this run's ``configs`` (``configs_meta``), and optionally its ``settings`` and
     ``query_agnostic``.
     """
     path = os.path.join(save_dir, "run_meta.json")
     if not os.path.exists(path):
+        held = results_held(save_dir) if "configs" in extra else None
+        if held:
+            raise ValueError(
+                f"{save_dir} holds results ({held}) but no run_meta.json: what they were made with is unknown, "
+                "and this run would add to them; put their run_meta.json back or use another --save_dir"
+            )
         return {}
     try:
         with open(path, encoding="utf-8") as fh:
             before = json.load(fh)
     except ValueError as err:
-        raise ValueError(f"{path}: not JSON ({err}); move it away or use another --save_dir") from None
+        raise ValueError(
+            f"{path}: not JSON ({err}); what the results there were made with is unknown: use another --save_dir"
+        ) from None
     if "configs" in extra and before:
         previous = before.get("configs") or {}
         check_same_configs(path, previous, extra["configs"])
@@ -100,6 +110,16 @@ def check_rerun(save_dir, extra):
                 "rerunning into this folder would mix the two modes: use another --save_dir"
             )
     return before
+
+
+def results_held(folder):
+    """The first results file (``*.jsonl``) under ``folder``, relative to it, or None."""
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".jsonl"):
+                return os.path.relpath(os.path.join(root, name), folder)
+    return None
 
 
 def run_folder(args):

@@ -121,13 +121,30 @@ def _known() -> frozenset:
     return frozenset(all_knobs()) | frozenset(ALIASES) | {"method"}
 
 
+def readers(owners) -> str:
+    """Methods in few words: ``all``, ``all but rkv, triattention`` (fewer left out than named), else their
+    names."""
+    left_out = [m for m in METHODS if m not in owners]
+    if not left_out:
+        return "all"
+    return f"all but {', '.join(left_out)}" if len(left_out) < len(owners) else ", ".join(owners)
+
+
+def _allowed(values, sep: str) -> str:
+    """A knob's allowed values in the table: most of the methods as ``any method but fullkv, ...``, any other
+    values joined by ``sep``."""
+    if len(values) > 2 * len(METHODS) // 3 and set(values) <= set(METHODS):
+        return readers(values).replace("all", "any method", 1)
+    return sep.join(map(str, values))
+
+
 def knob_table() -> str:
     """A markdown table of every knob: name, default, allowed values, who reads it, what it does."""
     rows = ["| knob | default | values | read by | meaning |", "|---|---|---|---|---|"]
     for name, versions in all_knobs().items():
         for owners, k in versions:
-            who = "all" if len(owners) == len(METHODS) else ", ".join(owners)
-            cond = f" (when {k.condition()})" if k.when else ""
-            values = " \\| ".join(map(str, k.choices)) if k.choices else (k.rule or k.kind.__name__)
+            who = readers(owners)
+            cond = f" (when {k.condition(say=lambda v: _allowed(v, ' or '))})" if k.when else ""
+            values = _allowed(k.choices, " \\| ") if k.choices else (k.rule or k.kind.__name__)
             rows.append(f"| `{name}` | `{k.default}` | {values} | {who}{cond} | {k.help} |")
     return "\n".join(rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..methods import METHODS, REGISTRY
+from ..methods import REGISTRY, method_key, unknown_method
 from ..strategies import STRATEGIES
 from .declarations import ALIASES, PRESETS, QUANT_BITS, QUANT_PACKAGES, _known, declared
 
@@ -56,9 +56,11 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
         raise ValueError(f"{'; '.join(map(_unknown, unknown))} (restkv.knob_table() lists every knob)")
     for name in filter(None, (preset, default_preset)):
         _check_choice("preset", name, tuple(PRESETS))
-    method = given.get(
+    method = method_key(given.get(
         "method", PRESETS[preset]["method"] if preset else defaults.get("method", "restkv")
-    )
+    ))
+    if method not in REGISTRY:
+        raise ValueError(f"method: {unknown_method(given.get('method', defaults.get('method')))}")
     if preset and PRESETS[preset]["method"] != method:
         raise ValueError(
             f"preset {preset!r} holds {PRESETS[preset]['method']}'s knobs; method is {method}"
@@ -66,7 +68,6 @@ def resolve(preset: str | None, kwargs: dict, defaults: dict | None = None) -> d
     if default_preset and PRESETS[default_preset]["method"] == method and not preset:
         preset = default_preset  # a runner's --preset reaches the configs of its method only
     base = {**(_unalias(PRESETS[preset])[0] if preset else {}), **defaults}
-    _check_choice("method", method, METHODS)
     knobs = declared(method)
 
     def called(name):

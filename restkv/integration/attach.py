@@ -22,6 +22,7 @@ __all__ = [
     "Attachment",
     "attached",
     "check_family",
+    "check_model",
     "compressing",
     "configure",
     "detach",
@@ -62,9 +63,24 @@ replace_gemma2 = _replace("gemma2")
 replace_gemma3 = _replace("gemma3")
 
 
+def check_model(model) -> None:
+    """Raise ``TypeError`` unless ``model`` is a torch module: a name or a tokenizer given in its place is named,
+    with ``restkv.load``, which loads a model (and its tokenizer) by name."""
+    if isinstance(model, nn.Module):
+        return
+    what = f"the str {model!r}" if isinstance(model, str) else f"a {type(model).__name__}"
+    name = repr(model) if isinstance(model, str) else "'smollm2-135m'"
+    raise TypeError(
+        f"model: restkv takes a loaded model (a torch.nn.Module), got {what}; restkv.load(name) loads one: "
+        f"model, tokenizer = restkv.load({name})"
+    )
+
+
 def check_family(model: nn.Module) -> None:
     """Raise ``ValueError`` naming the model's family when it has no attention module restkv can evict in
-    (one with ``layer_idx`` and ``o_proj``: the Llama, Mistral, Qwen2 and Gemma families)."""
+    (one with ``layer_idx`` and ``o_proj``: the Llama, Mistral, Qwen2 and Gemma families); ``TypeError`` when it
+    is no model at all (``check_model``)."""
+    check_model(model)
     if attention_modules(model):
         return
     kind = getattr(getattr(model, "config", None), "model_type", None)
@@ -107,6 +123,7 @@ def kept_positions(model: nn.Module) -> list[torch.Tensor | None]:
     Positions count from each sample's first real token; -1 marks kept padding. None for layers
     that are not evicted (sliding-window), before any prefill, or without eviction attached.
     """
+    check_model(model)
     attachment = getattr(model, "_restkv", None)
     if attachment is None:
         return [None] * len(attention_modules(model))

@@ -50,12 +50,15 @@ class ContextCache(DynamicCache):
         ``b``: the contexts; a question of another batch is refused (``ValueError``).
     kept : list
         Per layer, the kept context positions (as ``restkv.kept_positions``).
+    context_ids : Tensor or None
+        [b, n] the context's tokens: a ``generate()`` input must begin with them (None: not checked).
     """
 
-    def __init__(self, cache: DynamicCache, logits: Tensor, kept: list):
+    def __init__(self, cache: DynamicCache, logits: Tensor, kept: list, context_ids: Tensor | None = None):
         self.__dict__.update(cache.__dict__)
         self.context_layers = list(cache.layers)
         self.context_length = cache.get_seq_length()
+        self.context_ids = context_ids
         self.logits = logits
         self.kept = kept
         self.batch = logits.shape[0]
@@ -69,6 +72,24 @@ class ContextCache(DynamicCache):
                 f"of {self.batch} too (row i reads context i), got {key_states.shape[0]}"
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def check_prompt(self, input_ids) -> None:
+        """Refuse (ValueError, before any forward) a ``generate()`` input [b, N] that is not the context this
+        cache was compressed from followed by at least one token: ``generate()`` skips the first ``n`` tokens of
+        its input, so another context would be answered from this one, and a question alone reads nothing."""
+        if self.context_ids is None or not isinstance(input_ids, Tensor) or input_ids.shape[0] != self.batch:
+            return  # nothing to compare with; another batch is refused by update()
+        n = self.context_length
+        if input_ids.shape[-1] <= n:
+            got = f"{input_ids.shape[-1]} tokens"
+        elif not torch.equal(input_ids[:, :n], self.context_ids.to(input_ids.device)):
+            got = f"{input_ids.shape[-1]} tokens whose first {n} are another context"
+        else:
+            return
+        raise ValueError(
+            f"input_ids: a compressed context answers an input that begins with the {n}-token context it was "
+            f"compressed from, then the question (torch.cat([context_ids, question_ids], 1)); got {got}"
+        )
 
     def rewind(self) -> "ContextCache":
         """Back to the compressed context: drop whatever was appended (and evicted) since."""
@@ -108,24 +129,24 @@ def compress_context(
     ContextCache
         ``model.generate(cat([context_ids, question_ids], 1), cache=cache, ...)`` (or ``past_key_values=``) answers
         ``question_ids`` [b, m] (pass ``attention_mask=cat([attention_mask, ones])`` with a padded context)
-        and leaves the cache as returned. If the model has no eviction attached, a full-cache one
+        and leaves the cache as returned; an input that does not begin with ``context_ids`` is refused
+        (``ValueError``, before any forward). If the model has no eviction attached, a full-cache one
         (``method="fullkv"``) is attached so its attention reads the compressed layers; a configuration
         set earlier stays (it does not touch a cache that is already compressed).
     """
-    if context_ids.dim() != 2 or context_ids.shape[1] < 1:
-        raise ValueError(
-            f"context_ids must be [batch, n] with n >= 1, got shape {tuple(context_ids.shape)}"
-        )
+    check_family(model)
+    if not isinstance(context_ids, Tensor) or context_ids.dim() != 2 or context_ids.shape[1] < 1:
+        got = f"shape {tuple(context_ids.shape)}" if isinstance(context_ids, Tensor) else type(context_ids).__name__
+        raise ValueError(f"context_ids must be [batch, n] with n >= 1, got {got}")
     if attention_mask is not None and attention_mask.shape != context_ids.shape:
         raise ValueError(
             f"attention_mask must match context_ids {tuple(context_ids.shape)}, "
             f"got {tuple(attention_mask.shape)}"
         )
-    check_family(model)
     pre = prefill_caches(model, context_ids, attention_mask, [knobs])
     if getattr(model, "_restkv", None) is None:
         configure(model, method="fullkv")
-    return ContextCache(pre.caches[0], pre.logits, pre.kept[0])
+    return ContextCache(pre.caches[0], pre.logits, pre.kept[0], context_ids)
 
 
 @torch.no_grad()

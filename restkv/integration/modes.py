@@ -16,6 +16,8 @@ before any forward.
   entries would have to leave the evicted cache (every layout: dense, per head, packed), which no
   cache layer supports yet.
 - Beam search with ThinK's pruned channels on the packed layout: refused.
+- A compressed context (``restkv.compress_context``) given an input that does not begin with the context
+  it was compressed from: refused (``ContextCache.check_prompt``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def generate(attachment, original, *args, **kwargs):
     check(attachment, attachment.model, kwargs)
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     length = inputs.shape[-1] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else None
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if length is not None and hasattr(cache, "check_prompt"):
+        cache.check_prompt(inputs)
     for state in attachment.states:
         state.prompt_length = length
     try:

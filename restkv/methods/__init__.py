@@ -233,3 +233,26 @@ REGISTRY = _register(
 
 METHODS = tuple(REGISTRY)
 """The registered methods' names, in registration order."""
+
+ALIASES = {"full": "fullkv"}
+"""The original ReST-KV code's other method names (``--method full``)."""
+
+
+def method_key(name) -> str:
+    """The registered name that ``name`` stands for, as the runners and ``configure`` read it: any case (the
+    original's ``SnapKV``, ``H2O``, ``FullKV``) and ``ALIASES``; a name of no method comes back lower-cased
+    (``unknown_method`` says what it might have meant)."""
+    key = str(name).strip().lower()
+    return ALIASES.get(key, key)
+
+
+def unknown_method(name) -> str:
+    """``unknown method 'snap_kv'; did you mean snapkv?``: the nearest registered names, separators aside
+    (``rest-kv``), else every name."""
+    import difflib
+
+    plain = {m.replace("_", ""): m for m in METHODS}
+    key = method_key(name).replace("-", "").replace("_", "")
+    close = [plain[k] for k in difflib.get_close_matches(key, plain, n=3, cutoff=0.75)]
+    hint = f"did you mean {' or '.join(close)}?" if close else f"one of {', '.join(METHODS)}"
+    return f"unknown method {name!r}; {hint}"

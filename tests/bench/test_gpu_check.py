@@ -3,6 +3,8 @@ full-cache reference equals the test suite's own (tests/helpers.py) on the same 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import torch
@@ -66,3 +68,10 @@ def test_agreement_fails_on_a_clear_difference():
     assert gpu_check.agreement(torch.tensor([[1, 1, 1]]), ref, 1e-4) == "yes"
     assert gpu_check.agreement(torch.tensor([[1, 2, 1]]), ref, 1e-4).startswith("NO (token 1")
     assert gpu_check.agreement(torch.tensor([[1, 2, 1]]), ref, 2.0) == "yes, 1 ties"
+
+
+def test_without_cuda_one_line_and_status_2():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.startswith("no CUDA device: gpu_check.py") and len(done.stdout.splitlines()) == 1

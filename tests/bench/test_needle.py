@@ -177,6 +177,26 @@ def test_a_rerun_with_other_settings_is_refused_before_the_model_loads(tmp_path,
     assert open(path).read() == before
 
 
+def test_results_whose_run_meta_was_moved_away_are_not_added_to(tmp_path, monkeypatch, capsys):
+    argv = ["--method", "fullkv", "--needles", "passkey", "--context_lengths", "300", "--depth_percents", "50",
+            "--max_new_tokens", "4", "--no_plots", "--save_dir", str(tmp_path)]
+    path, _, _ = cli.main(argv)
+    before = open(path).read()
+    meta = tmp_path / "smollm2-135m" / "run_meta.json"
+    meta.write_text("{")  # corrupted: refused, and moving it away loses what the results were made with
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    capsys.readouterr()
+    for then, what in ((lambda: None, f"{meta}: not JSON"),
+                       (lambda: meta.rename(tmp_path / "moved.json"), f"{meta.parent} holds results (results.jsonl) "
+                                                                       "but no run_meta.json")):
+        then()
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv + ["--max_new_tokens", "8"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and what in err[0] and "another --save_dir" in err[0], err
+    assert open(path).read() == before
+
+
 def test_an_empty_haystack_or_a_length_too_short_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "empty").mkdir()

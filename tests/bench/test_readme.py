@@ -4,6 +4,7 @@
 import re
 
 import pytest
+import torch
 
 from helpers import ROOT
 
@@ -66,6 +67,24 @@ def test_readme_python_blocks_run_verbatim_and_print_what_it_shows(monkeypatch, 
             assert all(k is not None and tuple(k.shape) == (1, 3, 256) for k in namespace["kept"])
     assert shown >= 2  # the first example and the compressed context show their output
     assert tuple(namespace["context"].shape) == (1, 412)
+
+
+def test_the_quantization_example_makes_the_cache_it_reports_on():
+    """docs/usage.md's eviction + KV quantization block, run on a tiny model (the slow test above runs it on
+    SmolLM2 and checks what it prints): the cache ``memory_report`` reads is the one it passed to ``generate()``."""
+    import restkv
+    from helpers import prompt, tiny_model
+
+    (block,) = [code for _, code, _ in python_blocks_and_outputs(("docs/usage.md",)) if "memory_report(cache)" in code]
+    model = tiny_model("llama", "sdpa")
+    model.generation_config.pad_token_id = 0
+    ids = prompt(300)
+    namespace = {"restkv": restkv, "model": model, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    exec(compile(block, "docs/usage.md (quantization)", "exec"), namespace)
+    report = namespace["report"]
+    assert len(report) == 3 and all(r["kind"] == "CompressedHQQQuantizedLayer" for r in report)
+    assert all(r["tokens"] == 305 and r["held_bytes"] < r["full_bytes"] / 4 for r in report)  # 256 kept + 5, 4-bit
+    assert getattr(model, "_restkv", None) is None
 
 
 def test_the_install_line_installs_what_the_makefile_does():

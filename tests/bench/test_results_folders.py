@@ -3,6 +3,9 @@
 import argparse
 import csv
 import json
+import math
+import re
+import statistics
 
 import pytest
 
@@ -59,6 +62,16 @@ def test_the_needle_table_says_what_a_score_is_with_its_prompts_and_standard_err
     assert row.split()[1:4] == ["0.500", "±", "0.289"]  # mean 0.5, s.e. sqrt(0.25 / 3)
 
 
+def test_each_needle_table_header_stands_over_its_columns_means(capsys):
+    records = [needle_record("snapkv_128", 128, s, length=L, depth=d) for L in (1024, 2048)
+               for s, d in ((1.0, 0), (0.0, 50), (0.5, 100))]
+    records += [needle_record("fullkv", None, 1.0, length=L) for L in (1024, 2048)]  # one prompt a cell
+    table = report.summary_table(records).splitlines()
+    heads = [table[0].index(h) for h in ("1024", "2048", "all")]
+    for row in table[1:]:
+        assert [m.start() for m in re.finditer(r"(?<!± )\b\d\.\d{3}", row)] == heads, (table[0], row)
+
+
 def test_a_one_prompt_cell_shows_its_score_alone_and_the_tables_go_to_a_csv(tmp_path, capsys):
     records = [needle_record("snapkv_128", 128, 0.25, length=L) for L in (1024, 2048)]
     records += [needle_record("snapkv_128", 128, 0.75, length=2048, depth=0.0)]
@@ -105,6 +118,47 @@ def test_eval_on_needle_results_says_how_to_tabulate_them(tmp_path, capsys):
            f"python -m restkv.bench.needle.report {folder / 'results.jsonl'}" in err
     report.main([str(folder / "results.jsonl"), "--no_plots"])  # the hint works
     assert "fullkv" in capsys.readouterr().out
+
+
+def test_the_needle_report_of_an_empty_file_says_so_in_one_line(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(path), "--no_plots"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert f"error: results: {path} holds no records (a needle run appends one per prompt it answers)" in err[0]
+
+
+def test_one_prompt_per_cell_has_no_standard_error_and_the_plots_say_how_many(tmp_path, capsys, monkeypatch):
+    from restkv.bench.longbench.results import write_table
+    from restkv.bench.ruler.evaluate import evaluate as evaluate_ruler
+    from visualization import curve, plots
+
+    cells = {"snapkv_128": {"qasper": [0.0, 100.0], "hotpotqa": [50.0, 50.0, 80.0]}, "snapkv_256": {"qasper": [40.0]},
+             "fullkv": {"qasper": [60.0], "hotpotqa": [10.0, 20.0]}}
+    rows = {label: {c: sum(v) / len(v) for c, v in per.items()} for label, per in cells.items()}
+    write_table(rows, ["qasper", "hotpotqa"], str(tmp_path / "results.csv"), stats=cells)
+    printed = {line.split()[0]: line.split()[-2:] for line in capsys.readouterr().out.splitlines()[1:-1]}
+    se = math.hypot(*(statistics.stdev(v) / math.sqrt(len(v)) for v in cells["snapkv_128"].values())) / 2
+    assert printed == {"snapkv_128": ["2-3", f"±{round(se, 2)}"], "snapkv_256": ["1", "n=1"], "fullkv": ["1-2", "-"]}
+    with open(tmp_path / "results.csv", newline="") as fh:
+        assert [row[-1] for row in csv.reader(fh)] == ["prompts", "2-3", "1", "1-2"]
+    folder = tmp_path / "ruler" / "m" / "4096" / "vt"
+    folder.mkdir(parents=True)
+    for budget in (128, 256):
+        record = {"task": "vt", "method": f"snapkv_{budget}", "max_seq_length": 4096, "pred": "A", "index": 0,
+                  "outputs": ["A", "B"], "model": "m"}
+        (folder / f"snapkv_{budget}.jsonl").write_text(json.dumps(record) + "\n")
+    evaluate_ruler(tmp_path / "ruler", tmp_path / "ruler.csv")
+    out = capsys.readouterr().out
+    assert "±0.0" not in out and all(line.endswith(" n=1") for line in out.splitlines() if "snapkv_" in line)
+    titles = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: titles.append(fig.axes[0].get_title()) or path)
+    curve.main([str(tmp_path / "results.csv")])
+    curve.main([str(tmp_path / "ruler.csv")])
+    assert titles == ["avg against the KV budget · n=1-3 prompts per cell",
+                      "avg against the KV budget · n=1 prompt per cell"]
 
 
 def test_run_ruler_on_a_missing_folder_points_to_the_generator(capsys, tmp_path):

@@ -2,14 +2,17 @@
 
 import json
 import os
+import shlex
 
 import pytest
 
 import run_ruler
-from restkv.bench import loop, shard
+from helpers import ROOT
+from restkv.bench import grid, loop, shard
 from restkv.bench.ruler.evaluate import evaluate
 from restkv.bench.ruler.generate import generate, load_tokenizer, write_task
 from restkv.bench.ruler.run import load_data, prompt_ids
+from restkv.bench.ruler.tasks import SYNTHETIC
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +136,19 @@ def test_two_shards_merge_into_the_single_process_file(data, tmp_path, monkeypat
         assert sorted(os.listdir(os.path.dirname(sharded[key]))) == ["fullkv.jsonl", "streamingllm_64.jsonl"]
     meta = json.load(open(tmp_path / "two" / "smollm2-135m" / "run_meta.json"))
     assert meta["processes"] == 2 and meta["labels"] == ["streamingllm_64", "fullkv"]
+
+
+def test_the_docs_example_states_the_records_it_plans_and_a_small_sample_flag():
+    """docs/benchmarks.md's RULER commands: the records the run plans, counted from their flags, and a flag
+    that runs a few samples of each task."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    block = text.split("## RULER", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    gen, run = [shlex.split(line.split("#")[0]) for line in block.splitlines() if "generate" in line or "run_ruler" in line]
+    assert gen[gen.index("--tasks") + 1] == "synthetic"
+    samples = int(gen[gen.index("--num_samples") + 1])
+    configs = len(grid.method_configs(run_ruler.parse_args(run[2:])))
+    flat = " ".join(text.split())
+    tasks = len(SYNTHETIC)
+    assert f"{tasks} tasks x {samples} samples x {configs} configs = {tasks * samples * configs:,} records" in flat
+    assert run_ruler.parse_args(run[2:] + ["--num_samples", "2"]).num_samples == 2
+    assert f"`--num_samples 2` on `run_ruler.py` runs the first 2 samples of each task: {tasks * 2 * configs} records" in flat

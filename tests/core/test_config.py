@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 import restkv
@@ -128,6 +130,31 @@ def test_tau_is_read_only_where_the_original_applies_it(knobs, read):
     if not read:
         with pytest.raises(ValueError, match="tau is read by method restkv only when"):
             CompressionConfig(tau=2.0, **knobs)
+
+
+def test_the_knob_pages_rows_are_short_and_name_exactly_their_readers():
+    """Each row's "read by" (``all``, ``all but ...`` or names) read back is every method declaring that knob with
+    that default; no row is over 500 characters (the knobs' descriptions make up most of it)."""
+    from helpers import ROOT
+    from restkv.config.declarations import declared
+
+    rows = [line for line in (ROOT / "docs" / "knobs.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `")]
+    assert rows and max(map(len, rows)) <= 500
+    found = {}
+    for row in rows:
+        name, default, _, who = [cell.strip() for cell in re.split(r"(?<!\\)\|", row, maxsplit=5)[1:5]]
+        who = who.split(" (when ")[0]
+        if who == "all":
+            methods = set(restkv.METHODS)
+        elif who.startswith("all but "):
+            methods = set(restkv.METHODS) - set(who[len("all but "):].split(", "))
+        else:
+            methods = set(who.split(", "))
+        found.setdefault((name.strip("`"), default.strip("`")), set()).update(methods)
+    for (name, default), methods in found.items():
+        assert methods == {m for m in restkv.METHODS if name in declared(m) and str(declared(m)[name].default)
+                           == default}, (name, default)
 
 
 def test_the_knob_page_is_the_knob_table():

@@ -109,3 +109,21 @@ def test_bad_input_raises_before_any_work():
     with pytest.raises(ValueError, match="window_size"):
         restkv.compress_context(model, prompt(10), method="snapkv", max_capacity_prompt=8, window_size=8)
     assert getattr(model, "_restkv", None) is None
+
+
+def test_an_input_not_beginning_with_the_context_is_refused_in_one_line_before_any_forward():
+    model = tiny_model("llama", "sdpa")
+    context, question = prompt(60, seed=1), prompt(5, seed=7)
+    cache = restkv.compress_context(model, context, method="snapkv", max_capacity_prompt=24, window_size=6)
+    forwards = []
+    model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    other = prompt(60, seed=2)
+    other[0, 0] = (context[0, 0] + 1) % 64  # another document of the same length, from its first token
+    for ids, got in ((torch.cat([other, question], 1), "got 65 tokens whose first 60 are another context"),
+                     (question, "got 5 tokens"), (context, "got 60 tokens")):
+        with pytest.raises(ValueError, match="begins with the 60-token context it was compressed from") as err:
+            model.generate(ids, **{CACHE(model): cache}, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert str(err.value).endswith(got) and "\n" not in str(err.value)
+    assert not forwards
+    ask(model, cache, context, torch.ones_like(context), question)  # the context then a question still answers
+    assert forwards

@@ -1,6 +1,11 @@
 """What a first use of ``configure()`` and friends gets wrong, refused in one line naming it: NumPy and 0-d tensor
 numbers taken as numbers, a misspelt knob with its nearest names, an unsupported family by name, a folder that is
-no checkpoint, questions of another batch than a compressed context's."""
+no checkpoint, questions of another batch than a compressed context's, a name or a tokenizer in place of the
+model; a script saved beside the clone."""
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import restkv
 from restkv.config import CompressionConfig
-from helpers import CACHE, prompt, tiny_model
+from helpers import CACHE, ROOT, prompt, tiny_model
 
 
 def test_numpy_scalars_and_0d_tensors_are_numbers():
@@ -63,3 +68,45 @@ def test_questions_of_another_batch_than_the_compressed_contexts_are_refused():
     both = torch.cat([context, prompt(5, batch=2, seed=3)], 1)
     out = model.generate(both, **{CACHE(model): cache}, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 38)
+
+
+def test_a_script_saved_beside_the_clone_imports_the_package(tmp_path):
+    """``git clone`` names the folder ``restkv``; a script beside it finds that folder first on its path."""
+    (tmp_path / "restkv").symlink_to(ROOT)
+    (tmp_path / "script.py").write_text("import restkv, restkv.integration\n"
+                                        "print(restkv.__file__, 'load' in dir(restkv), restkv.integration.__file__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script's folder first, as a user's
+    out = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    package = ROOT / "restkv"
+    assert out.stdout.split() == [str(package / "__init__.py"), "True", str(package / "integration" / "__init__.py")], (
+        out.stderr[-2000:])
+
+
+def test_a_name_or_a_tokenizer_in_place_of_the_model_is_named_with_load():
+    from transformers import AutoTokenizer
+
+    from helpers import tiny_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer())
+    for wrong, got in ((tokenizer, f"got a {type(tokenizer).__name__};"), ("smollm2-135m", "got the str 'smollm2-135m';")):
+        for call in (lambda: restkv.configure(wrong, method="snapkv"), lambda: restkv.kept_positions(wrong),
+                     lambda: restkv.compress_context(wrong, prompt(8), method="snapkv")):
+            with pytest.raises(TypeError) as err:
+                call()
+            text = str(err.value)
+            assert text.startswith("model: restkv takes a loaded model (a torch.nn.Module), ") and got in text
+            assert "restkv.load(name) loads one: model, tokenizer = restkv.load(" in text and "\n" not in text
+
+
+def test_the_originals_method_names_are_read_and_a_near_name_is_suggested():
+    model = tiny_model("llama", "sdpa")
+    for given, method in (("SnapKV", "snapkv"), ("H2O", "h2o"), ("FullKV", "fullkv"), ("full", "fullkv"),
+                          ("StreamingLLM", "streamingllm")):
+        assert CompressionConfig.from_kwargs(method=given).method == method
+    assert restkv.configure(model, method="SnapKV", max_capacity_prompt=16, window_size=4).method == "snapkv"
+    for typo, near in (("snap_kv", "snapkv"), ("rest-kv", "restkv"), ("Expected-Attention", "expected_attention")):
+        with pytest.raises(ValueError, match=rf"^method: unknown method '{typo}'; did you mean {near}( or \w+)?\?$"):
+            CompressionConfig.from_kwargs(method=typo)
+    with pytest.raises(ValueError, match=r"^method: unknown method 'qqq'; one of fullkv, restkv, snapkv, "):
+        restkv.configure(model, method="qqq")

@@ -19,7 +19,8 @@ from .checks import (
     results_dir,
     startup,
 )
-from .flags import METHOD_ALIASES, add_common_args, add_dataset_args, add_tasks_arg, parse_methods
+from ...methods import ALIASES as METHOD_ALIASES  # the original's other method names
+from .flags import add_common_args, add_dataset_args, add_tasks_arg, parse_methods
 from .help import EXAMPLES, ArgumentParser, HelpFormatter
 from .knob_flags import add_knob_args, knob_flags
 from .settings import BACKENDS, DTYPE_NAMES, SETTINGS, prompt_settings, run_settings, settings_suffix

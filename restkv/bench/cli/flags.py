@@ -1,5 +1,6 @@
 """The flags every runner shares (model, methods, budgets, backend, folders) and the dataset runners'."""
 
+from ...methods import method_key
 from .arg_types import add_switch
 from .knob_flags import add_knob_args
 from .settings import BACKENDS, DTYPE_NAMES, SETTINGS
@@ -155,18 +156,14 @@ def add_tasks_arg(parser, tasks, note: str = ""):
     )
 
 
-# The original's other method names.
-METHOD_ALIASES = {"full": "fullkv"}
-
-
 def parse_methods(values):
     """Flatten ``["restkv,snapkv", "fullkv"]`` into ``["restkv", "snapkv", "fullkv"]`` (order kept, no
-    repeats; any case, and the original's ``full`` for ``fullkv``)."""
+    repeats; the names as ``configure`` reads them: any case, the original's ``full`` for ``fullkv``,
+    ``restkv.methods.method_key``)."""
     out = []
     for value in values:
         for name in str(value).split(","):
-            name = name.strip().lower()
-            name = METHOD_ALIASES.get(name, name)
+            name = method_key(name)
             if name and name not in out:
                 out.append(name)
     return out

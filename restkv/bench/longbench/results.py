@@ -48,21 +48,27 @@ def load_predictions(path):
 def avg_stats(per_cell):
     """``(prompts per cell as "n" or "min-max", standard error of the row's avg)`` of one row, from
     ``{column: [per-prompt scores x 100]}``: the avg is the mean of the column means, so its s.e. is
-    ``sqrt(sum se_c^2) / C`` (each column's s.e. from its prompts)."""
+    ``sqrt(sum se_c^2) / C`` (each column's s.e. from its prompts); None when a column holds a single prompt
+    (one prompt has no standard error) or none does."""
     sizes = [len(v) for v in per_cell.values() if v]
     if not sizes:
         return "-", None
-    variances = []
-    for values in per_cell.values():
-        n = len(values)
-        if n > 1:
-            mean = sum(values) / n
-            variances.append(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-        elif n == 1:
-            variances.append(0.0)
-    se = (sum(variances) ** 0.5) / len(variances)
     shown = str(min(sizes)) if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
-    return shown, round(se, 2)
+    if min(sizes) < 2:
+        return shown, None
+    variances = []
+    for values in filter(None, per_cell.values()):
+        mean = sum(values) / len(values)
+        variances.append(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+    return shown, round((sum(variances) ** 0.5) / len(variances), 2)
+
+
+def se_text(shown, se) -> str:
+    """The printed ``avg s.e.`` of :func:`avg_stats`: ``±1.23``; ``n=1`` for single prompts (no standard error);
+    ``-`` for a row with a single prompt in some columns only, or with none."""
+    if se is not None:
+        return f"±{se}"
+    return "n=1" if shown == "1" else "-"
 
 
 def write_table(rows, columns, csv_path, title=None, extra=(), stats=None, about=None):
@@ -80,8 +86,8 @@ def write_table(rows, columns, csv_path, title=None, extra=(), stats=None, about
     extra : sequence of str
         Columns placed after ``avg`` and left out of it.
     stats : dict, optional
-        ``{row label: {column: [per-prompt scores]}}``: printed (not in the CSV) as the prompts per cell and
-        the standard error of ``avg`` (:func:`avg_stats`).
+        ``{row label: {column: [per-prompt scores]}}``: printed as the prompts per cell and the standard error
+        of ``avg`` (:func:`avg_stats`); the prompts per cell are the CSV's last column, ``prompts``, too.
     about : str, optional
         What a score is, printed under the title.
 
@@ -97,15 +103,18 @@ def write_table(rows, columns, csv_path, title=None, extra=(), stats=None, about
         table.append(
             [label] + [scores.get(c) for c in columns] + [avg] + [scores.get(c) for c in extra]
         )
-    os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
-    with open(csv_path, "w", newline="", encoding="utf-8") as fh:
-        csv.writer(fh).writerows([["" if v is None else v for v in row] for row in table])
     cells = [["-" if v is None else str(v) for v in row] for row in table]
+    written = table
     if stats is not None:
         cells[0] += ["prompts/cell", "avg s.e."]
-        for row in cells[1:]:
+        written = [table[0] + ["prompts"]]
+        for row, values in zip(cells[1:], table[1:]):
             shown, se = avg_stats(stats.get(row[0], {}))
-            row += [shown, "-" if se is None else f"±{se}"]
+            row += [shown, se_text(shown, se)]
+            written.append(values + [None if shown == "-" else shown])
+    os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
+    with open(csv_path, "w", newline="", encoding="utf-8") as fh:
+        csv.writer(fh).writerows([["" if v is None else v for v in row] for row in written])
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     if title:
         print(title)

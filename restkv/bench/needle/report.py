@@ -59,19 +59,17 @@ def table_rows(records, metric="score"):
 
 def _cell(mean, se, n):
     """A table cell: ``0.500 ± 0.289``; one prompt: its score alone (no standard error)."""
-    return f"{mean:6.3f} ± {se:5.3f}" if n > 1 else f"{mean:6.3f}"
+    return f"{mean:.3f} ± {se:.3f}" if n > 1 else f"{mean:.3f}"
 
 
 def summary_table(records, metric="score"):
     """Mean ``metric`` ± its standard error per label (rows) and length (columns), over depths and needles,
-    plus an ``all`` column (a cell of one prompt: its score alone); the header above says how many prompts
-    each cell holds."""
+    plus an ``all`` column (a cell of one prompt: its score alone), each header over its column's means; the
+    header above says how many prompts each cell holds."""
     lengths, rows = table_rows(records, metric)
-    width = max([len("method")] + [len(label) for label, _ in rows])
-    lines = [f"{'method':<{width}} " + " ".join(f" {L:<12}" for L in lengths) + "  all"]  # over each mean
-    for label, cells in rows:
-        lines.append(f"{label:<{width}} " + " ".join(f"{_cell(*c):<13}" for c in cells).rstrip())
-    return "\n".join(lines)
+    table = [["method", *map(str, lengths), "all"]] + [[label, *(_cell(*c) for c in cells)] for label, cells in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(f"{v:<{w}}" for v, w in zip(row, widths)).rstrip() for row in table)
 
 
 def write_csv(records, path):
@@ -189,6 +187,8 @@ def main(argv=None):
         records = distinct_labels(list(read_jsonl(args.results)))
     except ValueError as err:
         parser.error(str(err))
+    if not records:
+        parser.error(f"results: {args.results} holds no records (a needle run appends one per prompt it answers)")
     return show(args.results, records, plots=not args.no_plots)
 
 

@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from restkv.bench.cli import other_results
-from restkv.bench.longbench.results import avg_stats
+from restkv.bench.longbench.results import avg_stats, se_text
 from restkv.bench.results import read_jsonl
 from restkv.bench.ruler.metrics import score
 from restkv.bench.ruler.tasks import FAMILIES, family_of, task_order
@@ -78,14 +78,14 @@ def table(cells):
 
 def avg_errors(cells):
     """``{(model, length, method): "±s.e."}`` of each row's avg (from its samples' scores, as
-    :func:`restkv.bench.longbench.results.avg_stats`)."""
+    :func:`restkv.bench.longbench.results.avg_stats`; ``n=1`` for single samples)."""
     per_row = defaultdict(dict)
     for (model, length, method, task), (preds, refs) in cells.items():
         metric = FAMILIES[family_of(task)]["metric"]
         per_row[(model, length, method)][task] = [
             score([p], [r], metric) for p, r in zip(preds, refs)
         ]
-    return {key: f"±{avg_stats(tasks)[1]}" for key, tasks in per_row.items()}
+    return {key: se_text(*avg_stats(tasks)) for key, tasks in per_row.items()}
 
 
 def evaluate(results_dir, csv_path=None):
@@ -107,7 +107,8 @@ def evaluate(results_dir, csv_path=None):
     print(
         "score: RULER's string_match_all (niah, vt, cwe, fwe: share of the expected strings in the "
         "answer) or string_match_part (qa: any one of them) x 100, mean over the task's samples; "
-        "samples: the fewest of any task in the row; avg s.e.: the standard error of avg"
+        "samples: the fewest of any task in the row; avg s.e.: the standard error of avg (n=1: single samples, "
+        "which have none)"
     )
     for line in shown:
         print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
