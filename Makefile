@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.restkv-installed
 
 .PHONY: demo test test-all docs test-lowest install clean kvpress-venv vllm-install vllm-test vllm-test-quick vllm033-test \
-	vllm034-install vllm-audit vllm033-audit vllm034-audit
+	vllm034-install vllm034-test vllm-audit vllm033-audit vllm034-audit
 
 $(STAMP): setup.py requirements.txt
 	$(PY) -m venv $(VENV)
@@ -61,46 +61,40 @@ vllm-test: vllm-install
 vllm-test-quick: vllm-install
 	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q -m quick tests/vllm_plugin
 
-# The CUDA build vllm 0.33.0 cannot start an engine without a GPU, but its scheduler side imports: the
-# plugin's scheduler tests run against it in .venv-vllm033 (its Python sources without their CUDA torch, and
-# the pure-Python packages those modules import, at the versions read here).
+# The CUDA builds vllm 0.33.0 and 0.34.0 cannot start an engine without a GPU, but their Python sources import:
+# the plugin's scheduler side, hook table and layouts are tested against each in its own environment
+# (.venv-vllm033, .venv-vllm034: its sources without their CUDA torch, and the pure-Python packages those
+# modules import, at the versions read here), vLLM's Triton kernels run by Triton's interpreter.
 VLLM033_VENV ?= .venv-vllm033
-VLLM033_STAMP := $(VLLM033_VENV)/.restkv-vllm033-installed
-
-$(VLLM033_STAMP):
-	$(PY) -m venv $(VLLM033_VENV)
-	$(VLLM033_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM033_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VLLM033_VENV)/bin/python -m pip install -q --no-deps vllm==0.33.0
-	$(VLLM033_VENV)/bin/python -m pip install -q packaging pydantic regex numpy cbor2 psutil pyzmq urllib3 \
-		"transformers<5.25" aiohttp requests openai-harmony openai pillow pybase64 cachetools msgspec \
-		cloudpickle uvloop py-cpuinfo prometheus-client xgrammar fastapi partial-json-parser llguidance \
-		einops pytest safetensors
-	touch $(VLLM033_STAMP)
-
-vllm033-test: $(VLLM033_STAMP)
-	CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(VLLM033_VENV)/bin/python -m pytest -q \
-		tests/vllm_plugin/test_scheduler_side.py tests/vllm_plugin/test_layouts_vllm.py \
-		tests/vllm_plugin/test_hooks_vllm.py tests/vllm_plugin/test_audit_vllm.py \
-		tests/vllm_plugin/test_benchmarks.py::test_each_arm_reads_as_vllm_reads_it
-
-# vllm 0.34.0 (the CUDA build), not supported yet, in .venv-vllm034 as 0.33.0 above: its Python sources import
-# here, its engine cannot start; `make vllm034-audit` prints what of the hook table it lacks.
 VLLM034_VENV ?= .venv-vllm034
-VLLM034_STAMP := $(VLLM034_VENV)/.restkv-vllm034-installed
+CUDA_DEPS := packaging pydantic regex numpy cbor2 psutil pyzmq urllib3 "transformers<5.25" aiohttp requests \
+	openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo prometheus-client \
+	xgrammar fastapi partial-json-parser llguidance einops pytest safetensors
+CUDA_TESTS := tests/vllm_plugin/test_scheduler_side.py tests/vllm_plugin/test_layouts_vllm.py \
+	tests/vllm_plugin/test_hooks_vllm.py tests/vllm_plugin/test_audit_vllm.py \
+	tests/vllm_plugin/test_runner_v2.py tests/vllm_plugin/test_benchmarks.py::test_each_arm_reads_as_vllm_reads_it
 
-$(VLLM034_STAMP):
-	$(PY) -m venv $(VLLM034_VENV)
-	$(VLLM034_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM034_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VLLM034_VENV)/bin/python -m pip install -q --no-deps vllm==0.34.0
-	$(VLLM034_VENV)/bin/python -m pip install -q packaging pydantic regex numpy cbor2 psutil pyzmq urllib3 \
-		"transformers<5.25" aiohttp requests openai-harmony openai pillow pybase64 cachetools msgspec \
-		cloudpickle uvloop py-cpuinfo prometheus-client xgrammar fastapi partial-json-parser llguidance \
-		einops pytest safetensors
-	touch $(VLLM034_STAMP)
+# $(call cuda_vllm,VENV,VERSION): the set-up of one CUDA build's environment
+define cuda_vllm
+$(1)/.restkv-installed:
+	$(PY) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q torch==2.13.0
+	$(1)/bin/python -m pip install -q --no-deps vllm==$(2)
+	$(1)/bin/python -m pip install -q $(CUDA_DEPS)
+	touch $(1)/.restkv-installed
+endef
+$(eval $(call cuda_vllm,$(VLLM033_VENV),0.33.0))
+$(eval $(call cuda_vllm,$(VLLM034_VENV),0.34.0))
+cuda_test = CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(1)/bin/python -m pytest -q $(CUDA_TESTS)
 
-vllm034-install: $(VLLM034_STAMP)
+vllm033-test: $(VLLM033_VENV)/.restkv-installed
+	$(call cuda_test,$(VLLM033_VENV))
+
+vllm034-install: $(VLLM034_VENV)/.restkv-installed
+
+vllm034-test: $(VLLM034_VENV)/.restkv-installed
+	$(call cuda_test,$(VLLM034_VENV))
 
 # python -m restkv.vllm.audit in a vLLM's environment: per function of the hook table (restkv/vllm/hooks) and
 # attribute its wrappers read, present or not (exit status 1 if any is not); each wrapped function's source
@@ -111,10 +105,10 @@ audit = CUDA_VISIBLE_DEVICES= PYTHONPATH=$(CURDIR) $(1)/bin/python -m restkv.vll
 vllm-audit: $(VLLM_STAMP)
 	$(call audit,$(VLLM_VENV))
 
-vllm033-audit: $(VLLM033_STAMP)
+vllm033-audit: $(VLLM033_VENV)/.restkv-installed
 	$(call audit,$(VLLM033_VENV))
 
-vllm034-audit: $(VLLM034_STAMP)
+vllm034-audit: $(VLLM034_VENV)/.restkv-installed
 	$(call audit,$(VLLM034_VENV))
 
 # The quick suite on the lowest transformers requirements.txt allows: a venv that installs only that version

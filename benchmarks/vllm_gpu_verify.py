@@ -1,20 +1,20 @@
 """The vLLM plugin's GPU verification in one command: ``vllm_check.py`` in every combination of the
-attention backends (FlashAttention, FlashInfer, Triton), vLLM's model runners (V1, V2) and graph modes
-(piecewise CUDA graphs, eager); per-head budgets (``--head_knobs``: AdaKV) on the backend that runs them
-on a GPU, Triton with the V1 runner and head-major pages (``VLLM_KV_CACHE_LAYOUT=HND``), in both graph
-modes; then ``gpu_check.py`` (restkv's transformers path on the GPU); one report, a table of each arm:
+attention backends (FlashAttention, FlashInfer, Triton), vLLM's model runners (V1 and V2 where vLLM has
+both, V2 alone on 0.34.0) and graph modes (piecewise CUDA graphs, eager); per-head budgets (``--head_knobs``:
+AdaKV) on the backend that runs them on a GPU, Triton with head-major pages (``VLLM_KV_CACHE_LAYOUT=HND``),
+with each runner, in both graph modes; then ``gpu_check.py`` (restkv's transformers path on the GPU); one report, a table of each arm:
 pass, FAIL and why, or not run and why.
 
     python benchmarks/vllm_gpu_verify.py --model /path/to/Llama-3.1-8B-Instruct \\
         --reference .venv/bin/python --out report.md
     python benchmarks/vllm_gpu_verify.py --plan     # the arms and their commands; nothing runs
 
-Run it with the vLLM environment's Python (``vllm==0.33.0``, restkv and the plugin installed);
+Run it with the vLLM environment's Python (``vllm==0.34.0`` or ``0.33.0``, restkv and the plugin installed);
 ``--reference``: restkv's own Python (``pip install -e .``), which computes ``configure()``'s tokens
 and kept positions once for every arm of the same knobs (kept next to ``--out``: ``*.reference.json``,
 ``*.heads.reference.json``) and runs ``gpu_check.py``. The
 backend goes to vLLM as ``attention_config={"backend": ...}`` (``--attention-backend`` of ``vllm
-serve``), the runner as ``VLLM_USE_V2_MODEL_RUNNER`` (0 or 1), the graph mode as
+serve``), the runner as ``VLLM_USE_V2_MODEL_RUNNER`` (0 or 1, where vLLM has both), the graph mode as
 ``compilation_config={"cudagraph_mode": "PIECEWISE"}`` or ``enforce_eager=True``. An arm vLLM itself
 refuses on the machine (a backend its GPU or installation cannot run: ``vllm_check``'s exit status
 3) is "not run", with vLLM's reason.
@@ -39,7 +39,7 @@ from vllm_check import NOT_RUN as REFUSED  # vllm_check's exit status when vLLM 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BACKENDS = {"FlashAttention": "FLASH_ATTN", "FlashInfer": "FLASHINFER", "Triton": "TRITON_ATTN"}  # vLLM's AttentionBackendEnum
-RUNNERS = {"V1 runner": "0", "V2 runner": "1"}  # VLLM_USE_V2_MODEL_RUNNER
+BOTH_RUNNERS = {"V1 runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "V2 runner": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
 GRAPHS = {
     "piecewise CUDA graphs": {"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
     "eager": {"enforce_eager": True},
@@ -47,7 +47,19 @@ GRAPHS = {
 KNOBS = '{"method": "restkv", "max_capacity_prompt": 1024, "decode_interval": 128}'
 HEAD_KNOBS = '{"method": "adakv", "max_capacity_prompt": 1024}'
 # where per-head budgets run on a GPU (``restkv.vllm.hooks.attention.HEAD_PAGES``): backend, environment
-HEADS = ("TRITON_ATTN", {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_KV_CACHE_LAYOUT": "HND"})
+HEADS = ("TRITON_ATTN", {"VLLM_KV_CACHE_LAYOUT": "HND"})
+
+
+def runners() -> dict:
+    """vLLM's model runners here, name -> the environment picking it: V1 and V2 where vLLM has both (0.32.0,
+    0.33.0: ``VLLM_USE_V2_MODEL_RUNNER``), V2 alone where the V1 runner is gone (0.34.0)."""
+    import importlib.util
+
+    try:
+        v1 = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+    except ModuleNotFoundError:  # no vLLM here (--plan): the runners of a release with both
+        v1 = True
+    return BOTH_RUNNERS if v1 else {"V2 runner": {}}
 PASSED, FAILED, NOT_RUN = "pass", "FAIL", "not run"
 
 
@@ -64,16 +76,17 @@ def arms(args) -> list[tuple[str, list[str], dict]]:
         return cmd + ["--reference", args.reference] if args.reference else cmd
 
     out = []
-    for (backend, enum), (runner, v2), (graphs, engine) in itertools.product(
-        BACKENDS.items(), RUNNERS.items(), GRAPHS.items()
+    for (backend, enum), (runner, chosen), (graphs, engine) in itertools.product(
+        BACKENDS.items(), runners().items(), GRAPHS.items()
     ):
         cmd = check(args.knobs, enum, engine, ".reference.json")
-        out.append((f"vllm_check: {backend}, {runner}, {graphs}", cmd, {"VLLM_USE_V2_MODEL_RUNNER": v2}))
+        out.append((f"vllm_check: {backend}, {runner}, {graphs}", cmd, dict(chosen)))
     enum, env = HEADS
     backend = next(name for name, e in BACKENDS.items() if e == enum)
-    for graphs, engine in GRAPHS.items():
+    for (runner, chosen), (graphs, engine) in itertools.product(runners().items(), GRAPHS.items()):
         cmd = check(args.head_knobs, enum, engine, ".heads.reference.json")
-        out.append((f"vllm_check: per-head budgets, {backend}, V1 runner, HND pages, {graphs}", cmd, dict(env)))
+        name = f"vllm_check: per-head budgets, {backend}, {runner}, HND pages, {graphs}"
+        out.append((name, cmd, {**chosen, **env}))
     gpu = [args.reference or sys.executable, str(HERE / "gpu_check.py"), *shlex.split(args.gpu_check)]
     out.append(("gpu_check: transformers path", gpu, {}))
     return out

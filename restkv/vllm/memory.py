@@ -286,17 +286,18 @@ def fixed_bytes(
     }
 
 
-TRITON_ROWS = 128  # vLLM's Triton builder: its scratch has MIN_LAUNCH_GRID_SIZE_2D // Hkv rows (0.32.0, 0.33.0)
+TRITON_ROWS = 128  # vLLM's Triton builder: its scratch has at most MIN_LAUNCH_GRID_SIZE_2D rows (0.32.0 to 0.34.0)
 TRITON_SEGMENTS = 16  # ... of NUM_PAR_SOFTMAX_SEGMENTS segments each
 
 
 def builder_bytes(model: Model) -> int:
     """vLLM's Triton metadata builder's split-K scratch as the per-head path builds it (one, shared by the
-    layers): ``max(1, 128 // Hkv)`` rows of every query head's 16 segments, each a float32 output of the head
-    size padded to a power of 2 and its maximum and sum."""
+    layers), at most: 128 rows (0.32.0: ``128 // Hkv``; 0.33.0 at most ``max_num_seqs`` of those; 0.34.0
+    ``128 // 1`` for the single-head spec, at most ``max_num_seqs``) of every query head's 16 segments, each a
+    float32 output of the head size padded to a power of 2 and its maximum and sum."""
     m = model
-    rows, padded = max(1, TRITON_ROWS // m.kv_heads), 1 << (m.head_dim - 1).bit_length()
-    return rows * m.heads * TRITON_SEGMENTS * (padded + 2) * 4
+    padded = 1 << (m.head_dim - 1).bit_length()
+    return TRITON_ROWS * m.heads * TRITON_SEGMENTS * (padded + 2) * 4
 
 
 def per_token(cfg: CompressionConfig, model: Model) -> int:

@@ -28,7 +28,9 @@ def _plan(*flags: str) -> list:
 
 def test_plan_covers_every_backend_runner_and_graph_mode():
     plan = _plan("--lengths", "32768")
-    wanted = set(itertools.product(verify.BACKENDS.values(), verify.RUNNERS.values(), ("graphs", "eager")))
+    runners = ("0", "1")  # no vLLM here: the runners of a release with both (VLLM_USE_V2_MODEL_RUNNER)
+    assert verify.runners() == verify.BOTH_RUNNERS
+    wanted = set(itertools.product(verify.BACKENDS.values(), runners, ("graphs", "eager")))
     seen, heads = set(), set()
     for _, cmd, env in plan[:-1]:
         engine = json.loads(cmd[cmd.index("--engine") + 1])
@@ -36,8 +38,8 @@ def test_plan_covers_every_backend_runner_and_graph_mode():
         graphs = "eager" if engine.get("enforce_eager") else engine["compilation_config"]["cudagraph_mode"]
         arm = (engine["attention_config"]["backend"], env["VLLM_USE_V2_MODEL_RUNNER"], graphs)
         knobs = cmd[cmd.index("--knobs") + 1]
-        if knobs == verify.HEAD_KNOBS:  # per-head budgets: Triton, the V1 runner, head-major pages
-            assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_KV_CACHE_LAYOUT": "HND"}
+        if knobs == verify.HEAD_KNOBS:  # per-head budgets: Triton, each runner, head-major pages
+            assert env["VLLM_KV_CACHE_LAYOUT"] == "HND" and len(env) == 2
             assert cmd[cmd.index("--reference_json") + 1].endswith("r.heads.reference.json")
             heads.add(arm)
         else:
@@ -45,7 +47,7 @@ def test_plan_covers_every_backend_runner_and_graph_mode():
             seen.add(arm)
         assert cmd[cmd.index("--reference") + 1] == "/r/python" and cmd[cmd.index("--model") + 1] == "M"
     assert seen == {(b, r, "eager" if g == "eager" else "PIECEWISE") for b, r, g in wanted}
-    assert heads == {("TRITON_ATTN", "0", "PIECEWISE"), ("TRITON_ATTN", "0", "eager")}
+    assert heads == {("TRITON_ATTN", r, g) for r in runners for g in ("PIECEWISE", "eager")}
     assert len(plan) == len(wanted) + len(heads) + 1
     assert plan[-1][1] == ["/r/python", str(ROOT / "benchmarks" / "gpu_check.py"), "--lengths", "32768"]
 

@@ -62,8 +62,14 @@ def test_each_arm_reads_as_vllm_reads_it():
     from vllm.config import AttentionConfig, CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
 
-    assert "VLLM_USE_V2_MODEL_RUNNER" in envs.environment_variables
-    for _, cmd, _ in plan()[:-1]:
+    from vllm_gpu_verify import runners
+
+    from restkv.vllm import hooks
+
+    assert ("V1 runner" in runners()) == hooks.v1_runner()
+    assert ("VLLM_USE_V2_MODEL_RUNNER" in envs.environment_variables) == hooks.v1_runner()
+    for _, cmd, env in plan()[:-1]:
+        assert set(env) <= set(envs.environment_variables)
         engine = json.loads(cmd[cmd.index("--engine") + 1])
         backend = AttentionConfig(**engine["attention_config"]).backend
         assert backend.name == engine["attention_config"]["backend"]

@@ -41,9 +41,9 @@ def test_every_backend_forward_binds_in_its_source(backend):
     assert forward.parameters[1 : 1 + len(binds)] == binds
 
 
-@pytest.mark.parametrize("path", sorted(hooks.READS))
+@pytest.mark.parametrize("path", sorted(hooks.reading()))
 def test_every_attribute_the_hooks_read_exists(path):
-    assert audit.lacks_attributes(path, hooks.READS[path]) is None
+    assert audit.lacks_attributes(path, hooks.reading()[path]) is None
 
 
 def test_v2_prepare_attn_returns_the_pair_the_hook_unpacks():

@@ -13,6 +13,7 @@ on a machine without a GPU: only its engine cannot start).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -131,9 +132,9 @@ def finish(sched: Scheduler, out, outcome=None):
         [SAMPLED] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else []
         for r in ids
     ]
-    output = ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
-    )
+    indexed = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}  # gone in 0.34.0
+    index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if indexed else {}
+    output = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **index)
     output.restkv = agreeing(sched) if outcome is None else outcome
     return sched.update_from_output(out, output)
 

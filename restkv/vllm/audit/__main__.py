@@ -21,8 +21,9 @@ def main(argv=None) -> int:
     tree = Tree.installed()
     print(f"vLLM {vllm.__version__}")
     optional = {module for module, _, _ in hooks.BACKENDS.values()}
+    table = {module: owners for module, owners in hooks.TARGETS.items() if module not in hooks.absent() - optional}
     other = hooks.metadata_fields()
-    present = report(hooks.TARGETS, hooks.READS, optional, other, tree, against=args.against)
+    present = report(table, hooks.reading(), optional, other, tree, against=args.against)
     if args.record:
         record(args.record, read(targets(hooks.TARGETS), tree))
         print(f"recorded {args.record}'s digests in {RECORDED}")

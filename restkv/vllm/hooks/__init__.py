@@ -35,6 +35,10 @@ from . import attention, memory, refusals, requests, runner, runner_v1, runner_v
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
+# the V1 model runner's modules: 0.32.0 and 0.33.0 have them (vLLM's CPU backend runs it), 0.34.0 none (its
+# V2 runner is the only one, on x86 CPUs too); a release has them all or none (``unhooked``), and their
+# targets and reads go with them
+V1_MODULES = (_V1, "vllm.v1.worker.gpu_input_batch", "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.block_table")
 _BACKENDS = "vllm.v1.attention.backends"
 
 # attention backend: (module, implementation class, the layout its cache is read through)
@@ -207,7 +211,7 @@ READS = {
         "preempted_req_ids",
     ),
     "vllm.v1.core.sched.output.NewRequestData": ("req_id", "block_ids", "sampling_params"),
-    "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "new_block_ids", "resumed_req_ids"),
+    "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "new_block_ids"),
     "vllm.v1.core.sched.scheduler.Scheduler": ("kv_cache_manager", "requests", "finish_requests"),
     "vllm.v1.engine.EngineCoreOutputs": ("outputs",),
     "vllm.v1.engine.EngineCoreOutput": ("request_id", "new_token_ids", "finish_reason"),
@@ -228,14 +232,37 @@ READS = {
 }
 
 
+# what only the V1 runner's hooks read (``runner_v1``, ``runner.record_blocks``), beside ``READS``
+READS_V1 = {"vllm.v1.core.sched.output.CachedRequestData": ("resumed_req_ids",)}
+
+
+def v1_runner() -> bool:
+    """Whether the running vLLM has the V1 model runner (any of ``V1_MODULES``)."""
+    return any(audit.import_error(module) is None for module in V1_MODULES)
+
+
+def absent() -> set:
+    """The modules of ``TARGETS`` this vLLM may lack whole: an attention backend whose module does not
+    import (FlashInfer without its package: vLLM cannot select it either), the V1 runner's where it has
+    none."""
+    backends = {module for module, _, _ in BACKENDS.values() if audit.import_error(module)}
+    return backends | (set() if v1_runner() else set(V1_MODULES))
+
+
+def reading() -> dict:
+    """``READS`` as the running vLLM's hooks read it: the V1 runner's classes and ``READS_V1`` where it has
+    that runner."""
+    if v1_runner():
+        return {**READS, **{k: READS.get(k, ()) + v for k, v in READS_V1.items()}}
+    return {k: v for k, v in READS.items() if k.rpartition(".")[0] not in V1_MODULES}
+
+
 def unhooked() -> list[str]:
     """What the running vLLM lacks of ``TARGETS``: one line per module, class, function or parameter
-    (``audit.lacks``; an attention backend whose module does not import aside)."""
-    backends = {module for module, _, _ in BACKENDS.values()}
+    (``audit.lacks``; the modules of ``absent`` aside)."""
+    skipped = absent()
     lines = metadata_fields()
-    for target in audit.targets(TARGETS):
-        if not (target.module in backends and audit.import_error(target.module)):
-            lines.append(audit.lacks(target))
+    lines += [audit.lacks(target) for target in audit.targets(TARGETS) if target.module not in skipped]
     return list(dict.fromkeys(line for line in lines if line))
 
 
@@ -345,12 +372,12 @@ def covered(model_runner) -> None:
         layouts[backend][1](layer.impl, layer, layer.kv_cache, worker.block_size)
         worker.backends[layer_name] = backend
         if settings.per_head(worker.cfg):
-            if backend not in attention.HEAD_PAGES or parts[1] is not None:
+            if backend not in attention.HEAD_PAGES:
                 raise RuntimeError(
                     f"restkv.vllm: {settings.budget_knobs(worker.cfg)} runs on the "
-                    f"{', '.join(attention.HEAD_PAGES)} backends with the V1 model runner "
-                    f"(VLLM_USE_V2_MODEL_RUNNER=0); layer {layer_name} runs {backend} in "
-                    f"{type(model_runner).__qualname__}: {refusals.HEAD_BACKEND_FLAG}, or uniform budgets"
+                    f"{', '.join(attention.HEAD_PAGES)} backends; layer {layer_name} runs {backend} "
+                    f"({type(model_runner).__qualname__}): "
+                    f"{refusals.HEAD_BACKEND_FLAG}, or uniform budgets"
                 )
             try:
                 paged.head_pages(layer.kv_cache)

@@ -3,7 +3,8 @@
 - ``finish_requests`` / ``add_requests``: forget finished, preempted and re-added requests;
 - ``update_requests``: cut the rows evicted last step (a staged write and ``num_blocks``), record
   the new block ids;
-- ``prepare_attn``: the slot mapping of the entries held, the step's batch to the ``Worker``;
+- ``prepare_attn``: the slot mapping of the entries held (vLLM's own write of a request whose heads hold
+  their own pages masked: slot -1), the step's batch to the ``Worker``;
 - ``model_state_prepare_attn`` (``DefaultModelState.prepare_attn``): the attention metadata's
   sequence lengths of the entries held (the batch's own stay logical: the sampler reads them).
 """
@@ -92,6 +93,8 @@ def prepare_attn(orig):
             lengths = input_batch.seq_lens.clone()
             lengths[:n] -= worker.request_offsets_device.to(lengths.dtype)
             worker.held_lengths = (lengths, _minus(input_batch.seq_lens_cpu_upper_bound, worker.request_offsets))
+        if worker.flat_tokens is not None:  # their heads' pages are written by the plugin (``Worker.attend_heads``)
+            slot_mappings[:, worker.flat_tokens] = -1
         return block_tables, slot_mappings
 
     return wrapped
