@@ -26,12 +26,14 @@ installation cannot run).
 Each engine runs in a subprocess (``--spec``: one engine from a JSON spec, printing ``RESULT
 {...}``, which tests/vllm_plugin runs too). vLLM's own flags pass through ``--engine '{...}'``
 (e.g. ``{"tensor_parallel_size": 2}``); on a CUDA machine both arms run with
-``async_scheduling=False`` and ``cudagraph_mode=PIECEWISE`` (what the plugin needs there).
+``async_scheduling=False``, ``cudagraph_mode=PIECEWISE`` and, where vLLM has it (0.34.0),
+``enable_extensible_kv_cache=False`` (what the plugin needs there).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -42,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_KEYS = (
     "max_num_seqs",
+    "enable_extensible_kv_cache",
     "enable_prefix_caching",
     "enable_chunked_prefill",
     "max_num_batched_tokens",
@@ -405,6 +408,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from gpu_check import TIE
+    from vllm.engine.arg_utils import EngineArgs
 
     from restkv.vllm import settings
 
@@ -417,6 +421,8 @@ def main(argv=None) -> int:
     share = args.kept_share if args.kept_share is not None else (1.0 if dtype == "float32" else 0.9)
     prompt = _prompt(model, args.prompt_len)
     gpu = {"async_scheduling": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+    if "enable_extensible_kv_cache" in inspect.signature(EngineArgs).parameters:  # 0.34.0 on CUDA: on by default
+        gpu["enable_extensible_kv_cache"] = False
     spec = {
         "model": model,
         "prompts": [prompt],

@@ -291,3 +291,16 @@ def test_kv_cache_groups_other_than_one_of_full_attention_are_refused():
         assert type(spec).__name__ in line and "the plugin evicts one full-attention group" in line
     lines = refusals.cache_groups(groups(full, SlidingWindowSpec(**kw, sliding_window=512)))
     assert len(lines) == 2 and "has 2 groups" in lines[0]
+
+
+def test_the_extensible_kv_cache_is_refused():
+    """vLLM 0.34.0's extensible KV cache (on by default on CUDA) sizes the pool after its warm-up, past the
+    plugin's memory the worker takes out of it: ``check_config`` refuses it in one line naming the flag."""
+    _platform()
+    config = _engine_config({"method": "snapkv", "max_capacity_prompt": 128})
+    assert refusals.check_config(config) is not None
+    config.cache_config.enable_extensible_kv_cache = True
+    with pytest.raises(ValueError) as refused:
+        refusals.check_config(config)
+    (line,) = str(refused.value).splitlines()
+    assert "--no-enable-extensible-kv-cache" in line

@@ -80,6 +80,11 @@ def refusals(vllm_config, cfg) -> list[str]:
             "a quantized KV cache: kv_cache_dtype='auto' (vllm serve: --kv-cache-dtype auto)",
         ),
         (
+            getattr(vllm_config.cache_config, "enable_extensible_kv_cache", None),
+            "the extensible KV cache sizes the pool after the warm-up, past the plugin's own memory taken out of "
+            "it: enable_extensible_kv_cache=False (vllm serve: --no-enable-extensible-kv-cache)",
+        ),
+        (
             vllm_config.kv_transfer_config is not None or getattr(vllm_config.cache_config, "kv_offloading_size", None),
             "a KV connector or KV offloading supplies and stores blocks by hashes of tokens the plugin "
             "rewrote, and tokens whose queries the eviction never saw: drop kv_transfer_config= and "
