@@ -72,7 +72,7 @@ CUDA_DEPS := packaging pydantic regex numpy cbor2 psutil pyzmq urllib3 "transfor
 	xgrammar fastapi partial-json-parser llguidance einops pytest safetensors
 CUDA_TESTS := tests/vllm_plugin/test_scheduler_side.py tests/vllm_plugin/test_layouts_vllm.py \
 	tests/vllm_plugin/test_hooks_vllm.py tests/vllm_plugin/test_audit_vllm.py tests/vllm_plugin/test_runner_v2.py \
-	tests/vllm_plugin/test_runner_v2.py tests/vllm_plugin/test_benchmarks.py::test_each_arm_reads_as_vllm_reads_it
+	tests/vllm_plugin/test_benchmarks.py::test_each_arm_reads_as_vllm_reads_it
 
 # $(call cuda_vllm,VENV,VERSION): the set-up of one CUDA build's environment
 define cuda_vllm
