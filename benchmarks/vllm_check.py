@@ -51,6 +51,7 @@ ENGINE_KEYS = (
     "additional_config",
     "enforce_eager",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
     "compilation_config",
     "async_scheduling",
     "attention_config",
@@ -69,7 +70,8 @@ def engine(spec: dict):
         config = json.loads((Path(spec["model"]) / "config.json").read_text())
         d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * d * 4
-        own["kv_cache_memory_bytes"] = spec["kv_tokens"] * per_token // spec.get("tensor_parallel_size", 1)
+        ranks = spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)  # each a share of it
+        own["kv_cache_memory_bytes"] = spec["kv_tokens"] * per_token // ranks
     return LLM(
         model=spec["model"],
         dtype=spec.get("dtype", "float32"),

@@ -10,14 +10,21 @@ whole, and the others go on.
 Under tensor parallelism only one rank's output reaches the scheduler, so every rank's outcome is
 gathered once per step in which the plugin did per-request work (``merged``): a request failed on any
 rank fails on all, a fault on any rank stops every rank with that rank's message, and ranks that
-disagree on a request's counts stop the engine naming it.
+disagree on a request's counts stop the engine naming it. Under pipeline parallelism only the last
+stage's output reaches it: each stage sends its outcome on with the tensors it sends the next stage
+(``KEY``, ``packed``), which merges it with its own, stage by stage, as the ranks' are merged.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
+
+import torch
+
+KEY = "restkv_outcome"  # a stage's outcome among the tensors it sends the next pipeline stage (``packed``)
 
 
 @dataclass(frozen=True)
@@ -60,10 +67,11 @@ def why(error: BaseException, where: str) -> str:
     return f"{type(error).__name__}: {message} ({where}{at})"
 
 
-def merged(outcomes: list) -> Outcome:
-    """Every rank's ``Outcome`` of one step, in rank order -> the step's. Raises the first rank's
-    ``fault``, or, for a request whose counts differ between ranks, a RuntimeError naming it."""
-    tag = (lambda rank: f" [tensor-parallel rank {rank}]") if len(outcomes) > 1 else (lambda rank: "")
+def merged(outcomes: list, part: str = "tensor-parallel rank") -> Outcome:
+    """Every rank's (``part``: or pipeline stage's) ``Outcome`` of one step, in order -> the step's (the first
+    one's seconds). Raises the first ``fault``, or, for a request whose counts differ, a RuntimeError naming
+    it."""
+    tag = (lambda rank: f" [{part} {rank}]") if len(outcomes) > 1 else (lambda rank: "")
     for rank, o in enumerate(outcomes):
         if o.fault:
             raise RuntimeError(o.fault + tag(rank))
@@ -76,8 +84,21 @@ def merged(outcomes: list) -> Outcome:
         each = [o.kept.get(req_id) for o in outcomes]
         if len({None if k is None else (k.held, k.counted) for k in each}) > 1:
             raise RuntimeError(
-                f"restkv.vllm: request {req_id}'s eviction differs between tensor-parallel ranks "
-                f"({', '.join(f'rank {i}: {k}' for i, k in enumerate(each))}); stopping before its blocks are freed"
+                f"restkv.vllm: request {req_id}'s eviction differs between {part}s "
+                f"({', '.join(f'{part} {i}: {k}' for i, k in enumerate(each))}); stopping before its blocks are freed"
             )
         out.kept[req_id] = functools.reduce(Kept.joined, each)
     return out
+
+
+def packed(outcome: Outcome) -> torch.Tensor:
+    """``outcome`` as a CPU tensor of bytes (vLLM sends a CPU tensor between stages over its CPU group)."""
+    kept = {r: astuple(k) for r, k in outcome.kept.items()}
+    text = json.dumps([kept, outcome.failed, outcome.seconds, outcome.fault])
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def unpacked(tensor: torch.Tensor) -> Outcome:
+    """The ``Outcome`` ``packed`` made."""
+    kept, failed, seconds, fault = json.loads(bytes(tensor.cpu().numpy()).decode())
+    return Outcome({r: Kept(*k) for r, k in kept.items()}, failed, seconds, fault)

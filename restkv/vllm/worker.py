@@ -144,7 +144,9 @@ class Worker:
         self.token_offsets_device = self.request_offsets_device = None
         self.o_proj: dict = {}  # attention layer name -> a function returning its W_O [hidden, Hq d]
         self.factors: dict = {}  # attention layer name -> its W_O factor R [Hq, d, d]
-        self.rank: dict = {}  # attention layer name -> its index among the attention layers
+        self.rank: dict = {}  # attention layer name -> its index among the model's attention layers
+        self.layers = 1  # the model's attention layers (a pipeline stage holds some: ``index_layers``)
+        self.relayed = None  # the earlier pipeline stages' outcome of the step (``outcome.KEY``), or None
         # called with (request id, layer name, kept positions [Hkv, B]) at a request's first eviction in a
         # layer, where a check installs one (benchmarks/vllm_check.py); None: nothing is kept
         self.observer = None
@@ -175,10 +177,12 @@ class Worker:
 
     # ---- the model's layers ----
 
-    def index_layers(self, names_to_o_proj: dict, heads: int | None = None) -> None:
+    def index_layers(self, names_to_o_proj: dict, heads: int | None = None, total: int | None = None) -> None:
         """``{attention layer name: a function returning its o_proj weight, or None}`` (read again
         when a selection needs the weight itself); with ``heads`` (Hq) each layer's W_O factor is
-        computed now when the config reads it, so the weight is never held."""
+        computed now when the config reads it, so the weight is never held. ``total``: the model's
+        attention layers where this worker holds some of them (a pipeline stage: its layers' names
+        number them among all, ``model.layers.15`` the 16th), else these."""
         self.o_proj.update({n: f for n, f in names_to_o_proj.items() if f is not None})
         if heads and reads_factor(self.cfg):
             for name in names_to_o_proj:
@@ -187,7 +191,9 @@ class Worker:
         names = sorted(
             names_to_o_proj, key=lambda n: int(m.group(1)) if (m := _LAYER.search(n)) else 0
         )
-        self.rank = {name: i for i, name in enumerate(names)}
+        first = min((int(m.group(1)) for n in names if (m := _LAYER.search(n))), default=0) if total else 0
+        self.rank = {name: first + i for i, name in enumerate(names)}
+        self.layers = total or max(len(names), 1)
 
     # ---- requests ----
 
@@ -407,7 +413,7 @@ class Worker:
             scale,
             softcap,
             self.rank.get(name, 0),
-            max(len(self.rank), 1),
+            self.layers,
             self.o_proj.get(name),
             (lambda: self._factor(name, queries.shape[1])) if name in self.o_proj else None,
             window,
@@ -449,7 +455,7 @@ class Worker:
             keys, values = paged.read(s.held_slots)
             head_valid = None
         queries = self.ring.read(name, s.state.slot, s.end, min(settings.query_rows(s.cfg), s.end))
-        rank, layers = self.rank.get(name, 0), max(len(self.rank), 1)
+        rank, layers = self.rank.get(name, 0), self.layers
         length = settings.schedule_length(s.cfg, s.prompt_len, s.end, s.computed < s.prompt_len)
         budget = settings.layer_budget(s.cfg, e.budget, length, rank, layers)
         return self._observe(name, s, queries, keys, values, budget, scale, softcap, head_valid=head_valid)
@@ -578,6 +584,11 @@ class Worker:
             self._spent(s, start)
         step = Outcome(kept, self.failed, fault=self.fault)
         step = merged(self.ranks.share(step) if shared else [step])  # raises a fault of any rank
+        if self.relayed is not None:  # the earlier stages' (their layers): one outcome of every layer
+            earlier, self.relayed = self.relayed, None
+            step = merged([earlier, step], "pipeline stage")  # raises an earlier stage's fault
+            for method, seconds in earlier.seconds.items():
+                self.outcome.seconds[method] = self.outcome.seconds.get(method, 0.0) + seconds
         for s in self.step:
             if s.req_id in step.failed:
                 self.pending.pop(s.req_id, None)

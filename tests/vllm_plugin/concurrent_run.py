@@ -38,7 +38,7 @@ def watch(scheduler, steps: list, index: dict) -> None:
 
     def recorded(output, *args, **kwargs):
         due = getattr(manager, "_restkv", None)
-        due = {} if due is None else due.due
+        due = {} if due is None else due.evictions(output)
         scheduled = {index[r]: n for r, n in output.num_scheduled_tokens.items()}
         evicting = {
             index[r]: sum(b.ref_cnt > 1 for b in per_request.get(r, []))

@@ -26,6 +26,7 @@ RESTKV = {"preset": "paper", "max_capacity_prompt": 128}
 H2O = {"method": "h2o", "max_capacity_prompt": 128, "window_size": 32}
 DECODING = {**SNAPKV, "decode_interval": 32}
 TP3_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}  # three ranks on two cores
+TWO_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # two ranks (two pipeline stages), a core each
 
 
 def _restkv_python() -> str:
@@ -102,6 +103,24 @@ def reference(prompt: list[int], knobs: dict, new_tokens=NEW_TOKENS) -> dict:
         )
         _REFS[key] = json.loads(out.strip().splitlines()[-1])
     return _REFS[key]
+
+
+def failing(tmp_path, prompt_len: int, layer: int) -> dict:
+    """The environment of an engine (or server) whose worker raises in layer ``layer``'s eviction of every
+    request of ``prompt_len`` prompt tokens: a ``sitecustomize`` each of its processes imports at start."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "from restkv.vllm import worker\n"
+        "layer = worker.Worker._request_layer\n"
+        "def failing(self, name, s, *args):\n"
+        f"    if s.prompt_len == {prompt_len} and '.layers.{layer}.' in name:\n"
+        "        raise RuntimeError('a fault made by the test')\n"
+        "    return layer(self, name, s, *args)\n"
+        "worker.Worker._request_layer = failing\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), env.get("PYTHONPATH", "")])}
 
 
 def blocks(tokens: int) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import subprocess
 import time
@@ -36,6 +35,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from harness import failing
 from test_serve import _free_port, _stop, _wait, serve
 
 pytestmark = pytest.mark.vllm
@@ -46,7 +46,7 @@ KNOBS = {  # a uniform budget, per-head budgets (AdaKV's split), per-layer budge
     "adakv": {"method": "adakv", **EVERY},
     "pyramidkv": {"method": "pyramidkv", **EVERY},
 }
-FAILING = 333  # the prompt length whose eviction the server is made to raise in (``failing``)
+FAILING = 333  # the prompt length whose eviction the server is made to raise in (``harness.failing``)
 MAX_LEN, BLOCK, POOL_BLOCKS = 640, 32, 24
 PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2's K and V bytes per token in float32
 PREEMPTED = re.compile(r"restkv: request (\S+) preempted after (\d+) generated tokens")
@@ -81,24 +81,6 @@ def requests(ids: list[int], per_head: bool) -> dict:
         # fewer positions than the budget would, never a negative count
         **({f"threshold-{n}": (ids[n : 2 * n], 24, "complete") for n in (1, 7, 40)} if per_head else {}),
     }
-
-
-def failing(tmp_path) -> dict:
-    """The environment of a server whose worker raises in layer 5 of every eviction of a request of
-    ``FAILING`` prompt tokens (a ``sitecustomize`` every process of the server imports at start)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "from restkv.vllm import worker\n"
-        "layer = worker.Worker._request_layer\n"
-        "def failing(self, name, s, *args):\n"
-        f"    if s.prompt_len == {FAILING} and '.layers.5.' in name:\n"
-        "        raise RuntimeError('a fault made by the test')\n"
-        "    return layer(self, name, s, *args)\n"
-        "worker.Worker._request_layer = failing\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}
-    return {**env, "PYTHONPATH": os.pathsep.join([str(site), env.get("PYTHONPATH", "")])}
 
 
 class Client:
@@ -192,7 +174,7 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(method, model_d
     flags += ["--max-num-batched-tokens", "256", "--max-num-seqs", "8"]
     command = serve(model_dir, KNOBS[method], *flags)
     command[command.index("--max-model-len") + 1] = str(MAX_LEN)
-    env = failing(tmp_path)
+    env = failing(tmp_path, FAILING, 5)
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)

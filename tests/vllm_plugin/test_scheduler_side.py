@@ -122,26 +122,26 @@ def request(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int, add=
     return req
 
 
-def finish(sched: Scheduler, out, outcome=None):
+def finish(sched: Scheduler, out, outcome=None, done=None):
     """What a model runner returns for ``out``: one sampled token for each request whose tokens
     are all computed, none for a prompt chunk; with ``outcome`` (``restkv.vllm.outcome.Outcome``) the
     workers' report, else workers that ran every eviction the scheduler's rule gave (``agreeing``)
-    -> the scheduler's outputs."""
+    -> the scheduler's outputs. ``done``: the requests whose prompt this step ends (default: those whose
+    tokens are all computed now; a step in flight behind a later one says)."""
     ids = list(out.num_scheduled_tokens)
-    sampled = [
-        [SAMPLED] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else []
-        for r in ids
-    ]
+    if done is None:
+        done = [r for r in ids if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens]
+    sampled = [[SAMPLED] if r in done else [] for r in ids]
     indexed = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}  # gone in 0.34.0
     index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if indexed else {}
     output = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **index)
-    output.restkv = agreeing(sched) if outcome is None else outcome
+    output.restkv = agreeing(sched, out) if outcome is None else outcome
     return sched.update_from_output(out, output)
 
 
-def agreeing(sched: Scheduler) -> Outcome:
-    """The report of workers whose every eviction is the one the scheduler's rule gives."""
-    due = sched.kv_cache_manager._restkv.due if sched.kv_cache_manager._restkv else {}
+def agreeing(sched: Scheduler, out) -> Outcome:
+    """The report of workers whose every eviction in step ``out`` is the one the scheduler's rule gives."""
+    due = sched.kv_cache_manager._restkv.evictions(out) if sched.kv_cache_manager._restkv else {}
     return Outcome({r: Kept(e.held, e.counted) for r, e in due.items()})
 
 
@@ -311,8 +311,8 @@ def test_a_request_whose_eviction_failed_is_finished_with_an_error_and_the_other
     b = request(sched, "b", PROMPT[100:300], max_tokens=8)
     out = sched.schedule()  # both prompts whole
     state = sched.kv_cache_manager._restkv
-    assert set(state.due) == {"a", "b"}
-    e = state.due["b"]
+    assert set(state.evictions(out)) == {"a", "b"}
+    e = state.evictions(out)["b"]
     outputs = finish(sched, out, Outcome({"b": Kept(e.held, e.counted)}, {"a": "RuntimeError: injected"}))
     assert a.is_finished() and str(a.get_finished_reason()) == "error"
     (told,) = [o for eco in outputs.values() for o in eco.outputs if o.request_id == "a" and o.finish_reason]
@@ -327,6 +327,27 @@ def test_a_request_whose_eviction_failed_is_finished_with_an_error_and_the_other
     assert free(sched) == start
 
 
+def test_steps_in_flight_are_each_checked_against_their_own_evictions():
+    """Two steps in flight, as under pipeline parallelism (a prompt's next chunk is scheduled before its
+    last one's output is back): the chunk before the prompt's end comes back without an eviction, the
+    last with its own, and the request holds its budget's blocks after."""
+    sched = scheduler(SNAPKV)
+    start = free(sched)
+    request(sched, "a", PROMPT, max_tokens=4)
+    first = sched.schedule()  # 128 tokens
+    second = sched.schedule()  # 128 more
+    last = sched.schedule()  # the prompt's end: evicts
+    state = sched.kv_cache_manager._restkv
+    assert [set(state.evictions(o)) for o in (first, second, last)] == [set(), set(), {"a"}]
+    finish(sched, first, done=[])
+    finish(sched, second, done=[])
+    finish(sched, last)
+    assert len(blocks(sched, "a")) == cdiv(BUDGET, BLOCK)
+    assert state.sent == {}
+    run(sched)
+    assert free(sched) == start
+
+
 @pytest.mark.parametrize("report", ["other count", "other held", "none", "unasked"])
 def test_an_eviction_the_workers_ran_otherwise_stops_before_any_block_is_freed(report):
     """The workers' report of an eviction is checked against the scheduler's own rule: a kept count or
@@ -337,7 +358,7 @@ def test_an_eviction_the_workers_ran_otherwise_stops_before_any_block_is_freed(r
     for _ in range(2):
         finish(sched, sched.schedule())
     out = sched.schedule()  # the prompt's end: evicts
-    e = sched.kv_cache_manager._restkv.due["a"]
+    e = sched.kv_cache_manager._restkv.evictions(out)["a"]
     kept = {
         "other count": {"a": Kept(e.held, e.counted + 1)},
         "other held": {"a": Kept(e.held - 1, e.counted)},

@@ -150,3 +150,52 @@ def test_serve_refuses_in_lines_before_starting(model_dir):
     assert any("--kv-cache-dtype auto" in line for line in lines)
     assert any("--tensor-parallel-size 1" in line for line in lines)
     assert "Traceback" not in done.stderr
+
+
+def test_serve_with_data_parallelism(model_dir, text_ids):
+    """``--data-parallel-size 2``: two engines behind one server, each with its own scheduler and worker.
+    Four requests at once (two at the server's knobs, two with their own) answer as restkv's transformers
+    path does, and ``/metrics`` counts each request's eviction once, under the engine that ran it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from harness import TWO_ENV
+    from transformers import AutoTokenizer
+
+    own = {"method": "streamingllm", "max_capacity_prompt": 64, "window_size": SNAPKV["window_size"]}
+    prompts = [text_ids[i * 150 : i * 150 + 300] for i in range(4)]
+    knobs = [SNAPKV, own, SNAPKV, own]
+    refs = [reference(p, k) for p, k in zip(prompts, knobs)]
+    port = _free_port()
+    env = {**{k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}, **TWO_ENV}
+    command = serve(model_dir, SNAPKV, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32")
+    command += ["--kv-cache-memory-bytes", str(4096 * 2 * 30 * 3 * 64 * 4), "--data-parallel-size", "2"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(f"{url}/health", server)
+
+        def ask(i: int) -> dict:
+            own_knobs = {} if knobs[i] is SNAPKV else {"vllm_xargs": {"restkv": json.dumps(own)}}
+            body = {"model": model_dir, "prompt": prompts[i], "max_tokens": len(refs[i]["tokens"]), "temperature": 0.0}
+            return _post(f"{url}/v1/completions", {**body, **own_knobs})
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, range(4)))
+        metrics = _metrics(f"{url}/metrics", "restkv:evictions_total", seconds=60)
+        for _ in range(30):  # each engine's stats reach the front end as its steps end
+            total = sum(v for n, v in metrics.items() if n.startswith("restkv:evictions_total{"))
+            if total >= 4:
+                break
+            time.sleep(1)
+            metrics = _metrics(f"{url}/metrics", "restkv:evictions_total")
+    finally:
+        _stop(server)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert [a["choices"][0]["text"] for a in answers] == [tokenizer.decode(r["tokens"]) for r in refs]
+
+    def count(name: str, method: str) -> float:
+        return sum(metrics.get(f'restkv:{name}{{engine="{e}",method="{method}"}}', 0) for e in ("0", "1"))
+
+    assert count("evictions_total", "snapkv") == 2 and count("evictions_total", "streamingllm") == 2
+    assert count("evicted_tokens_total", "snapkv") == 2 * (300 - SNAPKV["max_capacity_prompt"])
+    assert {'restkv:evictions_total{engine="0",method="snapkv"}', 'restkv:evictions_total{engine="1",method="snapkv"}'} <= set(metrics)

@@ -85,6 +85,7 @@ TARGETS = {
     "vllm.v1.core.sched.scheduler": {
         "Scheduler": {
             "__init__": (scheduler.scheduler_init, ("vllm_config", "kv_cache_config")),
+            "schedule": scheduler.schedule,
             "update_from_output": (scheduler.update_from_output, (*_STEP, "model_runner_output")),
         }
     },
@@ -196,7 +197,8 @@ READS = {
         "layer_name", "impl", "kv_cache", "attn_backend", "kv_cache_dtype", "kv_cache_torch_dtype", "dtype",
     ),
     "vllm.config.model.ModelConfig": (
-        "get_num_layers", "get_num_attention_heads", "get_num_kv_heads", "get_total_num_kv_heads", "uses_alibi",
+        "get_num_layers", "get_total_num_hidden_layers", "get_num_attention_heads", "get_num_kv_heads",
+        "get_total_num_kv_heads", "uses_alibi",
         "is_hybrid", "has_inner_state", "is_attention_free", "is_encoder_decoder", "attention_chunk_size", "use_mla",
     ),
     "vllm.config.vllm.VllmConfig": ("kv_transfer_config",),

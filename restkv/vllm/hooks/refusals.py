@@ -50,8 +50,10 @@ def refusals(vllm_config, cfg) -> list[str]:
             "runs full-attention models",
         ),
         (
-            parallel.pipeline_parallel_size > 1,
-            "pipeline parallelism: pipeline_parallel_size=1 (vllm serve: --pipeline-parallel-size 1)",
+            parallel.pipeline_parallel_size > 1 and settings.per_head(cfg),
+            f"{settings.budget_knobs(cfg)} under pipeline parallelism (each stage's heads and layers would keep "
+            "their own counts of the blocks every stage shares): pipeline_parallel_size=1 "
+            "(vllm serve: --pipeline-parallel-size 1) or uniform budgets",
         ),
         (
             parallel.tensor_parallel_size > 1 and mixes is not None,
@@ -178,9 +180,9 @@ def bind_model(vllm_config, cfg) -> None:
     fit it raises a one-line ValueError naming the knob's file."""
     m, p = vllm_config.model_config, vllm_config.parallel_config
     ranks = p.tensor_parallel_size
-    try:
+    try:  # every layer, whatever pipeline stage holds it
         settings.bind_model(
-            cfg, m.get_num_layers(p), m.get_num_attention_heads(p) * ranks, m.get_total_num_kv_heads(), ranks
+            cfg, m.get_total_num_hidden_layers(), m.get_num_attention_heads(p) * ranks, m.get_total_num_kv_heads(), ranks
         )
     except ValueError as e:
         raise ValueError(f"{settings.ENV}: {e}") from None

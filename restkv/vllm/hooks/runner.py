@@ -20,7 +20,7 @@ import inspect
 
 import torch
 
-from .. import settings
+from .. import outcome, settings
 from ..ranks import Ranks
 from ..worker import Worker
 from . import refusals
@@ -77,7 +77,8 @@ def load_model(orig):
         if worker is not None:
             layers = [m.attn for m in self.model.modules() if hasattr(getattr(m, "attn", None), "layer_name")]
             heads = {getattr(a, "num_heads", None) for a in layers}  # this rank's Hq, one for all layers
-            worker.index_layers(o_proj_readers(self.model), heads.pop() if len(heads) == 1 else None)
+            total = self.vllm_config.model_config.get_total_num_hidden_layers()  # a pipeline stage holds some
+            worker.index_layers(o_proj_readers(self.model), heads.pop() if len(heads) == 1 else None, total)
         return out
 
     return wrapped
@@ -130,7 +131,9 @@ def o_proj_weight(o_proj) -> torch.Tensor:
 
 def execute_model(orig):
     """Around the original: the step's Worker for the attention layers; then, once the step has
-    run, its cuts (``Worker.end``, which raises if a layer's attention ran without the plugin)."""
+    run, its cuts (``Worker.end``, which raises if a layer's attention ran without the plugin).
+    Under pipeline parallelism the earlier stages' outcome comes with the tensors this stage
+    receives and its own goes on with those it sends (``relayed``)."""
     signature = inspect.signature(orig)
 
     @functools.wraps(orig)
@@ -138,16 +141,30 @@ def execute_model(orig):
         worker = getattr(self, "_restkv", None)
         if worker is None or _dummy(signature, self, args, kwargs):
             return orig(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        worker.relayed = relayed(arguments.get("intermediate_tensors"))
         CURRENT[0] = worker
         try:
             out = orig(self, *args, **kwargs)
         finally:
             CURRENT[0] = None
-        step = signature.bind(self, *args, **kwargs).arguments["scheduler_output"]
-        worker.end(step.total_num_scheduled_tokens)
+        worker.end(arguments["scheduler_output"].total_num_scheduled_tokens)
+        if isinstance(getattr(out, "tensors", None), dict):  # a stage before the last: on with its tensors
+            if worker.outcome:
+                out.tensors[outcome.KEY] = outcome.packed(worker.report())
+            return out
         return report(worker, out)
 
     return wrapped
+
+
+def relayed(intermediate):
+    """The earlier pipeline stages' ``outcome.Outcome``, taken out of the tensors this stage received
+    (vLLM's runner copies each of them into its own buffers), or None."""
+    tensors = getattr(intermediate, "tensors", None)
+    if not isinstance(tensors, dict) or outcome.KEY not in tensors:
+        return None
+    return outcome.unpacked(tensors.pop(outcome.KEY))
 
 
 def sample_tokens(orig):

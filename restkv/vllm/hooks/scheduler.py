@@ -52,7 +52,10 @@ class Blocks:
     engine: per_request.Engine | None = None  # what a request's own knobs are resolved against
     configs: dict = field(default_factory=dict)  # request id -> the config it runs (None: it keeps all)
     offsets: dict = field(default_factory=dict)  # request id -> logical - held entries
-    due: dict = field(default_factory=dict)  # request id -> settings.Eviction, this step's
+    due: dict = field(default_factory=dict)  # request id -> settings.Eviction, of the step being scheduled
+    # id(scheduler output) -> (it, its ``due``), each step's until its output comes back: under pipeline
+    # parallelism a request's next prompt chunk is scheduled before its last one's output is back
+    sent: dict = field(default_factory=dict)
     freed: dict = field(default_factory=dict)  # request id -> its offset when freed, this step
     counts: dict = field(default_factory=dict)  # method -> {count: value}, since the last stats sent
 
@@ -79,6 +82,10 @@ class Blocks:
         held = self.held(request_id, tokens)
         return held if e is None else max(held, e.slots)
 
+    def evictions(self, scheduler_output) -> dict:
+        """request id -> ``settings.Eviction`` of a step scheduled and not yet back (``schedule``)."""
+        return self.sent.get(id(scheduler_output), (None, {}))[1]
+
     def forget(self, request_id: str) -> None:
         self.freed[request_id] = self.offsets.pop(request_id, 0)
         self.due.pop(request_id, None)
@@ -102,6 +109,24 @@ def scheduler_init(orig):
         manager._restkv = manager.coordinator._restkv = state
 
     return init
+
+
+def schedule(orig):
+    """``Scheduler.schedule``: the evictions its allocations gave (``Blocks.due``) kept with the step
+    scheduled, for its output (``update_from_output``), however many steps are in flight."""
+
+    @functools.wraps(orig)
+    def wrapped(self, *args, **kwargs):
+        state = getattr(self.kv_cache_manager, "_restkv", None)
+        if state is None:
+            return orig(self, *args, **kwargs)
+        state.due = {}
+        out = orig(self, *args, **kwargs)
+        state.sent[id(out)] = (out, state.due)
+        state.due = {}
+        return out
+
+    return wrapped
 
 
 def get_computed_blocks(orig):
@@ -230,8 +255,10 @@ def update_from_output(orig):
         if state is None:
             return orig(self, scheduler_output, model_runner_output)
         outcome = getattr(model_runner_output, "restkv", None) or Outcome()
+        due = state.evictions(scheduler_output)
+        state.sent.pop(id(scheduler_output), None)
         failed = fail(self, state, outcome.failed)
-        evictions = checked(self, state, scheduler_output, outcome)
+        evictions = checked(self, due, scheduler_output, outcome)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         counts = {  # as they were when preempted: this step may resume them
             r: (self.requests[r].num_output_tokens, self.requests[r].num_tokens, state.config(self.requests[r]))
@@ -289,15 +316,16 @@ def errored(outputs: dict, request) -> None:
     )
 
 
-def checked(scheduler, state: Blocks, scheduler_output, outcome: Outcome) -> dict:
-    """The step's evictions, each the scheduler's own rule's (``settings.Eviction``) checked against what
+def checked(scheduler, due: dict, scheduler_output, outcome: Outcome) -> dict:
+    """The step's evictions (``due``: request id -> ``settings.Eviction``, as ``schedule`` kept them),
+    each the scheduler's own rule's checked against what
     the workers report (``outcome.Kept``: every rank's agreed, ``outcome.merged``) -> request id -> (the
     eviction, with the worker's count where it is the worker's to measure, and its ``Kept``). An eviction
     the workers did not report, or whose entries held or kept count differ, stops the engine, naming the
     request, before any block is freed; so does an eviction the workers ran and the rule does not give."""
     evictions = {}
     for req_id in scheduler_output.num_scheduled_tokens:
-        e = state.due.pop(req_id, None)
+        e = due.get(req_id)
         request = scheduler.requests.get(req_id)
         if e is None or request is None or request.is_finished():
             continue
