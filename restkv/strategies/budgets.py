@@ -258,7 +258,9 @@ def pyramid_budgets(
     PyramidKV: the non-window part goes from ``max_num`` down to ``min_num = (budget - window) / beta``
     with ``max_num + min_num = 2 (budget - window)``, so the layers keep ``num_layers * budget`` in all
     (exactly: rounding leftovers go to the layers with the largest fractions). ``max_num`` is capped
-    at the prefix length, as in the original.
+    at the prefix length, as in the original, but not below ``budget - window``: a prompt within the
+    budget (which the original never evicts; decoding-time eviction does) gets ``budget`` in every
+    layer, not a pyramid upside down.
     """
     if num_layers == 1:
         return [budget]
@@ -266,7 +268,7 @@ def pyramid_budgets(
     min_num = base / beta
     max_num = 2 * base - min_num
     if max_num > prompt_len - window:
-        max_num = prompt_len - window
+        max_num = max(prompt_len - window, base)
         min_num = 2 * base - max_num
     step = (max_num - min_num) / (num_layers - 1)
     exact = [max_num - i * step for i in range(num_layers)]
