@@ -113,9 +113,15 @@ def stack_samples(parts: list[Kept]) -> Kept:
     """The kept entries of several samples (one ``Kept`` each, of batch 1) as one batch, per head.
 
     Shorter ones are padded at the end and marked invalid, so the result has per-head validity.
+    When some keep one set per query head (``kv_heads``), a sample that kept one per KV head (all
+    it held) repeats it for each query head of its group.
     """
     width = max(p.keys.shape[-2] for p in parts)
-    heads = parts[0].keys.shape[1]
+    heads = max(p.keys.shape[1] for p in parts)
+    kv_heads = next((p.kv_heads for p in parts if p.kv_heads is not None), None)
+
+    def spread(t):  # [1, h, ...] -> [1, heads, ...]
+        return t.repeat_interleave(heads // t.shape[1], 1)
 
     def pad(t, fill):
         return F.pad(
@@ -125,15 +131,15 @@ def stack_samples(parts: list[Kept]) -> Kept:
         )
 
     def per_head(p):
-        return p.valid if p.valid.dim() == 3 else p.valid[:, None].expand(-1, heads, -1)
+        return spread(p.valid) if p.valid.dim() == 3 else p.valid[:, None].expand(-1, heads, -1)
 
     return Kept(
-        torch.cat([pad(p.keys, 0) for p in parts]),
-        torch.cat([pad(p.values, 0) for p in parts]),
-        torch.cat([pad(p.positions, -1) for p in parts]),
+        torch.cat([pad(spread(p.keys), 0) for p in parts]),
+        torch.cat([pad(spread(p.values), 0) for p in parts]),
+        torch.cat([pad(spread(p.positions), -1) for p in parts]),
         torch.cat([pad(per_head(p), False) for p in parts]),
         per_head=True,
-        kv_heads=parts[0].kv_heads,
+        kv_heads=kv_heads,
     )
 
 

@@ -72,16 +72,20 @@ def _select(cfg, prefills: list[LayerPrefill]) -> list:
     if (
         cfg.get("layer_budget") == "global"
     ):  # every evicted layer is deferred: len(prefills) layers share it
-        parts = [
-            shared_sizes(cfg, [p.scores[i] for p in prefills], budget)
-            for i, (_, _, budget) in enumerate(prefills[0].parts)
+        parts = [  # a part that keeps all it holds has no scores (the same in every layer)
+            None if fit else shared_sizes(cfg, [p.scores[i] for p in prefills], budget)
+            for i, ((_, _, budget), fit) in enumerate(zip(prefills[0].parts, prefills[0].fit))
         ]
-        sizes = [[part[layer] for part in parts] for layer in range(len(prefills))]
+        sizes = [
+            [None if part is None else part[layer] for part in parts]
+            for layer in range(len(prefills))
+        ]
     return [(p, *p.result(p.select(s))) for p, s in zip(prefills, sizes)]
 
 
 def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict:
-    """The method's scores of every prompt position from its passes: {layer_idx: [b, H, n] float32}.
+    """The method's scores of every prompt position from its passes: {layer_idx: [b, H, n] float32}
+    (a sample without a pass, all of it sinks, scores 0; H = 1 when no sample had one).
 
     Each sample (its real tokens only, batch 1 as the reference) runs every pass on a shallow copy of
     the cache whose layers never store into the prompt's entries (``_pass_layer``), so no pass's
@@ -122,6 +126,8 @@ def replay_scores(model, cache, prefills: list[LayerPrefill], input_ids) -> dict
                 row = out[idx][s]
                 row[:, pad : pad + sinks] = r[0, :, :sinks]
                 row[:, pad + start : pad + stop] = r[0, :, sinks : sinks + stop - start]
+    for p in prefills:  # no sample had a pass (each within its sinks): every entry ties
+        out.setdefault(p.module.layer_idx, p.key.new_zeros(b, 1, n, dtype=torch.float32))
     return out
 
 

@@ -102,9 +102,12 @@ class LayerPrefill:
             )
             for i, (s, B) in enumerate(zip(starts, budgets))
         ]  # (samples, first position, budget)
-        self.keeps_all = not cfg.evicts or all(
-            fits(cfg, length, bud) for length, bud in zip(self.lengths, budgets)
-        )
+        fit = [
+            not cfg.evicts or fits(cfg, length, bud) for length, bud in zip(self.lengths, budgets)
+        ]
+        self.keeps_all = all(fit)
+        # per part: it keeps every entry it holds, unscored (a sample within its budget or window)
+        self.fit = [self.keeps_all] if self.batched else fit
         ratio = cfg.get("pruning_ratio")
         self.energy = (
             None if ratio is None else think.query_energy(query, key_valid, cfg.window_size)
@@ -135,9 +138,13 @@ class LayerPrefill:
         )
 
     def score(self, raw=None) -> None:
-        """Keep each part's selection scores [b, H, P] (``raw``: the method's scores of every position [b, H, n])."""
+        """Keep each part's selection scores [b, H, P] (``raw``: the method's scores of every
+        position [b, H, n]); None for a part that keeps all it holds."""
         self.scores = []
-        for part in self.parts:
+        for part, fit in zip(self.parts, self.fit):
+            if fit:
+                self.scores.append(None)
+                continue
             obs = self.observation(part)
             own = None if raw is None else raw[part[0], :, part[1] : part[1] + obs.prefix_len]
             self.scores.append(head_scores(obs, self.plan.cfg, own))
@@ -150,7 +157,6 @@ class LayerPrefill:
 
     def select(self, sizes=None) -> Kept:
         """The kept entries; ``sizes`` (per part, [b, Hkv] prefix entries per head) from a cross-layer budget."""
-        cfg = self.plan.cfg
         hkv = self.key.shape[1]
         if self.keeps_all:
             return Kept(
@@ -159,24 +165,26 @@ class LayerPrefill:
                 relative_positions(self.key_valid)[:, None].expand(-1, hkv, -1),
                 self.key_valid,
             )
+        kept = [self.select_part(i, sizes) for i in range(len(self.parts))]
+        return kept[0] if self.batched else stack_samples(kept)
+
+    def select_part(self, i: int, sizes=None) -> Kept:
+        """Part ``i``'s kept entries: all it holds when it fits (unscored), else the config's
+        selection."""
+        cfg = self.plan.cfg
+        obs = self.observation(self.parts[i])
+        if self.fit[i]:
+            return select(obs, cfg, fit=True)
         stepwise = [run for strategy, run in STEPWISE.items() if strategy.applies(cfg)]
         if stepwise:  # neither cross-layer sizes nor deferred scores here (their checks refuse)
-            kept = [
-                stepwise[0](self.plan, self.module, self.observation(part), self.kwargs)
-                for part in self.parts
-            ]
-            return kept[0] if self.batched else stack_samples(kept)
-        kept = [
-            select(
-                self.observation(part),
-                cfg,
-                self.plan.table,
-                None if sizes is None else sizes[i],
-                None if self.scores is None else self.scores[i],
-            )
-            for i, part in enumerate(self.parts)
-        ]
-        return kept[0] if self.batched else stack_samples(kept)
+            return stepwise[0](self.plan, self.module, obs, self.kwargs)
+        return select(
+            obs,
+            cfg,
+            self.plan.table,
+            None if sizes is None else sizes[i],
+            None if self.scores is None else self.scores[i],
+        )
 
     def result(self, kept: Kept):
         """(the cache layer holding ``kept``, or None: keep the full one; the kept positions [b, H, kept])."""

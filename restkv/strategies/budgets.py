@@ -5,7 +5,8 @@ other name) or global. KV heads of a layer (``head_budget``): uniform, AdaKV (sh
 all heads' scores), HeadKV (from a head-importance table), a threshold (DMS's form, as kvpress's
 ``DMSPress``: a head keeps the entries scoring at least ``threshold``, at most its budget, the best;
 a prompt within the budget is thresholded too, so with ``max_capacity_prompt`` at least the prompt's
-length a head keeps exactly those) or LU-KV's budget curve (``lukv_sizes``). All combine with any scorer.
+length a head keeps exactly those; a prompt within the window keeps all, unscored) or LU-KV's budget
+curve (``lukv_sizes``). All combine with any scorer.
 Each head's count is computed in ``head_budgets``.
 
 ``global`` shares ``num_layers * Hkv * (B - window)`` prefix entries among every evicted layer and KV
@@ -237,16 +238,17 @@ def ratio_budgets(cfg, prompt_len: int) -> list[int]:
 
 
 def fits(cfg, length: int, budget: int) -> bool:
-    """Whether ``length`` entries are all kept under ``budget``: they fit it, and no threshold
-    (``head_budget="threshold"``) evicts below the budget."""
-    return length <= budget and cfg.get("head_budget") != "threshold"
+    """Whether ``length`` entries (the observation window's included) are all kept under ``budget``:
+    they all lie in the window (nothing to evict: a prompt of at most ``window_size`` tokens), or
+    they fit the budget and no threshold (``head_budget="threshold"``) evicts below it."""
+    return length <= cfg.window_size or (length <= budget and cfg.get("head_budget") != "threshold")
 
 
 def keeps_prompt(cfg, length: int) -> bool:
     """Whether a prompt of ``length`` real tokens keeps every entry at prefill under ``cfg``: the
-    config evicts nothing, or the prompt fits its sample budget (:func:`sample_budgets`; then no
-    layer's budget, pyramid or per head, is below it) and no threshold evicts below it
-    (:func:`fits`)."""
+    config evicts nothing, the prompt lies in the observation window, or it fits its sample
+    budget (:func:`sample_budgets`; then no layer's budget, pyramid or per head, is below it) and
+    no threshold evicts below it (:func:`fits`)."""
     return not cfg.evicts or fits(cfg, length, sample_budgets(cfg, [length])[0])
 
 
@@ -258,7 +260,9 @@ def pyramid_budgets(
     PyramidKV: the non-window part goes from ``max_num`` down to ``min_num = (budget - window) / beta``
     with ``max_num + min_num = 2 (budget - window)``, so the layers keep ``num_layers * budget`` in all
     (exactly: rounding leftovers go to the layers with the largest fractions). ``max_num`` is capped
-    at the prefix length, as in the original.
+    at the prefix length, as in the original, but not below ``budget - window``: a prompt within the
+    budget (which the original never evicts; decoding-time eviction does) gets ``budget`` in every
+    layer, not a pyramid upside down.
     """
     if num_layers == 1:
         return [budget]
@@ -266,7 +270,7 @@ def pyramid_budgets(
     min_num = base / beta
     max_num = 2 * base - min_num
     if max_num > prompt_len - window:
-        max_num = prompt_len - window
+        max_num = max(prompt_len - window, base)
         min_num = 2 * base - max_num
     step = (max_num - min_num) / (num_layers - 1)
     exact = [max_num - i * step for i in range(num_layers)]

@@ -322,7 +322,7 @@ def mean_kept(cfg: CompressionConfig, budget: int, prompt_len: int, layers: int)
     """Entries per KV head a request keeps at ``budget``, on average over its ``layers`` layers and their
     heads, from the config alone (rounded up): ``budget`` where a layer's heads share ``Hkv * budget``
     (AdaKV) or keep ``budget`` each; HeadKV's table's mean; PyramidKV's schedule's mean over its layers
-    (``layers * budget`` in all, more where a short prompt clips its last layers); LU-KV's counts from its
+    (``layers * budget`` in all, uniform for a prompt within the budget); LU-KV's counts from its
     curve at ``prompt_len`` (``lukv_kept``); ``UNBOUNDED`` for ``DEFERRED`` (measured by the worker)."""
     if deferred(cfg):
         return UNBOUNDED

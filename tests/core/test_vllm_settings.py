@@ -162,7 +162,7 @@ def test_headkv_is_counted_from_its_table(tmp_path):
 @pytest.mark.parametrize("prompt_len", [300, 140])
 def test_pyramidkv_is_counted_at_its_mean_over_the_layers(prompt_len):
     """PyramidKV's layers keep from about 2 B down to B / beta; the request is counted at the mean of
-    its schedule over the model's layers (B, or more where a short prompt clips the last layers),
+    its schedule over the model's layers (B; every layer's for a prompt within the budget),
     plus a block, not at its first layer's budget: every layer's pages are one pool."""
     from restkv.strategies.budgets import layer_budgets
 
@@ -252,7 +252,7 @@ def test_layer_ratios_are_each_layers_budget(tmp_path):
 def test_checks_evict_as_configure_decides():
     """A threshold selects at every check, whatever the request holds; a request whose heads hold their own
     pages evicts at every check (its widest head is not known to the scheduler); one that never evicted,
-    when it holds more than its smallest layer's budget (PyramidKV's below B for a short prompt)."""
+    when it holds more than its smallest layer's budget (PyramidKV's: B in every layer for a prompt within B)."""
     threshold = settings.from_env({"restkv": {**SNAPKV, "head_budget": "threshold", "threshold": 0.2}})
     assert settings.eviction(threshold, 0, 40, 40, 0, False, 16) is not None
     adakv = settings.from_env({"restkv": {"method": "adakv", "max_capacity_prompt": 128, "decode_interval": 8}})
@@ -261,5 +261,6 @@ def test_checks_evict_as_configure_decides():
     pyramid = settings.from_env({"restkv": {"method": "pyramidkv", "max_capacity_prompt": 128, "decode_interval": 8}})
     settings.bind_model(pyramid, 4, 6, 2)
     assert settings.eviction(pyramid, 0, 100, 100, 0, False, 16) is None  # the prompt fits B
-    assert settings.eviction(pyramid, 107, 1, 100, 0, False, 16, False) is not None  # a layer's budget is 100
+    assert settings.eviction(pyramid, 107, 1, 100, 0, False, 16, False) is None  # 108 held, every layer's B 128
+    assert settings.eviction(pyramid, 131, 1, 100, 0, False, 16, False) is not None  # 132 held
     assert settings.eviction(uniform_cfg(), 107, 1, 100, 0, False, 16, False) is None
