@@ -33,7 +33,6 @@ KNOBS = (
         0.0,
         "merge='value': smallest cosine similarity of an evicted key to its kept target "
         "for a merge",
-        check=lambda s: 0.0 <= s <= 1.0,
         rule="in [0, 1]",
         when={"merge": ("value",)},
     ),
@@ -41,7 +40,6 @@ KNOBS = (
         "merge_fraction",
         1.0,
         "merge='value': share of each head's evicted entries (the most similar) that merge",
-        check=lambda f: 0.0 < f <= 1.0,
         rule="in (0, 1]",
         when={"merge": ("value",)},
     ),
