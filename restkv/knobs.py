@@ -112,6 +112,7 @@ class Knob:
         return value
 
 
+OFF = " (or 0: off)"  # a bound's suffix: 0 passes too (it turns the knob off)
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 _NUMBER = r"(-?\d+(?:\.\d+)?)"  # an int, or a float with its point
 _BOUND = re.compile(rf"(>=|>|<=|<) {_NUMBER}")
@@ -124,16 +125,30 @@ def _number(text: str) -> int | float:
 
 def bound_check(rule: str, name: str = "a knob") -> Callable[[Any], bool]:
     """The check a bound says: ``"> 0"``, ``">= 1"``, ``"<= 8"``, or an interval ``"in [0, 1)"``
-    (``[``, ``]`` closed, ``(``, ``)`` open); any other rule raises ``ValueError`` naming the knob."""
+    (``[``, ``]`` closed, ``(``, ``)`` open), each also with ``" (or 0: off)"`` (0 passes too); any
+    other rule raises ``ValueError`` naming the knob."""
+    check = _bound(rule)
+    if check is None:
+        raise ValueError(
+            f"{name}: rule {rule!r} is not a bound (such as '>= 0' or 'in (0, 1]'); give its check"
+        )
+    return check
+
+
+def _bound(rule: str) -> Callable[[Any], bool] | None:
+    """``bound_check``'s check, None for a rule that is no bound."""
+    if rule.endswith(OFF):
+        inner = _bound(rule.removesuffix(OFF))
+        return inner and (lambda x: x == 0 or inner(x))
     if match := _BOUND.fullmatch(rule):
-        compare, bound = _COMPARE[match[1]], _number(match[2])
-        return lambda x: compare(x, bound)
+        compare, limit = _COMPARE[match[1]], _number(match[2])
+        return lambda x: compare(x, limit)
     if match := _INTERVAL.fullmatch(rule):
         low, high = _number(match[2]), _number(match[3])
         above = operator.ge if match[1] == "[" else operator.gt
         below = operator.le if match[4] == "]" else operator.lt
         return lambda x: above(x, low) and below(x, high)
-    raise ValueError(f"{name}: rule {rule!r} is not a bound (such as '>= 0' or 'in (0, 1]'); give its check")
+    return None
 
 
 # Knobs read by several methods (a method may change the default with ``.but(default=...)``).

@@ -177,6 +177,8 @@ BOUNDS = [  # a rule in words, and the same bound as Python comparisons
     ("in (0, 1)", lambda x: 0 < x < 1),
     ("in [-1, 1]", lambda x: -1 <= x <= 1),
     ("in [0.5, 2.5)", lambda x: 0.5 <= x < 2.5),
+    (">= 1 (or 0: off)", lambda x: x == 0 or x >= 1),
+    ("in (0.5, 1] (or 0: off)", lambda x: x == 0 or 0.5 < x <= 1),
 ]
 
 
@@ -198,6 +200,8 @@ def test_a_rule_that_is_no_bound_needs_its_check():
 
     with pytest.raises(ValueError, match="^odd: rule 'an odd integer' is not a bound"):
         Knob("odd", 1, "an odd number", rule="an odd integer")
+    with pytest.raises(ValueError, match=re.escape("block: rule '>= window_size (or 0: off)' is not a")):
+        Knob("block", 0, "a block size", rule=">= window_size (or 0: off)")
     odd = Knob("odd", 1, "an odd number", check=lambda n: n % 2 == 1, rule="an odd integer")
     with pytest.raises(ValueError, match="odd must be an odd integer, got 2"):
         odd.validate(2)
