@@ -16,6 +16,7 @@ use_restkvs_python()  # a runner of the clone started with a Python that lacks r
 
 from . import config, methods  # noqa: E402  (after the Python is chosen: they import numpy)
 from .config import CompressionConfig, knob_table  # noqa: E402
+from .integration import ATTACH_CALLS as _ATTACH_CALLS  # noqa: E402
 
 METHODS: tuple[str, ...] = methods.METHODS
 """Every registered method's name (``configure(model, method=...)``), in the registry's order
@@ -30,22 +31,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it (imported on first use: it imports torch and transformers)
 _LAZY = {
-    **dict.fromkeys(
-        (
-            "configure",
-            "compressing",
-            "detach",
-            "install",
-            "kept_positions",
-            "replace_gemma",
-            "replace_gemma2",
-            "replace_gemma3",
-            "replace_llama",
-            "replace_mistral",
-            "replace_qwen2",
-        ),
-        "integration.attach",
-    ),
+    **dict.fromkeys(_ATTACH_CALLS, "integration.attach"),
     "memory_report": "cache",
     "sweep": "integration.sweeps",
     "sweep_caches": "integration.sweeps",

@@ -8,6 +8,8 @@ the runners' flags and their choices, and run labels.
 
 from __future__ import annotations
 
+import operator
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -27,7 +29,9 @@ class Knob:
     choices : tuple
         The allowed values, if it is a choice.
     check : callable, optional
-        ``check(value) -> bool``; ``rule`` says it in words (``"> 0"``, ``"in (0, 1]"``).
+        ``check(value) -> bool``; ``rule`` says it in words. A rule that is a bound (``">= 0"``,
+        ``"> 1"``, ``"in (0, 1]"``: ``bound_check``) is the check itself: give ``check`` only for
+        other rules (``"an odd integer >= 1"``).
     when : dict or tuple of pairs
         Read only when each named knob has one of the listed values, e.g. ``{"pooling": ("adaptive",)}``.
     stage : str
@@ -51,6 +55,8 @@ class Knob:
     of: type | None = None
 
     def __post_init__(self):
+        if self.check is None and self.rule:
+            bound_check(self.rule, self.name)  # a rule without a check is a bound, or refused here
         if isinstance(self.when, dict):
             object.__setattr__(self, "when", tuple((k, tuple(v)) for k, v in self.when.items()))
 
@@ -100,13 +106,49 @@ class Knob:
             raise ValueError(
                 f"{self.name} must be one of {', '.join(map(str, self.choices))}; got {value!r}"
             )
-        if self.check is not None and not self.check(value):
+        check = self.check or (bound_check(self.rule, self.name) if self.rule else None)
+        if check is not None and not check(value):
             raise ValueError(f"{self.name} must be {self.rule}, got {value!r}")
         return value
 
 
-def positive(x) -> bool:
-    return x > 0
+OFF = " (or 0: off)"  # a bound's suffix: 0 passes too (it turns the knob off)
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+_NUMBER = r"(-?\d+(?:\.\d+)?)"  # an int, or a float with its point
+_BOUND = re.compile(rf"(>=|>|<=|<) {_NUMBER}")
+_INTERVAL = re.compile(rf"in ([\[(]){_NUMBER}, {_NUMBER}([\])])")
+
+
+def _number(text: str) -> int | float:
+    return float(text) if "." in text else int(text)
+
+
+def bound_check(rule: str, name: str = "a knob") -> Callable[[Any], bool]:
+    """The check a bound says: ``"> 0"``, ``">= 1"``, ``"<= 8"``, or an interval ``"in [0, 1)"``
+    (``[``, ``]`` closed, ``(``, ``)`` open), each also with ``" (or 0: off)"`` (0 passes too); any
+    other rule raises ``ValueError`` naming the knob."""
+    check = _bound(rule)
+    if check is None:
+        raise ValueError(
+            f"{name}: rule {rule!r} is not a bound (such as '>= 0' or 'in (0, 1]'); give its check"
+        )
+    return check
+
+
+def _bound(rule: str) -> Callable[[Any], bool] | None:
+    """``bound_check``'s check, None for a rule that is no bound."""
+    if rule.endswith(OFF):
+        inner = _bound(rule.removesuffix(OFF))
+        return inner and (lambda x: x == 0 or inner(x))
+    if match := _BOUND.fullmatch(rule):
+        compare, limit = _COMPARE[match[1]], _number(match[2])
+        return lambda x: compare(x, limit)
+    if match := _INTERVAL.fullmatch(rule):
+        low, high = _number(match[2]), _number(match[3])
+        above = operator.ge if match[1] == "[" else operator.gt
+        below = operator.le if match[4] == "]" else operator.lt
+        return lambda x: above(x, low) and below(x, high)
+    return None
 
 
 # Knobs read by several methods (a method may change the default with ``.but(default=...)``).

@@ -28,7 +28,6 @@ GENERAL = (
         None,
         "the budget as a fraction of each sample's prompt instead: "
         "round(L * ratio) entries (window included, at least window_size + 1)",
-        check=lambda r: 0 < r <= 1,
         rule="in (0, 1]",
         nullable=True,
         of=float,
@@ -37,7 +36,6 @@ GENERAL = (
         "window_size",
         32,
         "the last prompt tokens: always kept, and their queries observe the prefix",
-        check=lambda w: w >= 1,
         rule=">= 1",
     ),
     Knob(
@@ -53,7 +51,6 @@ GENERAL = (
         "residual_length",
         32,
         "decoded entries kept in full precision before they are quantized in one go",
-        check=lambda n: n >= 0,
         rule=">= 0",
         when=_QUANTIZED,
     ),
@@ -61,7 +58,6 @@ GENERAL = (
         "q_group_size",
         64,
         "quantization group size",
-        check=lambda n: n >= 1,
         rule=">= 1",
         when=_QUANTIZED,
     ),

@@ -14,27 +14,11 @@ from torch import nn
 
 from ..config import CompressionConfig
 from ..eviction.plans import attention_modules
+from . import ATTACH_CALLS
 from .attachment import Attachment, attached, detach, install
 from .calibration import layer_plans
 
-__all__ = [
-    "FAMILIES",
-    "Attachment",
-    "attached",
-    "check_family",
-    "check_model",
-    "compressing",
-    "configure",
-    "detach",
-    "install",
-    "kept_positions",
-    "replace_gemma",
-    "replace_gemma2",
-    "replace_gemma3",
-    "replace_llama",
-    "replace_mistral",
-    "replace_qwen2",
-]
+__all__ = ["FAMILIES", "Attachment", "attached", "check_family", "check_model"] + list(ATTACH_CALLS)
 
 FAMILIES = {
     "llama": "transformers.models.llama.modeling_llama",

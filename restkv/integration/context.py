@@ -20,10 +20,9 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache
 
-from ..compat import cache_argument
 from .attach import check_family, configure
 from .attachment import attached
-from .generation import ABSENT, eos_and_pad, full_plans, greedy_decode
+from .generation import ABSENT, eos_and_pad, forward, full_plans, greedy_decode, positions_and_mask
 from .sweeps import prefill_caches
 
 
@@ -179,18 +178,11 @@ def answer(
         else question_ids.new_ones(b, cache.context_length)
     )
     mask = torch.cat([context, context.new_ones(b, m)], -1)
-    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -m:]
-    model_mask = None if bool((mask == 1).all()) else mask
+    position_ids, model_mask = positions_and_mask(mask)
+    position_ids = position_ids[:, -m:]
     cache.rewind()
     with attached(model, full_plans(model)):  # decoding reads each cache's own layers
-        out = model(
-            input_ids=question_ids,
-            attention_mask=model_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_argument(model): cache},
-        )
+        out = forward(model, question_ids, model_mask, position_ids, cache)
         first = out.logits[:, -1].float().argmax(-1).to(question_ids.device)
         return greedy_decode(
             model, cache, first, position_ids, model_mask, max_new_tokens, eos, pad

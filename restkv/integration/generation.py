@@ -48,14 +48,7 @@ def greedy_decode(
             pos = pos + 1
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
-            logits = model(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_argument(model): cache},
-            ).logits
+            logits = forward(model, tok[:, None], mask, pos, cache).logits
             tok = logits[:, -1].float().argmax(-1).to(device)
         if eos is not None:
             tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
@@ -75,6 +68,27 @@ def greedy_decode(
             tok, pos, rows, unfinished = tok[keep], pos[keep], rows[keep], unfinished[keep]
             mask = None if mask is None else mask[keep]
     return out, length
+
+
+def positions_and_mask(mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """A left-padded attention mask [b, n] (0 on padding) -> the positions [b, n] (0 on padding) and the
+    mask the model is given (None when nothing is padded: one host read)."""
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return position_ids, None if bool((mask == 1).all()) else mask
+
+
+def forward(model, input_ids: Tensor, mask: Tensor | None, position_ids: Tensor, cache=None):
+    """The model's output on ``input_ids`` [b, n] with the last position's logits only, appending to
+    ``cache`` (None: the model's own new cache)."""
+    into = {} if cache is None else {cache_argument(model): cache}
+    return model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=1,
+        **into,
+    )
 
 
 def eos_and_pad(model, eos_token_id, pad_token_id, device):

@@ -22,7 +22,7 @@ from ..eviction.deferred import finish
 from ..eviction.plans import attention_modules
 from ..eviction.step import evict_layer
 from .attachment import attached
-from .generation import ABSENT, eos_and_pad, full_plans, greedy_decode
+from .generation import ABSENT, eos_and_pad, forward, full_plans, greedy_decode, positions_and_mask
 from .calibration import layer_plans
 
 
@@ -175,16 +175,9 @@ def prefill_caches(
             )  # every config holds its own: the full one goes
 
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    model_mask = None if bool((mask == 1).all()) else mask
+    position_ids, model_mask = positions_and_mask(mask)
     with attached(model, full_plans(model), on_prefill=evict_each):
-        out = model(
-            input_ids=input_ids,
-            attention_mask=model_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        out = forward(model, input_ids, model_mask, position_ids)
         full = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
         shared: dict = {}
         for c, prefills in enumerate(deferred):

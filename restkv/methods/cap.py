@@ -36,7 +36,6 @@ KNOBS = (
         "tau",
         5.0,
         "CAPKV: temperature of the weights exp(tau cos(anchor, k))",
-        check=lambda t: t >= 0,
         rule=">= 0",
     ),
     N_FUTURE_POSITIONS,
@@ -44,14 +43,12 @@ KNOBS = (
         "n_sink",
         4,
         "first tokens always kept and left out of the query anchor and the leverage",
-        check=lambda n: n >= 0,
         rule=">= 0",
     ),
     Knob(
         "epsilon",
         1e-6,
         "CAPKV: added to the weights inside the capacity matrix",
-        check=lambda e: e >= 0,
         rule=">= 0",
     ),
 )

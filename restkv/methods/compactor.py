@@ -38,7 +38,6 @@ KNOBS = (
         "recent_tokens",
         4,
         "last tokens always kept and left out of the scores",
-        check=lambda n: n >= 0,
         rule=">= 0",
     ),
     Knob(
@@ -47,7 +46,6 @@ KNOBS = (
         "weight of the leverage against the attention (None: the layer's compression ratio)",
         nullable=True,
         of=float,
-        check=lambda x: x >= 0,
         rule=">= 0",
     ),
 )

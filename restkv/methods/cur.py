@@ -30,7 +30,6 @@ SKETCH_SEED = Knob(
     "sketch_seed",
     0,
     "seed of the Gaussian sketch (draws differ per layer)",
-    check=lambda s: s >= 0,
     rule=">= 0",
 )
 
@@ -57,7 +56,6 @@ KNOBS = (
         "local_window_size",
         16,
         "tokens per chunk of the local normalisation",
-        check=lambda n: n >= 1,
         rule=">= 1",
         when={"use_local_approximation": (True,)},
     ),

@@ -45,7 +45,6 @@ KNOBS = (
         "first_stage_mass",
         0.9,
         "attention mass (less the window's bias) whose entries are kept first",
-        check=lambda m: 0 < m <= 1,
         rule="in (0, 1]",
     ),
     VALUE_NORM.but(stage="score"),

@@ -80,7 +80,6 @@ KNOBS = (
         "keep_token_lower_bound",
         0,
         "entries every layer keeps per head at least",
-        check=lambda n: n >= 0,
         rule=">= 0",
     ),
 )

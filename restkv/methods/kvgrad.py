@@ -42,7 +42,6 @@ KNOBS = (
         "repeat_chunk",
         512,
         "context tokens reconstructed per extra forward and backward",
-        check=lambda n: n >= 1,
         rule=">= 1",
     ),
     kvzip.KNOBS[2],

@@ -47,14 +47,12 @@ TRAINING = (  # the recipe of weights trained here (read only when no file is gi
         "train_windows",
         16,
         "essay windows whose KVzip scores train the weights (1 in 8 held out)",
-        check=lambda n: n >= 2,
         rule=">= 2",
     ),
     Knob(
         "train_length",
         1024,
         "tokens per training window (at most the model's context)",
-        check=lambda n: n >= 16,
         rule=">= 16",
     ),
 )

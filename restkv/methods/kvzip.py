@@ -57,7 +57,6 @@ KNOBS = (
         "repeat_chunk",
         2000,
         "context tokens reconstructed per extra forward",
-        check=lambda n: n >= 1,
         rule=">= 1",
     ),
     Knob(

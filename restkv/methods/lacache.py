@@ -29,14 +29,12 @@ KNOBS = (
         "span",
         16,
         "layers over which one token position stays cached (the ladder's span)",
-        check=lambda s: s >= 2,
         rule=">= 2",
     ),
     Knob(
         "overlap",
         0,
         "overlap between the spans of successive ladder steps",
-        check=lambda o: o >= 0,
         rule=">= 0",
     ),
     Knob(
@@ -45,7 +43,6 @@ KNOBS = (
         "first tokens always kept (None: the reference's LongBench rule)",
         nullable=True,
         of=int,
-        check=lambda n: n >= 0,
         rule=">= 0",
     ),
 )

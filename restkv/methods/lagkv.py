@@ -35,7 +35,6 @@ KNOBS = (
         "lag_size",
         128,
         "tokens per partition (each scored against the next)",
-        check=lambda n: n >= 2,
         rule=">= 2",
     ),
     Knob(

@@ -34,7 +34,6 @@ KNOBS = (
         "sketch_dimension",
         48,
         "columns of the Gaussian sketch of the keys",
-        check=lambda n: n >= 1,
         rule=">= 1",
     ),
     SKETCH_SEED,

@@ -34,7 +34,6 @@ KNOBS = (
         "attention_chunk",
         256,
         "tokens per chunk of the non-causal attention",
-        check=lambda n: n >= 1,
         rule=">= 1",
     ),
 )

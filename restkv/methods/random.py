@@ -14,7 +14,6 @@ KNOBS = (
         "random_seed",
         0,
         "seed of the random scores (draws differ per layer)",
-        check=lambda s: s >= 0,
         rule=">= 0",
     ),
 )

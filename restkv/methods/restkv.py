@@ -27,7 +27,7 @@ kernel 1 and a drift of exactly 0 the original's padding shifts the whole score 
 from __future__ import annotations
 
 from ..scoring import observe
-from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob, positive
+from ..knobs import GQA_AGG, KERNEL_SIZE, POOLING, Knob
 from ..lazy import torch
 from ..scoring.observe import weighted_values
 from ..scoring.output_change import (
@@ -92,7 +92,6 @@ KNOBS = (
         "tau",
         1.0,
         "exponent of the output distance ||(o - v_n) W_O^h||",
-        check=positive,
         rule="> 0",
         when={**_RECON, "metric_mode": ("after",), "use_wo": (True,)},
     ),
@@ -109,7 +108,6 @@ KNOBS = (
         "alpha",
         0.3,
         "EMA weight",
-        check=lambda a: 0 < a <= 1,
         rule="in (0, 1]",
         when={**_SCORED, "temporal": ("ema", "inv-ema")},
     ),
@@ -125,7 +123,6 @@ KNOBS = (
         "scale",
         2000.0,
         "adaptive pooling: positions of drift per pooling step",
-        check=positive,
         rule="> 0",
         when={"pooling": ("adaptive",)},
     ),
@@ -136,7 +133,6 @@ KNOBS = (
         0,
         "queries observed (scored against): the last query_window positions, only the "
         "window_size newest kept; older queries see only the keys before them (0: window_size)",
-        check=lambda n: n >= 0,
         rule=">= 0",
         when=_SCORED,
     ),

@@ -55,7 +55,6 @@ KNOBS = (
         "triattention_length",
         32768,
         "TriAttention's statistics: essay tokens whose queries are averaged (the authors' --max-length)",
-        check=lambda n: n >= 1,
         rule=">= 1",
         when={"triattention_stats_file": (None,)},
     ),
@@ -63,7 +62,6 @@ KNOBS = (
         "offset_max_length",
         65536,
         "TriAttention: the future offsets 1, 2, 4, ... up to this, over which the series is averaged",
-        check=lambda n: n >= 1,
         rule=">= 1",
     ),
     Knob(

@@ -43,7 +43,6 @@ KNOBS = (
         "compose_ratio",
         0.5,
         "the compression ratio of compose's stage: it keeps int(L (1 - r)) of the L prompt entries",
-        check=lambda r: 0 <= r < 1,
         rule="in [0, 1)",
         when={"compose": FIRST},
         stage="select",

@@ -26,7 +26,6 @@ KNOBS = (
         "evict again every this many new tokens while decoding, observed by the "
         "window_size most recent queries, so each head holds at most its budget + decode_interval "
         "entries; 0: evict at prefill only",
-        check=lambda n: n >= 0,
         rule=">= 0",
         stage="select",
     ),
@@ -36,7 +35,6 @@ KNOBS = (
         "with decode_interval: each eviction while decoding keeps max(1, int(n (1 - r))) "
         "entries per head of the n tokens seen so far (kvpress's CompressionRatioDecodingPress) "
         "instead of the prefill's budget; None: the prefill's budget",
-        check=lambda r: 0 <= r < 1,
         rule="in [0, 1)",
         nullable=True,
         of=float,

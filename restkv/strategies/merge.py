@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from ..knobs import Knob
 from ..lazy import F, torch
+from ..scoring.output_error import entries_per_block
 
-MERGE_BLOCK = 1 << 22  # float32 elements of a block of the [L, B] key similarity of pivot merging
 KNOBS = (
     Knob(
         "merge",
@@ -33,7 +33,6 @@ KNOBS = (
         0.0,
         "merge='value': smallest cosine similarity of an evicted key to its kept target "
         "for a merge",
-        check=lambda s: 0.0 <= s <= 1.0,
         rule="in [0, 1]",
         when={"merge": ("value",)},
     ),
@@ -41,7 +40,6 @@ KNOBS = (
         "merge_fraction",
         1.0,
         "merge='value': share of each head's evicted entries (the most similar) that merge",
-        check=lambda f: 0.0 < f <= 1.0,
         rule="in (0, 1]",
         when={"merge": ("value",)},
     ),
@@ -94,49 +92,50 @@ def pivot_merge(keys, values, kept_idx, evicted):
     -------
     The kept keys and values [b, Hkv, B, d] after merging, in the input dtype.
 
-    The similarity of every entry to the kept keys is formed a block of entries at a time
-    (``MERGE_BLOCK`` float32 elements per KV head), so the extra memory stays a few kept-set sizes.
+    The similarity to the kept keys and the sums into them are formed a block of entries at a time
+    (``nearest_kept``, ``folded``), so the extra memory is the kept keys or values in float32 and blocks
+    of 1/16 of the layer's K+V (``output_error.entries_per_block``).
     """
     d = keys.shape[-1]
+    target = nearest_kept(keys, kept_idx)[1]
+    weight = evicted.float()
+    count = torch.zeros_like(kept_idx, dtype=torch.float32).scatter_add_(2, target, weight)[..., None]
     gather = kept_idx[..., None].expand(-1, -1, -1, d)
-    kept_k = keys.gather(2, gather).float()
-    kept_v = values.gather(2, gather).float()
-    pivots = F.normalize(kept_k, dim=-1, eps=1e-6).transpose(-1, -2)
-    count = torch.zeros_like(kept_k[..., 0])  # n_r
-    incoming_k = torch.zeros_like(kept_k)
-    incoming_v = torch.zeros_like(kept_v)
-    block = max(
-        1, globals()["MERGE_BLOCK"] // max(1, kept_idx.shape[-1])
-    )  # read at call time (tests shrink it)
-    for s in range(0, keys.shape[2], block):
-        e = min(keys.shape[2], s + block)
-        target = (F.normalize(keys[:, :, s:e].float(), dim=-1, eps=1e-6) @ pivots).argmax(
-            -1
-        )  # [b, Hkv, block]
-        weight = evicted[..., s:e].float()
-        count.scatter_add_(2, target, weight)
-        into = target[..., None].expand(-1, -1, -1, d)
-        incoming_k.scatter_add_(2, into, keys[:, :, s:e].float() * weight[..., None])
-        incoming_v.scatter_add_(2, into, values[:, :, s:e].float() * weight[..., None])
 
-    def merge(kept, incoming):
-        return (kept * (1 + count[..., None] / 2) + incoming / 2) / (1 + count[..., None])
+    def merged(x):  # (r (1 + n_r / 2) + sum_e x_e / 2) / (1 + n_r)
+        kept = x.gather(2, gather).float()
+        incoming = folded(x, target, weight, kept_idx.shape[-1])
+        return ((kept * (1 + count / 2) + incoming / 2) / (1 + count)).to(x.dtype)
 
-    return merge(kept_k, incoming_k).to(keys.dtype), merge(kept_v, incoming_v).to(values.dtype)
+    return merged(keys), merged(values)
+
+
+def folded(x, target, weight, size: int):
+    """``sum_e weight_e x_e`` into row ``target_e``: [b, H, size, d] float32 from ``x`` [b, H, L, d] and
+    ``target``, ``weight`` [b, H, L], a block of entries at a time (``entries_per_block``)."""
+    b, h, n, d = x.shape
+    out = torch.zeros(b, h, size, d, device=x.device)
+    block = entries_per_block(b * h * d, x, n)
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        into = target[..., s:e, None].expand(-1, -1, -1, d)
+        out.scatter_add_(2, into, x[:, :, s:e].float() * weight[..., s:e, None])
+    return out
 
 
 def nearest_kept(keys, kept_idx):
     """For every entry of ``keys`` [b, Hkv, L, d], the cosine similarity to its most similar kept
     key and that key's index among the kept ones -> ([b, Hkv, L] float32, [b, Hkv, L] long), a
-    block of entries at a time (``MERGE_BLOCK``)."""
-    d = keys.shape[-1]
+    block of entries at a time (``entries_per_block``: the [b, Hkv, block, B] similarity and the
+    block's keys in float32 hold 1/16 of the layer's K+V at most)."""
+    b, hkv, n, d = keys.shape
     kept_k = keys.gather(2, kept_idx[..., None].expand(-1, -1, -1, d)).float()
     pivots = F.normalize(kept_k, dim=-1, eps=SIMILARITY_EPS).transpose(-1, -2)
     similarity = torch.empty(keys.shape[:3], device=keys.device)
     target = torch.empty(keys.shape[:3], dtype=torch.long, device=keys.device)
-    block = max(1, globals()["MERGE_BLOCK"] // max(1, kept_idx.shape[-1]))
-    for s in range(0, keys.shape[2], block):
-        e = min(keys.shape[2], s + block)
+    block = entries_per_block(b * hkv * max(kept_idx.shape[-1], d), keys, n)
+    for s in range(0, n, block):
+        e = min(n, s + block)
         sim = F.normalize(keys[:, :, s:e].float(), dim=-1, eps=SIMILARITY_EPS) @ pivots
         similarity[..., s:e], target[..., s:e] = sim.max(-1)
     return similarity, target
@@ -158,12 +157,7 @@ def value_merge(keys, values, kept_idx, evicted, threshold: float, fraction: flo
     target_norms = torch.linalg.vector_norm(kept_v, dim=-1).gather(2, target)
     weight = similarity.clamp_min(0) * ok * norms / (norms + target_norms + SIMILARITY_EPS)
     count = torch.zeros_like(kept_v[..., 0]).scatter_add_(2, target, weight)
-    incoming = torch.zeros_like(kept_v)
-    block = max(1, globals()["MERGE_BLOCK"] // (d * kept_v.shape[0] * kept_v.shape[1]))
-    for s in range(0, values.shape[2], block):
-        e = min(values.shape[2], s + block)
-        into = target[..., s:e, None].expand(-1, -1, -1, d)
-        incoming.scatter_add_(2, into, values[:, :, s:e].float() * weight[..., s:e, None])
+    incoming = folded(values, target, weight, kept_v.shape[2])
     merged = ((kept_v + incoming) / (1 + count[..., None])).to(values.dtype)
     unmerged = values.gather(2, kept_idx[..., None].expand(-1, -1, -1, d))
     return torch.where(count[..., None] > 0, merged, unmerged)

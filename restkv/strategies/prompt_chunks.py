@@ -34,7 +34,6 @@ KNOBS = (
         "positions, each keeping its share of the budget by the scores (None or 0: off)",
         nullable=True,
         of=int,
-        check=lambda c: c >= 0,
         rule=">= 1 (or 0: off)",
         stage="select",
     ),

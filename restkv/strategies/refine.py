@@ -49,7 +49,6 @@ KNOBS = (
         0,
         "set-level refinement after the top-B: rounds of swaps of kept and evicted entries "
         "that lower the window queries' layer attention-output error (ReST-KV's objective); 0: off",
-        check=lambda n: n >= 0,
         rule=">= 0",
         stage="select",
     ),
@@ -58,7 +57,6 @@ KNOBS = (
         POOL,
         "refinement: kept and evicted candidates per head and round (also the most swaps "
         "a head makes in one round)",
-        check=lambda n: n >= 1,
         rule=">= 1",
         stage="select",
     ),

@@ -30,7 +30,6 @@ KNOBS = (
         None,
         "ThinK: fraction of key channels dropped from the kept entries older than the window "
         "(the original's --pruning_ratio, 0.4 there); none: off",
-        check=lambda r: 0 <= r < 1,
         rule="in [0, 1)",
         nullable=True,
         of=float,

@@ -164,3 +164,44 @@ def test_the_knob_page_is_the_knob_table():
     page = (ROOT / "docs" / "knobs.md").read_text(encoding="utf-8")
     assert page.rstrip("\n").endswith(restkv.knob_table().rstrip("\n"))
     assert page.count("| knob |") == 1
+
+
+BOUNDS = [  # a rule in words, and the same bound as Python comparisons
+    (">= 0", lambda x: x >= 0),
+    ("> 1", lambda x: x > 1),
+    (">= 16", lambda x: x >= 16),
+    ("<= 8", lambda x: x <= 8),
+    ("in [0, 1]", lambda x: 0 <= x <= 1),
+    ("in (0, 1]", lambda x: 0 < x <= 1),
+    ("in [0, 1)", lambda x: 0 <= x < 1),
+    ("in (0, 1)", lambda x: 0 < x < 1),
+    ("in [-1, 1]", lambda x: -1 <= x <= 1),
+    ("in [0.5, 2.5)", lambda x: 0.5 <= x < 2.5),
+    (">= 1 (or 0: off)", lambda x: x == 0 or x >= 1),
+    ("in (0.5, 1] (or 0: off)", lambda x: x == 0 or 0.5 < x <= 1),
+]
+
+
+@pytest.mark.parametrize("rule,inside", BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_a_bound_rule_is_the_knobs_check(rule, inside):
+    from restkv.knobs import Knob
+
+    knob = Knob("share", 0.5, "a share", rule=rule)
+    for x in (-2.0, -1.0, -0.5, 0.0, 1e-9, 0.5, 0.999, 1.0, 1.5, 2.5, 8.0, 15.0, 16.0, 17.0):
+        if inside(x):
+            assert knob.validate(x) == x
+        else:
+            with pytest.raises(ValueError, match=re.escape(f"share must be {rule}, got {x!r}")):
+                knob.validate(x)
+
+
+def test_a_rule_that_is_no_bound_needs_its_check():
+    from restkv.knobs import Knob
+
+    with pytest.raises(ValueError, match="^odd: rule 'an odd integer' is not a bound"):
+        Knob("odd", 1, "an odd number", rule="an odd integer")
+    with pytest.raises(ValueError, match=re.escape("block: rule '>= window_size (or 0: off)' is not a")):
+        Knob("block", 0, "a block size", rule=">= window_size (or 0: off)")
+    odd = Knob("odd", 1, "an odd number", check=lambda n: n % 2 == 1, rule="an odd integer")
+    with pytest.raises(ValueError, match="odd must be an odd integer, got 2"):
+        odd.validate(2)

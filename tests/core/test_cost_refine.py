@@ -2,7 +2,7 @@
 the layer's K+V (``benchmarks/scaling.py``'s bar at 8K) for every refine configuration the docs name
 (docs/usage.md, docs/gpu.md, docs/results.md), counted exactly (every tensor the step allocates, at its
 peak), on a layer whose o_proj is to its K+V as Llama-3-8B's at 8K; and the blocked terms give the same kept
-sets and errors as one block."""
+sets and errors as one block. Merging's step (``merge="pivot"``, ``"value"``) within the same 4x."""
 
 from __future__ import annotations
 
@@ -85,6 +85,21 @@ def test_restkv_step_holds_at_most_4x_the_layer_kv(spec):
     proportions (4 query heads per KV head, head_dim 128, window 32), budget 1024: within the same 4x."""
     obs, kv_bytes = layer(d=128, hidden=512, window=32, budget=1024)
     cfg = CompressionConfig.from_kwargs(max_capacity_prompt=1024, **spec)
+    select(obs, cfg)
+    obs.memo = {}
+    with torch.no_grad(), PeakBytes() as mem:
+        kept = select(obs, cfg)
+    assert kv_bytes < mem.peak <= 4 * kv_bytes, mem.peak / kv_bytes
+    del kept
+
+
+@pytest.mark.parametrize("merge", ["pivot", "value"])
+def test_merging_step_holds_at_most_4x_the_layer_kv(merge):
+    """SnapKV's step with merging at 8K, on ``benchmarks/scaling.py``'s heads (8 query / 2 KV, head_dim
+    128, window 32, budget 1024): the key similarity and the sums into the kept entries are formed a
+    block at a time, within 4x the layer's K+V."""
+    obs, kv_bytes = layer(n=8192, hq=8, hkv=2, d=128, hidden=512, window=32, budget=1024)
+    cfg = CompressionConfig(method="snapkv", max_capacity_prompt=1024, window_size=32, merge=merge)
     select(obs, cfg)
     obs.memo = {}
     with torch.no_grad(), PeakBytes() as mem:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import PeakBytes
 
 from restkv.config import CompressionConfig
 from restkv.methods import h2o
@@ -42,15 +43,56 @@ def test_h2o_low_precision_keys_equal_a_float64_loop():
 
 
 def test_pivot_merge_blocked_equals_one_block(monkeypatch):
+    from restkv.scoring import output_error as oe
+
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(2, 3, 50, 8, generator=g), torch.randn(2, 3, 50, 8, generator=g)
     idx = torch.randperm(50, generator=g)[:12].sort().values.expand(2, 3, 12).contiguous()
     evicted = torch.ones(2, 3, 50, dtype=torch.bool).scatter_(2, idx, False)
+    monkeypatch.setattr(oe, "TERMS_BLOCK", 1 << 40)  # one block
     whole = merge.pivot_merge(k.double(), v.double(), idx, evicted)
-    monkeypatch.setattr(merge, "MERGE_BLOCK", 12 * 7)  # blocks of 7 entries
+    monkeypatch.setattr(oe, "TERMS_BLOCK", 2 * 3 * 12 * 7)  # similarities of 7 entries a block
     blocked = merge.pivot_merge(k.double(), v.double(), idx, evicted)
     for a, b in zip(blocked, whole):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def pivot_merge_loop(keys, values, kept, evicted):
+    """The definition in float64, entry by entry: each evicted entry goes to the kept entry of most
+    cosine-similar key; ``new_r = (r + sum_e (x_e + r) / 2) / (1 + n_r)`` for keys and values."""
+    k, v = keys.double(), values.double()
+    out_k, out_v = k[kept].clone(), v[kept].clone()
+    count = torch.zeros(len(kept), dtype=torch.float64)
+    for e in evicted.nonzero()[:, 0].tolist():
+        r = int(torch.nn.functional.cosine_similarity(k[e][None], k[kept], eps=1e-6).argmax())
+        out_k[r] += (k[e] + k[kept[r]]) / 2
+        out_v[r] += (v[e] + v[kept[r]]) / 2
+        count[r] += 1
+    return out_k / (1 + count[:, None]), out_v / (1 + count[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pivot_merge_in_blocks_equals_a_float64_loop(dtype):
+    """Random kept sets per head, padding never merged; the layer's K+V is large enough for several
+    blocks of 1/16 of it, and no [b, Hkv, L, B] float32 similarity is ever held whole."""
+    b, h, n, d, kept_count = 2, 2, 2048, 16, 96
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(b, h, n, d, generator=g).to(dtype)
+    v = torch.randn(b, h, n, d, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(n, generator=g)[:kept_count].sort().values
+                       for _ in range(b * h)]).view(b, h, kept_count)
+    real = torch.ones(b, n, dtype=torch.bool)
+    real[1, :300] = False  # a left-padded sample
+    evicted = torch.ones(b, h, n, dtype=torch.bool).scatter_(2, idx, False) & real[:, None]
+    with PeakBytes() as mem:
+        mk, mv = merge.pivot_merge(k, v, idx, evicted)
+    assert mem.peak < b * h * n * kept_count * 4 / 4  # a quarter of the whole float32 similarity
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    for i in range(b):
+        for j in range(h):
+            ref_k, ref_v = pivot_merge_loop(k[i, j], v[i, j], idx[i, j], evicted[i, j])
+            torch.testing.assert_close(mk[i, j].double(), ref_k.to(dtype).double(), **tol)
+            torch.testing.assert_close(mv[i, j].double(), ref_v.to(dtype).double(), **tol)
 
 
 def _refine_case(seed=0, b=2, hkv=2, g=2, r=5, n=40, d=8):
