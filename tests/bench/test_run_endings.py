@@ -40,7 +40,8 @@ def test_keeps_prompt_says_what_the_core_keeps(knobs):
                                                                            max_capacity_prompt_ratio=0.5), 500)
     assert keeps_prompt(CompressionConfig(method="fullkv"), 10**6)
     dms = CompressionConfig(method="dms", max_capacity_prompt=4096)
-    assert not keeps_prompt(dms, 100)  # a threshold evicts below any budget
+    assert not keeps_prompt(dms, 300)  # a threshold evicts below any budget
+    assert keeps_prompt(dms, 100)  # except within the observation window (128), which is kept whole
 
 
 def _stand_in(monkeypatch):

@@ -199,3 +199,30 @@ def test_serve_with_data_parallelism(model_dir, text_ids):
     assert count("evictions_total", "snapkv") == 2 and count("evictions_total", "streamingllm") == 2
     assert count("evicted_tokens_total", "snapkv") == 2 * (300 - SNAPKV["max_capacity_prompt"])
     assert {'restkv:evictions_total{engine="0",method="snapkv"}', 'restkv:evictions_total{engine="1",method="snapkv"}'} <= set(metrics)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("page", ["README.md", "docs/vllm.md"])
+def test_the_quick_start_evicts_at_the_models_dtype(model_dir, page):
+    """The page's first commands of ``restkv-vllm serve`` as written: the prompt its curl sends is longer than
+    the budget it runs (the server's, or the request's own), as the comment beside its ``/metrics`` grep says
+    (so the server it starts evicts, and the grep shows it), and the server runs at the packaged model's own
+    dtype (vLLM's CPU default, bfloat16, warns once per weight)."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    text = (Path(__file__).resolve().parents[2] / page).read_text(encoding="utf-8")
+    (block,) = [b for b in text.split("```bash\n")[1:] if "restkv-vllm serve" in b.split("```")[0]][:1]
+    block = block.split("```", 1)[0]
+    knobs = json.loads(re.search(r"--additional-config '(\{.*?\})'", block).group(1))["restkv"]
+    own = re.search(r'"vllm_xargs": \{"restkv": "(.*?)"\}', block)
+    budget = json.loads(own.group(1).replace('\\"', '"'))["max_capacity_prompt"] if own else knobs["max_capacity_prompt"]
+    lines = [x for x in block.splitlines() if x.startswith("PROMPT=")]
+    script = "\n".join([*lines, 'printf %s "$PROMPT"'])
+    prompt = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    tokens = AutoTokenizer.from_pretrained(model_dir)(prompt)["input_ids"]
+    assert len(tokens) > budget, f"{page}: the quick start's prompt has {len(tokens)} tokens, its budget {budget}"
+    assert f"its {len(tokens)} prompt tokens cut to {budget}" in block
+    dtype = json.loads((Path(model_dir) / "config.json").read_text())["dtype"]
+    assert f"--dtype {dtype}" in block
