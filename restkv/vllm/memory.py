@@ -11,7 +11,7 @@ one layer, ``2 L Hkv d es`` bytes.
 Held for the worker's life (``fixed``):
 
 - query ring: ``layers S r Hq d es``, allocated for every slot on a layer's first step
-  (``worker.QueryRing``);
+  (``ring.QueryRing``);
 - W_O factors: ``layers Hq d d`` float32, computed when the model is loaded and kept, for a config
   that reads them (``reads_factor``: ReST-KV's reconstruction with ``use_wo``, CriticalKV's
   ``value_norm="l2"``); the o_proj weight itself is not kept;
