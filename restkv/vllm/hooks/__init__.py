@@ -18,18 +18,8 @@ is ``coverage`` (``covered``). The wrappers, by what they wrap:
 
 from __future__ import annotations
 
-from . import (
-    attention,
-    coverage,
-    memory,
-    refusals,
-    requests,
-    runner,
-    runner_v1,
-    runner_v2,
-    scheduler,
-    step_output,
-)
+from . import (attention, coverage, memory, refusals, requests, runner, runner_v1, runner_v2, scheduler,
+               step_output)
 from .coverage import metadata_fields
 from .table import (
     BACKENDS,

@@ -18,18 +18,8 @@ import functools
 import importlib
 
 from .. import audit
-from . import (
-    attention,
-    coverage,
-    memory,
-    refusals,
-    requests,
-    runner,
-    runner_v1,
-    runner_v2,
-    scheduler,
-    step_output,
-)
+from . import (attention, coverage, memory, refusals, requests, runner, runner_v1, runner_v2, scheduler,
+               step_output)
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
