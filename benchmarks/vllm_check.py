@@ -117,12 +117,12 @@ def record_kept(worker) -> None:
 
 
 def kept_on_worker(worker) -> dict:
-    """The runner's recorded kept positions: {request id: {layer rank: [Hkv][B]}}."""
+    """The runner's recorded kept positions: {request id: {layer index: [Hkv][B]}}."""
     state = getattr(worker.model_runner, "_restkv", None)
     if state is None:
         return {}
     return {
-        req: {state.rank[name]: positions.tolist() for name, positions in layers.items()}
+        req: {state.layer_index[name]: positions.tolist() for name, positions in layers.items()}
         for req, layers in state.recorded.items()
     }
 

@@ -1,8 +1,8 @@
 """The vLLM plugin's own memory on one worker, term by term (no vLLM import): what vLLM's profiling
 run never sees, so that the KV pool can be sized without it (``restkv.vllm.hooks.memory``).
 
-Sizes are one tensor-parallel rank's (``Model.per_rank``): ``layers`` attention layers, ``Hq`` /
-``Hkv`` query / KV heads, head size ``d``, ``hidden`` (o_proj's rows), ``es`` bytes per element of
+Sizes are one tensor-parallel rank's (``Model.per_rank``, ``restkv.vllm.model_sizes``): ``layers``
+attention layers, ``Hq`` / ``Hkv`` query / KV heads, head size ``d``, ``hidden`` (o_proj's rows), ``es`` bytes per element of
 the model's dtype (its queries and its KV cache). ``L`` is ``max_model_len`` (the most entries a
 request holds in a layer), ``S`` ``max_num_seqs``, ``r`` the queries an eviction reads
 (``settings.query_rows``), ``B`` ``max_capacity_prompt``. "K+V" is one request's held entries of
@@ -11,7 +11,7 @@ one layer, ``2 L Hkv d es`` bytes.
 Held for the worker's life (``fixed``):
 
 - query ring: ``layers S r Hq d es``, allocated for every slot on a layer's first step
-  (``worker.QueryRing``);
+  (``ring.QueryRing``);
 - W_O factors: ``layers Hq d d`` float32, computed when the model is loaded and kept, for a config
   that reads them (``reads_factor``: ReST-KV's reconstruction with ``use_wo``, CriticalKV's
   ``value_norm="l2"``); the o_proj weight itself is not kept;
@@ -62,13 +62,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from dataclasses import dataclass, replace
 
 from ..config import CompressionConfig
 from ..methods.rkv import SIMILARITY_BLOCK
 from ..scoring.observe import PROJECTION_BLOCK, VALUE_BLOCK
 from . import settings
+from .model_sizes import MODELS, Model, model_of
 
 
 # scorer -> (whether it reads the observed queries' attention, multiple of the K+V in float32, of a
@@ -92,64 +91,6 @@ SCRATCH = {
     "lagkv": (False, 0.5, 0.9),
 }
 UNLISTED = (True, 3.25, 1.0)  # a scorer not measured: the largest of each
-
-MODELS = {  # per the models' config.json
-    "smollm2-135m": dict(layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576, dtype="bfloat16"),
-    "llama-3.1-8b": dict(layers=32, heads=32, kv_heads=8, head_dim=128, hidden=4096, dtype="bfloat16"),
-}
-_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-
-
-@dataclass(frozen=True)
-class Model:
-    layers: int
-    heads: int  # Hq
-    kv_heads: int  # Hkv
-    head_dim: int
-    hidden: int
-    dtype_bytes: int
-    ranks: int = 1  # tensor-parallel ranks sharing the heads (``heads``, ``kv_heads``: one rank's)
-
-    def per_rank(self, tensor_parallel: int) -> Model:
-        """One rank's heads (KV heads replicated when fewer than the ranks, as vLLM does)."""
-        return replace(
-            self,
-            heads=self.heads // tensor_parallel,
-            kv_heads=max(1, self.kv_heads // tensor_parallel),
-            ranks=tensor_parallel,
-        )
-
-    def kv_bytes(self, entries: int, element: int | None = None) -> int:
-        """K+V of ``entries`` entries of one layer."""
-        return 2 * entries * self.kv_heads * self.head_dim * (element or self.dtype_bytes)
-
-
-def model_of(name_or_folder: str, dtype: str | None = None) -> Model:
-    """A built-in model (``MODELS``) or a folder's ``config.json``; ``dtype`` overrides its dtype."""
-    if name_or_folder in MODELS:
-        c = dict(MODELS[name_or_folder])
-    else:
-        path = os.path.join(name_or_folder, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"--model: {name_or_folder!r} is neither {' nor '.join(MODELS)} nor a folder with a config.json")
-        with open(path) as f:
-            raw = json.load(f)
-        raw = raw.get("text_config", raw)
-        heads = raw["num_attention_heads"]
-        c = dict(
-            layers=raw["num_hidden_layers"],
-            heads=heads,
-            kv_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            hidden=raw["hidden_size"],
-            dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
-        )
-    dtype = dtype or c.pop("dtype")
-    c.pop("dtype", None)
-    if dtype not in _BYTES:
-        raise ValueError(f"--dtype: {dtype!r} is not one of {', '.join(_BYTES)}")
-    return Model(**c, dtype_bytes=_BYTES[dtype])
-
 
 def reads_factor(cfg: CompressionConfig) -> bool:
     """The score reads the W_O factor R [Hq, d, d] (``Observation.wo``)."""

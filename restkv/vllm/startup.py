@@ -13,7 +13,7 @@ from ..config import CompressionConfig
 logger = logging.getLogger("vllm.restkv")  # under vLLM's logger: its handler and level
 OFF = "restkv: off (RESTKV_VLLM and additional_config['restkv'] unset)"
 SHOWN = ("max_capacity_prompt", "window_size", "decode_interval")
-V2 = "vllm.v1.worker.gpu.model_runner"  # the V2 model runner's module (``hooks._V2``)
+V2 = "vllm.v1.worker.gpu.model_runner"  # the V2 model runner's module (``hooks.table._V2``)
 
 
 def knobs(cfg: CompressionConfig) -> str:

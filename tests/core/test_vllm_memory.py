@@ -183,7 +183,7 @@ def test_a_per_head_steps_allocations_within_the_estimate(knobs, monkeypatch):
     holds them: one buffer per copy; the page axes; the flattened queries, keys, values and output), peaks
     at most at the estimate's per-step terms for that step's sizes (``STEP_TERMS``, ``max_model_len`` the
     request's length), and at least at a quarter of them."""
-    from restkv.vllm import heads, worker
+    from restkv.vllm import head_steps, heads, layer_eviction, worker
 
     def staged(arrays, device, dtype=torch.int64):  # one allocation per copy, as on a device
         out = heads.stage.__wrapped__(arrays, device, dtype)
@@ -191,7 +191,8 @@ def test_a_per_head_steps_allocations_within_the_estimate(knobs, monkeypatch):
 
     staged.__wrapped__ = heads.stage
     monkeypatch.setattr(heads, "stage", staged)
-    monkeypatch.setattr(worker, "stage", staged)
+    for module in (worker, head_steps, layer_eviction):  # the worker's rooms that stage arrays
+        monkeypatch.setattr(module, "stage", staged)
     knobs = {**small(knobs["method"]), **knobs, "max_capacity_prompt": 40, "window_size": 8}
     # blocks of 2: page tables as wide as the step's other terms
     eng = PagedEngine(tiny_model(attn_implementation="restkv_paged_sim"), knobs, block_size=2, num_blocks=512)

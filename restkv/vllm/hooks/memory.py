@@ -29,7 +29,7 @@ logger = logging.getLogger("vllm.restkv")  # under vLLM's logger: its handler an
 
 def model_of(worker) -> memory.Model:
     """This rank's sizes from vLLM's config (every attention layer the plugin indexed)."""
-    return config_model(worker.model_config, worker.parallel_config, len(worker.model_runner._restkv.rank))
+    return config_model(worker.model_config, worker.parallel_config, len(worker.model_runner._restkv.layer_index))
 
 
 def config_model(config, parallel, layers: int = 0) -> memory.Model:

@@ -2,7 +2,7 @@
 
 The scheduler counts, per engine, each request's evictions, the positions they drop and the blocks they
 give back, and adds the worker's eviction seconds sent with each step's output
-(``scheduler.update_from_output``); it puts the counts since its last stats into the stats it sends the
+(``step_output.update_from_output``); it puts the counts since its last stats into the stats it sends the
 front end, under ``kv_connector_stats["restkv"]`` (``COUNTS``), the one free-form field vLLM carries
 from the engine to the front end. This logger, which vLLM calls before its own, takes them out again
 (so vLLM's loggers see that field as they would without the plugin) and adds them to Prometheus counters

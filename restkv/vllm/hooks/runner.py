@@ -182,7 +182,7 @@ def sample_tokens(orig):
 def report(worker: Worker, out):
     """``out``, a ``ModelRunnerOutput``, with ``restkv``: the worker's ``outcome.Outcome`` since the last
     report (each eviction's counts, which the scheduler checks and frees by, the failed requests, its
-    time evicting per method: ``scheduler.update_from_output``, ``metrics``); a copy, as vLLM returns
+    time evicting per method: ``step_output.update_from_output``, ``metrics``); a copy, as vLLM returns
     one shared output for an empty step. Any other output passes."""
     if not worker.outcome or not hasattr(out, "sampled_token_ids"):
         return out
