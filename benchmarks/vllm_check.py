@@ -55,6 +55,7 @@ ENGINE_KEYS = (
     "compilation_config",
     "async_scheduling",
     "attention_config",
+    "kv_cache_dtype",
 )
 NOT_RUN = 3  # exit status: vLLM refused the configuration here, nothing was checked
 VLLM_REFUSAL = re.compile(r"Selected backend \S+ is not valid for this configuration\..*")

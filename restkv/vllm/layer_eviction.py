@@ -128,7 +128,8 @@ class LayerEviction:
         if settings.per_head(s.cfg):
             self._place(name, s, kept)
         else:
-            paged.write(s.kept_slots, *slot_rows(kept))
+            rows = slot_rows(kept) if paged.scales is None else paged.stored(s.held_slots, kept.positions[0])
+            paged.write(s.kept_slots, *rows)  # an FP8 cache's as stored: its bytes
             s.dropped += heads * max(0, s.eviction.held - kept.positions.shape[-1])
         s.heads += heads
         if not s.state.evicted and self.observer is not None:

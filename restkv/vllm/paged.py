@@ -13,6 +13,12 @@ KV head, channel) to an element of the cache tensor, one for the keys and one fo
   backend's own cache writer, by writing known values into a scratch block and finding where each
   lands. A map that is strided is used as a view; one that is not as an element index.
 
+An FP8 cache (vLLM's ``kv_cache_dtype`` fp8, fp8_e4m3, fp8_e5m2: ``FP8``) holds each key as a float8
+byte ``k / k_scale``, with one scale per layer for the keys and one for the values (the attention
+layer's ``_k_scale`` / ``_v_scale``), in the same layouts at one byte an element: it is read through
+its float8 type, keys and values dequantized to float32 (``x k_scale``) for scoring, and kept entries
+are moved as stored, their bytes copied (``Paged.stored``), never quantized again.
+
 Reads and writes are plain indexing on the cache's device, never a host read.
 """
 
@@ -22,6 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+# vLLM's per-tensor FP8 ``kv_cache_dtype`` -> the float8 type of its bytes (vLLM allocates them uint8; where a
+# platform or backend writes another, ``restkv.vllm.hooks.attention.fp8`` says which)
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 
 @dataclass
 class Paged:
@@ -29,7 +39,8 @@ class Paged:
 
     ``keys`` / ``values``: views [blocks, block_size, Hkv, d] of the cache tensor, or (a layout that
     is not strided) element offsets [block_size, Hkv, d] into the flat cache within a block, with
-    ``block_stride`` elements from one block to the next.
+    ``block_stride`` elements from one block to the next. ``scales``: an FP8 cache's (k_scale,
+    v_scale), scalar tensors on its device (``cache`` then its float8 view); None: the model's dtype.
     """
 
     cache: torch.Tensor
@@ -37,20 +48,40 @@ class Paged:
     values: torch.Tensor
     block_size: int
     block_stride: int = 0
+    scales: tuple | None = None
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entries of ``slots`` [n] -> keys, values [n, Hkv, d] (copies)."""
-        return self._at(self.keys, slots), self._at(self.values, slots)
+        """The entries of ``slots`` [n] -> keys, values [n, Hkv, d] (copies; an FP8 cache's dequantized,
+        float32)."""
+        return self._dequantized(self._at(self.keys, slots), self._at(self.values, slots))
+
+    def stored(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head h's entries ``slots[positions[h]]`` (``slots`` [n], ``positions`` [Hkv, B]) -> keys,
+        values [B, Hkv, d] as stored (an FP8 cache's bytes), as ``write`` takes them."""
+        heads, kept = positions.shape
+        source = slots[positions].T.reshape(-1)
+        head = torch.arange(heads, device=slots.device).repeat(kept)
+        axes = (source // self.block_size, source % self.block_size, head)
+        return tuple(self._get(where, self._locate(where, axes)).view(kept, heads, -1) for where in (self.keys, self.values))
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys, values [n, Hkv, d] into ``slots`` [n]."""
+        """Write keys, values [n, Hkv, d] into ``slots`` [n] (an FP8 cache's: as stored, ``stored``)."""
+        if self.scales is not None and (keys.dtype, values.dtype) != (self.cache.dtype,) * 2:
+            raise ValueError(f"restkv.vllm: an FP8 cache is written as stored ({self.cache.dtype}), not {keys.dtype}")
         self._put(self.keys, slots, keys)
         self._put(self.values, slots, values)
 
     def read_pages(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The entries of single-head page ``slots`` [n] (``restkv.vllm.heads``: page ``block * Hkv +
-        head``, slot ``page * block_size + offset``) -> keys, values [n, d] (copies)."""
-        return self._at(self.keys, slots, True), self._at(self.values, slots, True)
+        head``, slot ``page * block_size + offset``) -> keys, values [n, d] (copies; dequantized as ``read``'s)."""
+        return self._dequantized(self._at(self.keys, slots, True), self._at(self.values, slots, True))
+
+    def _dequantized(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries as read: an FP8 cache's times its scales, float32; the model's dtype as is."""
+        if self.scales is None:
+            return keys, values
+        k_scale, v_scale = self.scales
+        return keys.float() * k_scale, values.float() * v_scale
 
     def write_pages(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write keys, values [n, d] into single-head page ``slots`` [n]."""
@@ -90,7 +121,9 @@ class Paged:
         return self._flat(block, where[tuple(within)])
 
     def _at(self, where: torch.Tensor, slots: torch.Tensor, pages: bool = False) -> torch.Tensor:
-        index = self._where(where, slots, pages)
+        return self._get(where, self._where(where, slots, pages))
+
+    def _get(self, where: torch.Tensor, index) -> torch.Tensor:
         return where[index] if where.dim() == 4 else self.cache.view(-1)[index]
 
     def _put(self, where: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, pages: bool = False) -> None:
@@ -161,6 +194,7 @@ def declared(
     block_size: int,
     dtype: torch.dtype,
     head_slots: int | None = None,
+    fp8: tuple | None = None,
 ) -> Paged:
     """A GPU backend's layer: ``kv_cache`` [B, H, N, C] as vLLM hands it to ``backend``.
 
@@ -177,11 +211,14 @@ def declared(
     The two never fit one shape (H = Hkv or 2 Hkv). vLLM's third packing, K and V as two planes of
     Hkv d each (ROCm, b12x: 2 head slots, packed within), has the last-axis shape at Hkv = 2 (told
     apart by its declaration: refused) and the head-axis declaration at Hkv = 1 (ambiguous:
-    refused). Anything else, or another dtype (a quantized cache), is refused in one line.
+    refused). ``fp8``: an FP8 cache's (float8 type, k_scale, v_scale), its bytes uint8 (or that type)
+    in the same pages. Anything else, or another dtype (another quantized cache), is refused in one line.
     """
     where = f"restkv.vllm: {backend}'s KV cache {tuple(kv_cache.shape)} {kv_cache.dtype}"
-    if kv_cache.dtype != dtype:
+    if fp8 is None and kv_cache.dtype != dtype:
         raise ValueError(f"{where}: not the model's {dtype} (a quantized KV cache is not read)")
+    if fp8 is not None and kv_cache.dtype not in (torch.uint8, fp8[0]):
+        raise ValueError(f"{where}: not the bytes of an FP8 cache ({fp8[0]})")
     if head_slots is not None and head_slots == 2 * heads == 2:
         raise ValueError(f"{where}: 2 head slots for 1 KV head are ambiguous (K/V heads or planes)")
     if head_slots not in (None, 2 * heads):
@@ -193,8 +230,9 @@ def declared(
             f"{where}: not [blocks, {page[0]}, a divisor of the block size {block_size}, "
             f"{page[1]}] ({heads} KV heads of size {head_size})"
         )
+    kv_cache = kv_cache if fp8 is None else kv_cache.view(fp8[0])
     keys, values = (x.transpose(1, 2) for x in kv_cache.chunk(2, dim=axis))
-    return Paged(kv_cache, keys, values, shape[2])
+    return Paged(kv_cache, keys, values, shape[2], scales=None if fp8 is None else fp8[1:])
 
 
 # (shape of a block, dtype, writer's key, device) -> the key and value maps (their strides, or the
@@ -203,44 +241,49 @@ _PROBED: dict = {}
 
 
 def probed(
-    kv_cache: torch.Tensor, block_size: int, heads: int, head_size: int, writer, key=None
+    kv_cache: torch.Tensor, block_size: int, heads: int, head_size: int, writer, key=None, fp8: tuple | None = None
 ) -> Paged:
     """A layer whose layout only its cache writer knows.
 
     ``kv_cache``: the layer's contiguous cache, blocks first; ``writer(cache, keys, values, slots)``
     writes keys, values [n, Hkv, d] into ``slots`` of a cache shaped as ``kv_cache``. The maps are
     found once per block shape, dtype and ``key`` (e.g. the ISA) on a scratch cache of one block.
+    ``fp8``: as ``declared``'s (the writer then writes float8 bytes at unit scales).
     """
     if not kv_cache.is_contiguous():
         raise ValueError("restkv.vllm.paged.probed needs a contiguous cache")
-    found = (tuple(kv_cache.shape[1:]), kv_cache.dtype, key, kv_cache.device)
+    stored = None if fp8 is None else fp8[0]
+    found = (tuple(kv_cache.shape[1:]), kv_cache.dtype, stored, key, kv_cache.device)
     if found not in _PROBED:
-        maps = _probe(kv_cache, block_size, heads, head_size, writer)
+        maps = _probe(kv_cache, block_size, heads, head_size, writer, stored)
         _PROBED[found] = [_strides(m) or m.to(kv_cache.device) for m in maps]
+    kv_cache = kv_cache if stored is None else kv_cache.view(stored)
     keys, values = (_view(kv_cache, m, block_size, heads, head_size) for m in _PROBED[found])
-    return Paged(kv_cache, keys, values, block_size, kv_cache[0].numel())
+    return Paged(kv_cache, keys, values, block_size, kv_cache[0].numel(), None if fp8 is None else fp8[1:])
 
 
-def _probe(kv_cache, block_size: int, heads: int, head_size: int, writer):
+def _probe(kv_cache, block_size: int, heads: int, head_size: int, writer, stored=None):
     """(key map, value map): the element of a block's storage where each (offset, head, channel)
     lands, [block_size, Hkv, d] each. Each element's number is written in base-64 digits (1..64,
-    small integers every dtype holds exactly, and never the scratch's 0), one writer call per digit,
-    the keys and the values each on their own."""
+    small integers every dtype holds exactly, and never the scratch's 0; base 8 into float8 bytes of
+    type ``stored``, which hold 1..8 exactly), one writer call per digit, the keys and the values each
+    on their own."""
     scratch = torch.zeros((1, *kv_cache.shape[1:]), dtype=kv_cache.dtype)
+    base = 64 if stored is None else 8
     size = block_size * heads * head_size
     number = torch.arange(size).view(block_size, heads, head_size)
-    zeros = torch.zeros(block_size, heads, head_size, dtype=scratch.dtype)
+    zeros = torch.zeros(block_size, heads, head_size, dtype=scratch.dtype if stored is None else torch.float32)
     slots = torch.arange(block_size)
     maps = []
     for kind in range(2):
         landed = torch.zeros(scratch.numel(), dtype=torch.long)
-        for digit in range(_digits(size)):
-            code = (number // 64**digit % 64 + 1).to(scratch.dtype)
+        for digit in range(_digits(size, base)):
+            code = (number // base**digit % base + 1).to(zeros.dtype)
             scratch.zero_()
             writer(scratch, *((code, zeros) if kind == 0 else (zeros, code)), slots)
-            raw = scratch.reshape(-1).float().round().long()
+            raw = (scratch if stored is None else scratch.view(stored)).reshape(-1).float().round().long()
             hit = raw > 0
-            landed[hit] += (raw[hit] - 1) * 64**digit
+            landed[hit] += (raw[hit] - 1) * base**digit
         element = torch.full((size,), -1, dtype=torch.long)
         where = torch.nonzero(hit).flatten()
         element[landed[where]] = where
@@ -252,9 +295,9 @@ def _probe(kv_cache, block_size: int, heads: int, head_size: int, writer):
     return maps
 
 
-def _digits(count: int) -> int:
+def _digits(count: int, base: int = 64) -> int:
     digits = 1
-    while 64**digits < count:
+    while base**digits < count:
         digits += 1
     return digits
 

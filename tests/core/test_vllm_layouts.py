@@ -140,3 +140,102 @@ def test_a_page_the_spec_does_not_declare_is_refused_in_one_line(
         paged.declared(cache, "FLASH_ATTN", heads, d, block_size, torch.bfloat16, slots)
     message = str(refused.value)
     assert "FLASH_ATTN" in message and names in message and "\n" not in message
+
+
+# an FP8 cache's float8 types: (the type, exponent bits, mantissa bits, exponent bias)
+FP8 = [(torch.float8_e4m3fn, 4, 3, 7), (torch.float8_e5m2, 5, 2, 15)]
+
+
+def fp8_bytes(shape, exponent: int, mantissa: int, g) -> torch.Tensor:
+    """Random float8 bytes [shape] uint8, none NaN or infinite (the all-ones exponent's of e5m2, e4m3's
+    0x7f / 0xff)."""
+    raw = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    top = (raw.long() >> mantissa) & (2**exponent - 1)
+    bad = top == 2**exponent - 1
+    if exponent == 4:  # e4m3fn: only the all-ones pattern of exponent and mantissa is NaN
+        bad &= (raw.long() & (2**mantissa - 1)) == 2**mantissa - 1
+    return torch.where(bad, raw & 0x80, raw)
+
+
+def fp8_value(raw: torch.Tensor, exponent: int, mantissa: int, bias: int) -> torch.Tensor:
+    """float64 values of float8 bytes, from their bits: sign, exponent, mantissa (subnormal at exponent 0)."""
+    r = raw.long()
+    sign = 1 - 2 * (r >> 7).double()
+    e, m = (r >> mantissa) & (2**exponent - 1), (r & (2**mantissa - 1)).double()
+    normal = (1 + m / 2**mantissa) * torch.pow(2.0, (e - bias).double())
+    subnormal = m / 2**mantissa * 2.0 ** (1 - bias)
+    return sign * torch.where(e > 0, normal, subnormal)
+
+
+@pytest.mark.parametrize("fp8, exponent, mantissa, bias", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
+@pytest.mark.parametrize("block_size, tokens, heads, d, axis", [CASES[1], CASES[3], CASES[5]])
+def test_an_fp8_page_reads_through_its_scales_and_moves_its_bytes(
+    fp8, exponent, mantissa, bias, layout, block_size, tokens, heads, d, axis
+):
+    """Keys and values read as their bytes' values times the layer's scales (float32, against float64
+    from the bits), and kept entries (head h's ``held[positions[h]]``) copied byte for byte."""
+    g = torch.Generator().manual_seed(2)
+    order, blocks, n = LAYOUTS[layout], 9 * block_size // tokens, 40
+    page, slots_declared = ((heads, 2 * d), None) if axis == "last" else ((2 * heads, d), 2 * heads)
+    logical = (LAYERS, blocks, page[0], tokens, page[1])
+    placed, layers = allocate(order, blocks, page, tokens, torch.uint8)
+    placed.copy_(fp8_bytes(placed.shape, exponent, mantissa, g))
+    scales = torch.tensor(0.37), torch.tensor(2.5)
+    ours = paged.declared(layers[1], "TEST", heads, d, block_size, torch.bfloat16, slots_declared, (fp8, *scales))
+    slots = torch.randperm(blocks * tokens, generator=g)[:n]
+    at = elements(order, logical, 1, slots, block_size, heads, d, axis)
+    for read, where, scale in zip(ours.read(slots), at, scales):
+        assert read.dtype == torch.float32
+        expected = fp8_value(placed[where], exponent, mantissa, bias) * scale.double()
+        assert torch.allclose(read.double(), expected, rtol=2**-23, atol=0)
+
+    positions = torch.randint(0, n, (heads, 7), generator=g)
+    target = slots[:7]
+    blank, blank_layers = allocate(order, blocks, page, tokens, torch.uint8)
+    moved = paged.declared(blank_layers[1], "TEST", heads, d, block_size, torch.bfloat16, slots_declared, (fp8, *scales))
+    moved.write(target, *ours.stored(slots, positions))
+    expected = torch.zeros_like(blank)
+    at_target = elements(order, logical, 1, target, block_size, heads, d, axis)
+    for source, dest in zip(at, at_target):
+        for h in range(heads):
+            expected[dest[:, h]] = placed[source[positions[h], h]]
+    assert torch.equal(blank, expected)  # the kept bytes, and no other
+
+
+def cpu_like_fp8_writer(cache, keys, values, slots):
+    """A packed block as vLLM's CPU backend writes FP8 at unit scales: a block and head's keys as
+    [d, N] bytes, then its values as [N, d]."""
+    blocks, heads, size, width = cache.shape
+    d = width // 2
+    flat = cache.view(blocks, heads, 2, size * d)
+    for i, slot in enumerate(slots.tolist()):
+        b, t = divmod(slot, size)
+        k, v = (x[i].to(torch.float8_e4m3fn).view(torch.uint8) for x in (keys, values))
+        flat[b, :, 0, torch.arange(d) * size + t] = k
+        flat[b, :, 1, t * d + torch.arange(d)] = v
+
+
+def test_a_probed_fp8_page_reads_through_its_scales():
+    """The CPU backend's packing, found off an FP8 writer (base-8 digits, which e4m3 bytes hold)."""
+    g = torch.Generator().manual_seed(3)
+    blocks, heads, size, d = 5, 2, 32, 64
+    cache = fp8_bytes((blocks, heads, size, 2 * d), 4, 3, g)
+    scales = torch.tensor(0.5), torch.tensor(3.0)
+    ours = paged.probed(cache, size, heads, d, cpu_like_fp8_writer, "fp8-test", (torch.float8_e4m3fn, *scales))
+    slots = torch.randperm(blocks * size, generator=g)[:30]
+    flat = cache.view(blocks, heads, 2, d * size)
+    b, t = slots // size, slots % size
+    c = torch.arange(d)
+    key_bytes = flat[b[:, None, None], torch.arange(heads)[None, :, None], 0, c * size + t[:, None, None]]
+    value_bytes = flat[b[:, None, None], torch.arange(heads)[None, :, None], 1, t[:, None, None] * d + c]
+    for read, raw, scale in zip(ours.read(slots), (key_bytes, value_bytes), scales):
+        assert torch.allclose(read.double(), fp8_value(raw, 4, 3, 7) * scale.double(), rtol=2**-23, atol=0)
+
+
+def test_an_fp8_page_refuses_entries_not_as_stored():
+    cache = torch.zeros(4, 2, 16, 128, dtype=torch.uint8)
+    ours = paged.declared(cache, "TEST", 2, 64, 16, torch.bfloat16, None, (torch.float8_e4m3fn, torch.tensor(1.0), torch.tensor(1.0)))
+    entries = torch.ones(3, 2, 64)
+    with pytest.raises(ValueError, match="written as stored"):
+        ours.write(torch.arange(3), entries, entries)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -172,3 +173,13 @@ def assert_each_head_attends_its_entries(out, query, entries, counts, scale: flo
                 got = out[start + t, h * group : (h + 1) * group].double()
                 torch.testing.assert_close(got, w @ v[:seen].double(), rtol=tol, atol=tol)
         start += c
+
+
+def fp8_entries(shape, fp8: torch.dtype, scale: float, dtype: torch.dtype, g) -> torch.Tensor:
+    """Keys or values [shape] of ``dtype`` that an FP8 cache of type ``fp8`` holds exactly at ``scale``:
+    float8 values from random bytes (neither NaN nor infinite) times ``scale``, so a writer stores them
+    without rounding (whichever rounding it uses) and a read through the scale gives them back."""
+    raw = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    values = raw.view(fp8).float()
+    values = torch.where(values.isfinite(), values, torch.zeros_like(values))
+    return (values * scale).to(dtype)

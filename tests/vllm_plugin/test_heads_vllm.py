@@ -66,7 +66,7 @@ def flat(query, cache, batch, kv_heads, isa, scale):
 def setup(dtype, block_size=32, kv_heads=2, d=64, blocks=24):
     isa = _get_attn_isa(dtype, block_size, d, "auto")
     cache = torch.zeros(blocks, kv_heads, block_size, 2 * d, dtype=dtype)
-    layer, impl = SimpleNamespace(isa=isa), SimpleNamespace(head_size=d)
+    layer, impl = SimpleNamespace(isa=isa, kv_cache_dtype="auto", dtype=dtype), SimpleNamespace(head_size=d)
     return cache, attention.cpu(impl, layer, cache, block_size), isa
 
 

@@ -40,7 +40,7 @@ from vllm.v1.worker.utils import (
     select_common_block_size,
 )
 
-from harness import assert_each_head_attends_its_entries, heads_on_pages  # noqa: E402
+from harness import assert_each_head_attends_its_entries, fp8_entries, heads_on_pages  # noqa: E402
 from restkv.vllm import heads, hooks, memory, paged
 from restkv.vllm.hooks import attention
 
@@ -187,9 +187,63 @@ def test_the_plugin_reads_and_writes_each_entry_where_vllm_writes_it(
     assert torch.equal(blank, written)  # the writer's elements, and no other (nor another layer's)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
 @pytest.mark.parametrize("name", GPU)
-def test_a_quantized_page_is_refused_naming_the_backend(monkeypatch, name):
-    """An fp8 cache as vLLM allocates it for the backend: not the model's dtype."""
+def test_an_fp8_page_reads_through_the_layers_scales(monkeypatch, name, layout, kv_cache_dtype):
+    """An FP8 cache as vLLM allocates it for the backend, written by its ``do_kv_cache_update`` through
+    vLLM's Triton writer (which quantizes, at the layer's scales): the plugin reads each entry within one
+    float8 step of the key or value written, and its write of the entries as stored leaves the buffer as
+    the writer left it."""
+    module, backend, impl_cls = declaration(name)
+    if kv_cache_dtype not in backend.supported_kv_cache_dtypes or KVCacheLayout[layout] not in (
+        backend.supported_kv_cache_layouts() or tuple(KVCacheLayout)
+    ):
+        pytest.skip(f"{name} does not take {kv_cache_dtype} in {layout}")
+    write = triton_writer(monkeypatch)
+    # its FP8 needs a device of compute capability 8.9 (fp8e4nv); the interpreter runs it on CPU
+    monkeypatch.setattr(importlib.import_module(write.__module__), "_is_supported_kv_cache_dtype", lambda _: True)
+    for writer_name in ("reshape_and_cache_flash", "triton_reshape_and_cache_flash"):
+        monkeypatch.setattr(module, writer_name, write, raising=False)
+    monkeypatch.setattr(torch.ops, "_C_cache_ops", SimpleNamespace(reshape_and_cache_flash=write))
+    heads, d, block_size = 2, 64, 16
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=d, dtype=torch.uint8,
+        kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
+    )  # fmt: skip
+    spec = customize_attention_spec(backend, spec)
+    with_vllm = functools.partial(pages, backend, spec, block_size, layout, None)
+    written, caches, kv_cache_config = with_vllm()
+    impl = impl_cls(
+        num_heads=2 * heads, head_size=d, scale=d**-0.5, num_kv_heads=heads, alibi_slopes=None,
+        sliding_window=None, kv_cache_dtype="auto",
+    )  # fmt: skip
+    impl.kv_cache_dtype = kv_cache_dtype  # FlashAttention's __init__ refuses FP8 without its CUDA kernels
+    scales = torch.tensor(0.25), torch.tensor(3.0)
+    layer = layer_of(backend, spec, torch.bfloat16, kv_cache_dtype)
+    layer._k_scale, layer._v_scale = scales
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(kv_cache_config.num_blocks * block_size, generator=g)[:40]
+    ours = attention.declared(impl, layer, caches["l1"], block_size)
+    # vLLM's Triton writer stores any FP8 cache as the platform's e4m3 (triton_reshape_and_cache_flash)
+    fp8 = torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" and name != "TRITON_ATTN" else torch.float8_e4m3fn
+    keys, values = (fp8_entries((len(slots), heads, d), fp8, float(s), torch.bfloat16, g) for s in scales)
+    impl.do_kv_cache_update(layer, keys, values, caches["l1"], slots)
+    assert written.any()
+
+    read_keys, read_values = ours.read(slots)
+    assert read_keys.dtype == torch.float32
+    assert torch.equal(read_keys, keys.float()) and torch.equal(read_values, values.float())
+    blank, blank_caches, _ = with_vllm()
+    entries = ours.stored(slots, torch.arange(len(slots)).expand(heads, -1))
+    attention.declared(impl, layer, blank_caches["l1"], block_size).write(slots, *entries)
+    assert torch.equal(blank, written)  # the writer's bytes, and no other (nor another layer's)
+
+
+@pytest.mark.parametrize("name", GPU)
+def test_a_quantized_page_other_than_fp8_is_refused_naming_the_backend(monkeypatch, name):
+    """A cache of a quantized type the plugin does not read (here int8 per token and head, as bytes of
+    a plain FP8 spec's page): not the model's dtype."""
     _, backend, _ = declaration(name)
     spec = FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
@@ -199,7 +253,7 @@ def test_a_quantized_page_is_refused_naming_the_backend(monkeypatch, name):
     _, caches, _ = pages(backend, spec, 16, "LBHNC", None)
     impl = SimpleNamespace(num_kv_heads=2, head_size=64)
     with pytest.raises(ValueError, match=f"{name}'s KV cache .* not the model's torch.bfloat16"):
-        attention.declared(impl, layer_of(backend, spec, torch.bfloat16, "fp8"), caches["l1"], 16)
+        attention.declared(impl, layer_of(backend, spec, torch.bfloat16, "int8_per_token_head"), caches["l1"], 16)
 
 
 @pytest.mark.parametrize("heads, refused", [(2, "2 head slots for 2 KV heads"), (1, "ambiguous")])

@@ -143,7 +143,7 @@ def _metrics(url: str, wanted: str, seconds: int = 60) -> dict:
 def test_serve_refuses_in_lines_before_starting(model_dir):
     """A configuration the plugin cannot run: one line per cause, exit code 2, no engine started."""
     knobs = {"method": "random", "max_capacity_prompt": 128}
-    command = serve(model_dir, knobs, "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "3")
+    command = serve(model_dir, knobs, "--kv-cache-dtype", "int8_per_token_head", "--tensor-parallel-size", "3")
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stderr.splitlines() if line.startswith("RESTKV_VLLM: ")]
     assert done.returncode == 2, done.stderr[-3000:]

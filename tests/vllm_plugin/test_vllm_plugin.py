@@ -149,7 +149,7 @@ def test_refusals_at_startup_all_at_once(model_dir, monkeypatch):
     args = dict(model=model_dir, dtype="float32", max_model_len=1024)
     config = EngineArgs(**args).create_engine_config()  # vLLM's defaults start
     config.scheduler_config.async_scheduling = True
-    config.cache_config.cache_dtype = "fp8"
+    config.cache_config.cache_dtype = "fp8_per_token_head"  # scales per token and head: not read
     config.parallel_config.tensor_parallel_size = 3
     lines = refusals(config, settings.from_env())
     assert len(lines) == 3
@@ -158,4 +158,4 @@ def test_refusals_at_startup_all_at_once(model_dir, monkeypatch):
     ):
         assert words in line and "=" in line and line.startswith("RESTKV_VLLM: ")
     with pytest.raises(ValueError, match="kv_cache_dtype='auto'"):
-        EngineArgs(**args, kv_cache_dtype="fp8").create_engine_config()
+        EngineArgs(**args, kv_cache_dtype="int8_per_token_head").create_engine_config()

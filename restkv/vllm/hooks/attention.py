@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import functools
 
+import torch
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
@@ -65,7 +67,20 @@ def declared(impl, layer, kv_cache, block_size: int) -> paged.Paged:
         )  # fmt: skip
         _HEAD_SLOTS[key] = backend.customize_spec(spec).num_head_slots
     name = backend.get_name()
-    return paged.declared(kv_cache, name, heads, d, block_size, layer.dtype, _HEAD_SLOTS[key])
+    return paged.declared(kv_cache, name, heads, d, block_size, layer.dtype, _HEAD_SLOTS[key], fp8(layer, name))
+
+
+def fp8(layer, backend: str) -> tuple | None:
+    """A per-tensor FP8 cache's (float8 type of its bytes, k_scale, v_scale): the layer's scale tensors,
+    which vLLM updates in place; None for any other ``kv_cache_dtype``. The type as ``backend`` writes
+    it: e4m3 the platform's (``fp8_dtype``: e4m3fnuz on ROCm), e5m2 as such, except vLLM's Triton writer,
+    which stores every FP8 cache as the platform's e4m3 (``triton_reshape_and_cache_flash``)."""
+    stored = paged.FP8.get(layer.kv_cache_dtype)
+    if stored is None:
+        return None
+    if stored is not torch.float8_e5m2 or backend == "TRITON_ATTN":
+        stored = current_platform.fp8_dtype()
+    return stored, layer._k_scale, layer._v_scale
 
 
 # (backend, KV heads, head size, cache dtype, model dtype, block size) -> the head slots of its
@@ -78,15 +93,17 @@ def cpu(impl, layer, kv_cache, block_size: int) -> paged.Paged:
     ``cpu_attn_reshape_and_cache`` (probed once per block shape, dtype and ISA)."""
     from vllm import _custom_ops as ops
 
+    quantized = fp8(layer, "CPU_ATTN")
+
     def writer(cache, keys, values, slots):
         blocks, heads, size, _ = cache.shape
         key_cache, value_cache = cache.view(blocks, heads, 2 * size, -1).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(
-            keys, values, key_cache, value_cache, slots, layer.isa,
-            k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+            keys.to(layer.dtype), values.to(layer.dtype), key_cache, value_cache, slots, layer.isa,
+            k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto" if quantized is None else layer.kv_cache_dtype,
         )  # fmt: skip
 
-    return paged.probed(kv_cache, block_size, kv_cache.shape[1], impl.head_size, writer, layer.isa)
+    return paged.probed(kv_cache, block_size, kv_cache.shape[1], impl.head_size, writer, layer.isa, quantized)
 
 
 # the fields of vLLM's ``CommonAttentionMetadata`` ``single_head`` gives (every field without a default;

@@ -7,12 +7,14 @@ import importlib
 import json
 import os
 
-from .. import settings
+from .. import paged, settings
 
 BACKEND_FLAG = (
     "attention_config={'backend': 'FLASH_ATTN'} (vllm serve: --attention-backend FLASH_ATTN), or another "
     "backend the plugin hooks"
 )
+
+FP8_FLAG = "kv_cache_dtype='auto' or 'fp8' (vllm serve: --kv-cache-dtype auto, or fp8, fp8_e4m3, fp8_e5m2)"
 
 HEAD_BACKEND_FLAG = (
     "attention_config={'backend': 'TRITON_ATTN'} (vllm serve: --attention-backend TRITON_ATTN) with "
@@ -78,8 +80,14 @@ def refusals(vllm_config, cfg) -> list[str]:
             "(vllm serve: --decode-context-parallel-size 1)",
         ),
         (
-            vllm_config.cache_config.cache_dtype != "auto",
-            "a quantized KV cache: kv_cache_dtype='auto' (vllm serve: --kv-cache-dtype auto)",
+            vllm_config.cache_config.cache_dtype not in ("auto", *paged.FP8),
+            f"a KV cache of {vllm_config.cache_config.cache_dtype} (the plugin reads the model's dtype and FP8 "
+            f"with one scale per layer for keys and one for values): {FP8_FLAG}",
+        ),
+        (
+            vllm_config.cache_config.cache_dtype in paged.FP8 and settings.per_head(cfg),
+            f"{settings.budget_knobs(cfg)} over an FP8 KV cache (heads' pages are written and moved in the "
+            "model's dtype): kv_cache_dtype='auto' (vllm serve: --kv-cache-dtype auto) or uniform budgets",
         ),
         (
             getattr(vllm_config.cache_config, "enable_extensible_kv_cache", None),
