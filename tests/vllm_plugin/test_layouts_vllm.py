@@ -136,6 +136,25 @@ def triton_writer(monkeypatch):
 WRITERS = {"kernel_test": lambda monkeypatch: kernel_test_writer, "triton": triton_writer}
 
 
+def writes_through(monkeypatch, module, write) -> None:
+    """The backend ``module``'s cache writer (each name a backend calls; FlashAttention's is absent where
+    vLLM's CUDA ops are) replaced by ``write``."""
+    for writer_name in ("reshape_and_cache_flash", "triton_reshape_and_cache_flash"):
+        monkeypatch.setattr(module, writer_name, write, raising=False)
+    monkeypatch.setattr(torch.ops, "_C_cache_ops", SimpleNamespace(reshape_and_cache_flash=write))
+
+
+def allocated(backend, impl_cls, spec, layout: str, kernel: int | None):
+    """(a function allocating the caches of ``spec`` as the backend customizes it: ``pages``; the backend's
+    implementation for its KV heads and twice as many query heads; the customized spec)."""
+    spec = customize_attention_spec(backend, spec)
+    impl = impl_cls(
+        num_heads=2 * spec.num_kv_heads, head_size=spec.head_size, scale=spec.head_size**-0.5,
+        num_kv_heads=spec.num_kv_heads, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
+    )  # fmt: skip
+    return functools.partial(pages, backend, spec, spec.block_size, layout, kernel), impl, spec
+
+
 def layer_of(backend, spec, model_dtype, kv_cache_dtype="auto"):
     """The attention layer's attributes the plugin and ``do_kv_cache_update`` read."""
     one = torch.tensor(1.0)
@@ -159,20 +178,11 @@ def test_the_plugin_reads_and_writes_each_entry_where_vllm_writes_it(
         pytest.skip(f"{name} does not take {layout}")
     if dtype not in backend.supported_dtypes:
         pytest.skip(f"{name} does not run {dtype}")
-    write = WRITERS[writer](monkeypatch)
-    # the writer each backend calls (FlashAttention's is absent where vLLM's CUDA ops are)
-    for writer_name in ("reshape_and_cache_flash", "triton_reshape_and_cache_flash"):
-        monkeypatch.setattr(module, writer_name, write, raising=False)
-    monkeypatch.setattr(torch.ops, "_C_cache_ops", SimpleNamespace(reshape_and_cache_flash=write))
+    writes_through(monkeypatch, module, WRITERS[writer](monkeypatch))
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=d, dtype=dtype)
-    spec = customize_attention_spec(backend, spec)
-    with_vllm = functools.partial(pages, backend, spec, block_size, layout, kernel)
+    with_vllm, impl, spec = allocated(backend, impl_cls, spec, layout, kernel)
     written, caches, kv_cache_config = with_vllm()
-    impl = impl_cls(
-        num_heads=2 * heads, head_size=d, scale=d**-0.5, num_kv_heads=heads, alibi_slopes=None,
-        sliding_window=None, kv_cache_dtype="auto",
-    )  # fmt: skip
     layer = layer_of(backend, spec, dtype)
     g = torch.Generator().manual_seed(0)
     slots = torch.randperm(kv_cache_config.num_blocks * block_size, generator=g)[:40]
@@ -203,21 +213,14 @@ def test_an_fp8_page_reads_through_the_layers_scales(monkeypatch, name, layout, 
     write = triton_writer(monkeypatch)
     # its FP8 needs a device of compute capability 8.9 (fp8e4nv); the interpreter runs it on CPU
     monkeypatch.setattr(importlib.import_module(write.__module__), "_is_supported_kv_cache_dtype", lambda _: True)
-    for writer_name in ("reshape_and_cache_flash", "triton_reshape_and_cache_flash"):
-        monkeypatch.setattr(module, writer_name, write, raising=False)
-    monkeypatch.setattr(torch.ops, "_C_cache_ops", SimpleNamespace(reshape_and_cache_flash=write))
+    writes_through(monkeypatch, module, write)
     heads, d, block_size = 2, 64, 16
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=heads, head_size=d, dtype=torch.uint8,
         kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
     )  # fmt: skip
-    spec = customize_attention_spec(backend, spec)
-    with_vllm = functools.partial(pages, backend, spec, block_size, layout, None)
+    with_vllm, impl, spec = allocated(backend, impl_cls, spec, layout, None)
     written, caches, kv_cache_config = with_vllm()
-    impl = impl_cls(
-        num_heads=2 * heads, head_size=d, scale=d**-0.5, num_kv_heads=heads, alibi_slopes=None,
-        sliding_window=None, kv_cache_dtype="auto",
-    )  # fmt: skip
     impl.kv_cache_dtype = kv_cache_dtype  # FlashAttention's __init__ refuses FP8 without its CUDA kernels
     scales = torch.tensor(0.25), torch.tensor(3.0)
     layer = layer_of(backend, spec, torch.bfloat16, kv_cache_dtype)
