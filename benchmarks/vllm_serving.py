@@ -170,7 +170,7 @@ def clock():
 
 def _time_eviction(now) -> dict:
     """Accumulate the worker's eviction time in its three parts (seconds of ``now``)."""
-    from restkv.vllm import paged, worker
+    from restkv.vllm import layer_eviction, paged, worker
 
     timers = dict.fromkeys(PARTS, 0.0)
 
@@ -188,10 +188,10 @@ def _time_eviction(now) -> dict:
 
     timed(paged.Paged, "read", "read back")
     timed(paged.Paged, "read_pages", "read back")  # per-head budgets while decoding: the heads' pages
-    timed(worker, "kept_entries", "select")
-    timed(worker, "chunk_score", "select")
-    timed(worker, "entry_scores", "select")  # a budget shared across layers: each layer's scores,
-    timed(worker, "shared_sizes", "select")  # then the shares
+    timed(layer_eviction, "kept_entries", "select")  # where a request's eviction in a layer calls them
+    timed(layer_eviction, "chunk_score", "select")
+    timed(layer_eviction, "entry_scores", "select")  # a budget shared across layers: each layer's scores,
+    timed(layer_eviction, "shared_sizes", "select")  # then the shares
     timed(paged.Paged, "write", "write")
     timed(worker.Worker, "_place", "write")  # per-head and per-layer budgets: the kept entries on their pages
     return timers

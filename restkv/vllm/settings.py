@@ -23,14 +23,14 @@ from .counting import (
     room,
     schedule_length,
 )
+from .plugin_config import DEFERRED as DEFERRED  # the constants, documented where they are defined
+from .plugin_config import ENV as ENV
+from .plugin_config import PER_HEAD as PER_HEAD
+from .plugin_config import PER_LAYER as PER_LAYER
+from .plugin_config import SHARED as SHARED
+from .plugin_config import SUMMED as SUMMED
+from .plugin_config import UNBOUNDED as UNBOUNDED
 from .plugin_config import (
-    DEFERRED,
-    ENV,
-    PER_HEAD,
-    PER_LAYER,
-    SHARED,
-    SUMMED,
-    UNBOUNDED,
     budget_knobs,
     check,
     deferred,
@@ -61,7 +61,6 @@ from .tables import (
 )
 
 __all__ = [
-    "DEFERRED", "ENV", "PER_HEAD", "PER_LAYER", "SHARED", "SUMMED", "UNBOUNDED",
     "Eviction", "bind_model", "budget_at", "budget_knobs", "check", "deferred", "eviction", "evicts",
     "extra_blocks", "from_env", "head_table", "hit_limit", "largest", "layer_budget", "layer_table",
     "layers_of", "lukv_kept", "lukv_largest", "mean_kept", "mixes_heads", "most_budget", "most_kept",
