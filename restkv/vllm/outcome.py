@@ -91,11 +91,15 @@ def merged(outcomes: list, part: str = "tensor-parallel rank") -> Outcome:
     return out
 
 
-def packed(outcome: Outcome) -> torch.Tensor:
-    """``outcome`` as a CPU tensor of bytes (vLLM sends a CPU tensor between stages over its CPU group)."""
+def packed(outcome: Outcome, ranks: int = 1) -> torch.Tensor:
+    """``outcome`` as a CPU tensor of bytes (sent to the next stage over vLLM's CPU group). ``ranks``: the
+    tensor-parallel ranks; its length is made no multiple of them (JSON's trailing blanks), since vLLM sends
+    a tensor whose length they divide in slices, one per rank, and gathers them over the device group."""
     kept = {r: astuple(k) for r, k in outcome.kept.items()}
-    text = json.dumps([kept, outcome.failed, outcome.seconds, outcome.fault])
-    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    text = json.dumps([kept, outcome.failed, outcome.seconds, outcome.fault]).encode()
+    while ranks > 1 and len(text) % ranks == 0:
+        text += b" "
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8)
 
 
 def unpacked(tensor: torch.Tensor) -> Outcome:

@@ -6,11 +6,12 @@ scheduler checks and puts on ``/metrics`` are what happened (through the paged e
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import on_ranks, prompt, small, tiny_model
 from vllm_sim import Failed, PagedEngine
 
 from restkv.config import CompressionConfig
-from restkv.vllm.outcome import Kept, Outcome, merged
+from restkv.vllm.outcome import Kept, Outcome, merged, packed, unpacked
 from restkv.vllm.worker import Worker
 
 BUDGET = dict(max_capacity_prompt=40, window_size=8)
@@ -149,3 +150,17 @@ def test_a_fault_in_a_layer_stops_the_step_after_every_layer_ran():
     with pytest.raises(RuntimeError, match=f"ValueError: ring \\(layer {BROKEN} at"):
         eng.generate(prompt(20)[0].tolist(), 1)
     assert len(calls) == len(eng.names)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_a_stages_outcome_travels_whole_and_is_never_sliced_over_the_ranks(ranks):
+    """A pipeline stage's outcome, as sent on with its hidden states: read back as it was, a CPU byte tensor
+    whose length the tensor-parallel ranks never divide (vLLM would send it in slices and gather them over
+    the device group, which a CPU tensor is not on)."""
+    outcome = Outcome({"0-a": Kept(300, 128, 7740, 45)}, {"1-b": "RuntimeError: x (layer 3)"}, {"snapkv": 0.25})
+    for pad in range(12):  # lengths around every multiple of the ranks
+        o = Outcome(outcome.kept, {**outcome.failed, "2": "y" * pad}, outcome.seconds)
+        tensor = packed(o, ranks)
+        assert tensor.device.type == "cpu" and tensor.dtype == torch.uint8
+        assert ranks == 1 or tensor.numel() % ranks != 0
+        assert unpacked(tensor) == o

@@ -151,7 +151,8 @@ def execute_model(orig):
         worker.end(arguments["scheduler_output"].total_num_scheduled_tokens)
         if isinstance(getattr(out, "tensors", None), dict):  # a stage before the last: on with its tensors
             if worker.outcome:
-                out.tensors[outcome.KEY] = outcome.packed(worker.report())
+                ranks = self.vllm_config.parallel_config.tensor_parallel_size
+                out.tensors[outcome.KEY] = outcome.packed(worker.report(), ranks)
             return out
         return report(worker, out)
 
