@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from harness import SNAPKV, engine_run, reference
+from harness import SNAPKV, TWO_ENV, engine_run, reference
 
 pytestmark = pytest.mark.vllm
 
@@ -156,9 +158,6 @@ def test_serve_with_data_parallelism(model_dir, text_ids):
     """``--data-parallel-size 2``: two engines behind one server, each with its own scheduler and worker.
     Four requests at once (two at the server's knobs, two with their own) answer as restkv's transformers
     path does, and ``/metrics`` counts each request's eviction once, under the engine that ran it."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from harness import TWO_ENV
     from transformers import AutoTokenizer
 
     own = {"method": "streamingllm", "max_capacity_prompt": 64, "window_size": SNAPKV["window_size"]}
@@ -208,8 +207,6 @@ def test_the_quick_start_evicts_at_the_models_dtype(model_dir, page):
     the budget it runs (the server's, or the request's own), as the comment beside its ``/metrics`` grep says
     (so the server it starts evicts, and the grep shows it), and the server runs at the packaged model's own
     dtype (vLLM's CPU default, bfloat16, warns once per weight)."""
-    import re
-
     from transformers import AutoTokenizer
 
     text = (Path(__file__).resolve().parents[2] / page).read_text(encoding="utf-8")
