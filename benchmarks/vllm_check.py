@@ -46,6 +46,7 @@ ENGINE_KEYS = (
     "max_num_seqs",
     "enable_extensible_kv_cache",
     "enable_prefix_caching",
+    "prefix_cache_retention_interval",
     "enable_chunked_prefill",
     "max_num_batched_tokens",
     "additional_config",
@@ -83,23 +84,32 @@ def engine(spec: dict):
     )
 
 
-def watch_blocks(scheduler, steps: list, held: dict, trace: dict | None = None, batch: list | None = None) -> None:
+def watch_blocks(
+    scheduler, steps: list, held: dict, trace: dict | None = None, batch: list | None = None, groups: dict | None = None
+) -> None:
     """Record the pool's free blocks around each ``update_from_output`` (after scheduling, after the
-    step), the most blocks each request held after scheduling, in ``trace`` each request's
-    ``[tokens computed by the step's end, tokens scheduled, blocks held]`` per step and in ``batch``
-    each step's count of requests."""
+    step), the most blocks each request held after scheduling (the evicted KV cache group's: the first
+    without the plugin), in ``trace`` each request's ``[tokens computed by the step's end, tokens
+    scheduled, blocks held]`` per step, in ``groups`` its blocks per step in every group (a sliding
+    window's real blocks, not its null ones) and in ``batch`` each step's count of requests."""
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
     update = scheduler.update_from_output
+    managers = manager.coordinator.single_type_managers
+    state = getattr(manager, "_restkv", None)
+    evicted = managers[0 if state is None else state.group]
 
     def recorded(*args, **kwargs):
         before = pool.get_num_free_blocks()
         for req_id, scheduled in args[0].num_scheduled_tokens.items():
-            blocks = manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id, [])
+            blocks = evicted.req_to_blocks.get(req_id, [])
             held[req_id] = max(held.get(req_id, 0), len(blocks))
+            end = scheduler.requests[req_id].num_computed_tokens  # advanced when scheduled
             if trace is not None:
-                end = scheduler.requests[req_id].num_computed_tokens  # advanced when scheduled
                 trace.setdefault(req_id, []).append([end, scheduled, len(blocks)])
+            if groups is not None:
+                real = [sum(not b.is_null for b in m.req_to_blocks.get(req_id, [])) for m in managers]
+                groups.setdefault(req_id, []).append([end, *real])
         out = update(*args, **kwargs)
         steps.append([before, pool.get_num_free_blocks()])
         if batch is not None:
@@ -133,7 +143,8 @@ def run_spec(spec: dict) -> dict:
     to submit once the ones before have finished. Returns per prompt its ``tokens``, ``finish`` (vLLM's
     finish reason), ``kept`` (per
     tensor-parallel rank, per layer, per KV head: the positions its first eviction kept; empty
-    without eviction), ``held`` (the most blocks it held at once), ``cached`` (prompt tokens a
+    without eviction), ``held`` (the most blocks it held at once, of the evicted group), ``groups`` (per step it ran in: [tokens
+    computed by the step's end, real blocks held in each KV cache group]), ``cached`` (prompt tokens a
     prefix-cache hit gave it), ``trace`` (per step it ran in: [tokens computed by the step's end,
     tokens scheduled, blocks held]), ``batch`` (requests per step) and with ``spec["logprobs"]`` = k its ``logprobs`` (per token,
     {token id: logprob} of vLLM's top k and its own); ``steps`` (free blocks [after scheduling,
@@ -151,7 +162,8 @@ def run_spec(spec: dict) -> dict:
     held: dict = {}
     trace: dict = {}
     batch: list = []
-    watch_blocks(core.scheduler, steps, held, trace, batch)
+    groups: dict = {}
+    watch_blocks(core.scheduler, steps, held, trace, batch, groups)
     free_at_start = core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     own_knobs = spec.get("request_knobs") or []
 
@@ -198,6 +210,7 @@ def run_spec(spec: dict) -> dict:
         "held": [own(held, o.request_id, 0) for o in outs],
         "cached": [o.num_cached_tokens or 0 for o in outs],
         "trace": [own(trace, o.request_id, []) for o in outs],
+        "groups": [own(groups, o.request_id, []) for o in outs],
         "block_size": core.scheduler.cache_config.block_size,
         "caching": bool(core.scheduler.kv_cache_manager.enable_caching),
         "refused": refused,

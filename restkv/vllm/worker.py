@@ -69,6 +69,7 @@ class Worker(LayerEviction, HeadSteps):
         # layer, where a check installs one (benchmarks/vllm_check.py); None: nothing is kept
         self.observer = None
         self.blocks: dict = {}  # request id -> its block ids (the scheduler's, as the steps give them)
+        self.group = 0  # the KV cache group it evicts (a hybrid model's sliding windows are vLLM's: ``leave``)
         self.pending: dict = {}  # request id -> its last step's Eviction: its blocks to cut before the next step
         self.held_lengths = None  # the step's sequence lengths of the entries held, where a runner needs them
         self.backends: dict = {}  # attention layer name -> its backend's name (for errors)
@@ -114,6 +115,13 @@ class Worker(LayerEviction, HeadSteps):
                 self.free_slots.append(state.slot)
             self.blocks.pop(req_id, None)
             self.pending.pop(req_id, None)
+
+    def leave(self, group: int, layers) -> None:
+        """Evict KV cache group ``group`` only, whose attention layers are ``layers`` (names): the others, a
+        hybrid model's sliding windows, are neither read, scored nor cut (their layers keep the model's
+        indices)."""
+        self.group = group
+        self.layer_index = {name: i for name, i in self.layer_index.items() if name in set(layers)}
 
     def cut(self, req_id: str):
         """Cut the request's blocks to those its last eviction kept -> that ``settings.Eviction``, or

@@ -53,13 +53,13 @@ def _run(cmd: list[str], env: dict) -> str:
     return done.stdout
 
 
-def text_ids() -> list[int]:
+def text_ids(model: str = "smollm2-135m") -> list[int]:
     """The first 800 tokens of ``prompt_text.md`` (a fixed text, an early version of the README's
-    opening, so that the tests' prompts do not change with the README), and the packaged model
-    converted, by restkv's environment."""
+    opening, so that the tests' prompts do not change with the README) by packaged ``model``'s tokenizer,
+    the model converted, by restkv's environment."""
     code = (
         "import json; from restkv.bench.models import load_model; "
-        "_, t = load_model('smollm2-135m'); "
+        f"_, t = load_model({model!r}); "
         f"print(json.dumps(t(open({str(HERE / 'prompt_text.md')!r}).read())['input_ids'][:800]))"
     )
     ids = json.loads(_run([_restkv_python(), "-c", code], {}).strip().splitlines()[-1])
@@ -88,9 +88,10 @@ def engine_run(model_dir: str, prompts: list, knobs: dict | None, new_tokens=NEW
 _REFS: dict = {}
 
 
-def reference(prompt: list[int], knobs: dict, new_tokens=NEW_TOKENS) -> dict:
-    """restkv's transformers path on ``prompt``: tokens and each layer's kept positions [Hkv][B]."""
-    key = json.dumps([knobs, prompt, new_tokens], sort_keys=True)
+def reference(prompt: list[int], knobs: dict, new_tokens=NEW_TOKENS, model: str = "smollm2-135m") -> dict:
+    """restkv's transformers path on ``prompt`` (packaged ``model``): tokens and each layer's kept positions
+    [Hkv][B] (None: a layer it does not evict)."""
+    key = json.dumps([knobs, prompt, new_tokens, model], sort_keys=True)
     if key not in _REFS:
         out = _run(
             [
@@ -99,6 +100,7 @@ def reference(prompt: list[int], knobs: dict, new_tokens=NEW_TOKENS) -> dict:
                 json.dumps(knobs),
                 str(new_tokens),
                 json.dumps(prompt),
+                model,
             ],
             {},
         )

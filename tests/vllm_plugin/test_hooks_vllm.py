@@ -261,10 +261,11 @@ def test_models_whose_cache_the_plugin_cannot_evict_are_refused(name, tmp_path):
     assert said in line and str(tmp_path) in line
 
 
-def test_kv_cache_groups_other_than_one_of_full_attention_are_refused():
-    """vLLM's own KV cache groups: one group of plain full attention passes; a sliding window (its own
-    group, or recorded on a full-attention spec with the hybrid manager off), chunked-local attention,
-    MLA, cross-attention, Mamba state, or more than one group, are refused one line each."""
+def test_kv_cache_groups_other_than_one_of_full_attention_and_sliding_windows_are_refused():
+    """vLLM's own KV cache groups: one group of plain full attention passes, and so do sliding-window groups
+    beside it (a hybrid model's: the plugin evicts the full-attention group, wherever it is); a sliding window
+    recorded on a full-attention spec (the hybrid manager off), chunked-local attention, MLA,
+    cross-attention, Mamba state, no full-attention group or two, are refused one line each."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
@@ -276,21 +277,26 @@ def test_kv_cache_groups_other_than_one_of_full_attention_are_refused():
     def groups(*specs):
         return KVCacheConfig(1, [], [KVCacheGroupSpec([f"layers.{i}"], s) for i, s in enumerate(specs)])
 
-    full = FullAttentionSpec(**kw)
+    full, sliding = FullAttentionSpec(**kw), SlidingWindowSpec(**kw, sliding_window=512)
     assert refusals.cache_groups(groups(full)) == []
-    refused = [
+    for hybrid, evicted in ((groups(full, sliding, sliding), 0), (groups(sliding, sliding, full), 2)):
+        assert refusals.cache_groups(hybrid) == []
+        assert refusals.evicted_group(hybrid) == evicted
+    others = [
         FullAttentionSpec(**kw, sliding_window=512),
-        SlidingWindowSpec(**kw, sliding_window=512),
         ChunkedLocalAttentionSpec(**kw, attention_chunk_size=256),
         MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32),
         CrossAttentionSpec(**kw),
         MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)),
     ]
-    for spec in refused:
-        (line,) = refusals.cache_groups(groups(spec))
-        assert type(spec).__name__ in line and "the plugin evicts one full-attention group" in line
-    lines = refusals.cache_groups(groups(full, SlidingWindowSpec(**kw, sliding_window=512)))
-    assert len(lines) == 2 and "has 2 groups" in lines[0]
+    for spec in others:
+        (line,) = refusals.cache_groups(groups(full, spec))
+        assert type(spec).__name__ in line and "neither plain full attention nor a sliding window" in line
+        assert line.endswith("the plugin evicts one full-attention group")
+    (line,) = refusals.cache_groups(groups(sliding))
+    assert "has 0 groups of full attention" in line
+    (line,) = refusals.cache_groups(groups(full, sliding, full))
+    assert "has 2 groups of full attention" in line
 
 
 def test_the_extensible_kv_cache_is_refused():

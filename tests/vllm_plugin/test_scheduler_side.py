@@ -376,13 +376,69 @@ def test_an_eviction_the_workers_ran_otherwise_stops_before_any_block_is_freed(r
 
 
 def test_a_kv_cache_the_plugin_does_not_evict_is_refused_when_the_scheduler_is_built():
-    """The engine's KV cache groups as vLLM's ``KVCacheConfig`` gives them to the scheduler: a
-    sliding-window group beside the full-attention one stops the engine before any request (its
-    blocks would be cut with the full-attention group's); without the plugin it is built."""
+    """The engine's KV cache groups as vLLM's ``KVCacheConfig`` gives them to the scheduler: two
+    full-attention groups stop the engine before any request (the second would keep the blocks its layers'
+    eviction dropped); without the plugin it is built."""
+    kw = dict(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    specs = [FullAttentionSpec(**kw), FullAttentionSpec(**kw)]
+    with pytest.raises(ValueError, match="the model's KV cache has 2 groups of full attention"):
+        scheduler(SNAPKV, specs=specs)
+    assert scheduler(None, specs=specs).kv_cache_manager._restkv is None
+
+
+WINDOW_TOKENS = 64  # the sliding-window group's window
+
+
+def hybrid(knobs):
+    """A scheduler of a hybrid model's two groups: a sliding window of ``WINDOW_TOKENS`` first, then full
+    attention (the group evicted)."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     kw = dict(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
-    specs = [FullAttentionSpec(**kw), SlidingWindowSpec(**kw, sliding_window=128)]
-    with pytest.raises(ValueError, match="the model's KV cache has 2 groups"):
-        scheduler(SNAPKV, specs=specs)
-    assert scheduler(None, specs=specs).kv_cache_manager._restkv is None
+    return scheduler(knobs, num_blocks=96, specs=[SlidingWindowSpec(**kw, sliding_window=WINDOW_TOKENS), FullAttentionSpec(**kw)])
+
+
+def group_blocks(sched: Scheduler, rid: str) -> list:
+    """Per group, the real blocks (not vLLM's null block) the request holds."""
+    managers = sched.kv_cache_manager.coordinator.single_type_managers
+    return [[b for b in m.req_to_blocks.get(rid, []) if not b.is_null] for m in managers]
+
+
+def test_a_hybrid_models_full_attention_group_evicts_and_its_sliding_window_is_vllms():
+    """Gemma 2 and 3, gpt-oss: a sliding-window group beside the full-attention one. Step by step the
+    sliding group holds the very blocks plain vLLM's scheduler gives it (its window freed by vLLM), while
+    the full-attention group holds the prompt's blocks, then the kept ones only; every block back at the
+    end. A prefix hit of the same prompt stops before the window's queries and each group's hit blocks are
+    real: the sliding group's last window before the hit is not vLLM's null block."""
+    plain, sched = hybrid(None), hybrid(SNAPKV)
+    assert sched.kv_cache_manager._restkv.group == 1
+    start = free(sched)
+    for s in (plain, sched):
+        request(s, "a", PROMPT, max_tokens=6)
+    while sched.requests:
+        outs = plain.schedule(), sched.schedule()
+        assert outs[0].num_scheduled_tokens == outs[1].num_scheduled_tokens
+        ours, theirs = group_blocks(sched, "a"), group_blocks(plain, "a")
+        computed = sched.requests["a"].num_computed_tokens  # advanced when scheduled
+        assert len(ours[0]) == len(theirs[0])  # the sliding window's, as vLLM's own
+        if computed <= len(PROMPT):
+            assert len(ours[1]) == cdiv(computed, BLOCK) + (cdiv(BUDGET, BLOCK) if computed == len(PROMPT) else 0)
+        else:  # the kept entries and the tokens since
+            assert len(ours[1]) == cdiv(BUDGET + computed - len(PROMPT), BLOCK)
+        finish(plain, outs[0])
+        finish(sched, outs[1])
+    assert free(sched) == start
+
+    request(sched, "b", PROMPT, max_tokens=1)
+    limit = (len(PROMPT) - WINDOW) // BLOCK * BLOCK  # 256
+    probe = request(sched, "probe", PROMPT, 1, add=False)
+    cached, tokens, *_ = sched.kv_cache_manager.get_computed_blocks(probe)
+    assert tokens == limit
+    sliding, full = cached.blocks
+    assert len(full) == limit // BLOCK and not any(b.is_null for b in full)
+    assert len(sliding) == limit // BLOCK
+    assert not any(b.is_null for b in sliding[(limit - WINDOW_TOKENS) // BLOCK :])
+    out = sched.schedule()
+    assert hit(out, "b") == limit
+    run(sched, out)
+    assert free(sched) == start

@@ -30,7 +30,7 @@ def forward(layout):
         def wrapped(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
             out = orig(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             worker = CURRENT[0]
-            if worker is not None and worker.step and attn_metadata is not None:
+            if worker is not None and worker.step and attn_metadata is not None and layer.layer_name in worker.layer_index:
                 tokens = attn_metadata.num_actual_tokens
                 q = query[:tokens].view(tokens, self.num_heads, self.head_size)
                 softcap = getattr(self, "logits_soft_cap", None) or None  # 0: none

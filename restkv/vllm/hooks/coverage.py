@@ -85,6 +85,8 @@ def check_runner(model_runner, wrapped: list, backends: dict) -> None:
             layouts[name] = (getattr(importlib.import_module(module), impl), layout)
         except ImportError:
             continue
+    group = refusals.evicted_group(model_runner.kv_cache_config)
+    worker.leave(group, model_runner.kv_cache_config.kv_cache_groups[group].layer_names)
     worker.backends = {}
     builders: dict = {}  # the per-head path's metadata builders, one per backend and geometry
     layers = refusals.attention_layers(model_runner.vllm_config)

@@ -30,6 +30,7 @@ def refusals(vllm_config, cfg) -> list[str]:
     compilation = vllm_config.compilation_config
     mode = getattr(compilation, "cudagraph_mode", None)
     mixes = settings.mixes_heads(cfg)
+    slides = model.get_sliding_window() is not None
     causes = [
         (
             vllm_config.speculative_config is not None,
@@ -47,9 +48,15 @@ def refusals(vllm_config, cfg) -> list[str]:
             "(vllm serve: -cc.cudagraph_mode=PIECEWISE), or enforce_eager=True (--enforce-eager)",
         ),
         (
-            vllm_config.model_config.get_sliding_window() is not None,
-            f"{vllm_config.model_config.model} has sliding-window attention layers; the plugin "
-            "runs full-attention models",
+            slides and getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False),
+            f"{model.model} has sliding-window layers, and disable_hybrid_kv_cache_manager=True puts them in "
+            "the full-attention layers' group of blocks, which the plugin cuts: drop it "
+            "(vllm serve: drop --disable-hybrid-kv-cache-manager)",
+        ),
+        (
+            slides and settings.per_head(cfg),
+            f"{settings.budget_knobs(cfg)} on {model.model}, whose sliding-window layers share the pool of "
+            "pages the heads' own pages would use: uniform budgets",
         ),
         (
             parallel.pipeline_parallel_size > 1 and settings.per_head(cfg),
@@ -121,20 +128,46 @@ def _model_kinds(model_config) -> list[str]:
 def cache_groups(kv_cache_config) -> list[str]:
     """Why the engine's KV cache groups are not ones the plugin evicts (one line each): it evicts one
     group of plain full attention (``FullAttentionSpec`` itself, no sliding window or chunk), reading
-    and cutting that group's blocks; any other group (a sliding window, chunked-local, MLA,
-    cross-attention, Mamba state) would lose blocks it still reads."""
+    and cutting that group's blocks, and leaves sliding-window groups (``SlidingWindowSpec``: a hybrid
+    model's, Gemma 2 and 3, gpt-oss) to vLLM's own window; any other group (chunked-local, MLA,
+    cross-attention, Mamba state) would lose blocks it still reads, and a second full-attention group
+    would keep blocks its layers' eviction dropped."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    full = [g for g in groups if _plain(g.kv_cache_spec, FullAttentionSpec)]
+    lines = [
+        f"the KV cache group {_group(g)} is neither plain full attention nor a sliding window"
+        for g in groups
+        if not (_plain(g.kv_cache_spec, FullAttentionSpec) or _plain(g.kv_cache_spec, SlidingWindowSpec))
+    ]
+    if len(full) != 1:
+        lines.append(
+            f"the model's KV cache has {len(full)} groups of full attention ({', '.join(_group(g) for g in groups)})"
+        )
+    return [f"{settings.ENV}: {line}; the plugin evicts one full-attention group" for line in lines]
+
+
+def evicted_group(kv_cache_config) -> int:
+    """The index of the KV cache group the plugin evicts (``cache_groups`` allows one): its plain full
+    attention; the others, sliding windows, are vLLM's to free."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
-    lines = []
-    if len(groups) > 1:
-        lines.append(f"the model's KV cache has {len(groups)} groups ({', '.join(_group(g) for g in groups)})")
-    for group in groups:
-        spec = group.kv_cache_spec
-        plain = type(spec) is FullAttentionSpec and spec.sliding_window is None and spec.attention_chunk_size is None
-        if not plain or getattr(spec, "non_causal", False):
-            lines.append(f"the KV cache group {_group(group)} is not plain full attention")
-    return [f"{settings.ENV}: {line}; the plugin evicts one full-attention group" for line in lines]
+    return next(i for i, g in enumerate(groups) if _plain(g.kv_cache_spec, FullAttentionSpec))
+
+
+def _plain(spec, kind) -> bool:
+    """``spec`` is ``kind`` itself (no subclass), causal and without chunks; a full-attention one without a
+    sliding window."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return (
+        type(spec) is kind
+        and not getattr(spec, "non_causal", False)
+        and getattr(spec, "attention_chunk_size", None) is None
+        and (kind is not FullAttentionSpec or spec.sliding_window is None)
+    )
 
 
 def _group(group) -> str:

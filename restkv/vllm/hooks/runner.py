@@ -15,9 +15,11 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 
+import numpy as np
 import torch
 
 from .. import outcome, settings
@@ -203,13 +205,53 @@ def record_blocks(worker: Worker, scheduler_output, resumed_replace: bool) -> No
     ``resumed_req_ids``) in place of its old ones, a running one's appended; a new request's config
     (``Worker.admit``), a finished one's forgotten."""
     worker.finish(scheduler_output.finished_req_ids)
+    g = worker.group
     for new in scheduler_output.scheduled_new_reqs:
         worker.admit(new.req_id, getattr(new.sampling_params, "extra_args", None))
-        worker.blocks[new.req_id] = list(new.block_ids[0])
+        worker.blocks[new.req_id] = list(new.block_ids[g])
     cached = scheduler_output.scheduled_cached_reqs
     resumed = cached.resumed_req_ids if resumed_replace else ()
     for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
         if req_id in resumed:
-            worker.blocks[req_id] = list(ids[0]) if ids is not None else []
+            worker.blocks[req_id] = list(ids[g]) if ids is not None else []
         elif ids is not None:
-            worker.blocks.setdefault(req_id, []).extend(ids[0])
+            worker.blocks.setdefault(req_id, []).extend(ids[g])
+
+
+def build_metadata(orig):
+    """``AttentionGroup.build_metadata`` (both runners): a group the plugin leaves alone (a hybrid model's
+    sliding window, not ``Worker.group``) gets the logical sequence lengths back (``logical_lengths``); the
+    runner's are those of the entries held."""
+
+    @functools.wraps(orig)
+    def wrapped(self, common_attn_metadata, *args, **kwargs):
+        worker = CURRENT[0]
+        if worker is not None and self.kv_cache_group_id != worker.group and worker.request_offsets.any():
+            common_attn_metadata = logical_lengths(common_attn_metadata, worker)
+        return orig(self, common_attn_metadata, *args, **kwargs)
+
+    return wrapped
+
+
+def logical_lengths(common, worker: Worker):
+    """vLLM's ``CommonAttentionMetadata`` of the held entries' lengths with each request's offset added back:
+    its sequence lengths [R] on the device, their CPU bound and the longest (the bound's, else an upper
+    bound: the held longest plus the largest offset)."""
+    n, offsets = len(worker.request_offsets), worker.request_offsets
+    lengths = common.seq_lens.clone()
+    lengths[:n] += worker.request_offsets_device.to(lengths.dtype)
+    bound = getattr(common, "seq_lens_cpu_upper_bound", None)
+    if bound is None:
+        return dataclasses.replace(common, seq_lens=lengths, max_seq_len=common.max_seq_len + int(offsets.max()))
+    bound = shifted(bound, offsets)
+    longest = max(common.max_seq_len, int(bound[:n].max()))
+    return dataclasses.replace(common, seq_lens=lengths, seq_lens_cpu_upper_bound=bound, max_seq_len=longest)
+
+
+def shifted(bound, offsets: np.ndarray):
+    """A CPU bound (a tensor or an array over the padded batch) plus the requests' ``offsets``."""
+    padded = np.zeros(len(bound), dtype=np.int64)
+    padded[: len(offsets)] = offsets
+    if isinstance(bound, torch.Tensor):
+        return bound + torch.from_numpy(padded).to(bound.dtype)
+    return bound + padded.astype(bound.dtype)

@@ -5,7 +5,9 @@
   rows evicted last step (``req_state.block_ids`` and the block table's numpy row), record the
   step's new block ids;
 - ``prepare_inputs`` (``_prepare_inputs``): slots and sequence lengths of the entries held (the GPU
-  lengths and the CPU bound FlashInfer reads), the step's batch to the ``Worker``.
+  lengths and the CPU bound FlashInfer reads), the step's batch to the ``Worker``; the slots of the
+  evicted group only (a hybrid model's sliding windows keep theirs, and their lengths:
+  ``runner.build_metadata``).
 """
 
 from __future__ import annotations
@@ -38,19 +40,21 @@ def update_states(orig):
 
 
 def cut_row(runner, req_id: str, e: settings.Eviction) -> None:
-    """Cut the request's block ids and block-table row as ``e`` cuts a request's blocks."""
+    """Cut the request's block ids and block-table row of the evicted group (``Worker.group``) as ``e`` cuts
+    a request's blocks."""
     req_state = runner.requests.get(req_id)
     row = runner.input_batch.req_id_to_index.get(req_id)
-    for group, table in enumerate(runner.input_batch.block_table.block_tables):
-        if req_state is not None:
-            e.cut(req_state.block_ids[group])
-        if row is not None:
-            held = table.num_blocks_per_row[row]
-            ids = table.block_table.np[row, :held].tolist()
-            e.cut(ids)
-            table.block_table.np[row, : len(ids)] = ids
-            table.block_table.np[row, len(ids) : held] = 0
-            table.num_blocks_per_row[row] = len(ids)
+    group = runner._restkv.group
+    table = runner.input_batch.block_table.block_tables[group]
+    if req_state is not None:
+        e.cut(req_state.block_ids[group])
+    if row is not None:
+        held = table.num_blocks_per_row[row]
+        ids = table.block_table.np[row, :held].tolist()
+        e.cut(ids)
+        table.block_table.np[row, : len(ids)] = ids
+        table.block_table.np[row, len(ids) : held] = 0
+        table.num_blocks_per_row[row] = len(ids)
 
 
 def prepare_inputs(orig):
@@ -73,10 +77,10 @@ def prepare_inputs(orig):
                 bound[:n] -= torch.from_numpy(offsets).to(bound.dtype)
                 tokens = len(worker.token_offsets_device)
                 held = self.positions[:tokens] - worker.token_offsets_device
-                batch.block_table.compute_slot_mapping(n, self.query_start_loc.gpu[: n + 1], held)
+                table = batch.block_table.block_tables[worker.group]  # a sliding window's stay logical
+                table.compute_slot_mapping(n, self.query_start_loc.gpu[: n + 1], held)
             if worker.flat_tokens is not None:  # their heads' pages are written by the plugin
-                for table in batch.block_table.block_tables:
-                    table.slot_mapping.gpu[worker.flat_tokens] = -1
+                batch.block_table.block_tables[worker.group].slot_mapping.gpu[worker.flat_tokens] = -1
         return out
 
     return wrapped

@@ -1,8 +1,8 @@
 """The V2 model runner's hooks (``vllm.v1.worker.gpu.model_runner``, the CUDA default).
 
 - ``finish_requests`` / ``add_requests``: forget finished, preempted and re-added requests;
-- ``update_requests``: cut the rows evicted last step (a staged write and ``num_blocks``), record
-  the new block ids;
+- ``update_requests``: cut the evicted group's rows evicted last step (a staged write and ``num_blocks``),
+  record the new block ids;
 - ``prepare_attn``: the slot mapping of the entries held (vLLM's own write of a request whose heads hold
   their own pages masked: slot -1), the step's batch to the ``Worker``;
 - ``model_state_prepare_attn`` (``DefaultModelState.prepare_attn``): the attention metadata's
@@ -14,10 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
-import torch
 
-from .runner import CURRENT, record_blocks
+from .runner import CURRENT, record_blocks, shifted
 
 def forgetting(gone):
     """A V2 function after which the requests ``gone(scheduler_output)`` start afresh:
@@ -57,9 +55,8 @@ def update_requests(orig):
                 if index is None:
                     continue
                 kept = worker.blocks[req_id]
-                for group, table in enumerate(tables.block_tables):
-                    table.stage_write(index, 0, kept)
-                    tables.num_blocks.np[group, index] = len(kept)
+                tables.block_tables[worker.group].stage_write(index, 0, kept)
+                tables.num_blocks.np[worker.group, index] = len(kept)
             record_blocks(worker, scheduler_output, resumed_replace=False)
         return orig(self, scheduler_output)
 
@@ -84,29 +81,24 @@ def prepare_attn(orig):
         if worker.request_offsets.any():
             tokens = len(worker.token_offsets_device)
             held = input_batch.positions[:tokens] - worker.token_offsets_device
+            logical = slot_mappings.clone() if len(slot_mappings) > 1 else None
             slot_mappings = self.block_tables.compute_slot_mappings(
                 input_batch.idx_mapping,
                 input_batch.query_start_loc,
                 held,
                 num_tokens_padded=input_batch.num_tokens_after_padding,
             )
+            if logical is not None:  # a hybrid model's sliding windows keep their slots
+                others = [g for g in range(len(logical)) if g != worker.group]
+                slot_mappings[others] = logical[others]
             lengths = input_batch.seq_lens.clone()
             lengths[:n] -= worker.request_offsets_device.to(lengths.dtype)
-            worker.held_lengths = (lengths, _minus(input_batch.seq_lens_cpu_upper_bound, worker.request_offsets))
+            worker.held_lengths = (lengths, shifted(input_batch.seq_lens_cpu_upper_bound, -worker.request_offsets))
         if worker.flat_tokens is not None:  # their heads' pages are written by the plugin (``Worker.attend_heads``)
-            slot_mappings[:, worker.flat_tokens] = -1
+            slot_mappings[worker.group, worker.flat_tokens] = -1
         return block_tables, slot_mappings
 
     return wrapped
-
-
-def _minus(bound, offsets: np.ndarray):
-    """A CPU bound (a tensor or an array over the padded batch) minus the requests' offsets."""
-    padded = np.zeros(len(bound), dtype=np.int64)
-    padded[: len(offsets)] = offsets
-    if isinstance(bound, torch.Tensor):
-        return bound - torch.from_numpy(padded).to(bound.dtype)
-    return bound - padded.astype(bound.dtype)
 
 
 def model_state_prepare_attn(orig):

@@ -6,9 +6,9 @@ it passes through).
 - ``KVCacheManager.get_computed_blocks``: a prefix-cache hit stops where the queries an eviction
   reads begin (``settings.hit_limit``).
 - ``KVCacheManager.allocate_slots``: whether the request evicts at the end of this step
-  (``settings.eviction``); ``KVCacheCoordinator.get_num_blocks_to_allocate`` /
+  (``settings.eviction``); the evicted group's ``SingleTypeKVCacheManager.get_num_blocks_to_allocate`` /
   ``allocate_new_blocks`` then count the entries it holds, plus the fresh blocks of a first
-  eviction under prefix caching (``held_counts``); ``cache_blocks`` leaves an ``settings.uncached``
+  eviction under prefix caching (``held_counts``; a hybrid model's sliding-window groups count their own); ``cache_blocks`` leaves an ``settings.uncached``
   request's blocks uncached; ``free`` / ``pop_blocks_for_free`` forget it.
 - ``Scheduler.update_from_output``: after the step, the blocks past the kept ones go back to the
   pool (``restkv.vllm.hooks.step_output``).
@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from .. import per_request, settings
-from .refusals import cache_groups, check_config
+from .refusals import cache_groups, check_config, evicted_group
 from .requests import engine
 
 STATS_KEY = "restkv"  # the plugin's entry in the stats sent to the front end (``metrics``)
@@ -36,6 +36,7 @@ class Blocks:
     caching: bool
     block_size: int
     engine: per_request.Engine | None = None  # what a request's own knobs are resolved against
+    group: int = 0  # the KV cache group evicted (``refusals.evicted_group``); the others are sliding windows
     configs: dict = field(default_factory=dict)  # request id -> the config it runs (None: it keeps all)
     offsets: dict = field(default_factory=dict)  # request id -> logical - held entries
     due: dict = field(default_factory=dict)  # request id -> settings.Eviction, of the step being scheduled
@@ -91,7 +92,11 @@ def scheduler_init(orig):
             raise ValueError("\n".join(refused))
         manager = self.kv_cache_manager
         block_size = vllm_config.cache_config.block_size
-        state = None if cfg is None else Blocks(cfg, bool(manager.enable_caching), block_size, engine(vllm_config, cfg))
+        state = None
+        if cfg is not None:
+            group = evicted_group(kv_cache_config)
+            state = Blocks(cfg, bool(manager.enable_caching), block_size, engine(vllm_config, cfg), group)
+            manager.coordinator.single_type_managers[group]._restkv = state  # its counts: ``held_counts``
         manager._restkv = manager.coordinator._restkv = state
 
     return init
@@ -116,6 +121,9 @@ def schedule(orig):
 
 
 def get_computed_blocks(orig):
+    """``KVCacheManager.get_computed_blocks``: a hit past ``settings.hit_limit`` is searched again up to
+    it (a sliding window's blocks before the hit are vLLM's null block unless it searched for that end)."""
+
     @functools.wraps(orig)
     def wrapped(self, request, *args, **kwargs):
         blocks, hit, *rest = orig(self, request, *args, **kwargs)
@@ -124,9 +132,9 @@ def get_computed_blocks(orig):
         if cfg is None:
             return (blocks, hit, *rest)
         limit = settings.hit_limit(cfg, min(request.num_tokens, request.num_prompt_tokens))
-        if hit > limit:
-            hit = limit // state.block_size * state.block_size
-            blocks = self.truncate_computed_blocks(blocks, hit)
+        if hit > limit:  # vLLM's search again, up to the limit: every group's hit ends there, a window's whole
+            computed, hit, _ = self.coordinator.find_longest_cache_hit(request.block_hashes, limit)
+            blocks = self.create_kv_cache_blocks(computed)
         return (blocks, hit, *rest)
 
     return wrapped
@@ -170,9 +178,10 @@ def allocate_slots(orig):
 
 
 def held_counts(held: tuple, slots: tuple):
-    """A coordinator function whose token counts ``held`` become the entries a request holds and
-    ``slots`` the slots it needs (``Blocks``): ``get_num_blocks_to_allocate``,
-    ``allocate_new_blocks``."""
+    """A function of the evicted group's manager (``SingleTypeKVCacheManager``: the one ``scheduler_init``
+    gave the ``Blocks``) whose token counts ``held`` become the entries a request holds and ``slots`` the
+    slots it needs: ``get_num_blocks_to_allocate``, ``allocate_new_blocks``. A sliding-window group's
+    manager counts logical tokens, as vLLM's own."""
 
     def wrap(orig):
         signature = inspect.signature(orig)

@@ -59,8 +59,8 @@ def update_from_output(orig):
             if request is None or request.is_finished():
                 continue
             tally = state.tally(state.config(request).method)
-            for manager in self.kv_cache_manager.coordinator.single_type_managers:
-                tally["freed_blocks"] += keep_evicted(manager, req_id, e, state.caching)
+            manager = self.kv_cache_manager.coordinator.single_type_managers[state.group]
+            tally["freed_blocks"] += keep_evicted(manager, req_id, e, state.caching)
             state.offsets[req_id] = state.offsets.get(req_id, 0) + e.evicted
             tally["evictions"] += 1
             tally["evicted_tokens"] += kept.evicted

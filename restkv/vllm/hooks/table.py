@@ -88,14 +88,19 @@ TARGETS = {
     },
     "vllm.v1.core.kv_cache_coordinator": {
         "KVCacheCoordinator": {
+            "cache_blocks": (scheduler.cache_blocks, ("request",)),
+            "free": (scheduler.forget, ("request_id",)),
+            "pop_blocks_for_free": (scheduler.forget, ("request_id",)),
+        }
+    },
+    # the evicted group's counts (a hybrid model's sliding-window managers pass through)
+    "vllm.v1.core.single_type_kv_cache_manager": {
+        "SingleTypeKVCacheManager": {
             "get_num_blocks_to_allocate": (
                 scheduler.get_num_blocks_to_allocate,
                 (*_COUNTS, "total_computed_tokens", "num_local_computed_tokens"),
             ),
             "allocate_new_blocks": (scheduler.allocate_new_blocks, _COUNTS),
-            "cache_blocks": (scheduler.cache_blocks, ("request",)),
-            "free": (scheduler.forget, ("request_id",)),
-            "pop_blocks_for_free": (scheduler.forget, ("request_id",)),
         }
     },
     # the worker: its model runner is checked once the KV cache exists (``covered``)
@@ -120,6 +125,10 @@ TARGETS = {
         }
     },
     "vllm.v1.worker.cpu_model_runner": {"CPUModelRunner": {"load_model": runner.load_model}},
+    # both runners: each KV cache group's attention metadata (a sliding window's logical lengths)
+    "vllm.v1.worker.utils": {
+        "AttentionGroup": {"build_metadata": (runner.build_metadata, ("common_attn_metadata",))}
+    },
     # the V2 model runner
     "vllm.v1.worker.gpu.block_table": {
         "BlockTables": {"__init__": (runner.widened("max_num_blocks_per_group"), ("max_num_blocks_per_group",))}
@@ -194,6 +203,7 @@ READS = {
     "vllm.v1.kv_cache_interface.KVCacheConfig": ("kv_cache_groups",),
     "vllm.v1.kv_cache_interface.KVCacheGroupSpec": ("layer_names", "kv_cache_spec"),
     "vllm.v1.kv_cache_interface.FullAttentionSpec": ("sliding_window", "attention_chunk_size"),
+    "vllm.v1.kv_cache_interface.SlidingWindowSpec": ("sliding_window",),
     "vllm.distributed.parallel_state.GroupCoordinator": ("rank_in_group", "world_size", "cpu_group", "all_gather"),
     "vllm.v1.core.sched.output.SchedulerOutput": (
         "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens",
@@ -209,8 +219,9 @@ READS = {
     "vllm.v1.engine.core.EngineCore": ("model_executor",),
     "vllm.sampling_params.SamplingParams": ("extra_args",),
     "vllm.v1.outputs.ModelRunnerOutput": ("sampled_token_ids",),
-    "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "enable_caching", "truncate_computed_blocks"),
-    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers",),
+    "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "enable_caching", "create_kv_cache_blocks"),
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers", "find_longest_cache_hit"),
+    "vllm.v1.worker.utils.AttentionGroup": ("kv_cache_group_id",),
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": (
         "req_to_blocks", "num_cached_block", "block_pool",
     ),

@@ -1,0 +1,124 @@
+"""A hybrid sliding-window model under the plugin: the packaged Gemma 3 270M (18 layers: five of a
+512-token sliding window to each full-attention one; vLLM's hybrid allocator makes five sliding-window
+KV cache groups and one full-attention group), with prefix caching and chunked prefill on.
+
+Checked on one engine: ReST-KV (the paper's preset, the engine's knobs) on a 700-token prompt, then
+SnapKV (a request's own knobs) on the same prompt, a prefix-cache hit: each request's greedy tokens and
+its three full-attention layers' kept positions are those of restkv's transformers path with the same
+knobs (which evicts Gemma 3's full-attention layers only); plain vLLM answers as plain transformers does;
+step by step the sliding-window groups hold the blocks plain vLLM's do (vLLM frees their window, the
+plugin never touches them), the full-attention group the kept entries' blocks; every block back in the
+pool at the end. vLLM keeps sliding-window checkpoints for prefix hits at a prompt's last token only,
+unless ``prefix_cache_retention_interval`` says more; the engine keeps one per block, so that the hit stops
+where SnapKV's window begins. AdaKV's per-head pages and the hybrid manager turned off are refused in one
+line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from harness import BLOCK, SNAPKV, _run, _restkv_python, blocks, engine_run, reference, text_ids
+
+
+MODEL = "gemma3-270m"
+LENGTH = 700  # past the 512-token window: the sliding-window groups free blocks of their own
+NEW_TOKENS = 12
+BUDGET = 128
+RESTKV = {"preset": "paper", "max_capacity_prompt": BUDGET}
+# vLLM keeps a sliding window's prefix-cache checkpoints at a prompt's last token only, unless told an interval:
+# every block's here, so that a hit can stop before the window's queries (``test_a_prefix_hit_...``)
+ENGINE = {
+    "enable_prefix_caching": True, "prefix_cache_retention_interval": BLOCK, "max_num_batched_tokens": 256,
+    "max_model_len": 2048,
+}  # fmt: skip
+FULL_LAYERS = [5, 11, 17]
+
+
+@pytest.fixture(scope="module")
+def gemma_dir() -> str:
+    """The packaged Gemma 3 converted once (restkv's environment)."""
+    code = "from restkv.integration.models import resolve; print(resolve('gemma3-270m'))"
+    return _run([_restkv_python(), "-c", code], {}).strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def gemma_prompt(gemma_dir) -> list[int]:
+    return text_ids(MODEL)[:LENGTH]
+
+
+@pytest.fixture(scope="module")
+def runs(gemma_dir, gemma_prompt) -> tuple:
+    """(plain vLLM, the plugin) on the prompt and then the same prompt again, once the first finished."""
+    prompts = [gemma_prompt, {"ids": gemma_prompt}]
+    plain = engine_run(gemma_dir, prompts, None, NEW_TOKENS, **ENGINE)
+    evicted = engine_run(gemma_dir, prompts, RESTKV, NEW_TOKENS, request_knobs=[None, SNAPKV], **ENGINE)
+    return plain, evicted
+
+
+def test_plain_vllm_answers_as_plain_transformers(runs, gemma_prompt):
+    plain, _ = runs
+    assert plain["tokens"][0] == reference(gemma_prompt, {}, NEW_TOKENS, MODEL)["tokens"]
+
+
+@pytest.mark.parametrize("index, knobs", [(0, RESTKV), (1, SNAPKV)], ids=["restkv-paper", "snapkv-prefix-hit"])
+def test_the_full_attention_layers_keep_and_decode_as_restkv(runs, gemma_prompt, index, knobs):
+    _, evicted = runs
+    ref = reference(gemma_prompt, knobs, NEW_TOKENS, MODEL)
+    assert [i for i, k in enumerate(ref["kept"]) if k is not None] == FULL_LAYERS
+    (kept,) = evicted["kept"][index]  # one rank, its three evicted layers in order
+    assert len(kept) == len(FULL_LAYERS)
+    for ours, theirs in zip(kept, [ref["kept"][i] for i in FULL_LAYERS]):
+        assert [sorted(h) for h in ours] == [sorted(h) for h in theirs]
+    assert evicted["tokens"][index] == ref["tokens"]
+
+
+def test_a_prefix_hit_stops_before_the_windows_queries(runs):
+    _, evicted = runs
+    assert evicted["cached"][1] == (LENGTH - SNAPKV["window_size"]) // BLOCK * BLOCK  # 640 of 700
+
+
+def test_the_sliding_windows_are_vllms_and_the_full_group_holds_the_kept_entries(runs):
+    plain, evicted = runs
+    ours, theirs = evicted["groups"][0], plain["groups"][0]
+    assert [row[0] for row in ours] == [row[0] for row in theirs]  # the same steps
+    full = 6  # the full-attention group's column (1 + its index: vLLM puts it last)
+    for row, other in zip(ours, theirs):
+        assert row[1:full] == other[1:full]  # five sliding-window groups, as plain vLLM's
+        end = row[0]
+        if end < LENGTH:
+            assert row[full] == blocks(end)
+        elif end == LENGTH:  # the prompt's blocks and the fresh blocks its kept entries go to
+            assert row[full] == blocks(LENGTH) + blocks(BUDGET)
+        else:
+            assert row[full] == blocks(BUDGET + end - LENGTH)
+    assert theirs[-1][1] < blocks(LENGTH)  # vLLM did free the blocks its window left
+    assert evicted["steps"][-1][1] == evicted["free_at_start"]
+    assert evicted["block_size"] == BLOCK
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "knobs, hybrid, said",
+    [
+        ({"method": "adakv", "max_capacity_prompt": BUDGET}, True, "uniform budgets"),
+        (SNAPKV, False, "--disable-hybrid-kv-cache-manager"),
+    ],
+    ids=["adakv", "hybrid-manager-off"],
+)
+def test_what_a_hybrid_model_cannot_run_is_refused_in_one_line(gemma_dir, monkeypatch, knobs, hybrid, said):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from restkv.vllm.hooks import install
+
+    monkeypatch.setenv("RESTKV_VLLM", json.dumps(knobs))
+    install()
+    args = EngineArgs(model=gemma_dir, dtype="float32", max_model_len=1024, disable_hybrid_kv_cache_manager=not hybrid)
+    with pytest.raises(ValueError) as refused:
+        args.create_engine_config()
+    (line,) = str(refused.value).splitlines()
+    assert said in line and "gemma3-270m" in line
