@@ -37,20 +37,21 @@ class LayerEviction:
     def index_layers(self, names_to_o_proj: dict, heads: int | None = None, total: int | None = None) -> None:
         """``{attention layer name: a function returning its o_proj weight, or None}`` (read again
         when a selection needs the weight itself); with ``heads`` (Hq) each layer's W_O factor is
-        computed now when the config reads it, so the weight is never held. ``total``: the model's
-        attention layers where this worker holds some of them (a pipeline stage: its layers' names
-        number them among all, ``model.layers.15`` the 16th), else these."""
+        computed now when the config reads it, so the weight is never held. Layers are numbered by their names
+        (``model.layers.15`` the 16th: a pipeline stage's among all, a hybrid model's full-attention layers
+        among every layer), else in order. ``total``: the model's attention layers where this worker holds
+        some of them or evicts some (a pipeline stage, a hybrid model), else these."""
         self.o_proj.update({n: f for n, f in names_to_o_proj.items() if f is not None})
         if heads and reads_factor(self.cfg):
             for name in names_to_o_proj:
                 if name in self.o_proj:
                     self._factor(name, heads)
-        names = sorted(
-            names_to_o_proj, key=lambda n: int(m.group(1)) if (m := _LAYER.search(n)) else 0
-        )
-        first = min((int(m.group(1)) for n in names if (m := _LAYER.search(n))), default=0) if total else 0
-        self.layer_index = {name: first + i for i, name in enumerate(names)}
-        self.layers = total or max(len(names), 1)
+        numbers = {n: int(m.group(1)) for n in names_to_o_proj if (m := _LAYER.search(n))}
+        if len(numbers) == len(names_to_o_proj):  # the model's own indices (a hybrid model's skip its windows)
+            self.layer_index = numbers
+        else:
+            self.layer_index = {name: i for i, name in enumerate(names_to_o_proj)}
+        self.layers = total or max(len(names_to_o_proj), 1)
 
     def _observe(
         self, name, s: Scheduled, queries, keys, values, budget, scale, softcap, window=None, head_valid=None

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionBackend
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, get_kv_quant_mode
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, get_kv_quant_mode
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import (
     allocate_kv_cache,
@@ -461,7 +461,11 @@ def test_a_worker_takes_per_head_budgets_on_triton_in_a_head_major_layout_only(
         config.compilation_config.static_forward_context[name] = layer
     cfg = settings.from_env({"restkv": {"method": "adakv", "max_capacity_prompt": 64}})
     worker = Worker(cfg, slots=4, caching=False, block_size=bs)
-    runner = SimpleNamespace(_restkv=worker, vllm_config=config, device=torch.device("cpu"), model_state=None)
+    worker.index_layers(dict.fromkeys(caches))
+    groups = KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(list(caches), spec)])
+    runner = SimpleNamespace(
+        _restkv=worker, vllm_config=config, device=torch.device("cpu"), model_state=None, kv_cache_config=groups
+    )
     if refused:
         with pytest.raises(RuntimeError, match=refused):
             hooks.covered(runner)

@@ -67,9 +67,10 @@ def evicted_runner():
     return SimpleNamespace(_restkv=worker, block_tables=tables, req_states=states, device=torch.device("cpu")), e
 
 
-def step(new_blocks: list) -> SimpleNamespace:
-    """The scheduler's output for one decoding step of the request, ``new_blocks`` added to it."""
-    cached = SimpleNamespace(req_ids=["a"], new_block_ids=[(new_blocks,)])
+def step(*new_blocks: list) -> SimpleNamespace:
+    """The scheduler's output for one decoding step of the request, ``new_blocks`` added to it (per KV cache
+    group)."""
+    cached = SimpleNamespace(req_ids=["a"], new_block_ids=[new_blocks])
     return SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[], scheduled_cached_reqs=cached)
 
 
@@ -143,3 +144,48 @@ def test_v2_runner_masks_its_own_write_of_a_request_on_its_heads_pages(cpu_buffe
     finally:
         runner.CURRENT[0] = None
     assert slots[0, 0].item() == -1
+
+
+def test_v2_runner_leaves_a_hybrid_models_sliding_window_group_logical(cpu_buffers):
+    """A hybrid model's two KV cache groups, a sliding window (group 0) and full attention (group 1, the
+    one evicted): group 1's row is cut and its token written at the held entry; group 0's row, slot and the
+    attention metadata's lengths stay vLLM's own (logical); the full group's metadata reads the held ones."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    model_runner, _ = evicted_runner()
+    worker = model_runner._restkv
+    worker.group = 1
+    sliding = [20, 21, 22, 23, 24]  # the window's blocks of positions 0 .. 19 (vLLM frees none of them yet)
+    tables = model_runner.block_tables = BlockTables([BLOCK, BLOCK], 4, 64, [8, 8], torch.device("cpu"))
+    tables.append_block_ids(ROW, (sliding, list(HELD)), overwrite=True)
+    tables.apply_staged_writes()
+
+    runner_v2.update_requests(update)(model_runner, step([25], [15]))  # to the window's group, the full one's
+    assert tables.block_tables[0].gpu[ROW, :6].tolist() == sliding + [25]
+    assert tables.block_tables[1].gpu[ROW, :3].tolist() == [10, 11, 15]
+    assert tables.num_blocks.np[:, ROW].tolist() == [6, 3]
+
+    input_batch = batch()
+    runner.CURRENT[0] = worker
+    try:
+        _, slots = runner_v2.prepare_attn(own_slots)(model_runner, input_batch)
+        held = SimpleNamespace()
+        runner_v2.model_state_prepare_attn(lambda self, ib, *a: setattr(held, "batch", ib))(held, input_batch)
+        ib = held.batch
+        common = CommonAttentionMetadata(
+            query_start_loc=ib.query_start_loc, query_start_loc_cpu=ib.query_start_loc, seq_lens=ib.seq_lens,
+            num_reqs=1, num_actual_tokens=1, max_query_len=1, max_seq_len=int(ib.seq_lens_cpu_upper_bound.max()),
+            block_table_tensor=None, slot_mapping=None, seq_lens_cpu_upper_bound=ib.seq_lens_cpu_upper_bound,
+        )  # fmt: skip
+        built = {}
+        for group in (0, 1):
+            runner.build_metadata(lambda self, cm, *a: built.setdefault(group, cm))(
+                SimpleNamespace(kv_cache_group_id=group), common
+            )
+    finally:
+        runner.CURRENT[0] = None
+    assert slots[0, 0].item() == 25 * BLOCK + 0  # logical position 20: the window group's sixth block
+    assert slots[1, 0].item() == 15 * BLOCK + 0  # held entry 8: the full group's third block
+    assert built[0].seq_lens.tolist() == [PROMPT + 1] and built[0].max_seq_len == PROMPT + 1
+    assert built[0].seq_lens_cpu_upper_bound.tolist()[0] == PROMPT + 1
+    assert built[1].seq_lens.tolist() == [BUDGET + 1] and built[1].max_seq_len == BUDGET + 1

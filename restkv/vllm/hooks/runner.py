@@ -110,12 +110,13 @@ def o_proj_readers(model) -> dict:
     """{attention layer name: a function returning its o_proj weight W_O [hidden, Hq d] on this
     worker (its own heads' columns), read at each call and not kept: the W_O factor is computed from
     it once (``Worker.index_layers``), a selection that reads the weight itself reads it for its
-    step (``restkv.vllm.memory``)}."""
+    step (``restkv.vllm.memory``)}, for the layers the plugin evicts: not a hybrid model's sliding-window
+    ones (vLLM's ``Attention.sliding_window``)."""
     readers = {}
     for module in model.modules():
         attn, o_proj = getattr(module, "attn", None), getattr(module, "o_proj", None)
         name = getattr(attn, "layer_name", None)
-        if name is not None:
+        if name is not None and getattr(attn, "sliding_window", None) is None:
             readers[name] = None if o_proj is None else functools.partial(o_proj_weight, o_proj)
     return readers
 
