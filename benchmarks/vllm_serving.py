@@ -71,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no_chunked_prefill", action="store_true", help="the whole prompt in one step")
     p.add_argument("--enforce_eager", action="store_true", help="no compiled model")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--kv_cache_dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        help="every arm's KV cache (fp8: one byte an element, the pool's bytes for as many blocks)",
+    )
     p.add_argument("--arm", help=argparse.SUPPRESS)  # one arm, in a subprocess
     args = p.parse_args(argv)
     generation = args.workload == "generation"
@@ -122,6 +126,7 @@ def run_arm(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enforce_eager=args.enforce_eager,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=max(256, args.requests),
         seed=0,
         **extra,
@@ -231,10 +236,10 @@ def _time_attention(now) -> dict:
 
 
 def _block_bytes(model: str, args) -> int:
-    """Bytes of one KV block over every layer (keys and values)."""
+    """Bytes of one KV block over every layer (keys and values) in the KV cache's dtype."""
     config = json.loads((Path(model) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
+    itemsize = 1 if args.kv_cache_dtype.startswith("fp8") else {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * itemsize * args.block_size
 
 
@@ -287,7 +292,8 @@ def report(args, argv, results: dict) -> None:
         f"KV pool for {args.pool_requests} full-length requests ({results['full']['pool blocks']} blocks "
         f"of {args.block_size}, vLLM's null block one of them); budget {args.max_capacity_prompt}, window {args.window_size}, "
         f"decode_interval {args.decode_interval}; prefix caching {'off' if args.no_prefix_caching else 'on'}, "
-        f"chunked prefill {'off' if args.no_chunked_prefill else 'on'}{', eager' if args.enforce_eager else ''}"
+        f"chunked prefill {'off' if args.no_chunked_prefill else 'on'}{', eager' if args.enforce_eager else ''}; "
+        f"{args.dtype}, KV cache {args.kv_cache_dtype}"
     )
     arms = list(results)
     print("| | " + " | ".join(arms) + " | " + " | ".join(f"{m} / full" for m in arms[1:]) + " |")
