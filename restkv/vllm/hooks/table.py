@@ -176,10 +176,12 @@ READS = {
     ),
     "vllm.v1.worker.gpu.states.RequestState": ("req_id_to_index", "prompt_len"),
     "vllm.v1.worker.gpu.block_table.BlockTables": ("block_tables", "num_blocks", "compute_slot_mappings"),
-    f"{_V2}.GPUModelRunner": ("req_states", "block_tables", "model_state", "device", "max_num_reqs", "model"),
+    f"{_V2}.GPUModelRunner": (
+        "req_states", "block_tables", "model_state", "device", "max_num_reqs", "model", "kv_cache_config",
+    ),
     f"{_V1}.GPUModelRunner": (
         "requests", "input_batch", "seq_lens", "optimistic_seq_lens_cpu", "positions", "query_start_loc",
-        "device", "max_num_reqs", "model",
+        "device", "max_num_reqs", "model", "kv_cache_config",
     ),
     "vllm.v1.worker.gpu_input_batch.InputBatch": (
         "req_ids", "num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens", "block_table", "req_id_to_index",
@@ -192,6 +194,7 @@ READS = {
     ),
     "vllm.model_executor.layers.attention.attention.Attention": (
         "layer_name", "impl", "kv_cache", "attn_backend", "kv_cache_dtype", "kv_cache_torch_dtype", "dtype",
+        "sliding_window",
     ),
     "vllm.config.model.ModelConfig": (
         "get_num_layers", "get_total_num_hidden_layers", "get_num_attention_heads", "get_num_kv_heads",
