@@ -5,18 +5,26 @@ the plugin's own memory counted (no vLLM import).
 --max-model-len 131072 --knobs '{"method": "snapkv", "max_capacity_prompt": 1024}'
 --prompt-len 32768 --output-len 1024``; ``capacity(...)`` is the same as a function.
 
-A request of prompt P and output O, in blocks of b tokens (``Holding``, from the scheduler's own
-rule ``settings.eviction``): its last step writes entry P + O - 2 (the O-th token is sampled, never
+A request of prompt P and output O, in blocks of b tokens (``holding.Holding``, step by step in
+``restkv.vllm.holding``): its last step writes entry P + O - 2 (the O-th token is sampled, never
 written), so plain vLLM holds ``ceil((P + O - 1) / b)`` blocks at its largest. With the plugin it
 holds its whole prompt (computed chunk by chunk) up to the end-of-prefill eviction, in that step
 also, under prefix caching, the ``ceil(B / b)`` fresh blocks its B kept entries go to; then
 ``ceil(B / b)`` blocks, a token more each step, cut back at each ``decode_interval`` check.
 
+A hybrid sliding-window model (Gemma 2 and 3, gpt-oss): a block holds b tokens of
+``Model.group_layers`` layers, and a request holds blocks in every KV cache group at each step: the
+full-attention group's as above (the plugin evicts that group only), and each sliding-window group's
+as vLLM frees them, the same with the plugin and without (about ``(W + chunk) / b + 1`` while its
+prompt is computed ``max_num_batched_tokens`` tokens a step, ``W / b + 1`` while decoding).
+
 At once (``at_once``): vLLM admits a request once its whole prompt's blocks are free
-(``scheduler_reserve_full_isl``, its default), and a waiting request preempts none, so K requests
-run together, each at its largest, when K - 1 at their largest after the prompt and one at its
-prompt's peak fit in the pool's N blocks (vLLM's null block aside):
-``K = 1 + (N - max(prompt, largest)) // largest``, at most ``max_num_seqs``. The pool: an explicit
+(``scheduler_reserve_full_isl``, its default; a sliding group's up to vLLM's admission cap), and a
+waiting request preempts none, so K requests run together, each at its largest, when K - 1 at their
+largest after the prompt and one at its prompt's peak fit in the pool's N blocks (vLLM's null block
+aside): ``K = 1 + (N - max(prompt, admitted, largest)) // largest``, at most ``max_num_seqs``. An FP8
+``kv_cache_dtype`` stores 1 byte an element: a block's bytes are the model dtype's over its bytes per
+element (bfloat16: half). The pool: an explicit
 ``kv_cache_memory_bytes`` is kept whole, the plugin's memory beyond it; the bytes vLLM finds from
 ``gpu_memory_utilization`` lose the plugin's reserve (``memory.reserved``) first, as
 ``hooks.memory`` does. The prompts share no prefix.
@@ -30,16 +38,9 @@ from dataclasses import dataclass
 
 from ..config import CompressionConfig
 from . import memory, settings, startup
+from .holding import Holding, admission_cap, at_once, briefly, holding
 
-
-@dataclass(frozen=True)
-class Holding:
-    """Blocks one request holds: in its prompt's last step (``prompt``), once that step is done
-    (``after``), and at its largest from its next step to P + O - 1 entries (``largest``)."""
-
-    prompt: int
-    after: int
-    largest: int
+__all__ = ["Arm", "Capacity", "Holding", "at_once", "briefly", "capacity", "holding", "report"]
 
 
 @dataclass(frozen=True)
@@ -70,46 +71,6 @@ class Capacity:
     settings: str
 
 
-def holding(cfg, prompt_len: int, output_len: int, block_size: int, caching: bool) -> Holding:
-    """A request's ``Holding`` (``cfg`` None: plain vLLM) from ``settings.eviction`` at its check
-    points: the prompt's last step, then every ``decode_interval`` tokens (it grows in between)."""
-    P, end = prompt_len, prompt_len + output_len - 1  # the entries its last step holds, logically
-
-    def blocks(entries: int) -> int:
-        return -(-entries // block_size)
-
-    if cfg is None:
-        return Holding(blocks(P), blocks(P), blocks(end))
-    e = settings.eviction(cfg, P - 1, 1, P, 0, caching, block_size, False)
-    prompt = blocks(P if e is None else e.slots)
-    offset = 0 if e is None else e.evicted
-    after = largest = blocks(P - offset)
-    evicted = e is not None
-    interval = cfg.get("decode_interval") or 0
-    for check in range(P + interval, end + 1, interval) if interval else ():
-        e = settings.eviction(cfg, check - 1, 1, P, offset, caching, block_size, evicted)
-        largest = max(largest, blocks(check - offset if e is None else e.slots))
-        offset += 0 if e is None else e.evicted
-        evicted = evicted or e is not None
-    if end == P:  # one token: done in its prompt's step
-        return Holding(prompt, after, prompt)
-    return Holding(prompt, after, max(largest, blocks(end - offset)))
-
-
-def at_once(h: Holding, blocks: int, max_num_seqs: int) -> int:
-    """Requests running together, each at its largest: one at its prompt's peak, the others at
-    their largest after it."""
-    first = max(h.prompt, h.largest)
-    return 0 if blocks < first else min(max_num_seqs, 1 + (blocks - first) // h.largest)
-
-
-def briefly(h: Holding, blocks: int, max_num_seqs: int) -> int:
-    """At most the requests vLLM runs for moments: admitted while the others hold ``after`` each,
-    the newest preempted as they grow."""
-    first = max(h.prompt, h.after)
-    return 0 if blocks < first else min(max_num_seqs, 1 + (blocks - first) // h.after)
-
-
 def capacity(
     model,
     kv_cache_memory_bytes: int | None,
@@ -125,6 +86,7 @@ def capacity(
     tensor_parallel_size: int = 1,
     dtype: str | None = None,
     prefix_caching: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> Capacity:
     """Both arms for requests of ``prompt_len`` + ``output_len`` tokens. The pool: exactly one of
     ``kv_cache_memory_bytes`` (the operator's, kept whole) and ``available`` (what vLLM finds for
@@ -156,18 +118,26 @@ def capacity(
         )
     m = model
     if not isinstance(model, memory.Model):
-        m = memory.model_of(model, dtype).per_rank(tensor_parallel_size)
+        m = memory.model_of(model, dtype, kv_cache_dtype).per_rank(tensor_parallel_size)
+    full, sliding = m.groups()
+    if full != 1:
+        raise ValueError(
+            f"--model: its {m.evicted} full-attention and {m.sliding} sliding-window layers make {full} "
+            "full-attention KV cache groups in vLLM; the plugin evicts one"
+        )
     settings.bind_model(cfg, m.layers, m.heads * m.ranks, m.kv_heads * m.ranks, m.ranks)
-    block_bytes = block_size * m.layers * m.kv_bytes(1)
+    block_bytes = m.block_bytes(block_size)
     sizes = (max_num_seqs, max_model_len)
     if explicit:  # as hooks.memory logs it: fixed bytes, and per_token for each token of the pool
         pool = given
         plugin_bytes = sum(memory.fixed_bytes(cfg, m, *sizes, max_num_batched_tokens, block_size).values())
-        plugin_bytes += given // (m.layers * m.kv_bytes(1)) * memory.per_token(cfg, m)
+        plugin_bytes += given // m.block_bytes(1) * memory.per_token(cfg, m)
     else:
         plugin_bytes = memory.reserved(cfg, m, *sizes, given, max_num_batched_tokens, block_size)
         pool = given - plugin_bytes
-    need = (-(-max_model_len // block_size) + 1) * block_bytes  # vLLM's own check, null block too
+    # vLLM's own check: a request of max_model_len tokens in every group, and the null block
+    cap = admission_cap(m.window, block_size, max_model_len, max_num_batched_tokens) if sliding else 0
+    need = (full * -(-max_model_len // block_size) + sliding * cap + 1) * block_bytes
     for what, n in (("", given), (f" less the plugin's {plugin_bytes / 2**30:.3f} GiB", pool)):
         if n < need:
             raise ValueError(
@@ -176,15 +146,17 @@ def capacity(
             )
 
     def arm(c, pool_bytes: int) -> Arm:
-        h = holding(c, prompt_len, output_len, block_size, prefix_caching)
+        h = holding(c, prompt_len, output_len, block_size, prefix_caching, m, max_num_batched_tokens, max_model_len)
         n = pool_bytes // block_bytes - 1  # vLLM's null block aside
         k, moments = at_once(h, n, max_num_seqs), briefly(h, n, max_num_seqs)
         return Arm(n, h, k, moments, h.largest * block_bytes)
 
     name = model if isinstance(model, str) else "model"
+    kinds = f", {m.sliding} of them sliding-window ({m.window} tokens)" if sliding else ""
+    groups = f", {full + sliding} KV cache groups of {m.group_layers} layers" if sliding else ""
     line = (
-        f"{name} per rank ({m.layers} layers, {m.kv_heads} KV heads x {m.head_dim}, "
-        f"{m.dtype_bytes} B), block {block_size}; prompt {prompt_len} + output {output_len}, no "
+        f"{name} per rank ({m.layers} layers{kinds}, {m.kv_heads} KV heads x {m.head_dim}, "
+        f"{m.pool_bytes} B per cached element{groups}), block {block_size}; prompt {prompt_len} + output {output_len}, no "
         f"shared prefix; {startup.knobs(cfg)}; max_model_len {max_model_len}, max_num_seqs "
         f"{max_num_seqs}, prefix caching {'on' if prefix_caching else 'off'}"
     )
@@ -275,6 +247,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the plugin's staging")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--dtype", default=None, help="the model's dtype (default: its config's)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's (auto: the model's dtype; fp8: 1 byte)")
     p.add_argument("--no-enable-prefix-caching", action="store_true", help="as vLLM's flag")
     a = p.parse_args(argv)
     knobs = memory.knobs_flag(a.knobs)
@@ -284,7 +257,7 @@ def main(argv=None) -> None:
             a.max_num_seqs, a.block_size, available=a.available_kv_cache_memory, dtype=a.dtype,
             max_num_batched_tokens=a.max_num_batched_tokens,
             tensor_parallel_size=a.tensor_parallel_size,
-            prefix_caching=not a.no_enable_prefix_caching,
+            prefix_caching=not a.no_enable_prefix_caching, kv_cache_dtype=a.kv_cache_dtype,
         )
     except ValueError as e:
         raise SystemExit(str(e)) from None

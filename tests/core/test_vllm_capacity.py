@@ -4,7 +4,10 @@ input."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
+import os
 import random
 
 import pytest
@@ -33,7 +36,7 @@ def stepped(cfg, prompt_len, output_len, block_size, caching, chunk) -> capacity
         computed += n
         if computed == prompt_len:
             after = -(-(prompt_len - offset) // block_size)
-    return capacity.Holding(prompt, after, largest or prompt)
+    return capacity.Holding(prompt, after, largest or prompt, -(-prompt_len // block_size))
 
 
 def configs():
@@ -61,8 +64,8 @@ def test_holding_equals_a_step_by_step_count(cfg):
 
 
 def test_plain_vllm_holds_prompt_and_output_less_the_last_token():
-    assert capacity.holding(None, 300, 21, 32, True) == capacity.Holding(10, 10, 10)  # 320 entries
-    assert capacity.holding(None, 300, 22, 32, True) == capacity.Holding(10, 10, 11)
+    assert capacity.holding(None, 300, 21, 32, True) == capacity.Holding(10, 10, 10, 10)  # 320 entries
+    assert capacity.holding(None, 300, 22, 32, True) == capacity.Holding(10, 10, 11, 10)
 
 
 def test_at_once_leaves_room_for_one_prompt_at_its_peak():
@@ -77,8 +80,8 @@ def test_at_once_leaves_room_for_one_prompt_at_its_peak():
 def test_the_documented_example():
     c = capacity.capacity(*LLAMA, SNAPKV, 32768, 1024)
     assert c.block_bytes == 2 << 20 and c.plain.blocks == c.plugin.blocks == 32767
-    assert c.plain.holding == capacity.Holding(2048, 2048, 2112) and c.plain.at_once == 15
-    assert c.plugin.holding == capacity.Holding(2048 + 64, 64, 128) and c.plugin.at_once == 240
+    assert c.plain.holding == capacity.Holding(2048, 2048, 2112, 2048) and c.plain.at_once == 15
+    assert c.plugin.holding == capacity.Holding(2048 + 64, 64, 128, 2048) and c.plugin.at_once == 240
     assert (c.plain.per_request, c.plugin.per_request) == (2112 << 21, 128 << 21)
     assert c.plugin.briefly == 256  # 64 blocks each for moments, capped by max_num_seqs
     uncached = capacity.capacity(*LLAMA, SNAPKV, 32768, 1024, prefix_caching=False).plugin
@@ -153,3 +156,150 @@ def test_the_pool_is_given_once():
 def test_byte_counts_read_as_vllm_reads_them():
     texts = ("1024", "64G", "64GiB", "64g", "2M", "3k")
     assert [capacity._bytes(x) for x in texts] == [1024, 64 << 30, 64 << 30, 64e9, 2 << 20, 3000]
+
+
+# hybrid sliding-window models: every KV cache group's blocks, FP8 pools
+
+GEMMA3_270M = dict(  # as its config.json: 18 layers, every 6th full attention, a window of 512
+    model_type="gemma3_text", num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+    hidden_size=640, torch_dtype="float32", sliding_window=512, sliding_window_pattern=6,
+)
+
+
+def _folder(tmp_path, name, **config):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def simulated(cfg, window, groups, prompt_len, output_len, block_size, caching, chunk) -> capacity.Holding:
+    """One request's steps as vLLM's managers run them, block lists and all: each sliding group's list
+    gets its blocks wholly below ``c - window + 1`` replaced by null blocks before a step computing tokens
+    from c (``remove_skipped_blocks``), then grows to ``ceil((c + n) / b)`` entries; the full group's
+    is ``stepped``'s count. ``groups``: (full, sliding) group counts. Blocks held: the non-null ones."""
+    full, sliding = groups
+    b, computed, lists, totals = block_size, 0, [[] for _ in range(sliding)], {"prompt": [], "decode": []}
+    offset, evicted, after = 0, False, 0
+    while computed < prompt_len + output_len - 1:
+        n = min(chunk, prompt_len - computed) if computed < prompt_len else 1
+        e = cfg and settings.eviction(cfg, computed, n, prompt_len, offset, caching, b, evicted)
+        full_blocks = -(-(e.slots if e else computed + n - offset) // b)
+        for blocks in lists:
+            skipped = max(0, computed - window + 1) // b
+            blocks[: min(skipped, len(blocks))] = [None] * min(skipped, len(blocks))
+            blocks.extend(object() for _ in range(-(-(computed + n) // b) - len(blocks)))
+        held = full * full_blocks + sum(sum(x is not None for x in blocks) for blocks in lists)
+        totals["prompt" if computed < prompt_len else "decode"].append(held)
+        offset += e.evicted if e else 0
+        evicted = evicted or bool(e)
+        computed += n
+        if computed == prompt_len:  # before its next step frees the window's tail
+            skipped = max(0, prompt_len - window + 1) // b
+            tails = sum(sum(x is not None for x in blocks[skipped:]) for blocks in lists)
+            after = full * -(-(prompt_len - offset) // b) + tails
+    prompt = max(totals["prompt"])
+    return capacity.Holding(prompt, after, max(totals["decode"], default=prompt))
+
+
+@pytest.mark.parametrize("cfg", [None, CompressionConfig.from_kwargs(method="snapkv", max_capacity_prompt=64,
+                                                                      window_size=16, decode_interval=24)],
+                         ids=["plain", "snapkv"])
+def test_a_hybrid_requests_blocks_equal_a_simulation_of_vllms_block_lists(cfg, tmp_path):
+    """Gemma 3's layers (1 full-attention group, 5 sliding of 3 layers each) and smaller windows: random
+    prompts, outputs, block sizes, chunks, prefix caching on and off; the blocks to be free to admit it:
+    its prompt's in the full group, in each sliding group up to vLLM's cap
+    ``ceil(min(W - 1 + chunk, L) / b) + 1``."""
+    rng = random.Random(1)
+    for window in (512, 40, 17):
+        model = memory.model_of(_folder(tmp_path, f"w{window}", **{**GEMMA3_270M, "sliding_window": window}))
+        for _ in range(25):
+            prompt_len, output_len = rng.choice((1, 17, 40, 64, 150, 333, 700)), rng.choice((1, 2, 17, 80, 257))
+            b, chunk, caching = rng.choice((16, 32)), rng.choice((7, 64, 512)), rng.random() < 0.5
+            got = capacity.holding(cfg, prompt_len, output_len, b, caching, model, chunk, 2048)
+            want = simulated(cfg, window, (1, 5), prompt_len, output_len, b, caching, chunk)
+            whole = -(-prompt_len // b)
+            admitted = whole + 5 * min(whole, -(-min(window - 1 + chunk, 2048) // b) + 1)
+            case = (window, prompt_len, output_len, b, caching, chunk)
+            assert got == capacity.Holding(*dataclasses.astuple(want)[:3], admitted), case
+
+
+def test_layer_kinds_from_config_json(tmp_path):
+    """Gemma 3 (a pattern, and its layer_types), Gemma 2 (every other layer), gpt-oss (layer_types, 12 and
+    12: one group each), a Mistral-like config (every layer slides) and Qwen2's use_sliding_window=false."""
+    gemma3 = memory.model_of(_folder(tmp_path, "gemma3", **GEMMA3_270M))
+    assert (gemma3.layers, gemma3.sliding, gemma3.window, gemma3.evicted) == (18, 15, 512, 3)
+    assert (gemma3.group_layers, gemma3.groups()) == (3, (1, 5))
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    listed = memory.model_of(_folder(tmp_path, "listed", **{**GEMMA3_270M, "layer_types": kinds * 3}))
+    assert (listed.sliding, listed.group_layers, listed.groups()) == (15, 3, (1, 5))
+    one_b = memory.model_of(_folder(tmp_path, "gemma3-1b", **{**GEMMA3_270M, "num_hidden_layers": 26}))
+    assert (one_b.sliding, one_b.group_layers, one_b.groups()) == (22, 4, (1, 6))
+    gemma2 = {**GEMMA3_270M, "model_type": "gemma2", "num_hidden_layers": 26, "sliding_window": 4096}
+    del gemma2["sliding_window_pattern"]
+    g2 = memory.model_of(_folder(tmp_path, "gemma2", **gemma2))
+    assert (g2.sliding, g2.window, g2.group_layers, g2.groups()) == (13, 4096, 13, (1, 1))
+    oss = {**GEMMA3_270M, "num_hidden_layers": 24, "sliding_window": 128,
+           "layer_types": ["sliding_attention", "full_attention"] * 12}
+    oss = memory.model_of(_folder(tmp_path, "oss", **oss))
+    assert (oss.sliding, oss.window, oss.group_layers, oss.groups()) == (12, 128, 12, (1, 1))
+    plain = {k: v for k, v in GEMMA3_270M.items() if "sliding" not in k}
+    mistral = memory.model_of(_folder(tmp_path, "mistral", **plain, sliding_window=4096))
+    assert (mistral.sliding, mistral.evicted, mistral.groups()) == (18, 0, (0, 1))
+    qwen = memory.model_of(_folder(tmp_path, "qwen", **plain, sliding_window=4096, use_sliding_window=False))
+    assert (qwen.sliding, qwen.window, qwen.groups()) == (0, 0, (1, 0))
+    with pytest.raises(ValueError, match="--model: .* 0 full-attention KV cache groups"):
+        capacity.capacity(str(tmp_path / "mistral"), 1 << 30, 4096, SNAPKV, 2048, 16)
+
+
+def test_the_real_gemma3_config(tmp_path):
+    """The packaged Gemma 3 270M's config.json, where present, reads as its layers are."""
+    folder = os.path.expanduser("~/.cache/restkv/models/gemma3-270m")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        pytest.skip("no Gemma 3 270M folder")
+    m = memory.model_of(folder)
+    assert (m.layers, m.sliding, m.window, m.group_layers, m.groups()) == (18, 15, 512, 3, (1, 5))
+
+
+def test_a_hybrid_pools_blocks_and_requests_at_once(tmp_path):
+    """Gemma 3 270M in float32, blocks of 16: a block holds 16 tokens of 3 layers (one KV head of 256,
+    K and V): 96 KiB; FP8 a quarter. Prompt 2000 + output 100, chunks of 512, SnapKV keeping 256: each
+    arm's blocks as the simulation counts them (decoding: the full group's 23 with the plugin, 132
+    without, and 33 per sliding group, ceil(512 / 16) + 1); requests at once ``1 + (N - first) // largest``."""
+    folder = _folder(tmp_path, "gemma3", **GEMMA3_270M)
+    knobs = {"method": "snapkv", "max_capacity_prompt": 256}
+    c = capacity.capacity(folder, 256 << 20, 4096, knobs, 2000, 100, block_size=16, max_num_batched_tokens=512)
+    assert c.block_bytes == 16 * 3 * 2 * 256 * 4 == 96 << 10
+    assert c.plain.blocks == c.plugin.blocks == (256 << 20) // (96 << 10) - 1 == 2729
+    cfg = settings.from_env({"restkv": knobs})
+    for arm, config in ((c.plain, None), (c.plugin, cfg)):
+        want = simulated(config, 512, (1, 5), 2000, 100, 16, True, 512)
+        admitted = 125 + 5 * min(125, -(-(511 + 512) // 16) + 1)
+        assert arm.holding == capacity.Holding(*dataclasses.astuple(want)[:3], admitted)
+        first = max(want.prompt, want.largest, admitted)
+        assert arm.at_once == 1 + (2729 - first) // want.largest
+        assert arm.per_request == want.largest * (96 << 10)
+    assert c.plugin.holding.largest == 23 + 5 * 33 and c.plain.holding.largest == 132 + 5 * 33
+    fp8 = capacity.capacity(folder, 256 << 20, 4096, knobs, 2000, 100, block_size=16, max_num_batched_tokens=512,
+                            kv_cache_dtype="fp8")
+    assert fp8.block_bytes == 24 << 10 and fp8.plugin.blocks == (256 << 20) // (24 << 10) - 1
+    bf16 = capacity.capacity("llama-3.1-8b", 64 << 30, 131072, SNAPKV, 32768, 1024, kv_cache_dtype="fp8_e5m2")
+    assert bf16.block_bytes == 1 << 20 and bf16.plain.blocks == 65535  # half of bfloat16's 2 MiB
+
+
+def test_vllms_start_up_check_counts_every_group(tmp_path):
+    """A pool that holds max_model_len tokens in the full group and each sliding group's cap, and the null
+    block, starts; one block fewer is refused, naming the flag."""
+    folder = _folder(tmp_path, "gemma3", **GEMMA3_270M)
+    blocks = -(-4096 // 16) + 5 * (-(-(511 + 512) // 16) + 1) + 1  # 256 + 5 x 65 + 1
+    block = 96 << 10
+    capacity.capacity(folder, blocks * block, 4096, SNAPKV, 2000, 100, block_size=16, max_num_batched_tokens=512)
+    with pytest.raises(ValueError, match="--kv-cache-memory-bytes: .* vLLM refuses to start"):
+        capacity.capacity(folder, blocks * block - 1, 4096, SNAPKV, 2000, 100, block_size=16,
+                          max_num_batched_tokens=512)
+
+
+def test_bad_kv_cache_dtype_is_one_line_naming_the_flag():
+    with pytest.raises(SystemExit) as e:
+        capacity.main(GOOD + ["--kv-cache-dtype", "int3"])
+    assert "--kv-cache-dtype" in str(e.value.code) and "\n" not in str(e.value.code)

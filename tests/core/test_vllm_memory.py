@@ -228,3 +228,78 @@ def test_a_per_head_steps_allocations_within_the_estimate(knobs, monkeypatch):
     estimate = sum(terms[t] for t in STEP_TERMS)
     assert max(peaks) <= estimate, f"measured {max(peaks)} B over the estimate {estimate} B"
     assert estimate <= 4 * max(peaks), f"estimate {estimate} B, measured {max(peaks)} B"
+
+
+FP8_METHODS = ["snapkv", "h2o", "restkv", "keydiff", "lagkv", "cam"]
+
+
+@pytest.mark.parametrize("method", FP8_METHODS)
+def test_an_fp8_pools_eviction_peak_within_the_estimate(method):
+    """An FP8 cache (1 byte an element, read back dequantized to float32, kept rows moved as stored) of a
+    bfloat16 model: the peak of one eviction is at most ``eviction_bytes`` of a model with
+    ``cache_bytes=1`` and at least 1 / FACTOR of it."""
+    hq, hkv, d, L, block_size = 8, 2, 128, 4096, 16
+    cfg = CompressionConfig.from_kwargs(**{**small(method), "max_capacity_prompt": 256, "window_size": 32})
+    g = torch.Generator().manual_seed(0)
+    worker = Worker(cfg, slots=2, caching=False, block_size=block_size)
+    worker.index_layers({"model.layers.0.attn": None})
+    blocks = -(-L // block_size)
+    cache = torch.randn(blocks, hkv, block_size, 2 * d, generator=g).to(torch.float8_e4m3fn)
+    scales = (torch.tensor(0.5), torch.tensor(0.25))
+    layer = paged.Paged(cache, cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2), block_size,
+                        scales=scales)
+    settings.bind_model(cfg, 1, hq, hkv)
+    worker.blocks["r"] = list(range(blocks))
+    worker.begin(["r"], [0], [L], [L], "cpu")
+    query = torch.randn(L, hq, d, generator=g).to(torch.bfloat16)
+    with PeakBytes() as t:
+        worker.layer("model.layers.0.attn", query, layer, d**-0.5, None)
+    peak = t.peak - worker.ring.buffers["model.layers.0.attn"].nbytes
+    model = memory.Model(1, hq, hkv, d, 4 * d, 2, cache_bytes=1)
+    estimate = sum(memory.eviction_bytes(cfg, model, L).values())
+    if settings.summed(cfg):
+        estimate += (memory.per_token(cfg, model) - 16) * L
+    assert peak <= estimate, f"measured {peak / 2**20:.2f} MiB over the estimate {estimate / 2**20:.2f} MiB"
+    assert estimate <= FACTOR * peak, f"estimate {estimate / 2**20:.2f} MiB, measured {peak / 2**20:.2f} MiB"
+
+
+def test_an_fp8_pools_terms_by_hand():
+    """Llama 3.1 8B under an FP8 cache: the pool's token is 32 layers x K+V of 8 heads x 128 at 1 byte; the
+    read-back K+V in float32 (4 B), with its FP8 copy and a float32 temporary of K or V while dequantized;
+    the rows written at 1 byte, the kept set in float32; no float32 copy of a KV head's keys."""
+    base, fp8 = memory.model_of("llama-3.1-8b"), memory.model_of("llama-3.1-8b", kv_cache_dtype="fp8")
+    cfg = CompressionConfig.from_kwargs(method="snapkv", max_capacity_prompt=1024)
+    L, kv = 8192, 2 * 8 * 128  # elements of one token's K+V in one layer
+    assert memory.fraction(cfg, fp8) == 16 / (32 * kv * 1) == 2 * memory.fraction(cfg, base)
+    terms, plain = memory.eviction_bytes(cfg, fp8, L), memory.eviction_bytes(cfg, base, L)
+    assert terms["read back (1 x K+V)"] == L * kv * (4 + 1 + 2) and plain["read back (1 x K+V)"] == L * kv * 2
+    assert terms["observed queries' attention"] == 32 * 32 * L * 4  # Hq r L float32, nothing more
+    assert plain["observed queries' attention"] == 32 * 32 * L * 4 + 32 * 32 * L * 4 // 8 + L * 128 * 4
+    assert terms["kept entries and their rows"] == 1024 * kv * (4 + 1) + 32 * 8 * 1024
+
+
+def test_a_hybrid_models_plugin_terms_count_its_evicted_layers():
+    """Gemma 3 270M (18 layers, 3 of full attention, Hq 4, Hkv 1, d 256, float32), H2O with per-head
+    budgets and ReST-KV's W_O: the query ring, the flattened page tables, the pages moved and the
+    per-token sums are the 3 evicted layers'; the W_O factors every layer's (computed at load);
+    a pool token is 3 layers' K+V (one block's layers)."""
+    m = memory.Model(18, 4, 1, 256, 640, 4, sliding=15, window=512)
+    cfg = CompressionConfig.from_kwargs(method="restkv", use_wo=True, head_budget="adakv", max_capacity_prompt=256)
+    S, L, T, r, b = 8, 4096, 512, settings.query_rows(cfg), 16
+    terms = memory.fixed_bytes(cfg, m, S, L, T, b)
+    assert terms["query ring"] == 3 * S * r * 4 * 256 * 4
+    assert terms["W_O factors"] == 18 * 4 * 256 * 256 * 4
+    assert terms["flattened page tables"] == 3 * 1 * (S * 4 * (L // b + 1) + T * 32)
+    most = settings.most_kept(cfg, settings.most_budget(cfg, L), L)
+    assert terms["pages moved"] == 3 * 2 * (most + b) * 256 * 4
+    h2o = CompressionConfig.from_kwargs(method="h2o", max_capacity_prompt=256)
+    assert memory.per_token(h2o, m) == 3 * 4 * 4 + 16
+    assert memory.fraction(h2o, m) == (3 * 4 * 4 + 16) / (3 * 2 * 256 * 4)
+
+
+def test_the_command_takes_kv_cache_dtype(capsys):
+    memory.main(["--model", "llama-3.1-8b", "--max-model-len", "8192", "--kv-cache-dtype", "fp8"])
+    assert "cache_bytes=1" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--model", "llama-3.1-8b", "--max-model-len", "8192", "--kv-cache-dtype", "fp4"])
+    assert "--kv-cache-dtype" in str(e.value.code) and "\n" not in str(e.value.code)

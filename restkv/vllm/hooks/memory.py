@@ -22,19 +22,26 @@ from __future__ import annotations
 import functools
 import logging
 
-from .. import memory
+from .. import memory, model_sizes
 
 logger = logging.getLogger("vllm.restkv")  # under vLLM's logger: its handler and level
 
 
 def model_of(worker) -> memory.Model:
     """This rank's sizes from vLLM's config (every attention layer the plugin indexed)."""
-    return config_model(worker.model_config, worker.parallel_config, len(worker.model_runner._restkv.layer_index))
+    return config_model(
+        worker.model_config, worker.parallel_config, len(worker.model_runner._restkv.layer_index), worker.cache_config
+    )
 
 
-def config_model(config, parallel, layers: int = 0) -> memory.Model:
-    """One rank's sizes from vLLM's model and parallel configs (``layers``: the attention layers, if
-    counted; else the config's)."""
+def config_model(config, parallel, layers: int = 0, cache=None) -> memory.Model:
+    """One rank's sizes from vLLM's model, parallel and cache configs (``layers``: the attention layers,
+    if counted; else the config's): of its layers the sliding-window ones (``model_sizes.layer_kinds``
+    of this pipeline stage's), the pool's element (``cache.cache_dtype``; 'auto': the model's dtype)."""
+    start, end = config.get_layers_start_end_indices(parallel)
+    slides, window = model_sizes.layer_kinds(config.hf_text_config.to_dict())
+    sliding = sum(slides[start:end])
+    dtype = getattr(cache, "cache_dtype", "auto")
     return memory.Model(
         layers=layers or config.get_num_layers(parallel),
         heads=config.get_num_attention_heads(parallel),
@@ -43,6 +50,9 @@ def config_model(config, parallel, layers: int = 0) -> memory.Model:
         hidden=config.get_hidden_size(),
         dtype_bytes=config.dtype.itemsize,
         ranks=parallel.tensor_parallel_size,
+        sliding=sliding,
+        window=window if sliding else 0,
+        cache_bytes=model_sizes.KV_CACHE_DTYPES.get(dtype),
     )
 
 
@@ -62,7 +72,7 @@ def determine_available_memory(resident: bool):
             fixed = sum(memory.fixed_bytes(plugin.cfg, model, *sizes, plugin.block_size).values())
             per_token = memory.per_token(plugin.cfg, model)
             if self.cache_config.kv_cache_memory_bytes:
-                tokens = available // (model.layers * model.kv_bytes(1))
+                tokens = available // model.block_bytes(1)  # token slots of the pool's blocks
                 logger.info(
                     "restkv: the plugin takes up to %.3f GiB beyond the KV pool of kv_cache_memory_bytes "
                     "(%.3f GiB fixed, %d B per pooled token, max_num_seqs %d, max_model_len %d): leave it free",
