@@ -15,9 +15,8 @@ Held for the worker's life (``fixed``):
 
 - query ring: ``evicted S r Hq d`` in the model's dtype, allocated for every slot on an evicted layer's
   first step (``ring.QueryRing``);
-- W_O factors: ``layers Hq d d`` float32 (every attention layer's: they are computed when the model
-  is loaded, before vLLM's KV cache groups say which layers the plugin evicts), kept, for a config
-  that reads them (``reads_factor``: ReST-KV's reconstruction with ``use_wo``, CriticalKV's
+- W_O factors: ``evicted Hq d d`` float32 (the full-attention layers': the worker indexes no
+  sliding-window layer), computed when the model is loaded and kept, for a config that reads them (``reads_factor``: ReST-KV's reconstruction with ``use_wo``, CriticalKV's
   ``value_norm="l2"``); the o_proj weight itself is not kept;
 - a step's indices staged for the device (``Worker.begin``), int64: the queries the ring keeps (at
   most ``r`` per request, ``max_num_batched_tokens`` ``T`` in all) and their rows, an offset per
@@ -217,7 +216,7 @@ def fixed_bytes(
     return {
         "step's staged indices": 8 * (tokens + 2 * min(tokens, rows * max_num_seqs) + max_num_seqs),
         "query ring": m.evicted * max_num_seqs * rows * m.heads * m.head_dim * m.dtype_bytes,
-        "W_O factors": m.layers * m.heads * m.head_dim**2 * 4 if reads_factor(cfg) else 0,
+        "W_O factors": m.evicted * m.heads * m.head_dim**2 * 4 if reads_factor(cfg) else 0,
         # while decoding with per-head budgets the heads are read laid out on the longest head's entries,
         # at most every token seen: max_model_len too
         "one eviction": sum(eviction_bytes(cfg, m, max_model_len).values()),

@@ -281,14 +281,14 @@ def test_an_fp8_pools_terms_by_hand():
 def test_a_hybrid_models_plugin_terms_count_its_evicted_layers():
     """Gemma 3 270M (18 layers, 3 of full attention, Hq 4, Hkv 1, d 256, float32), H2O with per-head
     budgets and ReST-KV's W_O: the query ring, the flattened page tables, the pages moved and the
-    per-token sums are the 3 evicted layers'; the W_O factors every layer's (computed at load);
-    a pool token is 3 layers' K+V (one block's layers)."""
+    per-token sums and the W_O factors are the 3 evicted layers' (the worker indexes no sliding-window
+    layer); a pool token is 3 layers' K+V (one block's layers)."""
     m = memory.Model(18, 4, 1, 256, 640, 4, sliding=15, window=512)
     cfg = CompressionConfig.from_kwargs(method="restkv", use_wo=True, head_budget="adakv", max_capacity_prompt=256)
     S, L, T, r, b = 8, 4096, 512, settings.query_rows(cfg), 16
     terms = memory.fixed_bytes(cfg, m, S, L, T, b)
     assert terms["query ring"] == 3 * S * r * 4 * 256 * 4
-    assert terms["W_O factors"] == 18 * 4 * 256 * 256 * 4
+    assert terms["W_O factors"] == 3 * 4 * 256 * 256 * 4
     assert terms["flattened page tables"] == 3 * 1 * (S * 4 * (L // b + 1) + T * 32)
     most = settings.most_kept(cfg, settings.most_budget(cfg, L), L)
     assert terms["pages moved"] == 3 * 2 * (most + b) * 256 * 4

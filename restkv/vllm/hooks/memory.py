@@ -28,10 +28,8 @@ logger = logging.getLogger("vllm.restkv")  # under vLLM's logger: its handler an
 
 
 def model_of(worker) -> memory.Model:
-    """This rank's sizes from vLLM's config (every attention layer the plugin indexed)."""
-    return config_model(
-        worker.model_config, worker.parallel_config, len(worker.model_runner._restkv.layer_index), worker.cache_config
-    )
+    """This rank's sizes from vLLM's config, its pool's element from its cache config."""
+    return config_model(worker.model_config, worker.parallel_config, cache=worker.cache_config)
 
 
 def config_model(config, parallel, layers: int = 0, cache=None) -> memory.Model:

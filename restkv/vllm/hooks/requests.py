@@ -24,7 +24,7 @@ def engine(vllm_config, cfg) -> per_request.Engine:
     parallel, scheduler = vllm_config.parallel_config, vllm_config.scheduler_config
     return per_request.Engine(
         cfg,
-        config_model(vllm_config.model_config, parallel),
+        config_model(vllm_config.model_config, parallel, cache=vllm_config.cache_config),
         scheduler.max_num_seqs,
         vllm_config.model_config.max_model_len,
         scheduler.max_num_batched_tokens,
