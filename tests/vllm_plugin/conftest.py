@@ -21,3 +21,16 @@ def model_dir(prompt) -> str:
     from restkv.integration.models import cache_dir
 
     return str(cache_dir("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def gemma_dir() -> str:
+    """The packaged Gemma 3 270M (a hybrid sliding-window model) converted once, by restkv's environment."""
+    code = "from restkv.integration.models import resolve; print(resolve('gemma3-270m'))"
+    return harness._run([harness._restkv_python(), "-c", code], {}).strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def gemma_ids(gemma_dir) -> list[int]:
+    """``harness.text_ids`` by Gemma 3's tokenizer."""
+    return harness.text_ids("gemma3-270m")

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness import BLOCK, SNAPKV, _run, _restkv_python, blocks, engine_run, reference, text_ids
+from harness import BLOCK, SNAPKV, blocks, engine_run, reference
 
 
 MODEL = "gemma3-270m"
@@ -40,15 +40,8 @@ FULL_LAYERS = [5, 11, 17]
 
 
 @pytest.fixture(scope="module")
-def gemma_dir() -> str:
-    """The packaged Gemma 3 converted once (restkv's environment)."""
-    code = "from restkv.integration.models import resolve; print(resolve('gemma3-270m'))"
-    return _run([_restkv_python(), "-c", code], {}).strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="module")
-def gemma_prompt(gemma_dir) -> list[int]:
-    return text_ids(MODEL)[:LENGTH]
+def gemma_prompt(gemma_ids) -> list[int]:
+    return gemma_ids[:LENGTH]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """``restkv-vllm serve`` under bounded bursts of concurrent HTTP requests on 127.0.0.1, with the
 plugin on (SnapKV, AdaKV's per-head split and PyramidKV's per-layer budgets, B=128, window 32,
 evicting every 32 generated tokens) and a KV pool of 24 blocks of 32 tokens, so that requests queue
-and are preempted.
+and are preempted; and SnapKV over an FP8 KV cache (the same 24 blocks), and on the packaged Gemma 3 270M,
+a hybrid sliding-window model (its full-attention layers evicted; a pool of 160 blocks of its six KV cache
+groups).
 
 Each burst sends at once (the second staggered, in reverse order) long prompts (450 and 500
 tokens), prompts sharing their first 256 tokens, short ones that never exceed the budget, a long
@@ -49,6 +51,13 @@ KNOBS = {  # a uniform budget, per-head budgets (AdaKV's split), per-layer budge
 FAILING = 333  # the prompt length whose eviction the server is made to raise in (``harness.failing``)
 MAX_LEN, BLOCK, POOL_BLOCKS = 640, 32, 24
 PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2's K and V bytes per token in float32
+# case -> (model, the server's knobs, its pool in bytes, more flags): SmolLM2's pool of POOL_BLOCKS blocks (FP8: a
+# byte an element); Gemma 3's of 160 blocks, each of one KV cache group's 3 layers (K and V of 1 head of 256, float32)
+CASES = {
+    **{method: ("smollm2", knobs, POOL_BLOCKS * BLOCK * PER_TOKEN, []) for method, knobs in KNOBS.items()},
+    "snapkv-fp8": ("smollm2", KNOBS["snapkv"], POOL_BLOCKS * BLOCK * PER_TOKEN // 4, ["--kv-cache-dtype", "fp8"]),
+    "snapkv-gemma3": ("gemma3", KNOBS["snapkv"], 160 * BLOCK * 3 * 2 * 256 * 4, []),
+}
 PREEMPTED = re.compile(r"restkv: request (\S+) preempted after (\d+) generated tokens")
 
 
@@ -164,15 +173,16 @@ def burst(client: Client, reqs: dict, tag: str, stagger: float) -> dict:
         return {name: f.result(timeout=600) for name, f in futures.items()}
 
 
-@pytest.mark.parametrize("method", sorted(KNOBS))
-def test_bursts_over_http_give_each_completed_request_its_tokens(method, model_dir, text_ids, tmp_path):
-    reqs = requests(text_ids, per_head=method != "snapkv")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bursts_over_http_give_each_completed_request_its_tokens(case, request, tmp_path):
+    model, knobs, pool, more = CASES[case]
+    model_dir, text_ids = (request.getfixturevalue(f) for f in (("model_dir", "text_ids") if model == "smollm2" else ("gemma_dir", "gemma_ids")))
+    reqs = requests(text_ids, per_head=knobs["method"] != "snapkv")
     port = _free_port()
-    flags = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
-    pool = POOL_BLOCKS * BLOCK * PER_TOKEN
+    flags = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", *more]
     flags += ["--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(pool)]
     flags += ["--max-num-batched-tokens", "256", "--max-num-seqs", "8"]
-    command = serve(model_dir, KNOBS[method], *flags)
+    command = serve(model_dir, knobs, *flags)
     command[command.index("--max-model-len") + 1] = str(MAX_LEN)
     env = failing(tmp_path, FAILING, 5)
     log = tmp_path / "server.log"
