@@ -53,6 +53,21 @@ class LayerEviction:
             self.layer_index = {name: i for i, name in enumerate(names_to_o_proj)}
         self.layers = total or max(len(names_to_o_proj), 1)
 
+    def leave(self, group: int, layers) -> None:
+        """Evict KV cache group ``group`` only, whose attention layers are ``layers`` (names): the others, a
+        hybrid model's sliding windows, are neither read, scored nor cut. The layers indexed (those without
+        a sliding window: ``index_layers``) must be the group's, else a RuntimeError names the first that
+        differs."""
+        differ = sorted(set(layers) ^ self.layer_index.keys())
+        if differ:
+            name = differ[0]
+            where = "has no sliding window but is not" if name in self.layer_index else "has a sliding window but is"
+            raise RuntimeError(
+                f"restkv.vllm: layer {name} {where} in the KV cache group the plugin evicts (group {group}); "
+                "this model's layers are not ones the plugin evicts"
+            )
+        self.group = group
+
     def _observe(
         self, name, s: Scheduled, queries, keys, values, budget, scale, softcap, window=None, head_valid=None
     ):

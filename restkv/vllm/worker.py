@@ -116,21 +116,6 @@ class Worker(LayerEviction, HeadSteps):
             self.blocks.pop(req_id, None)
             self.pending.pop(req_id, None)
 
-    def leave(self, group: int, layers) -> None:
-        """Evict KV cache group ``group`` only, whose attention layers are ``layers`` (names): the others, a
-        hybrid model's sliding windows, are neither read, scored nor cut. The layers indexed (those without
-        a sliding window: ``index_layers``) must be the group's, else a RuntimeError names the first that
-        differs."""
-        differ = sorted(set(layers) ^ self.layer_index.keys())
-        if differ:
-            name = differ[0]
-            where = "has no sliding window but is not" if name in self.layer_index else "has a sliding window but is"
-            raise RuntimeError(
-                f"restkv.vllm: layer {name} {where} in the KV cache group the plugin evicts (group {group}); "
-                "this model's layers are not ones the plugin evicts"
-            )
-        self.group = group
-
     def cut(self, req_id: str):
         """Cut the request's blocks to those its last eviction kept -> that ``settings.Eviction``, or
         None."""

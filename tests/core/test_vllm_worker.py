@@ -461,3 +461,23 @@ def test_per_head_request_holds_the_fewest_blocks_its_pages_need(knobs, caching)
     evictions = [(counted, lengths) for _, counted, lengths, evicted in eng.pages_trace if evicted]
     assert len(evictions) >= 3
     assert any(counted < -(-int(lengths.sum()) // lengths.size) + eng.bs for counted, lengths in evictions)
+
+
+def test_a_hybrid_models_full_attention_layers_keep_the_models_indices_and_must_be_the_evicted_group():
+    """Gemma 3's full-attention layers 5, 11 and 17 of 18 (the sliding-window ones never indexed): each keeps
+    its index among all the model's layers, as ``configure()`` numbers them; the KV cache group they must
+    make up is the one evicted, and a group with another layer (one with a sliding window) or without one
+    of them is refused, naming that layer."""
+    from restkv.vllm.worker import Worker
+
+    cfg = CompressionConfig.from_kwargs(method="snapkv", max_capacity_prompt=64)
+    names = [f"model.layers.{i}.self_attn.attn" for i in (5, 11, 17)]
+    worker = Worker(cfg, slots=2, caching=False, block_size=16)
+    worker.index_layers(dict.fromkeys(names), total=18)
+    assert worker.layer_index == dict(zip(names, (5, 11, 17))) and worker.layers == 18
+    worker.leave(5, list(reversed(names)))
+    assert worker.group == 5
+    with pytest.raises(RuntimeError, match=r"layer model\.layers\.4\.self_attn\.attn has a sliding window but is in"):
+        worker.leave(5, [*names, "model.layers.4.self_attn.attn"])
+    with pytest.raises(RuntimeError, match=r"layer model\.layers\.17\.self_attn\.attn has no sliding window but is not"):
+        worker.leave(5, names[:2])
