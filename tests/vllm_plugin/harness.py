@@ -89,6 +89,34 @@ def engine_run(model_dir: str, prompts: list, knobs: dict | None, new_tokens=NEW
     return _RUNS[key]
 
 
+
+def one_after_another(model_dir: str, knobs: dict, requests: list, new_tokens=NEW_TOKENS, env=None, **vllm) -> list:
+    """``requests`` ([prompt, its own knobs, None: the engine's]) served by one engine of ``knobs``, each
+    once the one before has finished (give each a prompt of its own: no prefix cached for the next) ->
+    per request its ``kept`` and ``tokens``. Each request's knobs must resolve to the config they give
+    alone (``per_request.resolve``: nothing of the engine's carried into it), every block be back at the end."""
+    ranks = vllm.get("tensor_parallel_size", 1)
+    for _, own in requests:
+        if own is not None:
+            assert served_as(model_dir, knobs, own, ranks) == served_as(model_dir, own, None, ranks), own
+    prompts = [requests[0][0], *({"ids": p} for p, _ in requests[1:])]
+    run = engine_run(model_dir, prompts, knobs, new_tokens, env, request_knobs=[k for _, k in requests], **vllm)
+    assert run["steps"][-1][1] == run["free_at_start"], "every block back in the pool"
+    return [{"kept": kept, "tokens": tokens} for kept, tokens in zip(run["kept"], run["tokens"])]
+
+
+def served_as(model_dir: str, knobs: dict, own: dict | None, ranks: int) -> dict:
+    """The config (as a dict) a request of ``own`` knobs (None: the engine's) runs on an engine of ``knobs``
+    over ``ranks`` tensor-parallel ranks (``restkv.vllm.per_request``)."""
+    from restkv.config import CompressionConfig
+    from restkv.vllm import memory, per_request, settings
+
+    model = memory.model_of(model_dir, "float32").per_rank(ranks)
+    cfg = CompressionConfig.from_kwargs(**knobs)
+    settings.bind_model(cfg, model.layers, model.heads * ranks, model.kv_heads * ranks, ranks)
+    return per_request.resolve(per_request.Engine(cfg, model, 1, 1024, CHUNK, BLOCK, ranks), own).as_dict()
+
+
 def in_loop(spec: dict, env: dict | None) -> bool:
     """An engine ``engine_loop.py`` runs: one process, eager (no compiled graphs kept from an engine
     before), the KV cache at the model's dtype, without an environment of its own or other processes
