@@ -54,7 +54,7 @@ $(VLLM_STAMP): plugins/restkv_vllm/pyproject.toml
 vllm-install: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -c "from restkv.integration.models import resolve; print(resolve('smollm2-135m'))"
 
-# the plugin's tests inside vLLM (52 minutes on 2 cores, 2026-12-07); vllm-test-quick: the subset .ci/run runs
+# the plugin's tests inside vLLM (48 minutes on 2 cores with other vLLM runs beside it, 2026-12-07); vllm-test-quick: the subset .ci/run runs
 vllm-test: vllm-install
 	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
 

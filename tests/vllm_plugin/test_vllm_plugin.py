@@ -2,9 +2,9 @@
 restkv's transformers path, at vLLM's defaults (prefix caching and chunked prefill on).
 
 Runs in the vLLM environment (``make vllm-test``); skipped where vLLM is not installed. Each engine
-runs in a subprocess (``run_engine.py``, eager unless a test says otherwise); restkv's transformers
-path runs in restkv's own environment (``RESTKV_PYTHON``, default ``.venv/bin/python``) through
-``reference.py``.
+runs outside the test's process (``harness.engine_run``, eager unless a test says otherwise); restkv's
+transformers path runs in restkv's own environment (``RESTKV_PYTHON``, default ``.venv/bin/python``)
+through ``reference.py``.
 """
 
 from __future__ import annotations
