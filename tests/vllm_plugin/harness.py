@@ -1,13 +1,17 @@
-"""What the vLLM plugin's tests share: the packaged model's prompt, one engine run (``run_engine.py``,
-in a subprocess) and restkv's transformers path (``reference.py``, in restkv's own environment:
-``RESTKV_PYTHON``, default ``.venv/bin/python``), each cached for the session."""
+"""What the vLLM plugin's tests share: the packaged model's prompt, one engine run (``benchmarks/vllm_check.py``'s
+``run_spec``, in a subprocess: one process running engine after engine, ``engine_loop.py``, where nothing
+process-wide sets the engine apart) and restkv's transformers path (``reference.py``, in restkv's own
+environment: ``RESTKV_PYTHON``, default ``.venv/bin/python``), each cached for the session."""
 
 from __future__ import annotations
 
+import atexit
+import collections
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -81,8 +85,87 @@ def engine_run(model_dir: str, prompts: list, knobs: dict | None, new_tokens=NEW
     if key not in _RUNS:
         spec = {"model": model_dir, "prompts": prompts, "max_tokens": new_tokens, "block_size": BLOCK}
         spec.update({"kv_tokens": 4096, **vllm})
-        _RUNS[key] = run_in_subprocess(spec, knobs, env)
+        _RUNS[key] = _LOOP.run(spec, knobs) if in_loop(spec, env) else run_in_subprocess(spec, knobs, env)
     return _RUNS[key]
+
+
+
+def one_after_another(model_dir: str, knobs: dict, requests: list, new_tokens=NEW_TOKENS, env=None, **vllm) -> list:
+    """``requests`` ([prompt, its own knobs, None: the engine's]) served by one engine of ``knobs``, each
+    once the one before has finished (give each a prompt of its own: no prefix cached for the next) ->
+    per request its ``kept`` and ``tokens``. Each request's knobs must resolve to the config they give
+    alone (``per_request.resolve``: nothing of the engine's carried into it), every block be back at the end."""
+    ranks = vllm.get("tensor_parallel_size", 1)
+    for _, own in requests:
+        if own is not None:
+            assert served_as(model_dir, knobs, own, ranks) == served_as(model_dir, own, None, ranks), own
+    prompts = [requests[0][0], *({"ids": p} for p, _ in requests[1:])]
+    run = engine_run(model_dir, prompts, knobs, new_tokens, env, request_knobs=[k for _, k in requests], **vllm)
+    assert run["steps"][-1][1] == run["free_at_start"], "every block back in the pool"
+    return [{"kept": kept, "tokens": tokens} for kept, tokens in zip(run["kept"], run["tokens"])]
+
+
+def served_as(model_dir: str, knobs: dict, own: dict | None, ranks: int) -> dict:
+    """The config (as a dict) a request of ``own`` knobs (None: the engine's) runs on an engine of ``knobs``
+    over ``ranks`` tensor-parallel ranks (``restkv.vllm.per_request``)."""
+    from restkv.config import CompressionConfig
+    from restkv.vllm import memory, per_request, settings
+
+    model = memory.model_of(model_dir, "float32").per_rank(ranks)
+    cfg = CompressionConfig.from_kwargs(**knobs)
+    settings.bind_model(cfg, model.layers, model.heads * ranks, model.kv_heads * ranks, ranks)
+    return per_request.resolve(per_request.Engine(cfg, model, 1, 1024, CHUNK, BLOCK, ranks), own).as_dict()
+
+
+def in_loop(spec: dict, env: dict | None) -> bool:
+    """An engine ``engine_loop.py`` runs: one process, eager (no compiled graphs kept from an engine
+    before), the KV cache at the model's dtype, without an environment of its own or other processes
+    (tensor or pipeline ranks)."""
+    ranks = spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
+    return env is None and ranks == 1 and spec["enforce_eager"] and spec.get("kv_cache_dtype", "auto") == "auto"
+
+
+class _Loop:
+    """``engine_loop.py``, started at the first engine and again after an engine fails."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def run(self, spec: dict, knobs: dict | None) -> dict:
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / "engine_loop.py")],
+                env={**os.environ, "PYTHONPATH": str(ROOT), "RESTKV_VLLM": ""},
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            )  # fmt: skip
+        self.proc.stdin.write(json.dumps([spec, knobs]) + "\n")
+        self.proc.stdin.flush()
+        watchdog = threading.Timer(1800, self.proc.kill)
+        watchdog.start()
+        tail: collections.deque = collections.deque(maxlen=80)
+        try:
+            for line in self.proc.stdout:
+                if line.startswith("RESULT "):
+                    return json.loads(line[7:])
+                if line.startswith("FAILED "):
+                    raise RuntimeError(f"the engine failed:\n{json.loads(line[7:])}")
+                tail.append(line)
+            raise RuntimeError("the engine process exited:\n" + "".join(tail))
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            watchdog.cancel()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+_LOOP = _Loop()
+atexit.register(_LOOP.close)
 
 
 _REFS: dict = {}

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness import BLOCK, PROMPT_LEN, TP3_ENV, blocks, engine_run, reference
+from harness import BLOCK, PROMPT_LEN, TP3_ENV, blocks, engine_run, one_after_another, reference
 from helpers import fewest_length, lukv_curve
 
 from restkv.vllm import settings
@@ -34,23 +34,56 @@ LAYER_RATIOS = {
 }
 
 
-@pytest.fixture
-def lukv(tmp_path) -> dict:
+@pytest.fixture(scope="module")
+def lukv(tmp_path_factory) -> dict:
     """SnapKV's scores with LU-KV's counts from a curve for SmolLM2's 30 layers and 3 KV heads (each row's
     ratios +-0.15 around the row's own)."""
-    curve = lukv_curve(tmp_path / "curve.npy", layers=30, hkv=3)
+    curve = lukv_curve(tmp_path_factory.mktemp("lukv") / "curve.npy", layers=30, hkv=3)
     return {"method": "snapkv", "head_budget": "lukv", "lukv_curve": curve, "max_capacity_prompt": 128, "window_size": 32}
 
 
-@pytest.fixture
-def headkv(tmp_path) -> dict:
+@pytest.fixture(scope="module")
+def headkv(tmp_path_factory) -> dict:
     """HeadKV with a skewed head-importance table for SmolLM2's 30 layers x 9 heads."""
     import numpy as np
 
     table = np.random.default_rng(0).gamma(0.5, size=(30, 9)).round(4).tolist()
-    path = tmp_path / "head_importance.json"
+    path = tmp_path_factory.mktemp("headkv") / "head_importance.json"
     path.write_text(json.dumps(table))
     return {"method": "headkv", "max_capacity_prompt": 128, "window_size": 32, "head_importance": str(path)}
+
+
+def tp_knobs(lukv: dict, headkv: dict) -> dict:
+    """name -> the knobs of a request that three ranks of one KV head each serve (64 tokens)."""
+    return {
+        "adakv": {**ADAKV, "decode_interval": 32},
+        "headkv": headkv,
+        "lukv": {**lukv, "decode_interval": 32},
+        "snapkv-global": {"method": "snapkv", "layer_budget": "global", "max_capacity_prompt": 128, "window_size": 32},
+        "layer-defensivekv": LAYER_DEFENSIVEKV,
+        "defensivekv": {"method": "defensivekv", "max_capacity_prompt": 128, "window_size": 32, "decode_interval": 32},
+        "pyramidkv": {**PYRAMIDKV, "decode_interval": 32},
+    }
+
+
+TP_ENGINES = {
+    "layer-defensivekv": ["layer-defensivekv", "adakv", "headkv", "snapkv-global", "pyramidkv"],
+    "defensivekv": ["defensivekv"],
+    "lukv": ["lukv"],
+}
+"""TP=3 engine (its config the first request's) -> the requests it serves, the others with their own knobs
+(``restkv.vllm.per_request``): an engine's config must hold every term of the plugin's memory and every
+block its requests need, which Layer-DefensiveKV's does for the first group only."""
+
+
+def tp_run(model_dir: str, text_ids: list, knobs: dict, name: str) -> tuple:
+    """Request ``name``'s prompt and its ``kept`` and ``tokens``: its engine of ``TP_ENGINES`` (TP=3) serving
+    its requests one after another, each on a 300-token prompt of its own (no prefix shared)."""
+    names = next(names for names in TP_ENGINES.values() if name in names)
+    prompts = [text_ids[50 * i : 50 * i + PROMPT_LEN] for i in range(len(names))]
+    own = [None, *(knobs[n] for n in names[1:])]
+    runs = one_after_another(model_dir, knobs[names[0]], list(zip(prompts, own)), 64, TP3_ENV, tensor_parallel_size=3)
+    return prompts[names.index(name)], runs[names.index(name)]
 
 
 def heads_kept(layer: list) -> list:
@@ -122,18 +155,18 @@ def test_a_threshold_selects_a_prompt_within_the_budget_as_restkv(model_dir, tex
     keeps_and_decodes_as_restkv(model_dir, text_ids[400:500], knobs)
 
 
-def test_per_layer_budgets_under_tensor_parallelism(model_dir, prompt):
+def test_per_layer_budgets_under_tensor_parallelism(model_dir, text_ids, lukv, headkv):
     """PyramidKV's layers keep their own counts; its heads do not share them, so three ranks of one
     KV head each keep the transformers path's positions and give its tokens, evicting again every 32
     tokens."""
-    knobs = {**PYRAMIDKV, "decode_interval": 32}
-    ref = reference(prompt, knobs, 64)
-    run = engine_run(model_dir, [prompt], knobs, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
-    ranks = run["kept"][0]
+    knobs = tp_knobs(lukv, headkv)
+    prompt, run = tp_run(model_dir, text_ids, knobs, "pyramidkv")
+    ref = reference(prompt, knobs["pyramidkv"], 64)
+    ranks = run["kept"]
     assert len(ranks) == 3
     joined = [[h for rank in ranks for h in rank[layer]] for layer in range(30)]  # each rank's head
     assert_kept_as_reference(joined, ref["kept"])
-    assert run["tokens"][0] == ref["tokens"]
+    assert run["tokens"] == ref["tokens"]
 
 
 def test_a_batch_and_a_prefix_hit(model_dir, text_ids, prompt):
@@ -209,29 +242,22 @@ def test_tensor_parallelism_refused_where_a_heads_scores_read_the_others(model_d
 
 
 @pytest.mark.parametrize("name", ["adakv", "headkv", "lukv", "snapkv-global", "layer-defensivekv", "defensivekv"])
-def test_a_split_across_heads_under_tensor_parallelism(model_dir, prompt, lukv, headkv, name):
+def test_a_split_across_heads_under_tensor_parallelism(model_dir, text_ids, lukv, headkv, name):
     """AdaKV's, HeadKV's, LU-KV's and a cross-layer budget's counts depend on every head's (Layer-DefensiveKV's
     scores on every head's value norms too): three ranks of one KV head each gather them
     (``restkv.vllm.ranks``, ``Observation.every_head``) and keep, head by head, the transformers path's
     positions, and give its tokens; AdaKV, LU-KV and DefensiveKV evict again every 32 tokens (the ranks' widest
     heads differ then: every rank lays its heads out at the widest over the ranks, as one device does; a
     cross-layer budget evicts at the prompt's end only, as ``configure()``)."""
-    knobs = {
-        "adakv": {**ADAKV, "decode_interval": 32},
-        "headkv": headkv,
-        "lukv": {**lukv, "decode_interval": 32},
-        "snapkv-global": {"method": "snapkv", "layer_budget": "global", "max_capacity_prompt": 128, "window_size": 32},
-        "layer-defensivekv": LAYER_DEFENSIVEKV,
-        "defensivekv": {"method": "defensivekv", "max_capacity_prompt": 128, "window_size": 32, "decode_interval": 32},
-    }[name]
-    ref = reference(prompt, knobs, 64)
-    run = engine_run(model_dir, [prompt], knobs, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
-    ranks = run["kept"][0]
+    knobs = tp_knobs(lukv, headkv)
+    prompt, run = tp_run(model_dir, text_ids, knobs, name)
+    ref = reference(prompt, knobs[name], 64)
+    ranks = run["kept"]
     assert len(ranks) == 3
     joined = [[h for rank in ranks for h in rank[layer]] for layer in range(30)]  # each rank's head
     assert len({len(heads_kept([h])[0]) for layer in joined for h in layer}) > 1, "every head kept the same count"
     assert_kept_as_reference(joined, ref["kept"])
-    assert run["tokens"][0] == ref["tokens"]
+    assert run["tokens"] == ref["tokens"]
 
 
 def test_headkv_keeps_and_decodes_as_restkv(model_dir, prompt, headkv):

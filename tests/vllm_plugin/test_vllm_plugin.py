@@ -2,9 +2,9 @@
 restkv's transformers path, at vLLM's defaults (prefix caching and chunked prefill on).
 
 Runs in the vLLM environment (``make vllm-test``); skipped where vLLM is not installed. Each engine
-runs in a subprocess (``run_engine.py``, eager unless a test says otherwise); restkv's transformers
-path runs in restkv's own environment (``RESTKV_PYTHON``, default ``.venv/bin/python``) through
-``reference.py``.
+runs outside the test's process (``harness.engine_run``, eager unless a test says otherwise); restkv's
+transformers path runs in restkv's own environment (``RESTKV_PYTHON``, default ``.venv/bin/python``)
+through ``reference.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from harness import (
     TP3_ENV,
     blocks,
     engine_run,
+    one_after_another,
     reference,
 )
 
@@ -108,20 +109,26 @@ def test_eviction_while_generating(model_dir, text_ids, length):
     assert run["steps"][-1][1] == run["free_at_start"]  # every block back at the end
 
 
-@pytest.mark.parametrize("method", ["restkv", "tova"])
-def test_tensor_parallel_ranks_evict_their_own_heads(model_dir, prompt, method):
+TP_KNOBS = {"restkv": {**RESTKV, "decode_interval": 32}, "tova": {**SNAPKV, "method": "tova", "decode_interval": 32}}
+
+
+@pytest.mark.parametrize("method", list(TP_KNOBS))
+def test_tensor_parallel_ranks_evict_their_own_heads(model_dir, text_ids, method):
     """TP=3 (one of SmolLM2's 3 KV heads per rank): each rank keeps the transformers path's positions
     for its head, with ReST-KV's W_O its own columns, TOVA's mean over every rank's heads (gathered:
-    ``Observation.every_head``); the tokens are the transformers path's."""
-    knobs = {**RESTKV, "decode_interval": 32} if method == "restkv" else {**SNAPKV, "method": "tova", "decode_interval": 32}
-    ref = reference(prompt, knobs, 64)
-    run = engine_run(model_dir, [prompt], knobs, new_tokens=64, env=TP3_ENV, tensor_parallel_size=3)
-    ranks = run["kept"][0]
+    ``Observation.every_head``); the tokens are the transformers path's. One engine of ReST-KV's config
+    serves both, TOVA's request with its own knobs, after ReST-KV's, on a prompt of its own."""
+    prompts = [text_ids[:PROMPT_LEN], text_ids[50 : 50 + PROMPT_LEN]]
+    requests = [(prompts[0], None), (prompts[1], TP_KNOBS["tova"])]
+    runs = one_after_another(model_dir, TP_KNOBS["restkv"], requests, 64, TP3_ENV, tensor_parallel_size=3)
+    i = list(TP_KNOBS).index(method)
+    ref = reference(prompts[i], TP_KNOBS[method], 64)
+    ranks = runs[i]["kept"]
     assert len(ranks) == 3
     for rank, kept in enumerate(ranks):
         for layer, (ours, theirs) in enumerate(zip(kept, ref["kept"])):
             assert ours == [theirs[rank]], f"rank {rank} layer {layer}"
-    assert run["tokens"][0] == ref["tokens"]
+    assert runs[i]["tokens"] == ref["tokens"]
 
 
 def test_additional_config_without_the_environment_variable(model_dir, prompt):
