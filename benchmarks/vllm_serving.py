@@ -239,7 +239,8 @@ def _block_bytes(model: str, args) -> int:
     """Bytes of one KV block over every layer (keys and values) in the KV cache's dtype."""
     config = json.loads((Path(model) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    itemsize = 1 if args.kv_cache_dtype.startswith("fp8") else {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
+    fp8 = getattr(args, "kv_cache_dtype", "auto").startswith("fp8")  # vllm_bench_serve.py's arms: the model's
+    itemsize = 1 if fp8 else {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * itemsize * args.block_size
 
 
