@@ -32,16 +32,15 @@ def model_of(worker) -> memory.Model:
     return config_model(worker.model_config, worker.parallel_config, cache=worker.cache_config)
 
 
-def config_model(config, parallel, layers: int = 0, cache=None) -> memory.Model:
-    """One rank's sizes from vLLM's model, parallel and cache configs (``layers``: the attention layers,
-    if counted; else the config's): of its layers the sliding-window ones (``model_sizes.layer_kinds``
+def config_model(config, parallel, cache=None) -> memory.Model:
+    """One rank's sizes from vLLM's model, parallel and cache configs: of its layers the sliding-window ones (``model_sizes.layer_kinds``
     of this pipeline stage's), the pool's element (``cache.cache_dtype``; 'auto': the model's dtype)."""
     start, end = config.get_layers_start_end_indices(parallel)
     slides, window = model_sizes.layer_kinds(config.hf_text_config.to_dict())
     sliding = sum(slides[start:end])
     dtype = getattr(cache, "cache_dtype", "auto")
     return memory.Model(
-        layers=layers or config.get_num_layers(parallel),
+        layers=config.get_num_layers(parallel),
         heads=config.get_num_attention_heads(parallel),
         kv_heads=config.get_num_kv_heads(parallel),
         head_dim=config.get_head_size(),

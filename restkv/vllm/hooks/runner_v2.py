@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-
 from .runner import CURRENT, record_blocks, shifted
+
 
 def forgetting(gone):
     """A V2 function after which the requests ``gone(scheduler_output)`` start afresh:
