@@ -9,6 +9,7 @@ A strategy is one module of this package with
   ======================  =========================================================  ======================
   stage                   hook                                                       modules
   ======================  =========================================================  ======================
+  layers evicted          ``evicted_layers(config, indices)`` (no knob: the model's)  ``layers``
   budget                  ``sample_budgets``, ``layer_budgets``, ``head_sizes``,      ``budgets``,
                           ``global_sizes`` (per sample, layer, head, across layers)  ``head_budgets``
   ranking                 ``applies(cfg)`` and ``rank(obs, cfg, scores, key, keep)``  ``RANKINGS``, in order

@@ -34,24 +34,27 @@ class LayerEviction:
 
     # ---- the model's layers ----
 
-    def index_layers(self, names_to_o_proj: dict, heads: int | None = None, total: int | None = None) -> None:
+    def index_layers(self, names_to_o_proj: dict, heads: int | None = None, evicted=None) -> None:
         """``{attention layer name: a function returning its o_proj weight, or None}`` (read again
         when a selection needs the weight itself); with ``heads`` (Hq) each layer's W_O factor is
-        computed now when the config reads it, so the weight is never held. Layers are numbered by their names
-        (``model.layers.15`` the 16th: a pipeline stage's among all, a hybrid model's full-attention layers
-        among every layer), else in order. ``total``: the model's attention layers where this worker holds
-        some of them or evicts some (a pipeline stage, a hybrid model), else these."""
+        computed now when the config reads it, so the weight is never held. ``evicted``: the model's layer
+        numbers eviction applies to, in order (``restkv.strategies.layers.evicted_layers``: a hybrid model's
+        full-attention layers; every layer where this worker holds some, a pipeline stage). A layer is numbered
+        as ``restkv.configure`` numbers it, by its rank among them (its number read off its name:
+        ``model.layers.15`` is the 16th), where every name has a number among them; else in order, of these."""
         self.o_proj.update({n: f for n, f in names_to_o_proj.items() if f is not None})
         if heads and reads_factor(self.cfg):
             for name in names_to_o_proj:
                 if name in self.o_proj:
                     self._factor(name, heads)
+        rank = {number: i for i, number in enumerate(evicted or ())}
         numbers = {n: int(m.group(1)) for n in names_to_o_proj if (m := _LAYER.search(n))}
-        if len(numbers) == len(names_to_o_proj):  # the model's own indices (a hybrid model's skip its windows)
-            self.layer_index = numbers
+        if len(numbers) == len(names_to_o_proj) and set(numbers.values()) <= rank.keys():
+            self.layer_index = {name: rank[number] for name, number in numbers.items()}
+            self.layers = len(rank)
         else:
             self.layer_index = {name: i for i, name in enumerate(names_to_o_proj)}
-        self.layers = total or max(len(names_to_o_proj), 1)
+            self.layers = max(len(names_to_o_proj), 1)
 
     def leave(self, group: int, layers) -> None:
         """Evict KV cache group ``group`` only, whose attention layers are ``layers`` (names): the others, a

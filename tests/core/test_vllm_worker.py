@@ -464,8 +464,9 @@ def test_per_head_request_holds_the_fewest_blocks_its_pages_need(knobs, caching)
 
 
 def test_a_hybrid_models_full_attention_layers_keep_the_models_indices_and_must_be_the_evicted_group():
-    """Gemma 3's full-attention layers 5, 11 and 17 of 18 (the sliding-window ones never indexed): each keeps
-    its index among all the model's layers, as ``configure()`` numbers them; the KV cache group they must
+    """Gemma 3's full-attention layers 5, 11 and 17 of 18 (the sliding-window ones never indexed): each is
+    numbered by its rank among the evicted layers, as ``configure()``'s plans number them (per-layer budgets,
+    a method's layer seed); the KV cache group they must
     make up is the one evicted, and a group with another layer (one with a sliding window) or without one
     of them is refused, naming that layer."""
     from restkv.vllm.worker import Worker
@@ -473,8 +474,13 @@ def test_a_hybrid_models_full_attention_layers_keep_the_models_indices_and_must_
     cfg = CompressionConfig.from_kwargs(method="snapkv", max_capacity_prompt=64)
     names = [f"model.layers.{i}.self_attn.attn" for i in (5, 11, 17)]
     worker = Worker(cfg, slots=2, caching=False, block_size=16)
-    worker.index_layers(dict.fromkeys(names), total=18)
-    assert worker.layer_index == dict(zip(names, (5, 11, 17))) and worker.layers == 18
+    from transformers import Gemma3TextConfig
+
+    from restkv.strategies.layers import evicted_layers
+
+    config = Gemma3TextConfig(num_hidden_layers=18)  # transformers' own pattern: every sixth layer full attention
+    worker.index_layers(dict.fromkeys(names), evicted=list(evicted_layers(config, range(18))))
+    assert worker.layer_index == dict(zip(names, (0, 1, 2))) and worker.layers == 3
     worker.leave(5, list(reversed(names)))
     assert worker.group == 5
     with pytest.raises(RuntimeError, match=r"layer model\.layers\.4\.self_attn\.attn has a sliding window but is in"):

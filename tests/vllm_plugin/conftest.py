@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import harness
 import pytest
+
+# Under pytest-xdist (``make vllm-test`` runs two workers), each worker's engines keep to a core of their own
+# unless a test binds its ranks itself (``harness.TP3_ENV``, ``harness.TWO_ENV``).
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(os.environ["PYTEST_XDIST_WORKER"][2:]) % os.cpu_count()))
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,10 @@ step by step the sliding-window groups hold the blocks plain vLLM's do (vLLM fre
 plugin never touches them), the full-attention group the kept entries' blocks; every block back in the
 pool at the end. vLLM keeps sliding-window checkpoints for prefix hits at a prompt's last token only,
 unless ``prefix_cache_retention_interval`` says more; the engine keeps one per block, so that the hit stops
-where SnapKV's window begins. AdaKV's per-head pages and the hybrid manager turned off are refused in one
-line.
+where SnapKV's window begins. On a second engine, PyramidKV's per-layer budgets (the engine's knobs) and then
+AdaKV's per-head split (a request's own), the same prompt again: the full-attention layers' heads each
+on pages of their own, every head's kept positions and the greedy tokens the transformers path's. The hybrid
+manager turned off is refused in one line.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ LENGTH = 700  # past the 512-token window: the sliding-window groups free blocks
 NEW_TOKENS = 12
 BUDGET = 128
 RESTKV = {"preset": "paper", "max_capacity_prompt": BUDGET}
+ADAKV = {"method": "adakv", "max_capacity_prompt": BUDGET, "window_size": 32}
+PYRAMIDKV = {"method": "pyramidkv", "max_capacity_prompt": BUDGET, "window_size": 32}
 # vLLM keeps a sliding window's prefix-cache checkpoints at a prompt's last token only, unless told an interval:
 # every block's here, so that a hit can stop before the window's queries (``test_a_prefix_hit_...``)
 ENGINE = {
@@ -53,6 +57,14 @@ def runs(gemma_dir, gemma_prompt) -> tuple:
     return plain, evicted
 
 
+@pytest.fixture(scope="module")
+def per_head(gemma_dir, gemma_prompt) -> dict:
+    """An engine of per-layer budgets: PyramidKV (its knobs; it holds more blocks than AdaKV), then AdaKV's per-head
+    split (a request's own) on the same prompt."""
+    prompts = [gemma_prompt, {"ids": gemma_prompt}]
+    return engine_run(gemma_dir, prompts, PYRAMIDKV, NEW_TOKENS, request_knobs=[None, ADAKV], **ENGINE)
+
+
 def test_plain_vllm_answers_as_plain_transformers(runs, gemma_prompt):
     plain, _ = runs
     assert plain["tokens"][0] == reference(gemma_prompt, {}, NEW_TOKENS, MODEL)["tokens"]
@@ -68,6 +80,25 @@ def test_the_full_attention_layers_keep_and_decode_as_restkv(runs, gemma_prompt,
     for ours, theirs in zip(kept, [ref["kept"][i] for i in FULL_LAYERS]):
         assert [sorted(h) for h in ours] == [sorted(h) for h in theirs]
     assert evicted["tokens"][index] == ref["tokens"]
+
+
+@pytest.mark.parametrize("index, knobs", [(0, PYRAMIDKV), (1, ADAKV)], ids=["pyramidkv", "adakv-prefix-hit"])
+def test_per_head_and_per_layer_budgets_keep_and_decode_as_restkv(per_head, runs, gemma_prompt, index, knobs):
+    """Each full-attention layer's heads keep their own counts (PyramidKV's differ by layer; AdaKV's split over
+    Gemma 3's one KV head per layer is the layer's budget) on pages of their own, as the transformers path; the
+    sliding-window groups hold the blocks plain vLLM's do, step by step (the first request: plain vLLM's second
+    has a longer prefix hit)."""
+    if index == 0:
+        ours, theirs = per_head["groups"][0], runs[0]["groups"][0]
+        assert [row[:6] for row in ours] == [row[:6] for row in theirs]  # the steps, five sliding-window groups
+    ref = reference(gemma_prompt, knobs, NEW_TOKENS, MODEL)
+    (kept,) = per_head["kept"][index]
+    assert len(kept) == len(FULL_LAYERS)
+    for layer, ours, theirs in zip(FULL_LAYERS, kept, [ref["kept"][i] for i in FULL_LAYERS]):
+        assert [sorted(p for p in h if p >= 0) for h in ours] == [sorted(p for p in h if p >= 0) for h in theirs], layer
+    assert per_head["tokens"][index] == ref["tokens"]
+    assert per_head["cached"][index] == [0, (LENGTH - ADAKV["window_size"]) // BLOCK * BLOCK][index]  # 640 of 700
+    assert per_head["steps"][-1][1] == per_head["free_at_start"]
 
 
 def test_a_prefix_hit_stops_before_the_windows_queries(runs):
@@ -95,23 +126,16 @@ def test_the_sliding_windows_are_vllms_and_the_full_group_holds_the_kept_entries
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize(
-    "knobs, hybrid, said",
-    [
-        ({"method": "adakv", "max_capacity_prompt": BUDGET}, True, "uniform budgets"),
-        (SNAPKV, False, "--disable-hybrid-kv-cache-manager"),
-    ],
-    ids=["adakv", "hybrid-manager-off"],
-)
-def test_what_a_hybrid_model_cannot_run_is_refused_in_one_line(gemma_dir, monkeypatch, knobs, hybrid, said):
+@pytest.mark.parametrize("knobs", [SNAPKV, ADAKV], ids=["uniform", "per-head"])
+def test_the_hybrid_manager_turned_off_is_refused_in_one_line(gemma_dir, monkeypatch, knobs):
     from vllm.engine.arg_utils import EngineArgs
 
     from restkv.vllm.hooks import install
 
     monkeypatch.setenv("RESTKV_VLLM", json.dumps(knobs))
     install()
-    args = EngineArgs(model=gemma_dir, dtype="float32", max_model_len=1024, disable_hybrid_kv_cache_manager=not hybrid)
+    args = EngineArgs(model=gemma_dir, dtype="float32", max_model_len=1024, disable_hybrid_kv_cache_manager=True)
     with pytest.raises(ValueError) as refused:
         args.create_engine_config()
     (line,) = str(refused.value).splitlines()
-    assert said in line and "gemma3-270m" in line
+    assert "--disable-hybrid-kv-cache-manager" in line and "gemma3-270m" in line

@@ -99,7 +99,7 @@ def check_runner(model_runner, wrapped: list, backends: dict) -> None:
             )
         layouts[backend][1](layer.impl, layer, layer.kv_cache, worker.block_size)
         worker.backends[layer_name] = backend
-        if settings.per_head(worker.cfg):
+        if settings.per_head(worker.cfg) and layer_name in worker.layer_index:  # a layer the plugin evicts
             if backend not in attention.HEAD_PAGES:
                 raise RuntimeError(
                     f"restkv.vllm: {settings.budget_knobs(worker.cfg)} runs on the "
@@ -119,9 +119,10 @@ def check_runner(model_runner, wrapped: list, backends: dict) -> None:
             worker.attends[layer_name] = attention.single_head(
                 layer, model_runner.vllm_config, worker.block_size, model_runner.device, builders
             )
-    if settings.per_head(worker.cfg):  # every layer's pages in one pool (``restkv.vllm.heads``)
-        tensor, first = paged.whole({name: layer.kv_cache for name, layer in layers.items()})
-        layer = next(iter(layers.values()))
+    if settings.per_head(worker.cfg):  # every evicted layer's pages in one pool (``restkv.vllm.heads``)
+        evicted = {name: layer for name, layer in layers.items() if name in worker.layer_index}
+        tensor, first = paged.whole({name: layer.kv_cache for name, layer in evicted.items()})
+        layer = next(iter(evicted.values()))
         worker.space = Space(first, tensor.shape[1])
         worker.whole = layouts[worker.backends[layer.layer_name]][1](layer.impl, layer, tensor, worker.block_size)
     startup.log(worker.cfg, worker.backends.values(), type(model_runner))

@@ -54,11 +54,6 @@ def refusals(vllm_config, cfg) -> list[str]:
             "(vllm serve: drop --disable-hybrid-kv-cache-manager)",
         ),
         (
-            slides and settings.per_head(cfg),
-            f"{settings.budget_knobs(cfg)} on {model.model}, whose sliding-window layers share the pool of "
-            "pages the heads' own pages would use: uniform budgets",
-        ),
-        (
             parallel.pipeline_parallel_size > 1 and settings.per_head(cfg),
             f"{settings.budget_knobs(cfg)} under pipeline parallelism (each stage's heads and layers would keep "
             "their own counts of the blocks every stage shares): pipeline_parallel_size=1 "

@@ -22,6 +22,7 @@ import inspect
 import numpy as np
 import torch
 
+from ...strategies.layers import evicted_layers
 from .. import outcome, settings
 from ..ranks import Ranks
 from ..worker import Worker
@@ -79,8 +80,9 @@ def load_model(orig):
         if worker is not None:
             layers = [m.attn for m in self.model.modules() if hasattr(getattr(m, "attn", None), "layer_name")]
             heads = {getattr(a, "num_heads", None) for a in layers}  # this rank's Hq, one for all layers
-            total = self.vllm_config.model_config.get_total_num_hidden_layers()  # a pipeline stage holds some
-            worker.index_layers(o_proj_readers(self.model), heads.pop() if len(heads) == 1 else None, total)
+            model = self.vllm_config.model_config  # a pipeline stage holds some of its layers
+            evicted = list(evicted_layers(model.hf_text_config, range(model.get_total_num_hidden_layers())))
+            worker.index_layers(o_proj_readers(self.model), heads.pop() if len(heads) == 1 else None, evicted)
         return out
 
     return wrapped
