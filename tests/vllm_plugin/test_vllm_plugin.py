@@ -90,22 +90,32 @@ def test_evicted_blocks_return_to_the_pool(model_dir, prompt):
     assert start - run["steps"][last_chunk + 1][0] == blocks(SNAPKV["max_capacity_prompt"] + 1)
 
 
-@pytest.mark.parametrize(
-    "length", [100, PROMPT_LEN], ids=["prompt-under-budget", "prompt-over-budget"]
-)
-def test_eviction_while_generating(model_dir, text_ids, length):
+GENERATING = {"prompt-over-budget": (0, PROMPT_LEN), "prompt-under-budget": (PROMPT_LEN, 100)}  # (start, length)
+
+
+@pytest.fixture(scope="module")
+def generating(model_dir, text_ids) -> tuple:
+    """(the plugin with ``DECODING``, plain vLLM): an engine each, serving ``GENERATING``'s prompts (no prefix
+    shared) one after the other, 200 tokens each."""
+    first, *more = [text_ids[start : start + n] for start, n in GENERATING.values()]
+    prompts = [first, *({"ids": p} for p in more)]
+    return engine_run(model_dir, prompts, DECODING, new_tokens=200), engine_run(model_dir, prompts, None, new_tokens=200)
+
+
+@pytest.mark.parametrize("case", list(GENERATING))
+def test_eviction_while_generating(generating, text_ids, case):
     """decode_interval=32 over 200 generated tokens: the transformers path's tokens, and a request
     never holds more than its budget plus the interval (plus the kept blocks of its first eviction,
     during that step)."""
-    p = text_ids[:length]
-    ref = reference(p, DECODING, 200)
-    run = engine_run(model_dir, [p], DECODING, new_tokens=200)
-    assert run["tokens"][0] == ref["tokens"]
+    i = list(GENERATING).index(case)
+    start, length = GENERATING[case]
+    run, plain = generating
+    ref = reference(text_ids[start : start + length], DECODING, 200)
+    assert run["tokens"][i] == ref["tokens"]
     budget, interval = DECODING["max_capacity_prompt"], DECODING["decode_interval"]
     most = max(blocks(length), blocks(budget + interval)) + blocks(budget)
-    assert run["held"][0] <= most
-    plain = engine_run(model_dir, [p], None, new_tokens=200)
-    assert plain["held"][0] == blocks(length + 200 - 1)
+    assert run["held"][i] <= most
+    assert plain["held"][i] == blocks(length + 200 - 1)
     assert run["steps"][-1][1] == run["free_at_start"]  # every block back at the end
 
 
