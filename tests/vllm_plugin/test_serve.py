@@ -155,7 +155,8 @@ def test_serve_refuses_in_lines_before_starting(model_dir):
 
 
 def test_serve_with_data_parallelism(model_dir, text_ids):
-    """``--data-parallel-size 2``: two engines behind one server, each with its own scheduler and worker.
+    """``--data-parallel-size 2``: two engines behind one server, each with its own scheduler and worker (eager:
+    ``test_serve_answers_over_http_with_eviction`` serves at vLLM's defaults, compiled).
     Four requests at once (two at the server's knobs, two with their own) answer as restkv's transformers
     path does, and ``/metrics`` counts each request's eviction once, under the engine that ran it."""
     from transformers import AutoTokenizer
@@ -166,7 +167,7 @@ def test_serve_with_data_parallelism(model_dir, text_ids):
     refs = [reference(p, k) for p, k in zip(prompts, knobs)]
     port = _free_port()
     env = {**{k: v for k, v in os.environ.items() if k != "RESTKV_VLLM"}, **TWO_ENV}
-    command = serve(model_dir, SNAPKV, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32")
+    command = serve(model_dir, SNAPKV, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager")
     command += ["--kv-cache-memory-bytes", str(4096 * 2 * 30 * 3 * 64 * 4), "--data-parallel-size", "2"]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
