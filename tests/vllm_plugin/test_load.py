@@ -70,11 +70,15 @@ THRESHOLD = {"method": "simlayerkv"}  # a request's own knobs: a threshold, sele
 def own_knobs(reqs: dict, server: dict) -> dict:
     """name -> the knobs request ``name`` carries (``vllm_xargs``), or None: the server's. On the mixed server
     the completed requests take ``KNOBS`` in turn."""
-    turns = iter([*KNOBS.values()] * len(reqs))
-    return {
-        n: THRESHOLD if n.startswith("threshold") else next(turns) if kind == "complete" and server is MIXED else None
-        for n, (_, _, kind) in reqs.items()
-    }
+    own, turn = {}, 0
+    for name, (_, _, kind) in reqs.items():
+        own[name] = None  # the server's
+        if name.startswith("threshold"):
+            own[name] = THRESHOLD
+        elif kind == "complete" and server is MIXED:
+            own[name] = list(KNOBS.values())[turn % len(KNOBS)]
+            turn += 1
+    return own
 
 
 def requests(ids: list[int], per_head: bool) -> dict:
