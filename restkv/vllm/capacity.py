@@ -144,6 +144,15 @@ def capacity(
                 f"{flag}: {max(n, 0) / 2**30:.3f} GiB{what} holds fewer than --max-model-len "
                 f"{max_model_len} tokens ({need / 2**30:.3f} GiB): vLLM refuses to start"
             )
+    # the plugin's (``hooks.refusals.pool``): that request's most blocks while it evicts, at once
+    most = settings.most_blocks(cfg, max_model_len, block_size, prefix_caching)
+    evicting = (sliding * cap + most + 1) * block_bytes
+    if pool < evicting:
+        raise ValueError(
+            f"{flag}: {max(pool, 0) / 2**30:.3f} GiB of pool holds fewer than the {most} blocks a request of "
+            f"--max-model-len {max_model_len} tokens may hold while it evicts ({evicting / 2**30:.3f} GiB with "
+            "the other groups and the null block): the plugin refuses to start"
+        )
 
     def arm(c, pool_bytes: int) -> Arm:
         h = holding(c, prompt_len, output_len, block_size, prefix_caching, m, max_num_batched_tokens, max_model_len)

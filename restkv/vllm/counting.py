@@ -1,5 +1,6 @@
 """The rules both of vLLM's sides apply to a request: when it evicts (``eviction``, ``evicts``), how many
-entries it is counted at once it did (``room``, ``Eviction``) and the blocks that takes (``extra_blocks``),
+entries it is counted at once it did (``room``, ``Eviction``) and the blocks that takes (``extra_blocks``,
+``most_blocks``),
 and how much of a prefix-cache hit it may take (``hit_limit``). The scheduler, which frees and allocates
 blocks, and every worker, which rewrites the cache, both compute them from the same numbers, so they agree
 without a message. No vLLM import here.
@@ -216,3 +217,15 @@ def extra_blocks(cfg: CompressionConfig, max_model_len: int, block_size: int) ->
     largest_kept = min(UNBOUNDED, rank_share(cfg) * largest(cfg, most, max_model_len))
     kept = max(most, equivalent_length(largest_kept, block_size) if per_head(cfg) else 0)
     return -(-min(kept, max_model_len + block_size) // block_size)
+
+
+def most_blocks(cfg: CompressionConfig, max_model_len: int, block_size: int, caching: bool) -> int:
+    """The most blocks one request holds at once in the evicted group (``Eviction.slots``): the
+    ``max_model_len`` entries it may hold and, in a first eviction under prefix caching, the fresh blocks
+    its kept entries go to (``extra_blocks``); evicting in place, per-head counts may round a block over
+    (``room``: at most ``held + block_size``). A pool that cannot hold them would leave a request computed
+    again near ``max_model_len`` (preempted late) waiting for blocks that never come."""
+    blocks = -(-max_model_len // block_size)
+    if caching:
+        return blocks + extra_blocks(cfg, max_model_len, block_size)
+    return blocks + (1 if per_head(cfg) else 0)

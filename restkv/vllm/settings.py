@@ -6,7 +6,7 @@
 - ``restkv.vllm.tables``: the model's budgets per layer and per KV head (``bind_model``, HeadKV's table,
   LU-KV's curve, ``largest``, ``mean_kept``) and the tensor-parallel ranks sharing the heads;
 - ``restkv.vllm.counting``: the rules both of vLLM's sides apply (``eviction``, ``Eviction``, ``room``,
-  ``hit_limit``, ``extra_blocks``): the scheduler, which frees and allocates blocks, and every worker,
+  ``hit_limit``, ``extra_blocks``, ``most_blocks``): the scheduler, which frees and allocates blocks, and every worker,
   which rewrites the cache, both compute them from the same numbers, so they agree without a message.
 """
 
@@ -19,6 +19,7 @@ from .counting import (
     evicts,
     extra_blocks,
     hit_limit,
+    most_blocks,
     most_budget,
     room,
     schedule_length,
@@ -63,7 +64,7 @@ from .tables import (
 __all__ = [
     "Eviction", "bind_model", "budget_at", "budget_knobs", "check", "deferred", "eviction", "evicts",
     "extra_blocks", "from_env", "head_table", "hit_limit", "largest", "layer_budget", "layer_table",
-    "layers_of", "lukv_kept", "lukv_largest", "mean_kept", "mixes_heads", "most_budget", "most_kept",
+    "layers_of", "lukv_kept", "lukv_largest", "mean_kept", "mixes_heads", "most_blocks", "most_budget", "most_kept",
     "per_head", "per_head_refusals", "per_layer", "prompt_evicts", "query_rows", "rank_share", "room",
     "schedule_length", "shares_heads", "sized_across_heads", "summed", "uncached",
 ]

@@ -287,16 +287,23 @@ def test_a_hybrid_pools_blocks_and_requests_at_once(tmp_path):
     assert bf16.block_bytes == 1 << 20 and bf16.plain.blocks == 65535  # half of bfloat16's 2 MiB
 
 
-def test_vllms_start_up_check_counts_every_group(tmp_path):
-    """A pool that holds max_model_len tokens in the full group and each sliding group's cap, and the null
-    block, starts; one block fewer is refused, naming the flag."""
+def test_vllms_start_up_check_and_the_plugins_count_every_group(tmp_path):
+    """vLLM starts with a pool that holds max_model_len tokens in the full group and each sliding group's
+    cap, and the null block; one block fewer is refused, naming the flag. The plugin asks more under prefix
+    caching: the fresh blocks of a first eviction's kept entries beside them (B=1024 at most: 64 blocks of
+    16), without it no more; a block fewer is refused as the plugin's."""
     folder = _folder(tmp_path, "gemma3", **GEMMA3_270M)
     blocks = -(-4096 // 16) + 5 * (-(-(511 + 512) // 16) + 1) + 1  # 256 + 5 x 65 + 1
     block = 96 << 10
-    capacity.capacity(folder, blocks * block, 4096, SNAPKV, 2000, 100, block_size=16, max_num_batched_tokens=512)
+    sizes = dict(block_size=16, max_num_batched_tokens=512)
     with pytest.raises(ValueError, match="--kv-cache-memory-bytes: .* vLLM refuses to start"):
-        capacity.capacity(folder, blocks * block - 1, 4096, SNAPKV, 2000, 100, block_size=16,
-                          max_num_batched_tokens=512)
+        capacity.capacity(folder, blocks * block - 1, 4096, SNAPKV, 2000, 100, **sizes)
+    capacity.capacity(folder, blocks * block, 4096, SNAPKV, 2000, 100, prefix_caching=False, **sizes)
+    with pytest.raises(ValueError, match="--kv-cache-memory-bytes: .* 320 blocks .* the plugin refuses to start"):
+        capacity.capacity(folder, blocks * block, 4096, SNAPKV, 2000, 100, **sizes)
+    capacity.capacity(folder, (blocks + 64) * block, 4096, SNAPKV, 2000, 100, **sizes)
+    with pytest.raises(ValueError, match="the plugin refuses to start"):
+        capacity.capacity(folder, (blocks + 64) * block - 1, 4096, SNAPKV, 2000, 100, **sizes)
 
 
 def test_bad_kv_cache_dtype_is_one_line_naming_the_flag():

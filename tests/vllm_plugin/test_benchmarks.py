@@ -41,7 +41,7 @@ def _run(*args: str, status: int = 0) -> str:
 def test_serving_table(model_dir):
     out = _run(
         "benchmarks/vllm_serving.py", "--workload", "generation", "--prompt_len", "32", "--new_tokens", "160",
-        "--pool_requests", "1", "--requests", "4", "--methods", "snapkv", "--max_capacity_prompt", "64",
+        "--pool_requests", "2", "--requests", "4", "--methods", "snapkv", "--max_capacity_prompt", "64",
         "--decode_interval", "32", "--enforce_eager",
     )  # fmt: skip
     text, _, last = out.partition("| attention on the CPU backend")

@@ -1,9 +1,9 @@
 """``restkv-vllm serve`` under bounded bursts of concurrent HTTP requests on 127.0.0.1, with the
-plugin on (B=128, window 32, evicting every 32 generated tokens) and a KV pool of 24 blocks of 32 tokens,
-so that requests queue and are preempted: one server whose requests take turns at SnapKV's uniform budget,
+plugin on (B=128, window 32, evicting every 32 generated tokens) and the least KV pool the plugin accepts
+(blocks of 32 tokens), so that requests queue and are preempted: one server whose requests take turns at SnapKV's uniform budget,
 AdaKV's per-head split and PyramidKV's per-layer budgets (their own knobs), all in one pool at once, its
 own knobs Layer-DefensiveKV's (a budget shared across layers and heads; the heaviest, so that every request's
-memory fits in what it left out of the pool); SnapKV over an FP8 KV cache (the same 24 blocks); and SnapKV on the
+memory fits in what it left out of the pool); SnapKV over an FP8 KV cache; and SnapKV on the
 packaged Gemma 3 270M, a hybrid sliding-window model (its full-attention layers evicted; a pool of 160
 blocks of its six KV cache groups).
 
@@ -52,13 +52,15 @@ KNOBS = {  # a uniform budget, per-head budgets (AdaKV's split), per-layer budge
 }
 MIXED = {"method": "layer_defensivekv", "value_norm": "l2", "max_capacity_prompt": 128, "window_size": 32}
 FAILING = 333  # the prompt length whose eviction the server is made to raise in (``harness.failing``)
-MAX_LEN, BLOCK, POOL_BLOCKS = 640, 32, 24
+MAX_LEN, BLOCK = 640, 32
 PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2's K and V bytes per token in float32
-# case -> (model, the server's knobs, its pool in bytes, more flags): SmolLM2's pool of POOL_BLOCKS blocks (FP8: a
-# byte an element); Gemma 3's of 160 blocks, each of one KV cache group's 3 layers (K and V of 1 head of 256, float32)
+# case -> (model, the server's knobs, its pool in bytes, more flags): SmolLM2's pool the least the plugin accepts
+# (``settings.most_blocks`` at MAX_LEN and vLLM's null block: 20 blocks of MAX_LEN's entries, Layer-DefensiveKV's
+# 21 more for the kept ones, a layer may keep all it holds; SnapKV's 4; FP8: a byte an element); Gemma 3's of 160
+# blocks, each of one KV cache group's 3 layers (K and V of 1 head of 256, float32)
 CASES = {
-    "mixed": ("smollm2", MIXED, POOL_BLOCKS * BLOCK * PER_TOKEN, []),
-    "snapkv-fp8": ("smollm2", KNOBS["snapkv"], POOL_BLOCKS * BLOCK * PER_TOKEN // 4, ["--kv-cache-dtype", "fp8"]),
+    "mixed": ("smollm2", MIXED, 42 * BLOCK * PER_TOKEN, []),
+    "snapkv-fp8": ("smollm2", KNOBS["snapkv"], 25 * BLOCK * PER_TOKEN // 4, ["--kv-cache-dtype", "fp8"]),
     "snapkv-gemma3": ("gemma3", KNOBS["snapkv"], 160 * BLOCK * 3 * 2 * 256 * 4, []),
 }
 PREEMPTED = re.compile(r"restkv: request (\S+) preempted after (\d+) generated tokens")

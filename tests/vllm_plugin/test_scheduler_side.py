@@ -45,6 +45,7 @@ BUDGET = SNAPKV["max_capacity_prompt"]
 WINDOW = SNAPKV["window_size"]
 SAMPLED = 42  # the token every made-up step samples
 PROMPT = list(range(1000, 1300))  # 300 prompt tokens
+MAX_LEN = 512  # the pool of 64 blocks holds one request of it and the kept blocks of its first eviction
 MODEL = cache_dir("smollm2-135m")  # its config.json only (30 layers, 3 KV heads of 64)
 
 
@@ -75,7 +76,7 @@ def scheduler(knobs: dict | None, num_blocks: int = 64, chunk: int = CHUNK, spec
             model=str(MODEL),
             dtype="float32",
             seed=0,
-            max_model_len=1024,
+            max_model_len=MAX_LEN,
             skip_tokenizer_init=True,
             enforce_eager=True,  # no CUDA graphs of whole steps, which the plugin refuses
         ),
@@ -83,7 +84,7 @@ def scheduler(knobs: dict | None, num_blocks: int = 64, chunk: int = CHUNK, spec
         scheduler_config=SchedulerConfig(
             max_num_seqs=4,
             max_num_batched_tokens=chunk,
-            max_model_len=1024,
+            max_model_len=MAX_LEN,
             is_encoder_decoder=False,
             enable_chunked_prefill=True,
             async_scheduling=False,
@@ -389,13 +390,14 @@ def test_a_kv_cache_the_plugin_does_not_evict_is_refused_when_the_scheduler_is_b
 WINDOW_TOKENS = 64  # the sliding-window group's window
 
 
-def hybrid(knobs):
+def hybrid(knobs, num_blocks: int = 96):
     """A scheduler of a hybrid model's two groups: a sliding window of ``WINDOW_TOKENS`` first, then full
     attention (the group evicted)."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     kw = dict(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
-    return scheduler(knobs, num_blocks=96, specs=[SlidingWindowSpec(**kw, sliding_window=WINDOW_TOKENS), FullAttentionSpec(**kw)])
+    specs = [SlidingWindowSpec(**kw, sliding_window=WINDOW_TOKENS), FullAttentionSpec(**kw)]
+    return scheduler(knobs, num_blocks=num_blocks, specs=specs)
 
 
 def group_blocks(sched: Scheduler, rid: str) -> list:
@@ -442,3 +444,54 @@ def test_a_hybrid_models_full_attention_group_evicts_and_its_sliding_window_is_v
     assert hit(out, "b") == limit
     run(sched, out)
     assert free(sched) == start
+
+
+def served(sched: Scheduler, steps: int = 40) -> bool:
+    """Whether every request finishes: False once a step schedules nothing while requests wait."""
+    for _ in range(steps):
+        if not sched.requests:
+            return True
+        out = sched.schedule()
+        if not out.num_scheduled_tokens:
+            return False
+        finish(sched, out)
+    return not sched.requests
+
+
+@pytest.mark.parametrize("knobs", [SNAPKV, {**SNAPKV, "method": "adakv"}], ids=["uniform", "per-head"])
+def test_a_pool_too_small_for_one_request_of_max_model_len_while_it_evicts_is_refused(knobs, monkeypatch):
+    """A prompt of nearly ``max_model_len`` (what a request preempted late is computed again as) holds its
+    blocks and, in its first eviction under prefix caching, the fresh ones of its kept entries. In vLLM's
+    own scheduler, with the check taken away, a pool one block short of ``settings.most_blocks`` never
+    schedules its last chunk: the engine would spin without answering. So that pool is refused when the
+    scheduler is built, in one line giving the blocks and the flags; the pool of ``most_blocks`` serves it."""
+    from restkv.vllm import settings
+
+    cfg = settings.from_env({"restkv": knobs})
+    need = settings.most_blocks(cfg, MAX_LEN, BLOCK, caching=True)
+    assert need > cdiv(MAX_LEN, BLOCK)
+    long = list(range(2000, 2000 + MAX_LEN - 1))
+    with pytest.raises(ValueError) as refused:
+        scheduler(knobs, num_blocks=need)  # vLLM's null block one of them
+    (line,) = str(refused.value).splitlines()
+    assert f"holds {need - 1} blocks of {BLOCK} tokens" in line and f"may hold {need} at once" in line
+    assert "--kv-cache-memory-bytes" in line and "--max-model-len" in line
+    assert scheduler(None, num_blocks=need).kv_cache_manager._restkv is None  # plain vLLM: its own check
+
+    monkeypatch.setattr("restkv.vllm.hooks.scheduler.pool", lambda *a: [])  # the check taken away
+    short = scheduler(knobs, num_blocks=need)
+    request(short, "long", long, max_tokens=2)
+    assert not served(short)
+
+    monkeypatch.undo()
+    enough = scheduler(knobs, num_blocks=need + 1)
+    request(enough, "long", long, max_tokens=2)
+    assert served(enough) and free(enough) == need
+
+
+def test_a_hybrid_models_pool_counts_its_sliding_window_groups_too():
+    """Every group holds blocks of the pool at once: a pool refused names the sliding-window groups' share
+    (vLLM's ``max_memory_usage_bytes``)."""
+    with pytest.raises(ValueError, match=r"for the sliding-window groups"):
+        hybrid(SNAPKV, num_blocks=48)
+    assert hybrid(SNAPKV, num_blocks=96).kv_cache_manager._restkv.group == 1

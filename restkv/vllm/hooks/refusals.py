@@ -87,11 +87,6 @@ def refusals(vllm_config, cfg) -> list[str]:
             f"with one scale per layer for keys and one for values): {FP8_FLAG}",
         ),
         (
-            vllm_config.cache_config.cache_dtype in paged.FP8 and settings.per_head(cfg),
-            f"{settings.budget_knobs(cfg)} over an FP8 KV cache (heads' pages are written and moved in the "
-            "model's dtype): kv_cache_dtype='auto' (vllm serve: --kv-cache-dtype auto) or uniform budgets",
-        ),
-        (
             getattr(vllm_config.cache_config, "enable_extensible_kv_cache", None),
             "the extensible KV cache sizes the pool after the warm-up, past the plugin's own memory taken out of "
             "it: enable_extensible_kv_cache=False (vllm serve: --no-enable-extensible-kv-cache)",
@@ -141,6 +136,43 @@ def cache_groups(kv_cache_config) -> list[str]:
             f"the model's KV cache has {len(full)} groups of full attention ({', '.join(_group(g) for g in groups)})"
         )
     return [f"{settings.ENV}: {line}; the plugin evicts one full-attention group" for line in lines]
+
+
+def pool(vllm_config, kv_cache_config, cfg, free: int) -> list[str]:
+    """Why a pool of ``free`` blocks (vLLM's null block aside) cannot serve a request of
+    ``max_model_len`` under ``cfg`` (one line, or none): the evicted group's ``settings.most_blocks``
+    and every other group's own (vLLM's ``max_memory_usage_bytes``) must fit at once, or a request
+    computed again near ``max_model_len`` waits for blocks that never come (vLLM's own check counts
+    ``max_model_len`` alone)."""
+    cache, max_len = vllm_config.cache_config, vllm_config.model_config.max_model_len
+    caching, evicted = bool(cache.enable_prefix_caching), evicted_group(kv_cache_config)
+    others = sum(
+        -(-g.kv_cache_spec.max_memory_usage_bytes(vllm_config) // g.kv_cache_spec.page_size_bytes)
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        if i != evicted
+    )
+    block = kv_cache_config.kv_cache_groups[evicted].kv_cache_spec.block_size
+
+    def need(length: int) -> int:
+        return others + settings.most_blocks(cfg, length, block, caching)
+
+    if need(max_len) <= free:
+        return []
+    blocks = -(-max_len // block)
+    extra = need(max_len) - others - blocks
+    why = " (fresh blocks in its first eviction under prefix caching)" if caching else " (its heads' counts rounded up)"
+    parts = [f"{blocks} for {max_len} entries"] + [f"{extra} for the entries it keeps{why}"] * bool(extra)
+    parts += [f"{others} for the sliding-window groups"] * bool(others)
+    fits = next((n for n in range(max_len - block, 0, -block) if need(n) <= free), 0)
+    lower = f"max_model_len={fits} (vllm serve: --max-model-len {fits})" if fits else "a shorter max_model_len"
+    if caching and others + settings.most_blocks(cfg, max_len, block, False) <= free:
+        lower += ", or enable_prefix_caching=False (vllm serve: --no-enable-prefix-caching)"
+    return [
+        f"{settings.ENV}: the KV cache holds {free} blocks of {block} tokens, and one request of "
+        f"max_model_len={max_len} may hold {need(max_len)} at once ({', '.join(parts)}): give it "
+        f"{need(max_len) - free} more (kv_cache_memory_bytes or gpu_memory_utilization; vllm serve: "
+        f"--kv-cache-memory-bytes or --gpu-memory-utilization), or {lower}"
+    ]
 
 
 def evicted_group(kv_cache_config) -> int:

@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from .. import per_request, settings
-from .refusals import cache_groups, check_config, evicted_group
+from .refusals import cache_groups, check_config, evicted_group, pool
 from .requests import engine
 
 STATS_KEY = "restkv"  # the plugin's entry in the stats sent to the front end (``metrics``)
@@ -81,16 +81,19 @@ class Blocks:
 
 def scheduler_init(orig):
     """The original, then the plugin's ``Blocks`` where it runs; a KV cache of groups it does not evict
-    (``refusals.cache_groups``) is refused here, before any request."""
+    (``refusals.cache_groups``), or a pool too small for one request of ``max_model_len``
+    (``refusals.pool``), is refused here, before any request."""
 
     @functools.wraps(orig)
     def init(self, vllm_config, kv_cache_config, *args, **kwargs):
         orig(self, vllm_config, kv_cache_config, *args, **kwargs)
         cfg = check_config(vllm_config)
+        manager = self.kv_cache_manager
         refused = [] if cfg is None else cache_groups(kv_cache_config)
+        if cfg is not None and not refused:
+            refused = pool(vllm_config, kv_cache_config, cfg, manager.coordinator.block_pool.get_num_free_blocks())
         if refused:
             raise ValueError("\n".join(refused))
-        manager = self.kv_cache_manager
         block_size = vllm_config.cache_config.block_size
         state = None
         if cfg is not None:
