@@ -222,10 +222,12 @@ class PagedEngine:
 
 def single_head_attention(cache, scale: float):
     """Attention over single-head pages (``restkv.vllm.heads``) in plain torch, as the hooks' one
-    through a backend: ``attend(query [Hkv T, G, d], batch, kv_cache) -> [Hkv T, G, d]``, each
-    sequence's i-th of c queries seeing all but the last c - 1 - i of its entries."""
+    through a backend: ``attend(query [Hkv T, G, d], batch, kv_cache, keys, values) -> [Hkv T, G, d]``, each
+    sequence's i-th of c queries seeing all but the last c - 1 - i of its entries, once the step's ``keys``,
+    ``values`` are written at the batch's slots."""
 
-    def attend(query, batch, kv_cache):
+    def attend(query, batch, kv_cache, keys, values):
+        cache.write_pages(batch.slot_mapping, keys, values)
         out = torch.empty_like(query)
         bs = cache.block_size
         for i, n in enumerate(batch.seq_lens.tolist()):

@@ -36,7 +36,7 @@ class HeadSteps:
         their tokens in every layer, each layer's ``FlatBatch``, their tokens (``flat_tokens``) and the
         (token, KV head) of each flattened row (``flat_rows``)."""
         flat = [s for s in self.step if s.state.pages]
-        self.flat, self.flat_index, self.flat_tokens, self.flat_rows = {}, {}, None, ()
+        self.flat, self.flat_tokens, self.flat_rows = {}, None, ()
         if not flat:
             return
         appended: dict = {}  # layer name -> each request's new slots [Hkv, count]
@@ -47,29 +47,27 @@ class HeadSteps:
                 appended.setdefault(name, []).append(pages.append(s.count))
         pages = {name: [s.state.pages[name] for s in flat] for name in flat[0].state.pages}
         self.flat = FlatBatch.layers(pages, [s.count for s in flat], device, appended)
-        slots = torch.stack([batch.slot_mapping for batch in self.flat.values()])  # [layers, Hkv T]
-        self.flat_index = dict(zip(self.flat, self.whole.page_index(slots.view(-1), len(self.flat))))
         tokens = np.concatenate([np.arange(s.start, s.start + s.count) for s in flat])
         heads = len(next(iter(pages.values()))[0].rows)  # KV heads
         *rows, self.flat_tokens = stage([*flat_rows(tokens, heads), tokens], device)
         self.flat_rows = tuple(rows)
 
     def attend_heads(self, name, query, key, value, output, paged) -> None:
-        """The requests whose heads hold their own pages: their step's keys and values to their heads'
-        pages, and their rows of ``output`` from the layer's backend over the flattened batch (its G
-        query heads on one KV head per sequence; vLLM's own write of their tokens was masked, its
-        output for them is replaced)."""
+        """The requests whose heads hold their own pages: their step's keys and values written to their
+        heads' pages by the layer's backend (``hooks.attention.single_head``), and their rows of ``output``
+        from it over the flattened batch (its G query heads on one KV head per sequence; vLLM's own write
+        of their tokens was masked, its output for them is replaced)."""
         rows, heads = self.flat_rows, key.shape[1]
         keys, values = flatten(key, rows, heads)[:, 0], flatten(value, rows, heads)[:, 0]  # [Hkv T, d]
-        self.whole.write_at(self.flat_index[name], keys, values)
-        out = self.attends[name](flatten(query, rows, heads), self.flat[name], self.whole.cache)
+        out = self.attends[name](flatten(query, rows, heads), self.flat[name], self.whole.cache, keys, values)
         unflatten(output, rows, heads, out)
 
-    def _place(self, name, s: Scheduled, kept) -> None:
+    def _place(self, name, s: Scheduled, kept, paged) -> None:
         """Per-head budgets: each head's kept entries on pages of its own (``HeadPages.placed``; one host
         read of the heads' counts, at the eviction only), from the request's free pages once the layer's
         own are among them (read: its pages, or in its first eviction in its own blocks its part of
-        them), those of the blocks it keeps first; ``_settle`` moves the others in at the step's end."""
+        them), those of the blocks it keeps first; ``_settle`` moves the others in at the step's end. The
+        entries are moved as stored (``_stored``), never written again from what scoring read."""
         e, state = s.eviction, s.state
         own = state.pages.pop(name, None)
         held = e.held * kept.keys.shape[1] if own is None else int(own.lengths.sum())
@@ -84,8 +82,19 @@ class HeadSteps:
         s.dropped += max(0, held - sum(lengths))
         pages = HeadPages.placed(state.free, lengths, self.block_size)
         slots = np.concatenate([pages.slots(h, 0, n) for h, n in enumerate(lengths)])
-        self.whole.write_pages(torch.from_numpy(slots).to(kept.keys.device), kept.keys[0][valid], kept.values[0][valid])
+        stored = self._stored(name, s, kept.positions[0], valid, paged)  # read before any page is written
+        self.whole.write_pages(torch.from_numpy(slots).to(kept.keys.device), *stored)
         state.pages[name] = pages
+
+    def _stored(self, name, s: Scheduled, positions, valid, paged) -> tuple:
+        """The kept entries (``positions`` [Hkv, B] of the observation, where ``valid``) as stored -> keys,
+        values [n, d], head by head: from the heads' pages the observation read (``read_from``), or from
+        the blocks the request held (``Paged.stored``)."""
+        read_from = s.read_from.get(name)
+        if read_from is None:
+            heads = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
+            return paged.stored_at(s.held_slots[positions[valid]], heads[valid])
+        return self.whole.read_pages(read_from.gather(1, positions.clamp(min=0))[valid])  # -1: no entry
 
     def _measure_kept(self, s: Scheduled, lengths: np.ndarray) -> None:
         """Per-head budgets: the request's kept count from its heads' lengths [layers, Hkv] (every layer's,

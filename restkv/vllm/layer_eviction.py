@@ -119,11 +119,14 @@ class LayerEviction:
             slots, held = pages.layout(s.cfg.window_size, width)  # every rank at one device's width
             heads, width = held.shape
             slots, held = stage([slots.reshape(-1), held.reshape(-1).astype(np.int64)], paged.cache.device)
-            keys, values = (x.view(heads, width, -1).transpose(0, 1) for x in self.whole.read_pages(slots))
+            read = paged.dequantized(*self.whole.read_pages(slots))  # through this layer's scales
+            keys, values = (x.view(heads, width, -1).transpose(0, 1) for x in read)
             head_valid = held.view(1, heads, width).bool()
+            s.read_from[name] = slots.view(heads, width)
         else:
             keys, values = paged.read(s.held_slots)
             head_valid = None
+            s.read_from.pop(name, None)
         queries = self.ring.read(name, s.state.slot, s.end, min(settings.query_rows(s.cfg), s.end))
         index, layers = self.layer_index.get(name, 0), self.layers
         length = settings.schedule_length(s.cfg, s.prompt_len, s.end, s.computed < s.prompt_len)
@@ -145,7 +148,7 @@ class LayerEviction:
     def _keep(self, name, s: Scheduled, kept, paged) -> None:
         heads = kept.keys.shape[1]
         if settings.per_head(s.cfg):
-            self._place(name, s, kept)
+            self._place(name, s, kept, paged)
         else:
             rows = slot_rows(kept) if paged.scales is None else paged.stored(s.held_slots, kept.positions[0])
             paged.write(s.kept_slots, *rows)  # an FP8 cache's as stored: its bytes

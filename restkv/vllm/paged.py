@@ -53,51 +53,48 @@ class Paged:
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The entries of ``slots`` [n] -> keys, values [n, Hkv, d] (copies; an FP8 cache's dequantized,
         float32)."""
-        return self._dequantized(self._at(self.keys, slots), self._at(self.values, slots))
+        return self.dequantized(self._at(self.keys, slots), self._at(self.values, slots))
 
     def stored(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Head h's entries ``slots[positions[h]]`` (``slots`` [n], ``positions`` [Hkv, B]) -> keys,
         values [B, Hkv, d] as stored (an FP8 cache's bytes), as ``write`` takes them."""
         heads, kept = positions.shape
-        source = slots[positions].T.reshape(-1)
         head = torch.arange(heads, device=slots.device).repeat(kept)
-        axes = (source // self.block_size, source % self.block_size, head)
-        return tuple(self._get(where, self._locate(where, axes)).view(kept, heads, -1) for where in (self.keys, self.values))
+        return tuple(x.view(kept, heads, -1) for x in self.stored_at(slots[positions].T.reshape(-1), head))
+
+    def stored_at(self, slots: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries of head ``heads[i]`` at slot ``slots[i]`` ([n] each) -> keys, values [n, d] as stored."""
+        axes = (slots // self.block_size, slots % self.block_size, heads)
+        return tuple(self._get(where, self._locate(where, axes)) for where in (self.keys, self.values))
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write keys, values [n, Hkv, d] into ``slots`` [n] (an FP8 cache's: as stored, ``stored``)."""
-        if self.scales is not None and (keys.dtype, values.dtype) != (self.cache.dtype,) * 2:
-            raise ValueError(f"restkv.vllm: an FP8 cache is written as stored ({self.cache.dtype}), not {keys.dtype}")
+        self._check_stored(keys, values)
         self._put(self.keys, slots, keys)
         self._put(self.values, slots, values)
 
     def read_pages(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The entries of single-head page ``slots`` [n] (``restkv.vllm.heads``: page ``block * Hkv +
-        head``, slot ``page * block_size + offset``) -> keys, values [n, d] (copies; dequantized as ``read``'s)."""
-        return self._dequantized(self._at(self.keys, slots, True), self._at(self.values, slots, True))
+        head``, slot ``page * block_size + offset``) -> keys, values [n, d] as stored (copies; an FP8 cache's
+        bytes, which ``dequantized`` of their layer's ``Paged`` reads)."""
+        return self._at(self.keys, slots, True), self._at(self.values, slots, True)
 
-    def _dequantized(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries as read: an FP8 cache's times its scales, float32; the model's dtype as is."""
+    def dequantized(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries as stored -> as read: an FP8 cache's times its scales, float32; the model's dtype as is."""
         if self.scales is None:
             return keys, values
         k_scale, v_scale = self.scales
         return keys.float() * k_scale, values.float() * v_scale
 
     def write_pages(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys, values [n, d] into single-head page ``slots`` [n]."""
-        self.write_at(self._index(self.keys, slots, True), keys, values)
+        """Write keys, values [n, d] as stored (``read_pages``'s, ``stored``'s) into single-head page ``slots`` [n]."""
+        self._check_stored(keys, values)
+        for where, x in ((self.keys, keys), (self.values, values)):  # the keys' index, then the values'
+            self._put(where, slots, x, True)
 
-    def page_index(self, slots: torch.Tensor, rows: int = 1) -> list:
-        """(block, offset, head) of single-head page ``slots`` [rows n], as ``write_at`` takes them: one
-        triple per row of ``rows`` equal parts, computed at once (a step's slots of every layer)."""
-        axes = self._index(self.keys, slots, True)
-        return list(zip(*(a.view(rows, -1).unbind(0) for a in axes)))
-
-    def write_at(self, axes: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys, values [n, d] at ``axes`` (block, offset, head) [n] each (one of ``page_index``'s): the
-        keys' index, then the values', never both held."""
-        for where, x in ((self.keys, keys), (self.values, values)):
-            self._put_at(where, self._locate(where, axes), x)
+    def _check_stored(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.scales is not None and (keys.dtype, values.dtype) != (self.cache.dtype,) * 2:
+            raise ValueError(f"restkv.vllm: an FP8 cache is written as stored ({self.cache.dtype}), not {keys.dtype}")
 
     def _index(self, where: torch.Tensor, slots: torch.Tensor, pages: bool) -> tuple:
         """(block, offset) of ``slots``, and with ``pages`` the head too (the slots then count

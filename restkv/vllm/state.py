@@ -45,6 +45,9 @@ class Scheduled:
     kept_slots: torch.Tensor | None = None  # [budget] where its kept entries go
     scores: dict = field(default_factory=dict)  # layer name -> [1, Hkv, P] its selection scores (deferred)
     kept_pages: list = field(default_factory=list)  # per-head budgets: every page of the blocks it keeps
+    # per-head budgets: layer name -> the page slots [Hkv, width] its observation read from its heads' pages
+    # (none: from the blocks it held), where its kept entries are moved from as stored
+    read_from: dict = field(default_factory=dict)
     dropped: int = 0  # positions its eviction dropped so far in the step, over its layers and KV heads
     heads: int = 0  # the (layer, KV head) pairs ``dropped`` sums over
 

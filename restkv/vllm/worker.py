@@ -81,7 +81,6 @@ class Worker(LayerEviction, HeadSteps):
         self.space = None  # ``heads.Space``: where every layer's pages are in ``whole``
         self.whole = None  # ``paged.Paged`` of every layer's cache as one tensor of blocks (``paged.whole``)
         self.flat: dict = {}
-        self.flat_index: dict = {}  # layer name -> where its flattened keys and values go (``Paged.page_index``)
         self.flat_tokens = None
         self.flat_rows: tuple = ()  # [Hkv m] each: every flattened row's token and KV head (``_flatten``)
         # ``settings.deferred``: the step's layers to select in once all have run (name -> (paged, scale,

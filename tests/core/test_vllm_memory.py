@@ -196,7 +196,7 @@ def test_a_per_head_steps_allocations_within_the_estimate(knobs, monkeypatch):
     knobs = {**small(knobs["method"]), **knobs, "max_capacity_prompt": 40, "window_size": 8}
     # blocks of 2: page tables as wide as the step's other terms
     eng = PagedEngine(tiny_model(attn_implementation="restkv_paged_sim"), knobs, block_size=2, num_blocks=512)
-    eng.worker.attends = {n: (lambda q, batch, cache: torch.zeros_like(q)) for n in eng.names}  # the backend's output
+    eng.worker.attends = {n: (lambda q, batch, cache, keys, values: torch.zeros_like(q)) for n in eng.names}  # the backend's output
     peaks, mode = [], PeakBytes()
     for name in ("begin", "layer", "end"):
         orig = getattr(eng.worker, name)

@@ -213,12 +213,13 @@ def blocks(tokens: int) -> int:
     return -(-tokens // BLOCK)
 
 
-def heads_on_pages(write_pages, counts, budgets, shares, block_size: int, free: list, rng, g, d: int, dtype):
+def heads_on_pages(write_pages, counts, budgets, shares, block_size: int, free: list, rng, g, d: int, dtype,
+                   step=True):
     """Requests whose KV heads hold different numbers of entries on single-head pages (``restkv.vllm.heads``),
     then a step of ``counts[r]`` tokens each: request r's heads share ``len(shares) * budgets[r]`` entries
     drawn by ``shares``, on pages of blocks popped from ``free``, written by ``write_pages(slots, keys,
-    values)`` -> (the step's ``FlatBatch``, per request per head its entries (keys, values) [n + count, d],
-    the step's last)."""
+    values)`` (the step's too, with ``step``) -> (the step's ``FlatBatch``, per request per head its entries
+    (keys, values) [n + count, d], the step's last)."""
     import torch
 
     from restkv.vllm import heads
@@ -233,12 +234,21 @@ def heads_on_pages(write_pages, counts, budgets, shares, block_size: int, free: 
         for h, (k, v) in enumerate(kv):
             write_pages(torch.from_numpy(pages.slots(h, 0, lengths[h])), k[:-c], v[:-c])
         slots = pages.append(c)  # the step's tokens, on pages of their own
-        for h, (k, v) in enumerate(kv):
+        for h, (k, v) in enumerate(kv if step else ()):
             write_pages(torch.from_numpy(slots[h]), k[-c:], v[-c:])
         held.append(pages)
         appended.append(slots)
         entries.append(kv)
     return heads.FlatBatch.layers({"layer": held}, counts, "cpu", {"layer": appended})["layer"], entries
+
+
+def step_entries(entries, counts) -> tuple:
+    """The step's keys and values [T, Hkv, d] (``heads_on_pages``' entries: each request's last ``counts[r]``
+    of each head's), in the batch's token order."""
+    import torch
+
+    keys, values = ([torch.stack([e[i][-c:] for e in kv], 1) for kv, c in zip(entries, counts)] for i in (0, 1))
+    return torch.cat(keys), torch.cat(values)
 
 
 def assert_each_head_attends_its_entries(out, query, entries, counts, scale: float, tol: float) -> None:
@@ -258,6 +268,17 @@ def assert_each_head_attends_its_entries(out, query, entries, counts, scale: flo
                 got = out[start + t, h * group : (h + 1) * group].double()
                 torch.testing.assert_close(got, w @ v[:seen].double(), rtol=tol, atol=tol)
         start += c
+
+
+def cpu_isa(dtype, kv_cache_dtype: str, block_size: int = 32, head_size: int = 64) -> str:
+    """The ISA vLLM's CPU backend runs a cache of ``kv_cache_dtype`` with (the test skipped where it has none:
+    its FP8 needs AVX-512 or AMX)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
 
 
 def fp8_entries(shape, fp8: torch.dtype, scale: float, dtype: torch.dtype, g) -> torch.Tensor:

@@ -19,9 +19,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from harness import SNAPKV, engine_run, fp8_entries
+from harness import DECODING, SNAPKV, cpu_isa, engine_run, fp8_entries
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from restkv.vllm.hooks import attention
 
@@ -33,10 +32,7 @@ TYPES = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kv_cache_dtype", list(TYPES))
 def test_the_cpu_backends_fp8_entries_read_through_the_layers_scales(kv_cache_dtype, dtype):
-    try:
-        isa = _get_attn_isa(dtype, 32, 64, kv_cache_dtype)
-    except NotImplementedError as e:  # vLLM's CPU FP8 needs AVX-512 or AMX
-        pytest.skip(str(e))
+    isa = cpu_isa(dtype, kv_cache_dtype)
     g = torch.Generator().manual_seed(0)
     blocks, heads, bs, d = 6, 2, 32, 64
     cache = torch.zeros(blocks, heads, bs, 2 * d, dtype=torch.uint8)
@@ -102,10 +98,43 @@ def test_an_fp8_cache_evicts_as_the_models_dtype_does(model_dir, text_ids):
     assert fp8["steps"][-1][1] == fp8["free_at_start"]  # every block back in the pool
 
 
+# per-layer budgets each equal to the uniform one: the heads' own pages (written by the backend's writer,
+# kept entries moved as stored, read back through the layer's scales, settled), selecting what SnapKV selects
+PER_LAYER = {**DECODING, "layer_ratios": ",".join(["128"] * 30)}
+ADAKV = {"method": "adakv", "max_capacity_prompt": 128, "window_size": 32, "decode_interval": 32}
+
+
+@pytest.mark.vllm
+def test_per_head_pages_over_fp8_answer_as_the_uniform_budget_they_equal(model_dir, text_ids):
+    """Over an FP8 cache, per-layer budgets that each equal SnapKV's uniform one (``layer_ratios`` of 128)
+    keep every head's entries on pages of its own and evict every 32 generated tokens from them; they
+    keep the very positions uniform SnapKV keeps over FP8 and answer the very tokens, so no byte was
+    quantized again on the way. AdaKV's own split over FP8 keeps nearly the positions it keeps over the
+    model's dtype; every block is back at the end."""
+    prompt = text_ids[:300]
+    uniform = engine_run(model_dir, [prompt], DECODING, new_tokens=80, kv_cache_dtype="fp8")
+    pages = engine_run(model_dir, [prompt], PER_LAYER, new_tokens=80, kv_cache_dtype="fp8")
+    assert pages["kept"][0] == uniform["kept"][0] and len(pages["kept"][0][0]) == 30
+    assert pages["tokens"][0] == uniform["tokens"][0]
+    adakv = engine_run(model_dir, [prompt], ADAKV, new_tokens=80, kv_cache_dtype="fp8")
+    for run in (pages, adakv):
+        assert run["finish"] == ["length"] and run["steps"][-1][1] == run["free_at_start"]
+    auto = engine_run(model_dir, [prompt], ADAKV, new_tokens=80)
+    (ours,), (theirs,) = adakv["kept"][0], auto["kept"][0]
+    # per layer its (head, position) pairs: AdaKV's heads share the layer's budget (-1 pads a shorter head)
+    ours, theirs = ([{(h, p) for h, head in enumerate(layer) for p in head if p >= 0} for layer in x] for x in (ours, theirs))
+    counts = [[sum(1 for h, _ in layer if h == head) for head in range(3)] for layer in theirs]
+    assert any(len(set(c)) > 1 for c in counts)  # the heads keep counts of their own
+    share = [len(a & b) / len(b) for a, b in zip(ours, theirs)]
+    every = sum(len(a & b) for a, b in zip(ours, theirs)) / sum(map(len, theirs))
+    print(f"AdaKV over FP8: layer 0 {share[0]:.3f}, every layer {every:.3f}, least layer {min(share):.3f} kept alike")
+    assert share[0] >= FIRST_LAYER and every >= EVERY_LAYER and min(share) >= ANY_HEAD
+
+
 @pytest.mark.quick
 def test_fp8_runs_and_other_quantized_caches_are_refused_at_startup(model_dir, monkeypatch):
-    """Per-tensor FP8 passes the start-up checks; scales per token and head, and per-head budgets over
-    FP8 (their pages are moved in the model's dtype), are refused in one line naming the flag."""
+    """Per-tensor FP8 passes the start-up checks, with uniform and per-head budgets; scales per token and
+    head are refused in one line naming the flag."""
     import json
 
     from vllm.engine.arg_utils import EngineArgs
@@ -121,9 +150,7 @@ def test_fp8_runs_and_other_quantized_caches_are_refused_at_startup(model_dir, m
     per_head = settings.from_env({"restkv": {"method": "snapkv", "max_capacity_prompt": 128, "head_budget": "adakv"}})
     for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         config.cache_config.cache_dtype = dtype
-        assert refusals(config, uniform) == []
-        (line,) = refusals(config, per_head)
-        assert "FP8" in line and "--kv-cache-dtype auto" in line and "head_budget='adakv'" in line
+        assert refusals(config, uniform) == [] and refusals(config, per_head) == []
     for dtype in ("fp8_per_token_head", "int8_per_token_head", "nvfp4"):
         config.cache_config.cache_dtype = dtype
         (line,) = refusals(config, uniform)

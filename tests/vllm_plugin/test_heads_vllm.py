@@ -23,7 +23,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from harness import assert_each_head_attends_its_entries, heads_on_pages  # noqa: E402
+from harness import assert_each_head_attends_its_entries, cpu_isa, heads_on_pages  # noqa: E402
 from restkv.vllm import heads
 from restkv.vllm.hooks import attention
 
@@ -105,3 +105,32 @@ def test_heads_of_different_lengths_attend_to_their_own_entries(dtype):
     query = torch.randn(sum(counts), kv_heads * group, d, generator=g).to(dtype)
     out = flat(query, cache, batch, kv_heads, isa, d**-0.5)
     assert_each_head_attends_its_entries(out, query, entries, counts, d**-0.5, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backends_writer_on_single_head_pages_writes_the_bytes_it_writes_in_blocks(dtype, kv_cache_dtype):
+    """``attention.single_head`` writes a step's entries with the backend's own ``do_kv_cache_update`` on the
+    single-head pages (one KV head each): every byte lands where the same writer puts it in the block's
+    head (an FP8 cache's quantized by vLLM's own kernel, at the layer's scales), the ISA's packing too."""
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from restkv.vllm import paged
+
+    isa = cpu_isa(dtype, kv_cache_dtype)
+    g = torch.Generator().manual_seed(0)
+    blocks, kv_heads, bs, d = 8, 3, 32, 64
+    store = torch.uint8 if kv_cache_dtype == "fp8" else dtype
+    layer = SimpleNamespace(isa=isa, _k_scale_float=0.5, _v_scale_float=2.0)
+    impl = SimpleNamespace(attn_type=AttentionType.DECODER, kv_cache_dtype=kv_cache_dtype)
+    slots = torch.randperm(blocks * bs, generator=g)[:150]
+    keys, values = (torch.randn(len(slots), kv_heads, d, generator=g).mul(40).to(dtype) for _ in range(2))
+    in_blocks, on_pages = (torch.zeros(blocks, kv_heads, bs, 2 * d, dtype=store) for _ in range(2))
+    CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, keys, values, in_blocks, slots)
+    pages = paged.head_pages(on_pages)
+    for h in range(kv_heads):
+        page_slots = (slots // bs * kv_heads + h) * bs + slots % bs
+        CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, keys[:, h : h + 1], values[:, h : h + 1], pages, page_slots)
+    assert in_blocks.view(torch.uint8).count_nonzero() > 0
+    assert torch.equal(in_blocks.view(torch.uint8), on_pages.view(torch.uint8))

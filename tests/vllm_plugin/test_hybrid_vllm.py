@@ -43,6 +43,7 @@ ENGINE = {
     "max_model_len": 2048,
 }  # fmt: skip
 FULL_LAYERS = [5, 11, 17]
+SHORT = 60  # a prompt near the budgets' smallest
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,8 @@ def runs(gemma_dir, gemma_prompt) -> tuple:
 @pytest.fixture(scope="module")
 def per_head(gemma_dir, gemma_prompt) -> dict:
     """An engine of per-layer budgets: PyramidKV (its knobs; it holds more blocks than AdaKV), then AdaKV's per-head
-    split (a request's own) on the same prompt."""
-    prompts = [gemma_prompt, {"ids": gemma_prompt}]
+    split (a request's own) on the same prompt, then PyramidKV on a prompt of SHORT tokens."""
+    prompts = [gemma_prompt, {"ids": gemma_prompt}, {"ids": gemma_prompt[-SHORT:]}]
     return engine_run(gemma_dir, prompts, PYRAMIDKV, NEW_TOKENS, request_knobs=[None, ADAKV], **ENGINE)
 
 
@@ -100,6 +101,14 @@ def test_per_head_and_per_layer_budgets_keep_and_decode_as_restkv(per_head, runs
         assert heads_kept(ours) == heads_kept(theirs), layer
     assert per_head["tokens"][index] == ref["tokens"]
     assert per_head["cached"][index] == [0, (LENGTH - ADAKV["window_size"]) // BLOCK * BLOCK][index]  # 640 of 700
+    assert per_head["steps"][-1][1] == per_head["free_at_start"]
+
+
+def test_a_short_prompt_under_per_layer_budgets_answers_as_restkv(per_head, gemma_prompt):
+    """A short prompt (SHORT tokens) on the engine of per-layer budgets: answered as the transformers path
+    answers it with the same knobs; every block back."""
+    ref = reference(gemma_prompt[-SHORT:], PYRAMIDKV, NEW_TOKENS, MODEL)
+    assert per_head["tokens"][2] == ref["tokens"] and per_head["finish"][2] == "length"
     assert per_head["steps"][-1][1] == per_head["free_at_start"]
 
 

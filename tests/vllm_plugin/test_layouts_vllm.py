@@ -40,7 +40,7 @@ from vllm.v1.worker.utils import (
     select_common_block_size,
 )
 
-from harness import assert_each_head_attends_its_entries, fp8_entries, heads_on_pages  # noqa: E402
+from harness import assert_each_head_attends_its_entries, fp8_entries, heads_on_pages, step_entries  # noqa: E402
 from restkv.vllm import heads, hooks, memory, paged
 from restkv.vllm.hooks import attention
 
@@ -395,11 +395,14 @@ def test_triton_attends_each_heads_own_pages(monkeypatch, tmp_path, counts, max_
     rng, g = np.random.default_rng(0), torch.Generator().manual_seed(0)
     free = [int(b) for b in rng.permutation(caches["l1"].shape[0])]
     # a head over two pages, one under one
-    batch, entries = heads_on_pages(page.write_pages, counts, [20, 30], [0.6, 0.3, 0.1], bs, free, rng, g, d, dtype)
+    batch, entries = heads_on_pages(
+        page.write_pages, counts, [20, 30], [0.6, 0.3, 0.1], bs, free, rng, g, d, dtype, step=False
+    )  # the step's entries written by the backend's own writer, in ``attend``
     query = torch.randn(sum(counts), kv_heads * group, d, generator=g)
     rows = tuple(torch.from_numpy(a) for a in heads.flat_rows(np.arange(len(query)), kv_heads))
+    keys, values = (heads.flatten(x, rows, kv_heads)[:, 0] for x in step_entries(entries, counts))
     out = torch.zeros_like(query)
-    heads.unflatten(out, rows, kv_heads, attend(heads.flatten(query, rows, kv_heads), batch, caches["l1"]))
+    heads.unflatten(out, rows, kv_heads, attend(heads.flatten(query, rows, kv_heads), batch, caches["l1"], keys, values))
     assert_each_head_attends_its_entries(out, query, entries, counts, d**-0.5, 1e-5)
     assert whole.shape[0] == sum(c.shape[0] for c in caches.values()) and first["l1"] == caches["l0"].shape[0]
     if split_k is not None:
@@ -474,3 +477,50 @@ def test_a_worker_takes_per_head_budgets_on_triton_in_a_head_major_layout_only(
     assert set(worker.attends) == set(LAYERS) and worker.backends == dict.fromkeys(LAYERS, "TRITON_ATTN")
     assert worker.space.first == {"l0": 0, "l1": BLOCKS, "l2": 2 * BLOCKS} and worker.space.heads == kv_heads
 
+
+
+def test_triton_attends_each_heads_own_fp8_pages(monkeypatch, tmp_path):
+    """Per-head budgets over an FP8 cache through vLLM's own Triton backend: the heads' held entries on their
+    pages as stored (float8 bytes at the layer's scales), the step's written by the backend's own
+    ``do_kv_cache_update`` on the pages (vLLM's Triton writer, interpreted), each head attending to its own
+    entries against a float64 softmax over their values read through the scales."""
+    backend, impl_cls, _ = interpreted_triton(monkeypatch)
+    write = triton_writer(monkeypatch)
+    # its FP8 needs a device of compute capability 8.9 (fp8e4nv); the interpreter runs it on CPU
+    monkeypatch.setattr(importlib.import_module(write.__module__), "_is_supported_kv_cache_dtype", lambda _: True)
+    bs, kv_heads, group, d, f8 = 16, 3, 3, 64, torch.float8_e4m3fn
+    spec = customize_attention_spec(backend, FullAttentionSpec(
+        block_size=bs, num_kv_heads=kv_heads, head_size=d, dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode("fp8"),
+    ))  # fmt: skip
+    _, caches, _ = pages(backend, spec, bs, "LBHNC", None)
+    impl = impl_cls(
+        num_heads=kv_heads * group, head_size=d, scale=d**-0.5, num_kv_heads=kv_heads, alibi_slopes=None,
+        sliding_window=None, kv_cache_dtype="fp8",
+    )  # fmt: skip
+    layer = layer_of(backend, spec, torch.float32, "fp8")
+    layer.impl, layer.layer_name, layer._q_scale = impl, "l1", torch.tensor(1.0)
+    layer._k_scale, layer._v_scale = torch.tensor(0.25), torch.tensor(3.0)
+    config = VllmConfig(
+        model_config=model_config(tmp_path, kv_heads * group, kv_heads, d),
+        cache_config=CacheConfig(block_size=bs), device_config=DeviceConfig(device="cpu"),
+    )  # fmt: skip
+    attend = attention.single_head(layer, config, bs, torch.device("cpu"), {})
+    page = attention.declared(impl, layer, caches["l1"], bs)
+    scales = float(layer._k_scale), float(layer._v_scale)
+
+    def exact(x, s):  # the value FP8 holds at scale s
+        return (x / s).to(f8).float() * s
+
+    def write_stored(slots, k, v):
+        page.write_pages(slots, *((x / s).to(f8) for x, s in zip((k, v), scales)))
+
+    rng, g, counts = np.random.default_rng(0), torch.Generator().manual_seed(0), [5, 1]
+    free = [int(b) for b in rng.permutation(caches["l1"].shape[0])]
+    batch, entries = heads_on_pages(write_stored, counts, [20, 30], [0.6, 0.3, 0.1], bs, free, rng, g, d, torch.float32, step=False)
+    entries = [[(exact(k, scales[0]), exact(v, scales[1])) for k, v in kv] for kv in entries]
+    query = torch.randn(sum(counts), kv_heads * group, d, generator=g)
+    rows = tuple(torch.from_numpy(a) for a in heads.flat_rows(np.arange(len(query)), kv_heads))
+    keys, values = (heads.flatten(x, rows, kv_heads)[:, 0] for x in step_entries(entries, counts))
+    out = torch.zeros_like(query)
+    heads.unflatten(out, rows, kv_heads, attend(heads.flatten(query, rows, kv_heads), batch, page.cache, keys, values))
+    assert_each_head_attends_its_entries(out, query, entries, counts, d**-0.5, 1e-4)

@@ -124,11 +124,13 @@ HEAD_PAGES = ("CPU_ATTN", "TRITON_ATTN")
 
 def single_head(layer, vllm_config, block_size: int, device, builders: dict):
     """Layer ``layer``'s attention over single-head pages through its own backend: a function
-    ``attend(query [Hkv T, G, d], batch: heads.FlatBatch, kv_cache) -> [Hkv T, G, d]`` running the backend's
-    metadata builder and implementation for G query heads on one KV head, on the layer's cache
-    viewed as ``[blocks Hkv, 1, block_size, 2 d]`` (its pages). No attention code of its own. The layers
-    share one builder per backend and geometry (``builders``, filled here): its buffers (Triton's split-K
-    scratch) are one set for every layer, which run one after another (``restkv.vllm.memory``)."""
+    ``attend(query [Hkv T, G, d], batch: heads.FlatBatch, kv_cache, keys, values) -> [Hkv T, G, d]`` that
+    writes the step's ``keys``, ``values`` [Hkv T, d] to the batch's slots with the backend's own writer
+    (``do_kv_cache_update``: an FP8 cache's quantized as vLLM quantizes it) and runs the backend's metadata
+    builder and implementation for G query heads on one KV head, on the layer's cache viewed as
+    ``[blocks Hkv, 1, block_size, 2 d]`` (its pages). No attention code of its own. The layers share one
+    builder per backend and geometry (``builders``, filled here): its buffers (Triton's split-K scratch)
+    are one set for every layer, which run one after another (``restkv.vllm.memory``)."""
     impl = layer.impl
     group = impl.num_heads // impl.num_kv_heads
     spec = FullAttentionSpec(
@@ -144,12 +146,14 @@ def single_head(layer, vllm_config, block_size: int, device, builders: dict):
     flat.num_heads, flat.num_kv_heads, flat.num_queries_per_kv = group, 1, group
     forward = type(impl).forward
     forward = getattr(forward, "__wrapped__", forward)  # the backend's own, not the plugin's wrapper
+    write = type(impl).do_kv_cache_update
 
     seen = [None, None]  # the cache last attended and its pages (every step's, a view made once)
 
-    def attend(query, batch, kv_cache):
-        if seen[0] is not kv_cache:
-            seen[:] = kv_cache, paged.head_pages(kv_cache)
+    def attend(query, batch, kv_cache, keys, values):
+        if seen[0] is not kv_cache:  # an FP8 cache as vLLM allocates it (uint8), not restkv's float8 view
+            seen[:] = kv_cache, paged.head_pages(kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache)
+        write(flat, layer, keys[:, None], values[:, None], seen[1], batch.slot_mapping)
         rows = query.shape[0]
         values = (
             batch.query_start_loc, batch.query_start_loc_cpu, batch.seq_lens, len(batch.seq_lens), rows,

@@ -107,11 +107,6 @@ def check_runner(model_runner, wrapped: list, backends: dict) -> None:
                     f"({type(model_runner).__qualname__}): "
                     f"{refusals.HEAD_BACKEND_FLAG}, or uniform budgets"
                 )
-            if attention.fp8(layer, backend) is not None:  # a checkpoint's FP8 cache under kv_cache_dtype='auto'
-                raise RuntimeError(
-                    f"restkv.vllm: {settings.budget_knobs(worker.cfg)} over layer {layer_name}'s FP8 KV cache: "
-                    "uniform budgets"
-                )
             try:
                 paged.head_pages(layer.kv_cache)
             except ValueError as e:

@@ -205,8 +205,10 @@ READS = {
     "vllm.config.cache.CacheConfig": ("kv_offloading_size",),
     "vllm.v1.kv_cache_interface.KVCacheConfig": ("kv_cache_groups",),
     "vllm.v1.kv_cache_interface.KVCacheGroupSpec": ("layer_names", "kv_cache_spec"),
-    "vllm.v1.kv_cache_interface.FullAttentionSpec": ("sliding_window", "attention_chunk_size"),
-    "vllm.v1.kv_cache_interface.SlidingWindowSpec": ("sliding_window",),
+    "vllm.v1.kv_cache_interface.FullAttentionSpec": (
+        "sliding_window", "attention_chunk_size", "block_size", "max_memory_usage_bytes", "page_size_bytes",
+    ),
+    "vllm.v1.kv_cache_interface.SlidingWindowSpec": ("sliding_window", "max_memory_usage_bytes", "page_size_bytes"),
     "vllm.distributed.parallel_state.GroupCoordinator": ("rank_in_group", "world_size", "cpu_group", "all_gather"),
     "vllm.v1.core.sched.output.SchedulerOutput": (
         "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens",
@@ -223,17 +225,23 @@ READS = {
     "vllm.sampling_params.SamplingParams": ("extra_args",),
     "vllm.v1.outputs.ModelRunnerOutput": ("sampled_token_ids",),
     "vllm.v1.core.kv_cache_manager.KVCacheManager": ("coordinator", "enable_caching", "create_kv_cache_blocks"),
-    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": ("single_type_managers", "find_longest_cache_hit"),
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator": (
+        "single_type_managers", "find_longest_cache_hit", "block_pool",
+    ),
     "vllm.v1.worker.utils.AttentionGroup": ("kv_cache_group_id",),
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager": (
         "req_to_blocks", "num_cached_block", "block_pool",
     ),
-    "vllm.v1.core.block_pool.BlockPool": ("free_blocks",),
+    "vllm.v1.core.block_pool.BlockPool": ("free_blocks", "get_num_free_blocks"),
     "vllm.v1.request.Request": (
         "request_id", "sampling_params", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_output_tokens",
         "is_finished", "client_index", "get_finished_reason",
     ),
 }
+
+
+# the backends per-head budgets write with (``attention.single_head``: their own writer on the heads' pages)
+READS.update({f"{BACKENDS[name][0]}.{BACKENDS[name][1]}": ("do_kv_cache_update",) for name in attention.HEAD_PAGES})
 
 
 # what only the V1 runner's hooks read (``runner_v1``, ``runner.record_blocks``), beside ``READS``
