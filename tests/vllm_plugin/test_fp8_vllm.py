@@ -74,6 +74,11 @@ def served(model_dir, text_ids, kv_cache_dtype):
     return engine_run(model_dir, prompts, RESTKV_KNOBS, request_knobs=[SNAPKV, SNAPKV, None], kv_cache_dtype=kv_cache_dtype)
 
 
+def pairs(layer: list) -> set:
+    """A layer's kept (KV head, position) pairs (-1 pads a head shorter than the layer's widest)."""
+    return {(h, p) for h, head in enumerate(layer) for p in head if p >= 0}
+
+
 def shares(ours: list, theirs: list) -> list:
     """Per layer, per KV head: the share of ``theirs``' kept positions ``ours`` keeps too."""
     return [[len(set(a) & set(b)) / len(b) for a, b in zip(la, lb)] for la, lb in zip(ours, theirs)]
@@ -122,7 +127,7 @@ def test_per_head_pages_over_fp8_answer_as_the_uniform_budget_they_equal(model_d
     auto = engine_run(model_dir, [prompt], ADAKV, new_tokens=80)
     (ours,), (theirs,) = adakv["kept"][0], auto["kept"][0]
     # per layer its (head, position) pairs: AdaKV's heads share the layer's budget (-1 pads a shorter head)
-    ours, theirs = ([{(h, p) for h, head in enumerate(layer) for p in head if p >= 0} for layer in x] for x in (ours, theirs))
+    ours, theirs = ([pairs(layer) for layer in run] for run in (ours, theirs))
     counts = [[sum(1 for h, _ in layer if h == head) for head in range(3)] for layer in theirs]
     assert any(len(set(c)) > 1 for c in counts)  # the heads keep counts of their own
     share = [len(a & b) / len(b) for a, b in zip(ours, theirs)]

@@ -516,7 +516,8 @@ def test_triton_attends_each_heads_own_fp8_pages(monkeypatch, tmp_path):
 
     rng, g, counts = np.random.default_rng(0), torch.Generator().manual_seed(0), [5, 1]
     free = [int(b) for b in rng.permutation(caches["l1"].shape[0])]
-    batch, entries = heads_on_pages(write_stored, counts, [20, 30], [0.6, 0.3, 0.1], bs, free, rng, g, d, torch.float32, step=False)
+    shares = [0.6, 0.3, 0.1]
+    batch, entries = heads_on_pages(write_stored, counts, [20, 30], shares, bs, free, rng, g, d, torch.float32, step=False)
     entries = [[(exact(k, scales[0]), exact(v, scales[1])) for k, v in kv] for kv in entries]
     query = torch.randn(sum(counts), kv_heads * group, d, generator=g)
     rows = tuple(torch.from_numpy(a) for a in heads.flat_rows(np.arange(len(query)), kv_heads))

@@ -151,8 +151,9 @@ def single_head(layer, vllm_config, block_size: int, device, builders: dict):
     seen = [None, None]  # the cache last attended and its pages (every step's, a view made once)
 
     def attend(query, batch, kv_cache, keys, values):
-        if seen[0] is not kv_cache:  # an FP8 cache as vLLM allocates it (uint8), not restkv's float8 view
-            seen[:] = kv_cache, paged.head_pages(kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache)
+        if seen[0] is not kv_cache:
+            allocated = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache  # FP8: vLLM's uint8
+            seen[:] = kv_cache, paged.head_pages(allocated)
         write(flat, layer, keys[:, None], values[:, None], seen[1], batch.slot_mapping)
         rows = query.shape[0]
         values = (

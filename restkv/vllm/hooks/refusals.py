@@ -160,9 +160,12 @@ def pool(vllm_config, kv_cache_config, cfg, free: int) -> list[str]:
         return []
     blocks = -(-max_len // block)
     extra = need(max_len) - others - blocks
-    why = " (fresh blocks in its first eviction under prefix caching)" if caching else " (its heads' counts rounded up)"
-    parts = [f"{blocks} for {max_len} entries"] + [f"{extra} for the entries it keeps{why}"] * bool(extra)
-    parts += [f"{others} for the sliding-window groups"] * bool(others)
+    parts = [f"{blocks} for {max_len} entries"]
+    if extra:
+        why = "fresh blocks in its first eviction under prefix caching" if caching else "its heads' counts rounded up"
+        parts.append(f"{extra} for the entries it keeps ({why})")
+    if others:
+        parts.append(f"{others} for the sliding-window groups")
     fits = next((n for n in range(max_len - block, 0, -block) if need(n) <= free), 0)
     lower = f"max_model_len={fits} (vllm serve: --max-model-len {fits})" if fits else "a shorter max_model_len"
     if caching and others + settings.most_blocks(cfg, max_len, block, False) <= free:
