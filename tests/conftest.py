@@ -22,3 +22,4 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs on the packaged model (the quick subset: -m 'not slow')")
     config.addinivalue_line("markers", "vllm: the vLLM plugin's tests (vLLM's own environment: make vllm-test)")
     config.addinivalue_line("markers", "quick: the vLLM plugin's tests .ci/run runs (make vllm-test-quick)")
+    config.addinivalue_line("markers", "both_cores: a vLLM test whose ranks take both cores (run alone by make vllm-test)")

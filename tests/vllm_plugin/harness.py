@@ -1,12 +1,13 @@
 """What the vLLM plugin's tests share: the packaged model's prompt, one engine run (``benchmarks/vllm_check.py``'s
 ``run_spec``, in a subprocess: one process running engine after engine, ``engine_loop.py``, where nothing
-process-wide sets the engine apart) and restkv's transformers path (``reference.py``, in restkv's own
-environment: ``RESTKV_PYTHON``, default ``.venv/bin/python``), each cached for the session."""
+process-wide sets the engine apart) and restkv's transformers path (``reference.py --loop``, one process in
+restkv's own environment: ``RESTKV_PYTHON``, default ``.venv/bin/python``), each cached for the session."""
 
 from __future__ import annotations
 
 import atexit
 import collections
+import fcntl
 import json
 import os
 import subprocess
@@ -32,6 +33,28 @@ H2O = {"method": "h2o", "max_capacity_prompt": 128, "window_size": 32}
 DECODING = {**SNAPKV, "decode_interval": 32}
 TP3_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}  # three ranks on two cores
 TWO_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # two ranks (two pipeline stages), a core each
+
+
+class Cores:
+    """A lock over the machine's cores, in ``folder``, that processes (xdist's workers) share: a test that takes
+    every core holds it alone, any other shares it. One waiting to hold it alone goes first: later sharers wait
+    behind it (``turn``), so that a stream of sharers never keeps it waiting."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.turn, self.lock = folder, folder / "turn", folder / "cores"
+
+    def hold(self, alone: bool) -> int:
+        """Block until held -> the descriptor to ``release``."""
+        turn = os.open(self.turn, os.O_RDWR | os.O_CREAT)
+        held = os.open(self.lock, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        os.close(turn)
+        return held
+
+    def release(self, held: int) -> None:
+        os.close(held)  # closing the descriptor releases its lock
 
 
 def _restkv_python() -> str:
@@ -126,19 +149,20 @@ def in_loop(spec: dict, env: dict | None) -> bool:
 
 
 class _Loop:
-    """``engine_loop.py``, started at the first engine and again after an engine fails."""
+    """A process answering one JSON line at a time with a ``RESULT`` line (``engine_loop.py``, ``reference.py
+    --loop``): started at the first run and again after a run fails."""
 
-    def __init__(self):
+    def __init__(self, command, env: dict):
+        self.command, self.env = command, env
         self.proc: subprocess.Popen | None = None
 
-    def run(self, spec: dict, knobs: dict | None) -> dict:
+    def run(self, *request) -> dict:
         if self.proc is None:
             self.proc = subprocess.Popen(
-                [sys.executable, str(HERE / "engine_loop.py")],
-                env={**os.environ, "PYTHONPATH": str(ROOT), "RESTKV_VLLM": ""},
+                self.command(), env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
             )  # fmt: skip
-        self.proc.stdin.write(json.dumps([spec, knobs]) + "\n")
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         watchdog = threading.Timer(1800, self.proc.kill)
         watchdog.start()
@@ -148,9 +172,9 @@ class _Loop:
                 if line.startswith("RESULT "):
                     return json.loads(line[7:])
                 if line.startswith("FAILED "):
-                    raise RuntimeError(f"the engine failed:\n{json.loads(line[7:])}")
+                    raise RuntimeError(f"{self.command()[1]} failed:\n{json.loads(line[7:])}")
                 tail.append(line)
-            raise RuntimeError("the engine process exited:\n" + "".join(tail))
+            raise RuntimeError(f"{self.command()[1]} exited:\n" + "".join(tail))
         except BaseException:
             self.close()
             raise
@@ -164,8 +188,10 @@ class _Loop:
             self.proc = None
 
 
-_LOOP = _Loop()
+_LOOP = _Loop(lambda: [sys.executable, str(HERE / "engine_loop.py")], {"RESTKV_VLLM": ""})
+_REFERENCE = _Loop(lambda: [_restkv_python(), str(HERE / "reference.py"), "--loop"], {})
 atexit.register(_LOOP.close)
+atexit.register(_REFERENCE.close)
 
 
 _REFS: dict = {}
@@ -176,18 +202,7 @@ def reference(prompt: list[int], knobs: dict, new_tokens=NEW_TOKENS, model: str 
     [Hkv][B] (None: a layer it does not evict)."""
     key = json.dumps([knobs, prompt, new_tokens, model], sort_keys=True)
     if key not in _REFS:
-        out = _run(
-            [
-                _restkv_python(),
-                str(HERE / "reference.py"),
-                json.dumps(knobs),
-                str(new_tokens),
-                json.dumps(prompt),
-                model,
-            ],
-            {},
-        )
-        _REFS[key] = json.loads(out.strip().splitlines()[-1])
+        _REFS[key] = _REFERENCE.run(knobs, new_tokens, prompt, model)
     return _REFS[key]
 
 

@@ -155,6 +155,7 @@ def test_a_threshold_selects_a_prompt_within_the_budget_as_restkv(model_dir, tex
     keeps_and_decodes_as_restkv(model_dir, text_ids[400:500], knobs)
 
 
+@pytest.mark.both_cores
 def test_per_layer_budgets_under_tensor_parallelism(model_dir, text_ids, lukv, headkv):
     """PyramidKV's layers keep their own counts; its heads do not share them, so three ranks of one
     KV head each keep the transformers path's positions and give its tokens, evicting again every 32
@@ -241,6 +242,7 @@ def test_tensor_parallelism_refused_where_a_heads_scores_read_the_others(model_d
         assert why in line and "--tensor-parallel-size" in line
 
 
+@pytest.mark.both_cores
 @pytest.mark.parametrize("name", ["adakv", "headkv", "lukv", "snapkv-global", "layer-defensivekv", "defensivekv"])
 def test_a_split_across_heads_under_tensor_parallelism(model_dir, text_ids, lukv, headkv, name):
     """AdaKV's, HeadKV's, LU-KV's and a cross-layer budget's counts depend on every head's (Layer-DefensiveKV's

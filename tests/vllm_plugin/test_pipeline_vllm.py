@@ -24,6 +24,7 @@ LACACHE = {"method": "lacache", "max_capacity_prompt": 128, "window_size": 32}  
 COMPILED = {"enforce_eager": False}
 
 
+@pytest.mark.both_cores
 def test_two_stages_evict_as_one_and_contain_a_failure(model_dir, text_ids, tmp_path):
     """LaCache (its ladder reads each layer's place in the model) on two prompts over the budget, chunked,
     with prefix caching, the second's eviction raising in layer 3 (the first stage's): the first's greedy

@@ -154,6 +154,7 @@ def test_serve_refuses_in_lines_before_starting(model_dir):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.both_cores
 def test_serve_with_data_parallelism(model_dir, text_ids):
     """``--data-parallel-size 2``: two engines behind one server, each with its own scheduler and worker (eager:
     ``test_serve_answers_over_http_with_eviction`` serves at vLLM's defaults, compiled).

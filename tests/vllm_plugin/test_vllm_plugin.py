@@ -122,6 +122,7 @@ def test_eviction_while_generating(generating, text_ids, case):
 TP_KNOBS = {"restkv": {**RESTKV, "decode_interval": 32}, "tova": {**SNAPKV, "method": "tova", "decode_interval": 32}}
 
 
+@pytest.mark.both_cores
 @pytest.mark.parametrize("method", list(TP_KNOBS))
 def test_tensor_parallel_ranks_evict_their_own_heads(model_dir, text_ids, method):
     """TP=3 (one of SmolLM2's 3 KV heads per rank): each rank keeps the transformers path's positions
