@@ -150,5 +150,5 @@ def test_the_docs_example_states_the_records_it_plans_and_a_small_sample_flag():
     flat = " ".join(text.split())
     tasks = len(SYNTHETIC)
     assert f"{tasks} tasks x {samples} samples x {configs} configs = {tasks * samples * configs:,} records" in flat
-    assert run_ruler.parse_args(run[2:] + ["--num_samples", "2"]).num_samples == 2
-    assert f"`--num_samples 2` on `run_ruler.py` runs the first 2 samples of each task: {tasks * 2 * configs} records" in flat
+    assert run_ruler.parse_args(run[2:] + ["--num_samples", "1"]).num_samples == 1
+    assert f"`--num_samples 1` on `run_ruler.py` runs the first sample of each task: {tasks * configs} records" in flat
