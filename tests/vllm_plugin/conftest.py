@@ -15,7 +15,8 @@ import pytest
 # ranks itself (``harness.TP3_ENV``, ``harness.TWO_ENV``). Such tests are marked ``both_cores`` and run
 # alone (``harness.Cores``).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
+XDIST = WORKER.startswith("gw")
+if XDIST and hasattr(os, "sched_setaffinity"):
     CORE = int(WORKER[2:]) % os.cpu_count()
     os.sched_setaffinity(0, {CORE})
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(CORE))
@@ -55,7 +56,7 @@ def pytest_collection_modifyitems(items):
 def _cores() -> harness.Cores | None:
     """The lock over the cores that xdist's workers share (None: not under xdist)."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not (WORKER.startswith("gw") and run):
+    if not (XDIST and run):
         return None
     return harness.Cores(Path(tempfile.gettempdir()) / f"restkv-vllm-test-{run}")
 

@@ -172,9 +172,9 @@ class _Loop:
                 if line.startswith("RESULT "):
                     return json.loads(line[7:])
                 if line.startswith("FAILED "):
-                    raise RuntimeError(f"{self.command()[1]} failed:\n{json.loads(line[7:])}")
+                    raise RuntimeError(f"{self.proc.args[1]} failed:\n{json.loads(line[7:])}")
                 tail.append(line)
-            raise RuntimeError(f"{self.command()[1]} exited:\n" + "".join(tail))
+            raise RuntimeError(f"{self.proc.args[1]} exited:\n" + "".join(tail))
         except BaseException:
             self.close()
             raise
